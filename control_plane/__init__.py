@@ -1,0 +1,1 @@
+"""Control plane: the only writer of what is loaded on which Triton server."""

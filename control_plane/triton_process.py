@@ -1,0 +1,240 @@
+"""Start, watch and stop a real ``tritonserver`` as a child process.
+
+The binary comes from the ``nvidia-pytriton`` wheel (the NGC container is the production
+runtime, see docker/).  The wheel's python-backend folder has no stub, so a backend
+directory is assembled outside site-packages with symlinks and the stub built for the
+running interpreter.
+
+The child gets PR_SET_PDEATHSIG=SIGTERM: if the control plane dies, even by SIGKILL, Triton
+goes with it and no orphan keeps GPU memory.  ``stop`` sends SIGTERM, then SIGKILL after a
+timeout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import site
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from .errors import InvalidInput, TritonUnavailable
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the kernel picks it); good enough for tests."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def pytriton_root() -> Path:
+    try:
+        import pytriton  # noqa: PLC0415  (optional until a local Triton is started)
+    except ImportError as exc:  # pragma: no cover - install hint
+        raise InvalidInput(
+            "the local Triton launcher needs the nvidia-pytriton wheel: run `make setup` "
+            "(or pip install nvidia-pytriton), or attach to a running Triton with --triton-url"
+        ) from exc
+    return Path(pytriton.__file__).parent / "tritonserver"
+
+
+def build_backend_dir(dest: Path) -> Path:
+    """Create ``dest/python`` = the wheel's python backend + the stub for this interpreter."""
+    root = pytriton_root()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise InvalidInput(
+            f"nvidia-pytriton has no python-backend stub for Python {version} (looked for {stub})"
+        )
+    python_dir = dest / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    for src in [*(root / "backends" / "python").glob("*.*"), stub]:
+        if src.name == "__pycache__":
+            continue
+        link = python_dir / src.name
+        if link.is_symlink() or link.exists():
+            if link.is_symlink() and os.readlink(link) == str(src):
+                continue
+            link.unlink()
+        link.symlink_to(src)
+    return dest
+
+
+def _python_path_for_stub() -> str:
+    """The stub embeds the system libpython; give it this environment's packages (torch...)."""
+    paths = [p for p in site.getsitepackages() if os.path.isdir(p)]
+    existing = os.environ.get("PYTHONPATH")
+    if existing:
+        paths.append(existing)
+    return os.pathsep.join(paths)
+
+
+def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class TritonLaunchConfig:
+    repository: Path
+    work_dir: Path
+    host: str = "127.0.0.1"
+    http_port: int = 0  # 0 = pick a free port
+    grpc_port: int = 0
+    metrics_port: int = 0
+    ready_timeout_s: float = 60.0
+    stop_timeout_s: float = 15.0
+    log_verbose: int = 0
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def triton_args(cfg: TritonLaunchConfig, backend_dir: Path, log_path: Path) -> list[str]:
+    """The flags every Triton of the product runs with (docker/ uses the same set)."""
+    return [
+        f"--model-repository={cfg.repository}",
+        "--model-control-mode=explicit",
+        "--disable-auto-complete-config",
+        "--strict-readiness=true",
+        "--exit-on-error=false",
+        f"--backend-directory={backend_dir}",
+        f"--http-address={cfg.host}",
+        f"--http-port={cfg.http_port}",
+        f"--grpc-address={cfg.host}",
+        f"--grpc-port={cfg.grpc_port}",
+        "--allow-metrics=true",
+        f"--metrics-address={cfg.host}",
+        f"--metrics-port={cfg.metrics_port}",
+        f"--log-file={log_path}",
+        f"--log-verbose={cfg.log_verbose}",
+        "--exit-timeout-secs=10",
+        *cfg.extra_args,
+    ]
+
+
+class TritonProcess:
+    """One locally launched tritonserver.  ``start`` returns once it is ready."""
+
+    def __init__(self, cfg: TritonLaunchConfig):
+        self.cfg = cfg
+        for attr in ("http_port", "grpc_port", "metrics_port"):
+            if getattr(cfg, attr) == 0:
+                setattr(cfg, attr, free_port(cfg.host))
+        self.log_path = cfg.work_dir / f"tritonserver-{cfg.grpc_port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.cfg.host}:{self.cfg.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.cfg.host}:{self.cfg.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.metrics_port}/metrics"
+
+    def start(self) -> None:
+        cfg = self.cfg
+        cfg.work_dir.mkdir(parents=True, exist_ok=True)
+        binary = pytriton_root() / "bin" / "tritonserver"
+        backend_dir = build_backend_dir(cfg.work_dir / "backends")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _python_path_for_stub()
+        env.update(cfg.env)
+        cmd = [str(binary), *triton_args(cfg, backend_dir, self.log_path)]
+        log.info("starting tritonserver: %s", " ".join(cmd))
+        stdout = open(cfg.work_dir / f"tritonserver-{cfg.grpc_port}.out", "ab")
+        try:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=stdout,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                preexec_fn=_set_parent_death_signal,
+            )
+        finally:
+            stdout.close()
+        try:
+            self.wait_ready(cfg.ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise TritonUnavailable(
+                    f"tritonserver exited with code {self.proc.returncode} while starting; "
+                    f"last log lines:\n{self.log_tail()}"
+                )
+            try:
+                if requests.get(url, timeout=1).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        raise TritonUnavailable(
+            f"tritonserver was not ready after {timeout_s:.0f}s; last log lines:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 20) -> str:
+        out = []
+        for path in (self.log_path, self.cfg.work_dir / f"tritonserver-{self.cfg.grpc_port}.out"):
+            try:
+                out.extend(path.read_text(errors="replace").splitlines()[-lines:])
+            except OSError:
+                continue
+        return "\n".join(out[-lines:])
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=self.cfg.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("tritonserver %s ignored SIGTERM for %ss; killing", proc.pid, self.cfg.stop_timeout_s)
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def kill(self) -> None:
+        """Simulate a crash (tests)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def which_tritonserver() -> str | None:
+    """A tritonserver binary on PATH (NGC container) or from the wheel, if any."""
+    found = shutil.which("tritonserver")
+    if found:
+        return found
+    try:
+        binary = pytriton_root() / "bin" / "tritonserver"
+    except InvalidInput:
+        return None
+    return str(binary) if binary.exists() else None

@@ -1,0 +1,94 @@
+"""Recommender: an MLP that scores a feature vector, served by Triton's python backend.
+
+Weights come from ``weights.safetensors`` next to this file, so every per-customer variant
+shares this code and differs only in its weights.  Errors for one request are returned in
+that request's response; the model never raises out of ``execute`` for bad input, so one
+bad request does not fail the rest of a dynamic batch.
+"""
+
+import json
+import os
+import sys
+
+# The python-backend stub embeds the system libpython and ignores PYTHONPATH, so the
+# launcher's environment (a virtualenv with torch) is added here.  A no-op in the NGC
+# container, where torch is installed system-wide.
+for _path in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    if _path and _path not in sys.path:
+        sys.path.append(_path)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+
+class RecommenderMLP(torch.nn.Module):
+    """features -> [Linear -> ReLU] * n -> Linear(1) -> sigmoid score."""
+
+    def __init__(self, weights):
+        super().__init__()
+        layer_count = len([k for k in weights if k.endswith(".weight")])
+        self.layers = torch.nn.ModuleList()
+        for i in range(layer_count):
+            w = weights[f"layers.{i}.weight"]
+            layer = torch.nn.Linear(w.shape[1], w.shape[0])
+            self.layers.append(layer)
+        self.load_state_dict(weights)
+
+    @property
+    def feature_dim(self):
+        return self.layers[0].in_features
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = torch.relu(layer(x))
+        return torch.sigmoid(self.layers[-1](x))
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = json.loads(args["model_config"])
+        if args.get("model_instance_kind") == "GPU" and torch.cuda.is_available():
+            self.device = torch.device("cuda", int(args.get("model_instance_device_id", 0)))
+        else:
+            self.device = torch.device("cpu")
+        version_dir = os.path.join(args["model_repository"], args["model_version"])
+        weights = load_file(os.path.join(version_dir, "weights.safetensors"))
+        self.model = RecommenderMLP(weights).to(self.device).eval()
+        params = self.model_config.get("parameters", {})
+        # Test hook: an artificial per-execute delay makes in-flight behaviour observable.
+        self.delay_s = float(params.get("execute_delay_s", {}).get("string_value", "0") or 0)
+
+    def execute(self, requests):
+        if self.delay_s:
+            import time
+
+            time.sleep(self.delay_s)
+        feature_dim = self.model.feature_dim
+        batches, sizes, responses = [], [], [None] * len(requests)
+        for i, request in enumerate(requests):
+            features = pb_utils.get_input_tensor_by_name(request, "FEATURES").as_numpy()
+            if features.ndim != 2 or features.shape[1] != feature_dim:
+                responses[i] = pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(
+                        f"FEATURES must have shape [batch, {feature_dim}], got {list(features.shape)}"
+                    )
+                )
+                continue
+            batches.append((i, features))
+        if batches:
+            # One forward pass for the whole dynamic batch, then split it back per request.
+            stacked = torch.from_numpy(np.concatenate([f for _, f in batches]).astype(np.float32))
+            with torch.inference_mode():
+                scores = self.model(stacked.to(self.device)).cpu().numpy()
+            offset = 0
+            for i, features in batches:
+                rows = features.shape[0]
+                out = pb_utils.Tensor("SCORES", scores[offset : offset + rows])
+                responses[i] = pb_utils.InferenceResponse(output_tensors=[out])
+                offset += rows
+        return responses
+
+    def finalize(self):
+        self.model = None
