@@ -6,7 +6,7 @@ import re
 from .errors import InvalidModelName
 
 MAX_NAME_LENGTH = 128
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
 
 def validate_model_name(name: object) -> str:
@@ -19,7 +19,7 @@ def validate_model_name(name: object) -> str:
         )
     if ".." in name:
         raise InvalidModelName(f"model name {name!r} contains '..'; use letters, digits, '_', '-', '.'")
-    if not _NAME_RE.match(name):
+    if not _NAME_RE.fullmatch(name):
         raise InvalidModelName(
             f"model name {name!r} is invalid: use letters, digits, '_', '-' and '.', "
             "starting with a letter or digit (no '/', whitespace or shell metacharacters)"

@@ -1,0 +1,305 @@
+"""``mmctl``: start the product and drive the control plane's admin API.
+
+Exit codes scripts can rely on:
+    0 ok                    4 unknown model              7 timeout
+    1 other error           5 no capacity (all pinned)   8 model not healthy
+    2 bad usage / input     6 load failed                3 control plane not reachable
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import click
+import requests
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_NOT_FOUND, EXIT_CAPACITY, EXIT_LOAD_FAILED, EXIT_TIMEOUT, EXIT_UNHEALTHY = 4, 5, 6, 7, 8
+EXIT_BY_ERROR = {
+    "invalid_input": EXIT_USAGE,
+    "invalid_model_name": EXIT_USAGE,
+    "model_not_found": EXIT_NOT_FOUND,
+    "capacity_exhausted": EXIT_CAPACITY,
+    "load_failed": EXIT_LOAD_FAILED,
+    "triton_unavailable": EXIT_UNREACHABLE,
+    "timeout": EXIT_TIMEOUT,
+}
+DEFAULT_URL = "http://127.0.0.1:8090"
+
+
+class Api:
+    def __init__(self, url: str, timeout_s: float):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def call(self, method: str, path: str, ok_statuses=(200,), **params):
+        try:
+            resp = requests.request(method, self.url + path, params=params or None,
+                                    timeout=self.timeout_s)
+        except requests.ConnectionError:
+            click.echo(f"error: the control plane is not running at {self.url}; start it with "
+                       "`make up` (or `mmctl up`), or point --url / MMCTL_URL at it", err=True)
+            sys.exit(EXIT_UNREACHABLE)
+        except requests.Timeout:
+            click.echo(f"error: no answer from {self.url} within {self.timeout_s:.0f}s "
+                       "(raise --timeout for big models)", err=True)
+            sys.exit(EXIT_TIMEOUT)
+        try:
+            body = resp.json()
+        except ValueError:
+            body = {"error": "internal", "message": resp.text[:500]}
+        if resp.status_code not in ok_statuses:
+            click.echo(f"error: {body.get('message', body)}", err=True)
+            sys.exit(EXIT_BY_ERROR.get(body.get("error"), EXIT_ERROR))
+        return resp.status_code, body
+
+
+pass_api = click.make_pass_decorator(Api)
+
+
+@click.group()
+@click.option("--url", envvar="MMCTL_URL", default=DEFAULT_URL, show_default=True,
+              help="Admin API of the control plane (env MMCTL_URL).")
+@click.option("--timeout", "timeout_s", default=600.0, show_default=True,
+              help="Seconds to wait for an answer (loads can take long).")
+@click.pass_context
+def cli(ctx: click.Context, url: str, timeout_s: float):
+    """Multi-model serving on Triton: load, pin and inspect models."""
+    ctx.obj = Api(url, timeout_s)
+
+
+def _ago(ts) -> str:
+    if not ts:
+        return "-"
+    secs = max(0, dt.datetime.now().timestamp() - ts)
+    if secs < 60:
+        return f"{secs:.0f}s ago"
+    if secs < 3600:
+        return f"{secs / 60:.0f}m ago"
+    return f"{secs / 3600:.1f}h ago"
+
+
+def _bytes(n) -> str:
+    if not n:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _table(rows: list[list[str]], headers: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _emit(body, as_json: bool, text: str) -> None:
+    click.echo(json.dumps(body, indent=2) if as_json else text)
+
+
+def _one_line(rec: dict) -> str:
+    extra = f" on {rec['server']}" if rec.get("server") else ""
+    pinned = ", pinned" if rec.get("pinned") else ""
+    return f"{rec['model']}: {rec['state']}{extra}{pinned}"
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--all", "show_all", is_flag=True, help="Include models that are only warm.")
+@pass_api
+def status(api: Api, as_json: bool, show_all: bool):
+    """Models: state, pinned, last used, load time, memory."""
+    _, models = api.call("GET", "/v1/status")
+    if as_json:
+        _emit(models, True, "")
+        return
+    shown = [m for m in models if show_all or m["state"] != "warm" or m["pinned"]]
+    rows = [[m["model"], m["state"], "yes" if m["pinned"] else "", m["server"] or "-",
+             _ago(m["last_used"]),
+             f"{m['load_time_s']:.2f}s" if m["load_time_s"] else "-", _bytes(m["memory_bytes"]),
+             (m["failure"] or "")[:60]] for m in shown]
+    click.echo(_table(rows, ["MODEL", "STATE", "PINNED", "SERVER", "LAST USED", "LOAD TIME",
+                             "MEMORY", "NOTE"]))
+    hidden = len(models) - len(shown)
+    if hidden:
+        click.echo(f"({hidden} more warm models; --all shows them)")
+
+
+def _model_command(name: str, help_text: str, method: str, path: str):
+    @cli.command(name=name, help=help_text)
+    @click.argument("model")
+    @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+    @pass_api
+    def command(api: Api, model: str, as_json: bool):
+        _, body = api.call(method, path.format(model=requests.utils.quote(model, safe="")))
+        _emit(body, as_json, _one_line(body))
+
+    return command
+
+
+_model_command("load", "Load MODEL (evicts the least recently used unpinned model if full).",
+               "POST", "/v1/models/{model}/load")
+_model_command("pin", "Pin MODEL: loaded and never evicted, across restarts.",
+               "POST", "/v1/models/{model}/pin")
+_model_command("unpin", "Unpin MODEL (it stays loaded until evicted).",
+               "POST", "/v1/models/{model}/unpin")
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--force", is_flag=True, help="Unload even if pinned (the pin stays).")
+@click.option("--json", "as_json", is_flag=True)
+@pass_api
+def unload(api: Api, model: str, force: bool, as_json: bool):
+    """Unload MODEL (waits for in-flight requests and for the memory to be freed)."""
+    params = {"force": "1"} if force else {}
+    _, body = api.call("POST", f"/v1/models/{requests.utils.quote(model, safe='')}/unload", **params)
+    _emit(body, as_json, _one_line(body))
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--probe", is_flag=True, help="Run a fresh warm-up inference now.")
+@click.option("--json", "as_json", is_flag=True)
+@pass_api
+def health(api: Api, model: str, probe: bool, as_json: bool):
+    """Per-model health: state and the result of the warm-up inference (exit 8 if unhealthy)."""
+    params = {"probe": "1"} if probe else {}
+    code, body = api.call("GET", f"/health/{requests.utils.quote(model, safe='')}",
+                          ok_statuses=(200, 503), **params)
+    warm = body.get("warmup") or {}
+    if warm.get("ok"):
+        detail = f"warm-up ok ({warm['latency_ms']:.1f} ms)" if warm.get("latency_ms") else "warm-up ok"
+    elif warm:
+        detail = f"warm-up failed: {warm.get('error')}"
+    else:
+        detail = "no warm-up yet" + (f" ({body['failure']})" if body.get("failure") else "")
+    verdict = "healthy" if body["healthy"] else "unhealthy"
+    _emit(body, as_json, f"{body['model']}: {verdict}, {body['state']}, {detail}")
+    if code != 200:
+        sys.exit(EXIT_UNHEALTHY)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+@pass_api
+def fleet(api: Api, as_json: bool):
+    """Triton servers: device, capacity, used, models."""
+    _, servers = api.call("GET", "/v1/fleet")
+    rows = [[s["server"], s["device"], s["grpc_url"], "up" if s["up"] else "DOWN",
+             str(s["max_loaded"] or "-"), _bytes(s["memory_budget_bytes"]), _bytes(s["used_bytes"]),
+             ",".join(s["loaded"]) or "-"] for s in servers]
+    _emit(servers, as_json, _table(rows, ["SERVER", "DEVICE", "GRPC", "STATUS", "MAX MODELS",
+                                          "BUDGET", "USED", "LOADED"]))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+@pass_api
+def endpoints(api: Api, as_json: bool):
+    """Where the admin API and each Triton's gRPC/HTTP endpoints listen."""
+    _, body = api.call("GET", "/v1/endpoints")
+    lines = [f"admin API   {body.get('admin')}"]
+    for key in ("router_grpc", "router_http"):
+        if body.get(key):
+            lines.append(f"{key.replace('_', ' '):<11} {body[key]}")
+    for t in body.get("triton", []):
+        lines.append(f"{t['server']:<11} grpc {t['grpc']}  http {t['http'] or '-'}  ({t['device']})")
+    _emit(body, as_json, "\n".join(lines))
+
+
+def _size(value: str | None) -> int | None:
+    """Parse 500000000, 500MB, 2GiB..."""
+    if value is None:
+        return None
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10,
+             "MIB": 2**20, "GIB": 2**30}
+    text = value.strip().upper().replace(" ", "")
+    number = text.rstrip("KMGIB")
+    unit = text[len(number):]
+    try:
+        return int(float(number) * units[unit])
+    except (ValueError, KeyError):
+        raise click.BadParameter(f"{value!r} is not a size (examples: 500000000, 500MB, 2GiB)")
+
+
+@cli.command()
+@click.option("--state-dir", type=click.Path(path_type=Path), default=Path(".state"), show_default=True)
+@click.option("--repository", type=click.Path(path_type=Path), default=None,
+              help="Triton model repository (default: <state-dir>/repository with the demo fleet).")
+@click.option("--max-loaded", type=int, default=None, help="Most models loaded per Triton server.")
+@click.option("--memory-budget", default=None, help="Bytes of model memory per server (e.g. 2GiB).")
+@click.option("--fleet-size", type=int, default=50, show_default=True,
+              help="Demo models cust001..custNNN to create if missing.")
+@click.option("--model-size-mb", type=float, default=None,
+              help="Weight size of each demo model (the seed scenario uses 850).")
+@click.option("--admin-host", default="127.0.0.1", show_default=True)
+@click.option("--admin-port", type=int, default=8090, show_default=True)
+@click.option("--triton-servers", type=int, default=1, show_default=True,
+              help="Local tritonserver processes to start (one per device).")
+@click.option("--triton-http-port", type=int, default=8100, show_default=True)
+@click.option("--triton-grpc-port", type=int, default=8101, show_default=True)
+@click.option("--triton-metrics-port", type=int, default=8102, show_default=True)
+@click.option("--attach", multiple=True, help="gRPC URL of an already running Triton (repeatable).")
+@click.option("--policy", default=None, help="Eviction policy (default: the built-in default).")
+@click.option("--reconcile-interval", type=float, default=2.0, show_default=True)
+@click.option("--log-level", default="INFO", show_default=True)
+def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_mb, admin_host,
+       admin_port, triton_servers, triton_http_port, triton_grpc_port, triton_metrics_port,
+       attach, policy, reconcile_interval, log_level):
+    """Start tritonserver(s) and the control plane in the foreground; Ctrl-C stops all."""
+    from .errors import ControlPlaneError
+    from .eviction import DEFAULT_POLICY
+    from .service import Service, ServiceConfig
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = ServiceConfig(
+        state_dir=state_dir, repository=repository, admin_host=admin_host, admin_port=admin_port,
+        triton_servers=0 if attach and triton_servers == 1 else triton_servers,
+        triton_http_port=triton_http_port, triton_grpc_port=triton_grpc_port,
+        triton_metrics_port=triton_metrics_port, attach=list(attach), max_loaded=max_loaded,
+        memory_budget_bytes=_size(memory_budget), fleet_size=fleet_size,
+        model_size_mb=model_size_mb, policy=policy or DEFAULT_POLICY,
+        reconcile_interval_s=reconcile_interval)
+    try:
+        service = Service(cfg)
+        asyncio.run(service.serve_forever())
+    except ControlPlaneError as exc:
+        click.echo(f"error: {exc.message}", err=True)
+        sys.exit(EXIT_BY_ERROR.get(exc.code, EXIT_ERROR))
+
+
+@cli.command("demo-fleet")
+@click.option("--out", type=click.Path(path_type=Path), required=True)
+@click.option("--count", type=int, default=50, show_default=True)
+@click.option("--size-mb", type=float, default=None, help="Weight size per model.")
+@click.option("--overwrite", is_flag=True)
+def demo_fleet(out: Path, count: int, size_mb: float | None, overwrite: bool):
+    """Write the demo fleet cust001..custNNN into a model repository."""
+    from .demo_fleet import FleetSpec, default_instance_kind, generate_fleet, hidden_dim_for_size
+
+    spec = FleetSpec(count=count, instance_kind=default_instance_kind())
+    if size_mb:
+        spec = FleetSpec(count=count, instance_kind=spec.instance_kind,
+                         hidden_dim=hidden_dim_for_size(size_mb))
+    written = generate_fleet(out, spec, overwrite=overwrite)
+    click.echo(f"wrote {len(written)} models into {out} ({count - len(written)} already there)")
+
+
+def main() -> None:
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    cli(prog_name="mmctl")
+
+
+if __name__ == "__main__":
+    main()

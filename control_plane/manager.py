@@ -1,0 +1,680 @@
+"""The model manager: the only writer of what is loaded on which Triton server.
+
+Concurrency model (plain asyncio, one event loop):
+
+* ``ensure(model)`` on a loaded model is a dictionary lookup plus a recency touch: no
+  remote call.  On a miss, one load task per model exists at a time; late callers await it
+  (``asyncio.shield`` so a cancelled caller does not cancel the load for the others).
+* Placement and reservation happen under ``_lock`` with no ``await`` in between, so two
+  loads can never both claim the same free bytes or the same victim.  The Triton calls
+  themselves (unload victims, load, warm-up) run outside the lock, so loads of different
+  models overlap.
+* Memory of an evicted model is counted as used until Triton's repository index shows it
+  UNAVAILABLE (unload returns before the stub exits and frees its memory).
+* Every failure undoes exactly what was reserved before it; a model whose load or warm-up
+  failed is unloaded again and left ``failed`` with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+from .errors import (
+    CapacityExhausted,
+    ControlPlaneError,
+    InvalidInput,
+    ModelLoadFailed,
+    ModelNotFound,
+    OperationTimeout,
+    TritonUnavailable,
+)
+from .eviction import DEFAULT_POLICY, Capacity, CachePlanner, Resident, make_policy
+from .metrics import ControlPlaneMetrics
+from .names import validate_model_name
+from .state_store import StateStore
+from .triton_admin import TritonAdmin, TritonModelState
+from .triton_process import TritonProcess
+
+log = logging.getLogger(__name__)
+
+
+class ModelState(str, enum.Enum):
+    COLD = "cold"  # known, artifacts only in the cold store
+    WARM = "warm"  # artifacts in Triton's repository, not loaded
+    LOADING = "loading"
+    READY = "ready"
+    UNLOADING = "unloading"
+    FAILED = "failed"
+
+
+@dataclass
+class ModelRecord:
+    name: str
+    state: ModelState = ModelState.WARM
+    server: str | None = None
+    pinned: bool = False
+    last_used: float | None = None  # wall-clock seconds since the epoch
+    load_time_s: float | None = None
+    memory_bytes: int = 0
+    failure: str | None = None
+    warmup: dict | None = None
+    loads: int = 0
+    inflight: int = 0
+    last_inference_ms: int = 0  # newest Triton-reported inference, to refresh recency
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.name,
+            "state": self.state.value,
+            "server": self.server,
+            "pinned": self.pinned,
+            "last_used": self.last_used,
+            "load_time_s": self.load_time_s,
+            "memory_bytes": self.memory_bytes,
+            "failure": self.failure,
+            "inflight": self.inflight,
+            "loads": self.loads,
+            "healthy": self.healthy,
+        }
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == ModelState.READY and bool(self.warmup and self.warmup.get("ok"))
+
+
+@dataclass
+class ServerSpec:
+    """One Triton server bound to one device (CPU, a GPU, or a MIG slice)."""
+
+    name: str
+    grpc_url: str
+    http_url: str
+    metrics_url: str | None = None
+    device: str = "cpu"
+    memory_budget_bytes: int | None = None
+    max_loaded: int | None = None
+
+    def __post_init__(self):
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise InvalidInput(f"memory budget ({self.memory_budget_bytes}) must be > 0 bytes")
+        if self.max_loaded is not None and self.max_loaded < 1:
+            raise InvalidInput(f"max_loaded ({self.max_loaded}) must be >= 1")
+
+
+@dataclass
+class TritonServer:
+    spec: ServerSpec
+    admin: TritonAdmin
+    planner: CachePlanner
+    process: TritonProcess | None = None
+    up: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def to_dict(self) -> dict:
+        return {
+            "server": self.name,
+            "device": self.spec.device,
+            "grpc_url": self.spec.grpc_url,
+            "http_url": self.spec.http_url,
+            "metrics_url": self.spec.metrics_url,
+            "up": self.up,
+            "managed": self.process is not None,
+            "memory_budget_bytes": self.spec.memory_budget_bytes,
+            "max_loaded": self.spec.max_loaded,
+            "used_bytes": self.planner.used_bytes,
+            "loaded": sorted(self.planner.residents),
+        }
+
+
+@dataclass
+class ManagerConfig:
+    drain_timeout_s: float = 30.0
+    unload_timeout_s: float = 60.0
+    policy: str = DEFAULT_POLICY
+    warmup: bool = True
+
+
+@dataclass
+class _Usage:
+    last_inference_ms: int = 0
+    names: list[str] = field(default_factory=list)
+
+
+class ModelManager:
+    def __init__(
+        self,
+        servers: list[TritonServer],
+        store: StateStore,
+        repository: Path | None = None,
+        config: ManagerConfig | None = None,
+        metrics: ControlPlaneMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        if not servers:
+            raise InvalidInput("the fleet needs at least one Triton server")
+        self.servers = {s.name: s for s in servers}
+        self.store = store
+        self.repository = repository
+        self.config = config or ManagerConfig()
+        self.metrics = metrics or ControlPlaneMetrics()
+        self.clock = clock
+        self.records: dict[str, ModelRecord] = {}
+        self.catalog: set[str] = set()
+        self._lock = asyncio.Lock()
+        self._loads: dict[str, asyncio.Task] = {}
+        self._unloads: dict[str, asyncio.Task] = {}
+        self._background: set[asyncio.Task] = set()
+        self._load_listeners: list[Callable[[str, ModelRecord], None]] = []
+        pins = store.pins()
+        for name, row in store.model_rows().items():
+            rec = self._record(name)
+            rec.last_used = row["last_used"]
+            rec.load_time_s = row["load_time_s"]
+            rec.memory_bytes = row["memory_bytes"] or 0
+        for name in pins:
+            self._record(name).pinned = True
+        for s in servers:
+            self.metrics.capacity_bytes.labels(s.name).set(s.spec.memory_budget_bytes or 0)
+
+    @staticmethod
+    def make_server(spec: ServerSpec, policy: str = DEFAULT_POLICY,
+                    process: TritonProcess | None = None, admin: TritonAdmin | None = None):
+        planner = CachePlanner(make_policy(policy), Capacity(spec.memory_budget_bytes, spec.max_loaded))
+        return TritonServer(spec, admin or TritonAdmin(spec.grpc_url), planner, process)
+
+    # ------------------------------------------------------------------ lookups
+    def _record(self, name: str) -> ModelRecord:
+        rec = self.records.get(name)
+        if rec is None:
+            rec = self.records[name] = ModelRecord(name)
+        return rec
+
+    def get(self, name: str) -> ModelRecord:
+        validate_model_name(name)
+        if name not in self.catalog and name not in self.records:
+            raise ModelNotFound(f"unknown model {name!r}; `mmctl status` lists the known models")
+        return self._record(name)
+
+    def status(self) -> list[dict]:
+        names = sorted(self.catalog | {n for n, r in self.records.items() if r.state != ModelState.WARM or r.pinned})
+        return [self._record(n).to_dict() for n in names]
+
+    def fleet(self) -> list[dict]:
+        return [s.to_dict() for s in self.servers.values()]
+
+    def ready_server_of(self, name: str) -> TritonServer | None:
+        """The server on which ``name`` is READY, or None.  No I/O: the router's hit path."""
+        rec = self.records.get(name)
+        if rec is None or rec.state != ModelState.READY or rec.server is None:
+            return None
+        return self.servers.get(rec.server)
+
+    def on_loaded(self, listener: Callable[[str, ModelRecord], None]) -> None:
+        self._load_listeners.append(listener)
+
+    async def _known(self, name: str) -> None:
+        """Raise ModelNotFound unless some server's repository has ``name``."""
+        if name in self.catalog:
+            return
+        await self.refresh_catalog()
+        if name not in self.catalog:
+            raise ModelNotFound(
+                f"unknown model {name!r}: it is not in the model repository; "
+                "`mmctl status` lists the known models"
+            )
+
+    async def refresh_catalog(self) -> None:
+        errors = []
+        for server in self.servers.values():
+            try:
+                self.catalog.update((await server.admin.index()).keys())
+                server.up = True
+            except TritonUnavailable as exc:
+                server.up = False
+                errors.append(exc)
+        if errors and len(errors) == len(self.servers):
+            raise errors[0]
+
+    def artifact_bytes(self, name: str) -> int:
+        """Bytes of the model's files in the repository (CPU memory estimate)."""
+        if self.repository is None:
+            return 0
+        root = self.repository / name
+        if not root.is_dir():
+            return 0
+        return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+    # ------------------------------------------------------------------ usage
+    def touch(self, name: str) -> None:
+        rec = self.records.get(name)
+        if rec is None:
+            return
+        rec.last_used = self.clock()
+        if rec.server is not None and rec.server in self.servers:
+            self.servers[rec.server].planner.touch(name, rec.last_used)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str) -> AsyncIterator[TritonServer]:
+        """Hold ``name`` loaded while a request runs; unload waits for leases to drain."""
+        server = self.ready_server_of(name)
+        if server is None:
+            await self.ensure(name)
+            server = self.ready_server_of(name)
+            if server is None:
+                raise ModelLoadFailed(f"{name} was unloaded before the request could start; retry")
+        rec = self.records[name]
+        rec.inflight += 1
+        self.touch(name)
+        try:
+            yield server
+        finally:
+            rec.inflight -= 1
+
+    async def refresh_usage(self, server: TritonServer) -> None:
+        """Refresh recency from Triton's statistics: inferences sent straight to Triton count."""
+        stats = await server.admin.statistics()
+        seen = []
+        for name, s in stats.items():
+            rec = self.records.get(name)
+            last_ms = int(s.get("last_inference", 0) or 0)
+            if rec is None or rec.server != server.name or last_ms <= rec.last_inference_ms:
+                continue
+            rec.last_inference_ms = last_ms
+            seen.append((last_ms, name))
+        for last_ms, name in sorted(seen):
+            rec = self.records[name]
+            when = last_ms / 1000.0
+            if rec.last_used is None or when > rec.last_used:
+                rec.last_used = when
+            server.planner.touch(name, when)
+
+    # ------------------------------------------------------------------ ensure / load
+    async def ensure(self, name: str) -> ModelRecord:
+        """Return once ``name`` is READY on some server, loading it if needed."""
+        validate_model_name(name)
+        rec = self.records.get(name)
+        if rec is not None and rec.state == ModelState.READY:
+            self.metrics.hits.labels(name).inc()
+            self.touch(name)
+            return rec
+        task = self._loads.get(name)
+        if task is None:
+            await self._known(name)
+            self.metrics.misses.labels(name).inc()
+            task = asyncio.get_running_loop().create_task(self._load(name))
+            self._loads[name] = task
+            task.add_done_callback(lambda _t, n=name: self._loads.pop(n, None))
+        return await asyncio.shield(task)
+
+    def _place(self, name: str, size_bytes: int) -> tuple[TritonServer, list[str]]:
+        """Pick a server and the victims to evict there.  Pure; raises if none fits."""
+        candidates, errors = [], []
+        for server in self.servers.values():
+            if not server.up:
+                errors.append(TritonUnavailable(f"server {server.name} ({server.spec.grpc_url}) is down"))
+                continue
+            try:
+                plan = server.planner.plan(name, size_bytes)
+            except CapacityExhausted as exc:
+                errors.append(exc)
+                continue
+            free = (server.spec.memory_budget_bytes or 0) - server.planner.used_bytes
+            candidates.append((len(plan.victims), -free, server.name, server, plan.victims))
+        if not candidates:
+            capacity = [e for e in errors if isinstance(e, CapacityExhausted)]
+            if capacity:
+                self.metrics.capacity_errors.inc()
+                raise capacity[0] if len(capacity) == 1 else CapacityExhausted(
+                    "; ".join(f"{e.message}" for e in capacity))
+            raise errors[0]
+        candidates.sort(key=lambda c: c[:3])
+        _, _, _, server, victims = candidates[0]
+        return server, victims
+
+    async def _load(self, name: str) -> ModelRecord:
+        pending_unload = self._unloads.get(name)
+        if pending_unload is not None:
+            with contextlib.suppress(ControlPlaneError):
+                await asyncio.shield(pending_unload)
+        rec = self._record(name)
+        if rec.state == ModelState.READY:
+            return rec
+        size_bytes = self.artifact_bytes(name)
+        for server in self.servers.values():
+            if server.up:
+                with contextlib.suppress(ControlPlaneError):
+                    await self.refresh_usage(server)
+        async with self._lock:
+            # Re-check after the lock: someone may have loaded it meanwhile.
+            if rec.state == ModelState.READY:
+                return rec
+            server, victims = self._place(name, size_bytes)
+            now = self.clock()
+            server.planner.touch(name, now)
+            for v in victims:
+                server.planner.residents[v].evictable = False
+                self.records[v].state = ModelState.UNLOADING
+            server.planner.admit(
+                Resident(name, size_bytes, pinned=rec.pinned, evictable=False), now,
+                load_cost_s=rec.load_time_s or 1.0,
+            )
+            previous_state = rec.state
+            rec.state, rec.server, rec.memory_bytes, rec.failure = (
+                ModelState.LOADING, server.name, size_bytes, None)
+        log.info("loading %s on %s (%d bytes), evicting %s", name, server.name, size_bytes, victims or "nothing")
+
+        # 1. Make room.  A victim that does not free in time keeps its memory counted.
+        results = await asyncio.gather(
+            *(self._unload_now(server, v, reason="evicted") for v in victims), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            server.planner.remove(name)
+            rec.state = previous_state if previous_state != ModelState.LOADING else ModelState.WARM
+            rec.server = None
+            self.metrics.loads.labels(server.name, "evict_failed").inc()
+            raise OperationTimeout(
+                f"could not free room for {name} on {server.name}: {errors[0]}") from errors[0]
+        for _ in victims:
+            self.metrics.evictions.labels(server.name).inc()
+
+        # 2. Load and warm up.
+        start = time.monotonic()
+        rec.loads += 1
+        try:
+            await server.admin.load(name)
+            warmup_ms = await server.admin.warmup(name) if self.config.warmup else None
+        except BaseException as exc:
+            await self._undo_failed_load(server, rec, exc)
+            raise
+        rec.load_time_s = time.monotonic() - start
+        rec.warmup = {"ok": True, "latency_ms": warmup_ms, "checked_at": self.clock(), "error": None}
+        rec.state = ModelState.READY
+        server.planner.residents[name].evictable = True
+        rec.last_used = self.clock()
+        self.metrics.loads.labels(server.name, "ok").inc()
+        self.metrics.load_seconds.labels(server.name).observe(rec.load_time_s)
+        self._update_gauges(server)
+        self.store.save_model(name, last_used=rec.last_used, load_time_s=rec.load_time_s,
+                              memory_bytes=rec.memory_bytes, server=server.name, failure=None)
+        log.info("loaded %s on %s in %.2fs", name, server.name, rec.load_time_s)
+        for listener in self._load_listeners:
+            listener(name, rec)
+        return rec
+
+    async def _undo_failed_load(self, server: TritonServer, rec: ModelRecord, exc: BaseException) -> None:
+        """Unload whatever Triton kept and mark the model failed; memory freed once confirmed."""
+        reason = exc.message if isinstance(exc, ControlPlaneError) else repr(exc)
+        rec.failure = reason
+        rec.warmup = {"ok": False, "latency_ms": None, "checked_at": self.clock(), "error": reason}
+        self.metrics.loads.labels(server.name, "failed").inc()
+        try:
+            await server.admin.unload(rec.name)
+            await server.admin.wait_unavailable(rec.name, self.config.unload_timeout_s)
+        except ControlPlaneError as cleanup_exc:
+            # Triton may still hold it: keep the bytes counted, the reconcile loop retries.
+            log.error("%s failed (%s) and could not be unloaded: %s", rec.name, reason, cleanup_exc)
+            rec.state = ModelState.FAILED
+            return
+        server.planner.remove(rec.name)
+        rec.state = ModelState.FAILED
+        rec.server = None
+        self._update_gauges(server)
+        self.store.save_model(rec.name, failure=reason)
+        log.warning("load of %s on %s failed: %s", rec.name, server.name, reason)
+
+    # ------------------------------------------------------------------ unload
+    async def unload(self, name: str, force: bool = False) -> ModelRecord:
+        """Unload ``name`` (explicit request).  Pinned models are refused unless forced."""
+        rec = self.get(name)
+        if rec.pinned and not force:
+            raise InvalidInput(f"{name} is pinned; unpin it first (mmctl unpin {name})")
+        load = self._loads.get(name)
+        if load is not None:
+            with contextlib.suppress(ControlPlaneError):
+                await asyncio.shield(load)
+        if rec.state not in (ModelState.READY, ModelState.FAILED, ModelState.UNLOADING) or rec.server is None:
+            return rec
+        server = self.servers[rec.server]
+        async with self._lock:
+            resident = server.planner.residents.get(name)
+            if resident is not None:
+                resident.evictable = False
+            if rec.state == ModelState.READY:
+                rec.state = ModelState.UNLOADING
+        await self._unload_now(server, name, reason="requested")
+        return rec
+
+    def _unload_now(self, server: TritonServer, name: str, reason: str) -> asyncio.Future:
+        task = self._unloads.get(name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._do_unload(server, name, reason))
+            self._unloads[name] = task
+            task.add_done_callback(lambda _t, n=name: self._unloads.pop(n, None))
+        return asyncio.shield(task)
+
+    async def _do_unload(self, server: TritonServer, name: str, reason: str) -> None:
+        rec = self.records[name]
+        rec.state = ModelState.UNLOADING
+        # Drain: requests holding a lease finish first (bounded by drain_timeout_s).
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while rec.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if rec.inflight > 0:
+            log.warning("%s still has %d requests in flight after %.0fs; unloading anyway "
+                        "(Triton lets running requests finish)", name, rec.inflight,
+                        self.config.drain_timeout_s)
+        start = time.monotonic()
+        try:
+            await server.admin.unload(name)
+            await server.admin.wait_unavailable(name, self.config.unload_timeout_s)
+        except ControlPlaneError as exc:
+            rec.state = ModelState.FAILED
+            rec.failure = f"unload did not complete: {exc.message}"
+            log.error("unload of %s on %s failed: %s", name, server.name, exc.message)
+            raise
+        freed_s = time.monotonic() - start
+        self.metrics.unload_free_seconds.labels(server.name).observe(freed_s)
+        self.metrics.unloads.labels(server.name, reason).inc()
+        server.planner.remove(name)
+        rec.state, rec.server, rec.warmup = ModelState.WARM, None, None
+        self._update_gauges(server)
+        self.store.save_model(name, server=None)
+        log.info("unloaded %s from %s (%s); memory free after %.2fs", name, server.name, reason, freed_s)
+
+    # ------------------------------------------------------------------ pins
+    async def pin(self, name: str) -> ModelRecord:
+        """Pin and make resident.  If it cannot be loaded, the pin is not kept."""
+        rec = self.get(name)
+        await self._known(name)
+        was_pinned = rec.pinned
+        rec.pinned = True
+        if rec.server and rec.name in self.servers[rec.server].planner.residents:
+            self.servers[rec.server].planner.residents[name].pinned = True
+        try:
+            await self.ensure(name)
+        except BaseException:
+            rec.pinned = was_pinned
+            if rec.server and name in self.servers[rec.server].planner.residents:
+                self.servers[rec.server].planner.residents[name].pinned = was_pinned
+            raise
+        self.servers[rec.server].planner.residents[name].pinned = True
+        self.store.set_pin(name, True)
+        return rec
+
+    async def unpin(self, name: str) -> ModelRecord:
+        rec = self.get(name)
+        rec.pinned = False
+        if rec.server and name in self.servers[rec.server].planner.residents:
+            self.servers[rec.server].planner.residents[name].pinned = False
+        self.store.set_pin(name, False)
+        return rec
+
+    # ------------------------------------------------------------------ health
+    async def health(self, name: str, probe: bool = False) -> dict:
+        rec = self.get(name)
+        if probe and rec.state == ModelState.READY and rec.server:
+            server = self.servers[rec.server]
+            try:
+                ms = await server.admin.warmup(name)
+                rec.warmup = {"ok": True, "latency_ms": ms, "checked_at": self.clock(), "error": None}
+            except ControlPlaneError as exc:
+                rec.warmup = {"ok": False, "latency_ms": None, "checked_at": self.clock(),
+                              "error": exc.message}
+        return {
+            "model": name,
+            "state": rec.state.value,
+            "server": rec.server,
+            "healthy": rec.healthy,
+            "warmup": rec.warmup,
+            "failure": rec.failure,
+        }
+
+    # ------------------------------------------------------------------ reconcile
+    async def start(self) -> None:
+        """Reconcile with every Triton, then load the pinned models."""
+        await self.step()
+        await self.load_pinned()
+
+    async def load_pinned(self) -> None:
+        for name in sorted(n for n, r in self.records.items() if r.pinned):
+            rec = self.records[name]
+            if rec.state == ModelState.READY:
+                continue
+            try:
+                await self.ensure(name)
+            except ControlPlaneError as exc:
+                rec.failure = f"pinned but not loaded: {exc.message}"
+                log.error("pinned model %s could not be loaded: %s", name, exc.message)
+
+    async def step(self) -> None:
+        """One reconcile pass: re-read each Triton's index and correct what drifted."""
+        for server in list(self.servers.values()):
+            try:
+                await self._reconcile_server(server)
+            except Exception:  # one failing server never stops the loop
+                log.exception("reconcile of %s failed", server.name)
+
+    async def _reconcile_server(self, server: TritonServer) -> None:
+        if server.process is not None and not server.process.alive():
+            log.error("tritonserver %s exited (code %s); restarting it", server.name,
+                      server.process.proc.returncode if server.process.proc else None)
+            self._forget_server_models(server, "tritonserver exited")
+            # Started on the loop thread on purpose (PR_SET_PDEATHSIG follows the forking
+            # thread); blocks the loop for Triton's start-up, acceptable in crash recovery.
+            server.process.start()
+            server.up = True
+            self._spawn(self.load_pinned())
+            return
+        try:
+            index = await server.admin.index()
+        except TritonUnavailable:
+            if server.up:
+                log.error("Triton %s at %s is not answering", server.name, server.spec.grpc_url)
+            server.up = False
+            self.metrics.server_up.labels(server.name).set(0)
+            return
+        was_down = not server.up
+        server.up = True
+        self.metrics.server_up.labels(server.name).set(1)
+        self.catalog.update(index)
+        busy = set(self._loads) | set(self._unloads)
+        async with self._lock:
+            for name, entry in index.items():
+                if name in busy:
+                    continue
+                rec = self._record(name)
+                ours = rec.server == server.name and rec.state in (ModelState.READY, ModelState.FAILED)
+                if entry.state == TritonModelState.READY and not ours:
+                    if rec.state == ModelState.READY and rec.server != server.name:
+                        continue  # loaded on another server too; keep our placement
+                    size = self.artifact_bytes(name)
+                    server.planner.admit(Resident(name, size, pinned=rec.pinned), self.clock())
+                    rec.state, rec.server, rec.memory_bytes = ModelState.READY, server.name, size
+                    rec.warmup = rec.warmup or {"ok": True, "latency_ms": None,
+                                                "checked_at": self.clock(), "error": None,
+                                                "note": "adopted from Triton's index"}
+                    log.warning("adopted %s: Triton %s has it loaded", name, server.name)
+                elif entry.state != TritonModelState.READY and ours:
+                    if entry.state in (TritonModelState.LOADING, TritonModelState.UNLOADING):
+                        continue
+                    server.planner.remove(name)
+                    if rec.state == ModelState.READY:
+                        log.warning("%s is no longer loaded on %s (%s)", name, server.name,
+                                    entry.reason or entry.state.value)
+                        rec.state = ModelState.WARM
+                    else:
+                        rec.state = ModelState.FAILED  # keep the failure reason visible
+                    rec.server = None
+            for name, rec in self.records.items():
+                if rec.server == server.name and name not in index and name not in busy:
+                    server.planner.remove(name)
+                    rec.state, rec.server = ModelState.WARM, None
+        self._update_gauges(server)
+        with contextlib.suppress(ControlPlaneError):
+            await self.refresh_usage(server)
+        await self._enforce_capacity(server)
+        if was_down:
+            self._spawn(self.load_pinned())
+
+    def _forget_server_models(self, server: TritonServer, reason: str) -> None:
+        for name, rec in self.records.items():
+            if rec.server == server.name:
+                server.planner.remove(name)
+                rec.state, rec.server = ModelState.WARM, None
+                rec.failure = reason
+        self._update_gauges(server)
+
+    async def _enforce_capacity(self, server: TritonServer) -> None:
+        """After adopting what Triton had loaded, evict down to the budget (unpinned, LRU)."""
+        cap = server.planner.capacity
+        while True:
+            # A load in progress is reserved while its victims still count until Triton frees
+            # them: that transient overshoot is by design, not drift.
+            if self._loads or self._unloads:
+                return
+            over_slots = cap.max_slots is not None and server.planner.used_slots > cap.max_slots
+            over_bytes = cap.max_bytes is not None and server.planner.used_bytes > cap.max_bytes
+            if not (over_slots or over_bytes):
+                return
+            victim = next((k for k in server.planner.policy.victim_order()
+                           if not server.planner.residents[k].pinned
+                           and server.planner.residents[k].evictable), None)
+            if victim is None:
+                log.error("%s is over its budget (%s) with only pinned models", server.name,
+                          cap.describe())
+                return
+            server.planner.residents[victim].evictable = False
+            try:
+                await self._unload_now(server, victim, reason="over_budget")
+            except ControlPlaneError:
+                return
+
+    def _update_gauges(self, server: TritonServer) -> None:
+        self.metrics.loaded_bytes.labels(server.name).set(server.planner.used_bytes)
+        self.metrics.loaded_models.labels(server.name).set(server.planner.used_slots)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def run_forever(self, interval_s: float = 2.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.step()
+
+    async def close(self) -> None:
+        for task in list(self._background) + list(self._loads.values()) + list(self._unloads.values()):
+            task.cancel()
+        for server in self.servers.values():
+            await server.admin.close()

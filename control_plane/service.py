@@ -1,0 +1,178 @@
+"""Wire the product together: Triton servers + model manager + admin API (+ router).
+
+``ServiceConfig`` is parsed once by ``mmctl up`` and validated here; nothing reads argv or
+the environment at import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from .admin_api import make_app
+from .demo_fleet import FleetSpec, default_instance_kind, generate_fleet, hidden_dim_for_size
+from .errors import InvalidInput
+from .eviction import DEFAULT_POLICY, POLICIES
+from .manager import ManagerConfig, ModelManager, ServerSpec, TritonServer
+from .state_store import StateStore
+from .triton_process import TritonLaunchConfig, TritonProcess
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServiceConfig:
+    state_dir: Path = Path(".state")
+    repository: Path | None = None  # default: <state_dir>/repository
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 8090
+    triton_host: str = "127.0.0.1"
+    triton_servers: int = 1
+    triton_http_port: int = 8100  # server i uses port + 10 * i; 0 = any free port
+    triton_grpc_port: int = 8101
+    triton_metrics_port: int = 8102
+    attach: list[str] = field(default_factory=list)  # gRPC URLs of running Tritons
+    max_loaded: int | None = None
+    memory_budget_bytes: int | None = None
+    fleet_size: int = 50
+    model_size_mb: float | None = None
+    policy: str = DEFAULT_POLICY
+    reconcile_interval_s: float = 2.0
+    drain_timeout_s: float = 30.0
+    unload_timeout_s: float = 60.0
+    triton_ready_timeout_s: float = 120.0
+
+    def validate(self) -> None:
+        if self.max_loaded is not None and self.max_loaded < 1:
+            raise InvalidInput(f"max_loaded ({self.max_loaded}) must be >= 1")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
+            raise InvalidInput(f"memory budget ({self.memory_budget_bytes}) must be > 0 bytes")
+        if self.triton_servers < 0 or (self.triton_servers == 0 and not self.attach):
+            raise InvalidInput(
+                f"triton_servers ({self.triton_servers}) must be >= 1 unless --attach is given")
+        if self.fleet_size < 0:
+            raise InvalidInput(f"fleet_size ({self.fleet_size}) must be >= 0")
+        if self.policy not in POLICIES:
+            raise InvalidInput(
+                f"unknown eviction policy {self.policy!r}; choose one of {', '.join(sorted(POLICIES))}")
+        if self.admin_host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("admin API binds %s: it can load and unload models; keep it off public "
+                        "networks", self.admin_host)
+
+    @property
+    def repository_dir(self) -> Path:
+        return (self.repository or self.state_dir / "repository").resolve()
+
+
+def _port(base: int, i: int) -> int:
+    return 0 if base == 0 else base + 10 * i
+
+
+class Service:
+    def __init__(self, cfg: ServiceConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.processes: list[TritonProcess] = []
+        self.manager: ModelManager | None = None
+        self.runner: web.AppRunner | None = None
+        self._loop_task: asyncio.Task | None = None
+        self.admin_url = ""
+
+    def prepare_repository(self) -> None:
+        repo = self.cfg.repository_dir
+        repo.mkdir(parents=True, exist_ok=True)
+        if self.cfg.fleet_size and self.cfg.repository is None:
+            spec = FleetSpec(count=self.cfg.fleet_size, instance_kind=default_instance_kind())
+            if self.cfg.model_size_mb:
+                spec = FleetSpec(count=self.cfg.fleet_size, instance_kind=spec.instance_kind,
+                                 hidden_dim=hidden_dim_for_size(self.cfg.model_size_mb))
+            written = generate_fleet(repo, spec)
+            if written:
+                log.info("wrote %d demo models into %s", len(written), repo)
+
+    def _start_tritons(self) -> list[TritonServer]:
+        cfg = self.cfg
+        servers = []
+        for i in range(cfg.triton_servers):
+            proc = TritonProcess(TritonLaunchConfig(
+                repository=cfg.repository_dir,
+                work_dir=(cfg.state_dir / "triton").resolve(),
+                host=cfg.triton_host,
+                http_port=_port(cfg.triton_http_port, i),
+                grpc_port=_port(cfg.triton_grpc_port, i),
+                metrics_port=_port(cfg.triton_metrics_port, i),
+                ready_timeout_s=cfg.triton_ready_timeout_s,
+            ))
+            proc.start()
+            self.processes.append(proc)
+            spec = ServerSpec(f"triton{i}", proc.grpc_url, proc.http_url, proc.metrics_url,
+                              device="cpu", memory_budget_bytes=cfg.memory_budget_bytes,
+                              max_loaded=cfg.max_loaded)
+            servers.append(ModelManager.make_server(spec, cfg.policy, process=proc))
+        for j, url in enumerate(cfg.attach):
+            spec = ServerSpec(f"attached{j}", url, "", None, device="external",
+                              memory_budget_bytes=cfg.memory_budget_bytes, max_loaded=cfg.max_loaded)
+            servers.append(ModelManager.make_server(spec, cfg.policy))
+        return servers
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.prepare_repository)
+        # Popen runs on the loop thread: PR_SET_PDEATHSIG fires when the *thread* that
+        # forked exits, and executor threads can exit while Triton should live on.
+        servers = self._start_tritons()
+        store = StateStore(cfg.state_dir / "state.db")
+        self.manager = ModelManager(
+            servers, store, repository=cfg.repository_dir,
+            config=ManagerConfig(drain_timeout_s=cfg.drain_timeout_s,
+                                 unload_timeout_s=cfg.unload_timeout_s, policy=cfg.policy))
+        await self.manager.start()
+        self._loop_task = loop.create_task(self.manager.run_forever(cfg.reconcile_interval_s))
+        self.admin_url = f"http://{cfg.admin_host}:{cfg.admin_port}"
+        endpoints = {"admin": self.admin_url, "state_dir": str(cfg.state_dir.resolve()),
+                     "repository": str(cfg.repository_dir)}
+        self.runner = web.AppRunner(make_app(self.manager, {"endpoints": endpoints}),
+                                    access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, cfg.admin_host, cfg.admin_port)
+        await site.start()
+        if cfg.admin_port == 0:
+            port = self.runner.addresses[0][1]
+            self.admin_url = endpoints["admin"] = f"http://{cfg.admin_host}:{port}"
+        endpoints["pid"] = os.getpid()
+        (cfg.state_dir / "endpoints.json").write_text(json.dumps(endpoints, indent=2))
+        log.info("control plane ready: admin API %s", self.admin_url)
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.manager is not None:
+            await self.manager.close()
+            self.manager.store.close()
+        loop = asyncio.get_running_loop()
+        for proc in self.processes:
+            await loop.run_in_executor(None, proc.stop)
+
+    async def serve_forever(self) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await self.start()
+            print(f"control plane ready: admin API {self.admin_url} (Ctrl-C stops)", flush=True)
+            await stop.wait()
+        finally:
+            print("stopping...", flush=True)
+            await self.stop()

@@ -1,0 +1,186 @@
+"""The control plane's one interface to a Triton server's model-control API.
+
+Wraps ``tritonclient.grpc.aio`` with separate timeouts for load, unload and health,
+translates ``InferenceServerException`` once, and treats unloading a model that is not
+loaded as success.  Nothing else in the control plane imports tritonclient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.grpc import InferInput
+from tritonclient.utils import InferenceServerException, triton_to_np_dtype
+
+from .errors import ModelLoadFailed, ModelNotFound, OperationTimeout, TritonUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class TritonModelState(str, enum.Enum):
+    READY = "READY"
+    LOADING = "LOADING"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+    ABSENT = ""  # in the repository, never loaded
+
+    @classmethod
+    def parse(cls, value: str | None) -> "TritonModelState":
+        try:
+            return cls(value or "")
+        except ValueError:
+            return cls.UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    name: str
+    state: TritonModelState
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    load_s: float = 120.0
+    unload_s: float = 60.0
+    health_s: float = 5.0
+    infer_s: float = 30.0
+
+
+def _is_unavailable(exc: InferenceServerException) -> bool:
+    status = str(exc.status() or "")
+    return "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status
+
+
+class TritonAdmin:
+    """Model control for one Triton server, addressed by its gRPC URL."""
+
+    def __init__(self, grpc_url: str, timeouts: Timeouts = Timeouts()):
+        self.grpc_url = grpc_url
+        self.timeouts = timeouts
+        self._client: grpcclient.InferenceServerClient | None = None
+
+    @property
+    def client(self) -> grpcclient.InferenceServerClient:
+        if self._client is None:
+            self._client = grpcclient.InferenceServerClient(self.grpc_url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    def _unavailable(self, exc: Exception) -> TritonUnavailable:
+        return TritonUnavailable(
+            f"Triton at {self.grpc_url} is not reachable ({exc}); check that tritonserver is "
+            "running (mmctl endpoints) and restart it with mmctl up"
+        )
+
+    async def is_live(self) -> bool:
+        try:
+            return await self.client.is_server_live(client_timeout=self.timeouts.health_s)
+        except InferenceServerException:
+            return False
+
+    async def index(self) -> dict[str, IndexEntry]:
+        try:
+            resp = await self.client.get_model_repository_index(
+                as_json=True, client_timeout=self.timeouts.health_s
+            )
+        except InferenceServerException as exc:
+            raise self._unavailable(exc) from exc
+        out = {}
+        for m in resp.get("models", []):
+            out[m["name"]] = IndexEntry(
+                m["name"], TritonModelState.parse(m.get("state")), m.get("reason", "")
+            )
+        return out
+
+    async def load(self, model: str) -> None:
+        try:
+            await self.client.load_model(model, client_timeout=self.timeouts.load_s)
+        except InferenceServerException as exc:
+            if _is_unavailable(exc) and "DEADLINE" not in str(exc.status()):
+                raise self._unavailable(exc) from exc
+            if "DEADLINE" in str(exc.status()):
+                raise OperationTimeout(
+                    f"Triton did not finish loading {model} within {self.timeouts.load_s:.0f}s"
+                ) from exc
+            msg = exc.message() or str(exc)
+            if "failed to poll from model repository" in msg or "no version is available" in msg:
+                raise ModelNotFound(f"{model} is not in Triton's model repository: {msg}") from exc
+            raise ModelLoadFailed(f"Triton failed to load {model}: {msg.strip()}") from exc
+
+    async def unload(self, model: str) -> None:
+        """Ask Triton to unload; returns before memory is freed (see wait_unavailable)."""
+        try:
+            await self.client.unload_model(model, client_timeout=self.timeouts.unload_s)
+        except InferenceServerException as exc:
+            if _is_unavailable(exc):
+                raise self._unavailable(exc) from exc
+            msg = (exc.message() or str(exc)).lower()
+            if "not loaded" in msg or "unknown model" in msg or "no model" in msg:
+                return  # already gone: the goal state holds
+            raise
+
+    async def wait_unavailable(self, model: str, timeout_s: float | None = None) -> float:
+        """Poll the index until ``model`` is UNAVAILABLE/absent; return seconds waited."""
+        timeout_s = self.timeouts.unload_s if timeout_s is None else timeout_s
+        start = time.monotonic()
+        delay = 0.01
+        while True:
+            entry = (await self.index()).get(model)
+            if entry is None or entry.state in (TritonModelState.UNAVAILABLE, TritonModelState.ABSENT):
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout_s:
+                raise OperationTimeout(
+                    f"{model} still {entry.state.value} on {self.grpc_url} after {timeout_s:.0f}s; "
+                    "its memory is still counted as used"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    async def statistics(self) -> dict[str, dict]:
+        """Per-model inference statistics (``last_inference`` in ms since the epoch)."""
+        try:
+            resp = await self.client.get_inference_statistics(
+                as_json=True, client_timeout=self.timeouts.health_s
+            )
+        except InferenceServerException as exc:
+            raise self._unavailable(exc) from exc
+        return {s["name"]: s for s in resp.get("model_stats", [])}
+
+    async def warmup(self, model: str) -> float:
+        """Run one inference with zero inputs shaped from the model's config; return ms."""
+        try:
+            cfg = (await self.client.get_model_config(model, as_json=True))["config"]
+            inputs = []
+            batched = int(cfg.get("max_batch_size", 0)) > 0
+            for spec in cfg.get("input", []):
+                dims = [1 if int(d) < 0 else int(d) for d in spec.get("dims", [])]
+                shape = ([1] if batched else []) + dims
+                triton_dtype = spec["data_type"].removeprefix("TYPE_")
+                if triton_dtype == "STRING":
+                    triton_dtype = "BYTES"
+                np_dtype = triton_to_np_dtype(triton_dtype)
+                if triton_dtype == "BYTES":
+                    data = np.full(shape, b"warmup", dtype=np.object_)
+                else:
+                    data = np.zeros(shape, dtype=np_dtype)
+                inp = InferInput(spec["name"], shape, triton_dtype)
+                inp.set_data_from_numpy(data)
+                inputs.append(inp)
+            start = time.perf_counter()
+            await self.client.infer(model, inputs, client_timeout=self.timeouts.infer_s)
+            return (time.perf_counter() - start) * 1000
+        except InferenceServerException as exc:
+            if _is_unavailable(exc):
+                raise self._unavailable(exc) from exc
+            raise ModelLoadFailed(f"warm-up inference of {model} failed: {exc.message() or exc}") from exc

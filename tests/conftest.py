@@ -1,0 +1,63 @@
+"""Shared fixtures.  Integration tests run the real tritonserver on free loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from control_plane.demo_fleet import FleetSpec, generate_fleet, write_model, base_weights, customer_weights
+from control_plane.triton_process import TritonLaunchConfig, TritonProcess
+
+SMALL = FleetSpec(count=8, hidden_dim=32, hidden_layers=1)
+
+
+def run(coro):
+    """Run a coroutine to completion in a fresh loop (tests stay synchronous)."""
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="session")
+def fleet_template(tmp_path_factory) -> Path:
+    """cust001..cust008 plus fixtures: slow (3 s per execute) and broken (fails to load)."""
+    repo = tmp_path_factory.mktemp("fleet")
+    generate_fleet(repo, SMALL)
+    slow = FleetSpec(count=1, hidden_dim=32, hidden_layers=1, extra_parameters=(("execute_delay_s", "3"),))
+    write_model(repo, "slow", slow, customer_weights(slow, "slow", base_weights(slow)))
+    write_model(repo, "broken", SMALL, customer_weights(SMALL, "broken", base_weights(SMALL)))
+    (repo / "broken" / "1" / "model.py").write_text("raise RuntimeError('this model is broken on purpose')\n")
+    return repo
+
+
+@pytest.fixture
+def repository(fleet_template, tmp_path) -> Path:
+    repo = tmp_path / "repository"
+    shutil.copytree(fleet_template, repo)
+    return repo
+
+
+@pytest.fixture
+def triton(repository, tmp_path):
+    proc = TritonProcess(TritonLaunchConfig(repository=repository, work_dir=tmp_path / "triton"))
+    proc.start()
+    yield proc
+    proc.stop()
+    assert not proc.alive(), "tritonserver was left running"
+
+
+def triton_log_count(proc: TritonProcess, needle: str) -> int:
+    return proc.log_path.read_text(errors="replace").count(needle)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
