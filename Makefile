@@ -1,0 +1,42 @@
+# Two commands on a fresh machine: `make up` and `make test`.  Both install what they need.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch is installed first and pinned: an unpinned torch pulls several GB
+# of CUDA wheels.  On a GPU machine pip takes the CUDA build of the same version.
+TORCH  ?= torch==2.13.0
+UP_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup up test test-unit bench check up-docker clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	touch $@
+
+up: setup
+	$(BIN)/mmctl up $(UP_ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-unit: setup
+	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python -m bench.run_all
+
+check: setup
+	$(BIN)/python -m pip install -q ruff
+	$(BIN)/ruff check control_plane router bench tests
+
+up-docker:
+	docker compose -f docker/compose.yaml up --build
+
+clean:
+	rm -rf .state bench/results

@@ -1,0 +1,1 @@
+"""Router: the public, Triton-compatible endpoint in front of the fleet."""

@@ -1,0 +1,205 @@
+"""Manager logic with a fake Triton (unit tier: no sockets, no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from control_plane.errors import CapacityExhausted, ModelLoadFailed, OperationTimeout
+from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
+from control_plane.state_store import StateStore
+from control_plane.triton_admin import IndexEntry, TritonModelState
+from tests.conftest import run
+
+
+class FakeAdmin:
+    """Triton's model-control surface in memory; unloads free after ``free_delay_s``."""
+
+    def __init__(self, models, load_delay_s=0.05, free_delay_s=0.02):
+        self.states = {m: TritonModelState.ABSENT for m in models}
+        self.load_calls: list[str] = []
+        self.load_delay_s = load_delay_s
+        self.free_delay_s = free_delay_s
+        self.fail_load: set[str] = set()
+        self.fail_warmup: set[str] = set()
+        self.stuck_unloading: set[str] = set()
+
+    async def index(self):
+        return {m: IndexEntry(m, s) for m, s in self.states.items()}
+
+    async def load(self, model):
+        self.load_calls.append(model)
+        self.states[model] = TritonModelState.LOADING
+        await asyncio.sleep(self.load_delay_s)
+        if model in self.fail_load:
+            self.states[model] = TritonModelState.UNAVAILABLE
+            raise ModelLoadFailed(f"Triton failed to load {model}: boom")
+        self.states[model] = TritonModelState.READY
+
+    async def warmup(self, model):
+        if model in self.fail_warmup:
+            raise ModelLoadFailed(f"warm-up inference of {model} failed: bad output")
+        return 1.0
+
+    async def unload(self, model):
+        if self.states.get(model) != TritonModelState.READY:
+            return
+        self.states[model] = TritonModelState.UNLOADING
+        if model in self.stuck_unloading:
+            return
+
+        async def free():
+            await asyncio.sleep(self.free_delay_s)
+            self.states[model] = TritonModelState.UNAVAILABLE
+
+        asyncio.get_running_loop().create_task(free())
+
+    async def wait_unavailable(self, model, timeout_s=None):
+        deadline = asyncio.get_running_loop().time() + (timeout_s or 1)
+        while self.states.get(model) == TritonModelState.UNLOADING:
+            if asyncio.get_running_loop().time() > deadline:
+                raise OperationTimeout(f"{model} still UNLOADING")
+            await asyncio.sleep(0.005)
+        return 0.0
+
+    async def statistics(self):
+        return {}
+
+    async def close(self):
+        pass
+
+
+MODELS = [f"m{i}" for i in range(1, 7)]
+
+
+def make(tmp_path, max_loaded=2, **cfg):
+    admin = FakeAdmin(MODELS)
+    spec = ServerSpec("s0", "fake:1", "fake:2", max_loaded=max_loaded)
+    server = ModelManager.make_server(spec, "lru", admin=admin)
+    mgr = ModelManager([server], StateStore(tmp_path / "s.db"),
+                       config=ManagerConfig(policy="lru", unload_timeout_s=0.3, **cfg))
+    return mgr, admin
+
+
+def test_concurrent_ensures_share_one_load(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path)
+        await mgr.start()
+        await asyncio.gather(*(mgr.ensure("m1") for _ in range(16)))
+        assert admin.load_calls == ["m1"]
+
+    run(go())
+
+
+def test_loads_of_different_models_overlap(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=4)
+        admin.load_delay_s = 0.2
+        await mgr.start()
+        start = asyncio.get_running_loop().time()
+        await asyncio.gather(mgr.ensure("m1"), mgr.ensure("m2"), mgr.ensure("m3"))
+        assert asyncio.get_running_loop().time() - start < 0.5  # not 3 x 0.2 s in a row
+
+    run(go())
+
+
+def test_failed_load_is_failed_with_reason_and_holds_nothing(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path)
+        admin.fail_load.add("m1")
+        await mgr.start()
+        with pytest.raises(ModelLoadFailed, match="boom"):
+            await mgr.ensure("m1")
+        rec = mgr.get("m1")
+        assert rec.state == ModelState.FAILED and "boom" in rec.failure
+        assert mgr.servers["s0"].planner.used_slots == 0
+        admin.fail_load.clear()
+        assert (await mgr.ensure("m1")).state == ModelState.READY  # a retry can succeed
+
+    run(go())
+
+
+def test_failed_warmup_unloads_the_model(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path)
+        admin.fail_warmup.add("m2")
+        await mgr.start()
+        with pytest.raises(ModelLoadFailed, match="warm-up"):
+            await mgr.ensure("m2")
+        assert admin.states["m2"] == TritonModelState.UNAVAILABLE
+        assert mgr.get("m2").state == ModelState.FAILED
+        assert (await mgr.health("m2"))["healthy"] is False
+
+    run(go())
+
+
+def test_stuck_unload_keeps_memory_counted_and_fails_the_new_load(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=1)
+        await mgr.start()
+        await mgr.ensure("m1")
+        admin.stuck_unloading.add("m1")
+        with pytest.raises(OperationTimeout):
+            await mgr.ensure("m2")
+        assert mgr.get("m1").state == ModelState.FAILED  # stuck, still counted
+        assert "m1" in mgr.servers["s0"].planner.residents
+        assert "m2" not in mgr.servers["s0"].planner.residents
+        assert mgr.get("m2").state == ModelState.WARM
+
+    run(go())
+
+
+def test_all_pinned_refuses_without_evicting(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=2)
+        await mgr.start()
+        await mgr.pin("m1")
+        await mgr.pin("m2")
+        with pytest.raises(CapacityExhausted, match="m1, m2"):
+            await mgr.ensure("m3")
+        assert admin.states["m1"] == admin.states["m2"] == TritonModelState.READY
+        assert admin.load_calls == ["m1", "m2"]
+
+    run(go())
+
+
+def test_pin_that_cannot_load_is_not_kept(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=1)
+        await mgr.start()
+        await mgr.pin("m1")
+        with pytest.raises(CapacityExhausted):
+            await mgr.pin("m2")
+        assert not mgr.get("m2").pinned
+        assert mgr.store.pins() == {"m1"}
+
+    run(go())
+
+
+def test_reconcile_notices_a_model_triton_dropped(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path)
+        await mgr.start()
+        await mgr.ensure("m1")
+        admin.states["m1"] = TritonModelState.UNAVAILABLE  # unloaded behind our back
+        await mgr.step()
+        assert mgr.get("m1").state == ModelState.WARM
+        assert mgr.servers["s0"].planner.used_slots == 0
+        admin.states["m3"] = TritonModelState.READY  # loaded behind our back
+        await mgr.step()
+        assert mgr.get("m3").state == ModelState.READY
+
+    run(go())
+
+
+def test_reconcile_evicts_down_to_budget_after_adoption(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=2)
+        for m in ("m1", "m2", "m3"):
+            admin.states[m] = TritonModelState.READY
+        await mgr.start()
+        ready = [m for m, s in admin.states.items() if s == TritonModelState.READY]
+        assert len(ready) == 2
+
+    run(go())
