@@ -24,7 +24,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Protocol
 
 from .errors import (
     CapacityExhausted,
@@ -150,6 +150,22 @@ class _Usage:
     names: list[str] = field(default_factory=list)
 
 
+class Stager(Protocol):
+    """Makes a model's artifacts present in Triton's repository (the warm tier) before a load.
+
+    ``stage`` returns the model's size in bytes (downloading from the cold store if needed)
+    and raises ModelNotFound / ModelLoadFailed with a clear reason; ``pin_warm`` marks
+    models the warm tier must not drop while they are loaded or loading; ``known`` lists
+    models that exist in any tier (cold included) so they can be ensured.
+    """
+
+    async def stage(self, model: str) -> int: ...
+
+    def set_busy(self, model: str, busy: bool) -> None: ...
+
+    def known(self) -> set[str]: ...
+
+
 class ModelManager:
     def __init__(
         self,
@@ -159,6 +175,7 @@ class ModelManager:
         config: ManagerConfig | None = None,
         metrics: ControlPlaneMetrics | None = None,
         clock: Callable[[], float] = time.time,
+        stager: Stager | None = None,
     ):
         if not servers:
             raise InvalidInput("the fleet needs at least one Triton server")
@@ -168,6 +185,7 @@ class ModelManager:
         self.config = config or ManagerConfig()
         self.metrics = metrics or ControlPlaneMetrics()
         self.clock = clock
+        self.stager = stager
         self.records: dict[str, ModelRecord] = {}
         self.catalog: set[str] = set()
         self._lock = asyncio.Lock()
@@ -224,10 +242,10 @@ class ModelManager:
 
     async def _known(self, name: str) -> None:
         """Raise ModelNotFound unless some server's repository has ``name``."""
-        if name in self.catalog:
+        if name in self.catalog or (self.stager is not None and name in self.stager.known()):
             return
         await self.refresh_catalog()
-        if name not in self.catalog:
+        if name not in self.catalog and not (self.stager is not None and name in self.stager.known()):
             raise ModelNotFound(
                 f"unknown model {name!r}: it is not in the model repository; "
                 "`mmctl status` lists the known models"
@@ -349,7 +367,16 @@ class ModelManager:
         rec = self._record(name)
         if rec.state == ModelState.READY:
             return rec
-        size_bytes = self.artifact_bytes(name)
+        if self.stager is not None:
+            # Cold -> warm before anything is reserved: a failed download holds no capacity.
+            self.stager.set_busy(name, True)
+            try:
+                size_bytes = await self.stager.stage(name)
+            except BaseException:
+                self.stager.set_busy(name, False)
+                raise
+        else:
+            size_bytes = self.artifact_bytes(name)
         for server in self.servers.values():
             if server.up:
                 with contextlib.suppress(ControlPlaneError):
@@ -378,6 +405,7 @@ class ModelManager:
             *(self._unload_now(server, v, reason="evicted") for v in victims), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
+            self._release_warm(name)
             server.planner.remove(name)
             rec.state = previous_state if previous_state != ModelState.LOADING else ModelState.WARM
             rec.server = None
@@ -426,6 +454,7 @@ class ModelManager:
             rec.state = ModelState.FAILED
             return
         server.planner.remove(rec.name)
+        self._release_warm(rec.name)
         rec.state = ModelState.FAILED
         rec.server = None
         self._update_gauges(server)
@@ -486,6 +515,7 @@ class ModelManager:
         self.metrics.unload_free_seconds.labels(server.name).observe(freed_s)
         self.metrics.unloads.labels(server.name, reason).inc()
         server.planner.remove(name)
+        self._release_warm(name)
         rec.state, rec.server, rec.warmup = ModelState.WARM, None, None
         self._update_gauges(server)
         self.store.save_model(name, server=None)
@@ -658,6 +688,11 @@ class ModelManager:
                 await self._unload_now(server, victim, reason="over_budget")
             except ControlPlaneError:
                 return
+
+    def _release_warm(self, name: str) -> None:
+        """The warm tier may drop ``name`` again (it is neither loaded nor loading)."""
+        if self.stager is not None:
+            self.stager.set_busy(name, False)
 
     def _update_gauges(self, server: TritonServer) -> None:
         self.metrics.loaded_bytes.labels(server.name).set(server.planner.used_bytes)
