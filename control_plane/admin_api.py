@@ -47,7 +47,7 @@ async def model_status(request: web.Request) -> web.Response:
 
 
 async def load(request: web.Request) -> web.Response:
-    rec = await _manager(request).ensure(request.match_info["model"])
+    rec = await _manager(request).ensure(request.match_info["model"], retry_failed=True)
     return web.json_response(rec.to_dict())
 
 

@@ -38,9 +38,9 @@ class Api:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
 
-    def call(self, method: str, path: str, ok_statuses=(200,), **params):
+    def call(self, method: str, path: str, ok_statuses=(200,), body: dict | None = None, **params):
         try:
-            resp = requests.request(method, self.url + path, params=params or None,
+            resp = requests.request(method, self.url + path, params=params or None, json=body,
                                     timeout=self.timeout_s)
         except requests.ConnectionError:
             click.echo(f"error: the control plane is not running at {self.url}; start it with "
@@ -249,13 +249,22 @@ def _size(value: str | None) -> int | None:
 @click.option("--triton-http-port", type=int, default=8100, show_default=True)
 @click.option("--triton-grpc-port", type=int, default=8101, show_default=True)
 @click.option("--triton-metrics-port", type=int, default=8102, show_default=True)
-@click.option("--attach", multiple=True, help="gRPC URL of an already running Triton (repeatable).")
+@click.option("--attach", multiple=True,
+              help="Already running Triton: GRPC_URL[,HTTP_URL] (repeatable).")
+@click.option("--router/--no-router", default=True, show_default=True,
+              help="Serve the public Triton-compatible endpoint.")
+@click.option("--router-host", default="127.0.0.1", show_default=True)
+@click.option("--router-http-port", type=int, default=8000, show_default=True)
+@click.option("--router-grpc-port", type=int, default=8001, show_default=True)
+@click.option("--max-request-bytes", default="16MiB", show_default=True,
+              help="Largest inference request the router accepts.")
 @click.option("--policy", default=None, help="Eviction policy (default: the built-in default).")
 @click.option("--reconcile-interval", type=float, default=2.0, show_default=True)
 @click.option("--log-level", default="INFO", show_default=True)
 def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_mb, admin_host,
        admin_port, triton_servers, triton_http_port, triton_grpc_port, triton_metrics_port,
-       attach, policy, reconcile_interval, log_level):
+       attach, router, router_host, router_http_port, router_grpc_port, max_request_bytes,
+       policy, reconcile_interval, log_level):
     """Start tritonserver(s) and the control plane in the foreground; Ctrl-C stops all."""
     from .errors import ControlPlaneError
     from .eviction import DEFAULT_POLICY
@@ -270,7 +279,9 @@ def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_
         triton_metrics_port=triton_metrics_port, attach=list(attach), max_loaded=max_loaded,
         memory_budget_bytes=_size(memory_budget), fleet_size=fleet_size,
         model_size_mb=model_size_mb, policy=policy or DEFAULT_POLICY,
-        reconcile_interval_s=reconcile_interval)
+        reconcile_interval_s=reconcile_interval, router=router, router_host=router_host,
+        router_http_port=router_http_port, router_grpc_port=router_grpc_port,
+        max_request_bytes=_size(max_request_bytes))
     try:
         service = Service(cfg)
         asyncio.run(service.serve_forever())
@@ -294,6 +305,15 @@ def demo_fleet(out: Path, count: int, size_mb: float | None, overwrite: bool):
                          hidden_dim=hidden_dim_for_size(size_mb))
     written = generate_fleet(out, spec, overwrite=overwrite)
     click.echo(f"wrote {len(written)} models into {out} ({count - len(written)} already there)")
+
+
+def _register_subcommands() -> None:
+    from router.cli import register
+
+    register(cli)
+
+
+_register_subcommands()
 
 
 def main() -> None:

@@ -111,6 +111,32 @@ def write_model(repository: Path, name: str, spec: FleetSpec, weights: dict[str,
     return final
 
 
+MODEL_REPOSITORY_DIR = TEMPLATE_DIR.parent
+# Rollout drills on cust017: two healthy new versions and one that loads and warms up
+# fine but then fails every other request (a bad canary).
+DEMO_VARIANTS = (("cust017-v2", ()), ("cust017-v3", ()), ("cust017-faulty", (("fail_fraction", "0.5"),)))
+
+
+def generate_extras(repository: Path, spec: FleetSpec = FleetSpec()) -> list[str]:
+    """The identity model and cust017's rollout variants, written if missing."""
+    written = []
+    if not (repository / "identity" / "config.pbtxt").exists():
+        tmp = repository / ".identity.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        shutil.copytree(MODEL_REPOSITORY_DIR / "identity", tmp, ignore=shutil.ignore_patterns("README.md", "__pycache__"))
+        tmp.rename(repository / "identity")
+        written.append("identity")
+    base = base_weights(spec)
+    for name, params in DEMO_VARIANTS:
+        if (repository / name / "config.pbtxt").exists():
+            continue
+        variant_spec = FleetSpec(**{**spec.__dict__, "extra_parameters": params})
+        write_model(repository, name, variant_spec, customer_weights(spec, name, base))
+        written.append(name)
+    return written
+
+
 def generate_fleet(repository: Path, spec: FleetSpec = FleetSpec(), overwrite: bool = False) -> list[str]:
     """Write every customer's model; existing folders are kept unless ``overwrite``."""
     repository.mkdir(parents=True, exist_ok=True)

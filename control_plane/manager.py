@@ -68,6 +68,7 @@ class ModelRecord:
     loads: int = 0
     inflight: int = 0
     last_inference_ms: int = 0  # newest Triton-reported inference, to refresh recency
+    failed_at: float | None = None  # monotonic time of the last failed load
 
     def to_dict(self) -> dict:
         return {
@@ -142,6 +143,9 @@ class ManagerConfig:
     unload_timeout_s: float = 60.0
     policy: str = DEFAULT_POLICY
     warmup: bool = True
+    # After a failed load, on-demand ensures fail fast for this long instead of retrying
+    # the load for every request (an explicit `mmctl load` always retries).
+    failure_backoff_s: float = 10.0
 
 
 @dataclass
@@ -317,7 +321,7 @@ class ModelManager:
             server.planner.touch(name, when)
 
     # ------------------------------------------------------------------ ensure / load
-    async def ensure(self, name: str) -> ModelRecord:
+    async def ensure(self, name: str, retry_failed: bool = False) -> ModelRecord:
         """Return once ``name`` is READY on some server, loading it if needed."""
         validate_model_name(name)
         rec = self.records.get(name)
@@ -325,6 +329,12 @@ class ModelManager:
             self.metrics.hits.labels(name).inc()
             self.touch(name)
             return rec
+        if (rec is not None and rec.state == ModelState.FAILED and not retry_failed
+                and rec.failed_at is not None
+                and time.monotonic() - rec.failed_at < self.config.failure_backoff_s):
+            wait_s = self.config.failure_backoff_s - (time.monotonic() - rec.failed_at)
+            raise ModelLoadFailed(f"{name} failed to load: {rec.failure}; not retrying for "
+                                  f"{wait_s:.0f}s (mmctl load {name} retries now)")
         task = self._loads.get(name)
         if task is None:
             await self._known(name)
@@ -443,6 +453,7 @@ class ModelManager:
         """Unload whatever Triton kept and mark the model failed; memory freed once confirmed."""
         reason = exc.message if isinstance(exc, ControlPlaneError) else repr(exc)
         rec.failure = reason
+        rec.failed_at = time.monotonic()
         rec.warmup = {"ok": False, "latency_ms": None, "checked_at": self.clock(), "error": reason}
         self.metrics.loads.labels(server.name, "failed").inc()
         try:

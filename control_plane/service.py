@@ -17,7 +17,13 @@ from pathlib import Path
 from aiohttp import web
 
 from .admin_api import make_app
-from .demo_fleet import FleetSpec, default_instance_kind, generate_fleet, hidden_dim_for_size
+from .demo_fleet import (
+    FleetSpec,
+    default_instance_kind,
+    generate_extras,
+    generate_fleet,
+    hidden_dim_for_size,
+)
 from .errors import InvalidInput
 from .eviction import DEFAULT_POLICY, POLICIES
 from .manager import ManagerConfig, ModelManager, ServerSpec, TritonServer
@@ -48,6 +54,12 @@ class ServiceConfig:
     drain_timeout_s: float = 30.0
     unload_timeout_s: float = 60.0
     triton_ready_timeout_s: float = 120.0
+    router: bool = True
+    router_host: str = "127.0.0.1"
+    router_http_port: int = 8000
+    router_grpc_port: int = 8001
+    max_request_bytes: int = 16 * 1024 * 1024
+    load_wait_timeout_s: float = 120.0
 
     def validate(self) -> None:
         if self.max_loaded is not None and self.max_loaded < 1:
@@ -84,6 +96,9 @@ class Service:
         self.runner: web.AppRunner | None = None
         self._loop_task: asyncio.Task | None = None
         self.admin_url = ""
+        self.router = None
+        self.grpc_server = None
+        self.router_runner: web.AppRunner | None = None
 
     def prepare_repository(self) -> None:
         repo = self.cfg.repository_dir
@@ -93,7 +108,7 @@ class Service:
             if self.cfg.model_size_mb:
                 spec = FleetSpec(count=self.cfg.fleet_size, instance_kind=spec.instance_kind,
                                  hidden_dim=hidden_dim_for_size(self.cfg.model_size_mb))
-            written = generate_fleet(repo, spec)
+            written = generate_fleet(repo, spec) + generate_extras(repo, spec)
             if written:
                 log.info("wrote %d demo models into %s", len(written), repo)
 
@@ -116,8 +131,9 @@ class Service:
                               device="cpu", memory_budget_bytes=cfg.memory_budget_bytes,
                               max_loaded=cfg.max_loaded)
             servers.append(ModelManager.make_server(spec, cfg.policy, process=proc))
-        for j, url in enumerate(cfg.attach):
-            spec = ServerSpec(f"attached{j}", url, "", None, device="external",
+        for j, urls in enumerate(cfg.attach):
+            grpc_url, _, http_url = urls.partition(",")
+            spec = ServerSpec(f"attached{j}", grpc_url, http_url, None, device="external",
                               memory_budget_bytes=cfg.memory_budget_bytes, max_loaded=cfg.max_loaded)
             servers.append(ModelManager.make_server(spec, cfg.policy))
         return servers
@@ -140,8 +156,10 @@ class Service:
         self.admin_url = f"http://{cfg.admin_host}:{cfg.admin_port}"
         endpoints = {"admin": self.admin_url, "state_dir": str(cfg.state_dir.resolve()),
                      "repository": str(cfg.repository_dir)}
-        self.runner = web.AppRunner(make_app(self.manager, {"endpoints": endpoints}),
-                                    access_log=None)
+        admin_app = make_app(self.manager, {"endpoints": endpoints})
+        if cfg.router:
+            await self._start_router(admin_app, endpoints)
+        self.runner = web.AppRunner(admin_app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, cfg.admin_host, cfg.admin_port)
         await site.start()
@@ -152,7 +170,37 @@ class Service:
         (cfg.state_dir / "endpoints.json").write_text(json.dumps(endpoints, indent=2))
         log.info("control plane ready: admin API %s", self.admin_url)
 
+    async def _start_router(self, admin_app: web.Application, endpoints: dict) -> None:
+        from router.admin import add_router_routes
+        from router.core import Router, RouterConfig
+        from router.grpc_frontend import start_grpc
+        from router.http_frontend import make_http_app
+        from router.routes import RouteTable
+
+        cfg = self.cfg
+        table = RouteTable(self.manager.store)
+        self.router = Router(self.manager, table, RouterConfig(
+            load_timeout_s=cfg.load_wait_timeout_s, max_request_bytes=cfg.max_request_bytes,
+            shadow_log_dir=(cfg.state_dir / "shadow").resolve()))
+        await self.router.start()
+        add_router_routes(admin_app, self.router)
+        self.grpc_server, grpc_port = await start_grpc(
+            self.router, cfg.router_host, cfg.router_grpc_port, cfg.max_request_bytes)
+        self.router_runner = web.AppRunner(make_http_app(self.router), access_log=None)
+        await self.router_runner.setup()
+        await web.TCPSite(self.router_runner, cfg.router_host, cfg.router_http_port).start()
+        http_port = self.router_runner.addresses[0][1]
+        endpoints["router_grpc"] = f"{cfg.router_host}:{grpc_port}"
+        endpoints["router_http"] = f"{cfg.router_host}:{http_port}"
+        log.info("router: gRPC %s, HTTP %s", endpoints["router_grpc"], endpoints["router_http"])
+
     async def stop(self) -> None:
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=2)
+        if self.router_runner is not None:
+            await self.router_runner.cleanup()
+        if self.router is not None:
+            await self.router.stop()
         if self._loop_task is not None:
             self._loop_task.cancel()
         if self.runner is not None:

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.demo_fleet import FleetSpec, generate_fleet, write_model, base_weights, customer_weights
+from control_plane.demo_fleet import (
+    FleetSpec,
+    base_weights,
+    customer_weights,
+    generate_extras,
+    generate_fleet,
+    write_model,
+)
 from control_plane.triton_process import TritonLaunchConfig, TritonProcess
 
 SMALL = FleetSpec(count=8, hidden_dim=32, hidden_layers=1)
@@ -22,9 +29,10 @@ def run(coro):
 
 @pytest.fixture(scope="session")
 def fleet_template(tmp_path_factory) -> Path:
-    """cust001..cust008 plus fixtures: slow (3 s per execute) and broken (fails to load)."""
+    """cust001..cust008, the demo extras, slow (3 s per execute) and broken (fails to load)."""
     repo = tmp_path_factory.mktemp("fleet")
     generate_fleet(repo, SMALL)
+    generate_extras(repo, SMALL)  # identity, cust017-v2/-v3, cust017-faulty (fails 1 in 2)
     slow = FleetSpec(count=1, hidden_dim=32, hidden_layers=1, extra_parameters=(("execute_delay_s", "3"),))
     write_model(repo, "slow", slow, customer_weights(slow, "slow", base_weights(slow)))
     write_model(repo, "broken", SMALL, customer_weights(SMALL, "broken", base_weights(SMALL)))

@@ -115,7 +115,10 @@ def test_failed_load_is_failed_with_reason_and_holds_nothing(tmp_path):
         assert rec.state == ModelState.FAILED and "boom" in rec.failure
         assert mgr.servers["s0"].planner.used_slots == 0
         admin.fail_load.clear()
-        assert (await mgr.ensure("m1")).state == ModelState.READY  # a retry can succeed
+        with pytest.raises(ModelLoadFailed, match="not retrying"):  # backoff: no load storm
+            await mgr.ensure("m1")
+        assert admin.load_calls == ["m1"]
+        assert (await mgr.ensure("m1", retry_failed=True)).state == ModelState.READY
 
     run(go())
 

@@ -57,8 +57,12 @@ class TritonPythonModel:
         weights = load_file(os.path.join(version_dir, "weights.safetensors"))
         self.model = RecommenderMLP(weights).to(self.device).eval()
         params = self.model_config.get("parameters", {})
-        # Test hook: an artificial per-execute delay makes in-flight behaviour observable.
+        # Fault injection for rollout drills: an artificial per-execute delay (in-flight and
+        # slow-shadow behaviour) and a fraction of requests answered with an error (a bad
+        # canary).  Both default to off.
         self.delay_s = float(params.get("execute_delay_s", {}).get("string_value", "0") or 0)
+        self.fail_fraction = float(params.get("fail_fraction", {}).get("string_value", "0") or 0)
+        self.requests_seen = 0
 
     def execute(self, requests):
         if self.delay_s:
@@ -68,6 +72,12 @@ class TritonPythonModel:
         feature_dim = self.model.feature_dim
         batches, sizes, responses = [], [], [None] * len(requests)
         for i, request in enumerate(requests):
+            self.requests_seen += 1
+            if self.fail_fraction and (self.requests_seen * self.fail_fraction) % 1 < self.fail_fraction:
+                responses[i] = pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("injected failure (fail_fraction parameter)")
+                )
+                continue
             features = pb_utils.get_input_tensor_by_name(request, "FEATURES").as_numpy()
             if features.ndim != 2 or features.shape[1] != feature_dim:
                 responses[i] = pb_utils.InferenceResponse(

@@ -1,0 +1,278 @@
+"""The data plane core: resolve, rate-limit, ensure, forward, record.  Transport-free.
+
+The gRPC and HTTP front ends only convert wire messages and call into ``Router``.  The
+router runs in the control plane's process and reads the manager's state directly, so a
+request for a loaded model pays no remote call besides the one to Triton.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from control_plane.errors import ControlPlaneError
+from control_plane.manager import ModelManager, TritonServer
+
+from .canary import CanaryController
+from .errors import BackendUnavailable, RateLimited, RequestTimeout, RouterError, from_control_plane
+from .ratelimit import TokenBucket
+from .routes import Decision, RouteTable
+from .shadow import ShadowItem, ShadowMirror, outputs_of
+from .stats import StatsBook
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                     1, 2.5, 5, 10, 30)
+GRPC_MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class RouterConfig:
+    load_timeout_s: float = 120.0
+    request_timeout_s: float = 60.0
+    max_request_bytes: int = 16 * 1024 * 1024
+    shadow_queue_size: int = 64
+    shadow_workers: int = 2
+    shadow_timeout_s: float = 5.0
+    shadow_log_dir: Path | None = None
+    canary_interval_s: float = 1.0
+
+
+@dataclass
+class Call:
+    decision: Decision
+    start: float
+    server: TritonServer | None = None
+    code: str = "OK"
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter("mmr_requests_total", "Inference requests by route and variant",
+                                ["route", "model", "variant", "code"], registry=r)
+        self.latency = Histogram("mmr_request_seconds", "End-to-end router latency",
+                                 ["route", "variant"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.cold_waits = Counter("mmr_cold_load_waits_total",
+                                  "Requests that waited for a model to load", ["model"], registry=r)
+        self.cold_wait_seconds = Histogram("mmr_cold_load_wait_seconds", "Time waiting for a load",
+                                           ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.rate_limited = Counter("mmr_rate_limited_total", "Requests rejected by a rate limit",
+                                    ["limit"], registry=r)
+        self.shadow_dropped = Counter("mmr_shadow_dropped_total", "Mirrors dropped (queue full)",
+                                      ["route"], registry=r)
+        self.shadow_results = Counter("mmr_shadow_results_total",
+                                      "Shadow outcomes: match, diverged, error, timeout",
+                                      ["route", "result"], registry=r)
+        self.refused = Counter("mmr_refused_total", "Model-control calls refused on the public port",
+                               ["api"], registry=r)
+        self.inflight = Gauge("mmr_inflight_requests", "Requests in flight", registry=r)
+
+
+class Router:
+    def __init__(self, manager: ModelManager, table: RouteTable, config: RouterConfig | None = None,
+                 metrics: RouterMetrics | None = None, rng: random.Random | None = None):
+        self.manager = manager
+        self.table = table
+        self.config = config or RouterConfig()
+        self.metrics = metrics or RouterMetrics()
+        self.stats = StatsBook(clock=time.time)
+        self.canaries = CanaryController(table, self.stats)
+        self.rng = rng or random.Random()
+        self._buckets: dict[str, tuple[dict, TokenBucket]] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, service_pb2_grpc.GRPCInferenceServiceStub]] = {}
+        self.shadow = ShadowMirror(self._send_shadow, self.config.shadow_log_dir,
+                                   self.config.shadow_queue_size, self.config.shadow_workers,
+                                   self.config.shadow_timeout_s, self.metrics)
+        self._canary_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.shadow.start()
+        self._canary_task = asyncio.get_running_loop().create_task(self._canary_loop())
+
+    async def stop(self) -> None:
+        if self._canary_task:
+            self._canary_task.cancel()
+        await self.shadow.stop()
+        for channel, _ in self._channels.values():
+            await channel.close()
+
+    async def _canary_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.canary_interval_s)
+            self.canaries.step()
+
+    # ------------------------------------------------------------------ pieces
+    def stub(self, server: TritonServer) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        entry = self._channels.get(server.spec.grpc_url)
+        if entry is None:
+            channel = grpc.aio.insecure_channel(server.spec.grpc_url, options=[
+                ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT_BYTES),
+                ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT_BYTES),
+            ])
+            entry = self._channels[server.spec.grpc_url] = (
+                channel, service_pb2_grpc.GRPCInferenceServiceStub(channel))
+        return entry[1]
+
+    def check_limits(self, *names: str) -> None:
+        for name in names:
+            spec = self.table.limits.get(name)
+            if spec is None:
+                continue
+            cached = self._buckets.get(name)
+            if cached is None or cached[0] != spec:
+                cached = self._buckets[name] = (spec, TokenBucket(spec["qps"], spec["burst"]))
+            ok, retry_after_s = cached[1].try_acquire()
+            if not ok:
+                self.metrics.rate_limited.labels(name).inc()
+                raise RateLimited(
+                    f"rate limit for {name} is {spec['qps']:g} requests/s (burst {spec['burst']:g}); "
+                    f"retry in {retry_after_s:.3f}s", retry_after_s)
+
+    def decide(self, logical: str, user_id: str | None) -> Decision:
+        try:
+            decision = self.table.resolve(logical, user_id)
+        except ControlPlaneError as exc:
+            raise from_control_plane(exc) from exc
+        if decision.model == logical:
+            self.check_limits(logical)
+        else:
+            self.check_limits(logical, decision.model)
+        return decision
+
+    async def server_for(self, model: str) -> TritonServer:
+        """The server with ``model`` READY; waits (bounded) for a load on a miss."""
+        server = self.manager.ready_server_of(model)
+        if server is not None:
+            return server
+        self.metrics.cold_waits.labels(model).inc()
+        start = time.perf_counter()
+        try:
+            await asyncio.wait_for(asyncio.shield(self.manager.ensure(model)), self.config.load_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"{model} did not finish loading within {self.config.load_timeout_s:.0f}s; "
+                                 "the load goes on, retry shortly") from None
+        except ControlPlaneError as exc:
+            raise from_control_plane(exc) from exc
+        finally:
+            self.metrics.cold_wait_seconds.labels(model).observe(time.perf_counter() - start)
+        server = self.manager.ready_server_of(model)
+        if server is None:
+            raise BackendUnavailable(f"{model} was unloaded before the request could be sent; retry")
+        return server
+
+    def record(self, decision: Decision, latency_s: float, code: str) -> None:
+        ok = code == "OK"
+        self.metrics.requests.labels(decision.logical, decision.model, decision.variant, code).inc()
+        self.metrics.latency.labels(decision.logical, decision.variant).observe(latency_s)
+        self.stats.record(decision.scope, decision.variant, latency_s * 1000, ok, decision.randomly_assigned)
+
+    # ------------------------------------------------------------------ inference
+    @contextlib.asynccontextmanager
+    async def serving(self, logical: str, user_id: str | None) -> AsyncIterator["Call"]:
+        """Decide, rate-limit, ensure and lease for one request; record it when done.
+
+        The body sets ``call.code`` to the outcome ("OK" or a status name)."""
+        start = time.perf_counter()
+        decision = self.decide(logical, user_id)
+        call = Call(decision, start)
+        rec = None
+        self.metrics.inflight.inc()
+        try:
+            call.server = await self.server_for(decision.model)
+            rec = self.manager.records[decision.model]
+            rec.inflight += 1  # lease: the manager drains these before unloading
+            self.manager.touch(decision.model)
+            yield call
+        except RouterError as exc:
+            call.code = exc.grpc_code.name
+            raise
+        except BaseException:
+            if call.code == "OK":
+                call.code = "INTERNAL"
+            raise
+        finally:
+            if rec is not None:
+                rec.inflight -= 1
+            self.metrics.inflight.dec()
+            self.record(decision, time.perf_counter() - start, call.code)
+
+    async def infer(self, request: service_pb2.ModelInferRequest, user_id: str | None,
+                    timeout_s: float | None = None) -> service_pb2.ModelInferResponse:
+        """Route one ModelInferRequest.  Raises RouterError or grpc.aio.AioRpcError (Triton's)."""
+        async with self.serving(request.model_name, user_id) as call:
+            decision, server = call.decision, call.server
+            shadow_request = None
+            if decision.shadow:
+                shadow_request = service_pb2.ModelInferRequest()
+                shadow_request.CopyFrom(request)
+                shadow_request.model_name = decision.shadow
+            request.model_name = decision.model
+            try:
+                response = await self.stub(server).ModelInfer(
+                    request, timeout=timeout_s or self.config.request_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                call.code = exc.code().name
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise BackendUnavailable(
+                        f"Triton {server.name} at {server.spec.grpc_url} is unavailable "
+                        f"({exc.details()}); the control plane restarts it, retry shortly") from exc
+                raise
+            params = response.parameters
+            params["model"].string_param = decision.model
+            params["variant"].string_param = decision.variant
+            if decision.experiment:
+                params["experiment"].string_param = decision.experiment
+            if shadow_request is not None:
+                self.shadow.offer(ShadowItem(decision.logical, decision.shadow, shadow_request,
+                                             outputs_of(response),
+                                             (time.perf_counter() - call.start) * 1000))
+            return response
+
+    async def _send_shadow(self, model: str, request, timeout_s: float):
+        server = await self.server_for(model)
+        return await self.stub(server).ModelInfer(request, timeout=timeout_s)
+
+    async def model_call(self, logical: str, method: str, version: str = ""):
+        """Metadata / config / statistics for a logical name (loads the model if needed)."""
+        decision = self.decide_without_limits(logical)
+        server = await self.server_for(decision.model)
+        stub = self.stub(server)
+        if method == "metadata":
+            resp = await stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=decision.model, version=version))
+            resp.name = logical
+        elif method == "config":
+            resp = await stub.ModelConfig(service_pb2.ModelConfigRequest(name=decision.model, version=version))
+            resp.config.name = logical
+        else:
+            resp = await stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=decision.model, version=version))
+        return resp
+
+    def decide_without_limits(self, logical: str) -> Decision:
+        try:
+            return self.table.resolve(logical, None)
+        except ControlPlaneError as exc:
+            raise from_control_plane(exc) from exc
+
+    def model_ready(self, logical: str) -> bool:
+        """Ready = the concrete model is loaded now (readiness never triggers a load)."""
+        decision = self.decide_without_limits(logical)
+        if decision.model not in self.manager.catalog and decision.model not in self.manager.records:
+            from .errors import ModelNotFound
+
+            raise ModelNotFound(f"unknown model {logical!r}")
+        return self.manager.ready_server_of(decision.model) is not None
+
+    def any_server_up(self) -> bool:
+        return any(s.up for s in self.manager.servers.values())

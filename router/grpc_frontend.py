@@ -1,0 +1,139 @@
+"""Triton's GRPCInferenceService on the public port, built on tritonclient's generated stubs.
+
+Each RPC converts and hands off to ``Router``.  Model control, repository, shared-memory,
+logging and trace RPCs are refused with PERMISSION_DENIED: the public port never controls
+what is loaded (that is remote code execution).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from .core import GRPC_MESSAGE_LIMIT_BYTES, Router
+from .errors import PermissionDenied, RateLimited, RouterError
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "triton"  # what Triton clients expect to see
+SERVER_VERSION = "2.51.0"
+EXTENSIONS = ["classification", "model_configuration", "statistics", "parameters"]
+
+
+def _user_id(request, context) -> str | None:
+    param = request.parameters.get("user_id") if request.parameters else None
+    if param is not None and param.string_param:
+        return param.string_param
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-user-id":
+            return value
+    return None
+
+
+async def _abort(context, exc: RouterError):
+    if isinstance(exc, RateLimited):
+        context.set_trailing_metadata((("retry-after", f"{exc.retry_after_s:.3f}"),))
+    await context.abort(exc.grpc_code, exc.message)
+
+
+def _refuse(name: str):
+    async def refused(self, request, context):
+        self.router.metrics.refused.labels(name).inc()
+        exc = PermissionDenied(
+            f"{name} is not available on the public port: model control, repository, shared-memory, "
+            "log and trace APIs go through the control plane's admin API (mmctl)")
+        await context.abort(exc.grpc_code, exc.message)
+
+    return refused
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def ServerLive(self, request, context):
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return service_pb2.ServerReadyResponse(ready=self.router.any_server_up())
+
+    async def ServerMetadata(self, request, context):
+        return service_pb2.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION,
+                                                  extensions=EXTENSIONS)
+
+    async def ModelReady(self, request, context):
+        try:
+            return service_pb2.ModelReadyResponse(ready=self.router.model_ready(request.name))
+        except RouterError as exc:
+            await _abort(context, exc)
+
+    async def _model_call(self, context, name, method, version):
+        try:
+            return await self.router.model_call(name, method, version)
+        except RouterError as exc:
+            await _abort(context, exc)
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details())
+
+    async def ModelMetadata(self, request, context):
+        return await self._model_call(context, request.name, "metadata", request.version)
+
+    async def ModelConfig(self, request, context):
+        return await self._model_call(context, request.name, "config", request.version)
+
+    async def ModelStatistics(self, request, context):
+        if not request.name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "name a model: statistics are served per model on the public port")
+        return await self._model_call(context, request.name, "statistics", request.version)
+
+    async def ModelInfer(self, request, context):
+        try:
+            return await self.router.infer(request, _user_id(request, context), context.time_remaining())
+        except RouterError as exc:
+            await _abort(context, exc)
+        except grpc.aio.AioRpcError as exc:  # Triton's own answer (shape, dtype, ...)
+            await context.abort(exc.code(), exc.details())
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        async for request in request_iterator:
+            try:
+                response = await self.router.infer(request, _user_id(request, context))
+                yield service_pb2.ModelStreamInferResponse(infer_response=response)
+            except RouterError as exc:
+                yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
+            except grpc.aio.AioRpcError as exc:
+                yield service_pb2.ModelStreamInferResponse(error_message=exc.details())
+
+    RepositoryIndex = _refuse("RepositoryIndex")
+    RepositoryModelLoad = _refuse("RepositoryModelLoad")
+    RepositoryModelUnload = _refuse("RepositoryModelUnload")
+    SystemSharedMemoryStatus = _refuse("SystemSharedMemoryStatus")
+    SystemSharedMemoryRegister = _refuse("SystemSharedMemoryRegister")
+    SystemSharedMemoryUnregister = _refuse("SystemSharedMemoryUnregister")
+    CudaSharedMemoryStatus = _refuse("CudaSharedMemoryStatus")
+    CudaSharedMemoryRegister = _refuse("CudaSharedMemoryRegister")
+    CudaSharedMemoryUnregister = _refuse("CudaSharedMemoryUnregister")
+    TraceSetting = _refuse("TraceSetting")
+    LogSettings = _refuse("LogSettings")
+
+
+async def start_grpc(router: Router, host: str, port: int, max_request_bytes: int) -> tuple[grpc.aio.Server, int]:
+    """Serve on host:port (0 = any free port); returns the server and the bound port.
+
+    ``grpc.max_receive_message_length`` makes gRPC refuse an oversize message from its
+    length prefix, before the body is read into memory (RESOURCE_EXHAUSTED).
+    """
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", max_request_bytes),
+        ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT_BYTES),
+        ("grpc.so_reuseport", 0),
+    ])
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(router), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the router's gRPC port {host}:{port} (in use?)")
+    await server.start()
+    return server, bound
