@@ -19,48 +19,21 @@ from pathlib import Path
 import click
 import requests
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
-EXIT_NOT_FOUND, EXIT_CAPACITY, EXIT_LOAD_FAILED, EXIT_TIMEOUT, EXIT_UNHEALTHY = 4, 5, 6, 7, 8
-EXIT_BY_ERROR = {
-    "invalid_input": EXIT_USAGE,
-    "invalid_model_name": EXIT_USAGE,
-    "model_not_found": EXIT_NOT_FOUND,
-    "capacity_exhausted": EXIT_CAPACITY,
-    "load_failed": EXIT_LOAD_FAILED,
-    "triton_unavailable": EXIT_UNREACHABLE,
-    "timeout": EXIT_TIMEOUT,
-}
-DEFAULT_URL = "http://127.0.0.1:8090"
-
-
-class Api:
-    def __init__(self, url: str, timeout_s: float):
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-
-    def call(self, method: str, path: str, ok_statuses=(200,), body: dict | None = None, **params):
-        try:
-            resp = requests.request(method, self.url + path, params=params or None, json=body,
-                                    timeout=self.timeout_s)
-        except requests.ConnectionError:
-            click.echo(f"error: the control plane is not running at {self.url}; start it with "
-                       "`make up` (or `mmctl up`), or point --url / MMCTL_URL at it", err=True)
-            sys.exit(EXIT_UNREACHABLE)
-        except requests.Timeout:
-            click.echo(f"error: no answer from {self.url} within {self.timeout_s:.0f}s "
-                       "(raise --timeout for big models)", err=True)
-            sys.exit(EXIT_TIMEOUT)
-        try:
-            body = resp.json()
-        except ValueError:
-            body = {"error": "internal", "message": resp.text[:500]}
-        if resp.status_code not in ok_statuses:
-            click.echo(f"error: {body.get('message', body)}", err=True)
-            sys.exit(EXIT_BY_ERROR.get(body.get("error"), EXIT_ERROR))
-        return resp.status_code, body
-
-
-pass_api = click.make_pass_decorator(Api)
+from .cli_common import (  # noqa: F401  (exit codes are part of this module's surface)
+    DEFAULT_URL,
+    EXIT_BY_ERROR,
+    EXIT_ERROR,
+    EXIT_LOAD_FAILED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_TIMEOUT,
+    EXIT_UNHEALTHY,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    Api,
+    _table,
+    pass_api,
+)
 
 
 @click.group()
@@ -93,13 +66,6 @@ def _bytes(n) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
-
-
-def _table(rows: list[list[str]], headers: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths))]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
-    return "\n".join(line.rstrip() for line in lines)
 
 
 def _emit(body, as_json: bool, text: str) -> None:

@@ -8,7 +8,7 @@ import json
 import click
 import requests
 
-from control_plane.cli import Api, _table, pass_api
+from control_plane.cli_common import Api, _table, pass_api
 
 
 def _q(name: str) -> str:

@@ -81,7 +81,10 @@ class ShadowMirror:
                  queue_size: int = 64, workers: int = 2, timeout_s: float = 5.0, metrics=None):
         self.send = send
         self.log_dir = log_dir
-        self.queue: asyncio.Queue[ShadowItem] = asyncio.Queue(maxsize=queue_size)
+        self.queue_size = queue_size
+        # One bounded queue (and its workers) per route: a slow shadow on one route never
+        # starves the mirrors of another.
+        self.queues: dict[str, asyncio.Queue[ShadowItem]] = {}
         self.workers = workers
         self.timeout_s = timeout_s
         self.metrics = metrics
@@ -89,19 +92,29 @@ class ShadowMirror:
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._worker()) for _ in range(self.workers)]
+        """Workers start lazily, per route, on the first mirror."""
+
+    def _queue(self, route: str) -> asyncio.Queue:
+        queue = self.queues.get(route)
+        if queue is None:
+            queue = self.queues[route] = asyncio.Queue(maxsize=self.queue_size)
+            loop = asyncio.get_running_loop()
+            self._tasks += [loop.create_task(self._worker(queue)) for _ in range(self.workers)]
+        return queue
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Cancel until done: a cancel that lands as a send completes can be absorbed.
+        pending = set(self._tasks)
+        while pending:
+            for t in pending:
+                t.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.1)
 
     def offer(self, item: ShadowItem) -> bool:
         """Queue a mirror; drop (and count) it if the shadow is behind.  Never blocks."""
         report = self.reports[item.route]
         try:
-            self.queue.put_nowait(item)
+            self._queue(item.route).put_nowait(item)
         except asyncio.QueueFull:
             report.dropped += 1
             if self.metrics:
@@ -110,23 +123,23 @@ class ShadowMirror:
         report.mirrored += 1
         return True
 
-    async def _worker(self) -> None:
+    async def _worker(self, queue: asyncio.Queue) -> None:
         while True:
-            item = await self.queue.get()
+            item = await queue.get()
             try:
                 await self._mirror(item)
             except Exception:  # a shadow never takes the worker down
                 log.exception("shadow mirror of %s failed", item.route)
             finally:
-                self.queue.task_done()
+                queue.task_done()
 
     async def _mirror(self, item: ShadowItem) -> None:
         report = self.reports[item.route]
         start = time.perf_counter()
         record = {"at": time.time(), "route": item.route, "shadow": item.shadow_model}
         try:
-            response = await asyncio.wait_for(self.send(item.shadow_model, item.request, self.timeout_s),
-                                              self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                response = await self.send(item.shadow_model, item.request, self.timeout_s)
         except asyncio.TimeoutError:
             report.timeouts += 1
             record["result"] = "timeout"
@@ -160,8 +173,9 @@ class ShadowMirror:
 
     def report(self, route: str) -> dict:
         body = self.reports[route].to_dict()
-        body["queue_depth"] = self.queue.qsize()
-        body["queue_size"] = self.queue.maxsize
+        queue = self.queues.get(route)
+        body["queue_depth"] = queue.qsize() if queue is not None else 0
+        body["queue_size"] = self.queue_size
         if self.log_dir is not None:
             body["log"] = str(self.log_dir / f"{route}.jsonl")
         return body

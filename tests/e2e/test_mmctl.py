@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,74 +15,9 @@ import tritonclient.grpc as grpcclient
 
 from control_plane.triton_process import free_port
 from tests.conftest import pid_alive
+from tests.product import MMCTL, Product
 
 pytestmark = pytest.mark.integration
-MMCTL = [sys.executable, "-m", "control_plane.cli"]
-
-
-class Product:
-    """One `mmctl up` process on free ports, with its own state directory."""
-
-    def __init__(self, state_dir: Path, repository: Path, *extra: str):
-        self.state_dir = state_dir
-        self.repository = repository
-        self.extra = list(extra)
-        self.admin_port = free_port()
-        self.url = f"http://127.0.0.1:{self.admin_port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "Product":
-        args = [*MMCTL, "up", "--state-dir", str(self.state_dir), "--admin-port", str(self.admin_port),
-                "--triton-http-port", "0", "--triton-grpc-port", "0", "--triton-metrics-port", "0",
-                "--reconcile-interval", "0.5", "--repository", str(self.repository), *self.extra]
-        log = open(self.state_dir.parent / f"mmctl-up-{self.admin_port}.log", "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log_text()
-            try:
-                if requests.get(self.url + "/v1/fleet", timeout=1).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        raise AssertionError("mmctl up did not come up:\n" + self.log_text())
-
-    def log_text(self) -> str:
-        return (self.state_dir.parent / f"mmctl-up-{self.admin_port}.log").read_text(errors="replace")
-
-    def mmctl(self, *args: str) -> subprocess.CompletedProcess:
-        env = dict(os.environ, MMCTL_URL=self.url)
-        return subprocess.run([*MMCTL, *args], capture_output=True, text=True, env=env, timeout=300)
-
-    def json(self, *args: str):
-        out = self.mmctl(*args, "--json")
-        assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout)
-
-    def triton_pids(self) -> list[int]:
-        """tritonserver processes serving this product's repository (found via /proc)."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if "tritonserver" in cmd and str(self.state_dir.resolve()) in cmd and pid_alive(int(entry.name)):
-                pids.append(int(entry.name))
-        return pids
-
-    def stop(self, sig=signal.SIGINT) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture

@@ -1,0 +1,292 @@
+"""The router in front of a real tritonserver, driven by unmodified tritonclient clients."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.product import Product
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def product(fleet_template, tmp_path_factory):
+    import shutil
+
+    root = tmp_path_factory.mktemp("router")
+    repo = root / "repository"
+    shutil.copytree(fleet_template, repo)
+    p = Product(root / "state", repo, "--max-loaded", "8", "--max-request-bytes", "1MiB").start()
+    p.endpoints = p.json("endpoints")
+    yield p
+    p.stop()
+
+
+def grpc_client(p) -> grpcclient.InferenceServerClient:
+    return grpcclient.InferenceServerClient(p.endpoints["router_grpc"])
+
+
+def http_client(p) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(p.endpoints["router_http"])
+
+
+def features(rows=2, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, 64)).astype(np.float32)
+
+
+def grpc_infer(client, model, data, **kw):
+    x = grpcclient.InferInput("FEATURES", list(data.shape), "FP32")
+    x.set_data_from_numpy(data)
+    return client.infer(model, [x], **kw)
+
+
+def test_unmodified_clients_get_byte_identical_outputs(product):
+    p = product
+    g, h = grpc_client(p), http_client(p)
+    assert g.is_server_live() and g.is_server_ready()
+    assert h.is_server_live() and h.is_server_ready()
+    assert g.get_server_metadata().name == "triton"
+    data = features(4)
+    via_router = grpc_infer(g, "cust002", data)  # cold: the first request loads it
+    assert g.is_model_ready("cust002") and h.is_model_ready("cust002")
+    direct = grpc_infer(grpcclient.InferenceServerClient(p.endpoints["triton"][0]["grpc"]), "cust002", data)
+    assert via_router.get_response().raw_output_contents == direct.get_response().raw_output_contents
+    params = via_router.get_response().parameters
+    assert params["model"].string_param == "cust002" and params["variant"].string_param == "default"
+    assert g.get_model_metadata("cust002").inputs[0].name == "FEATURES"
+    assert g.get_model_config("cust002").config.max_batch_size == 64
+    meta = h.get_model_metadata("cust002")
+    assert meta["name"] == "cust002" and meta["inputs"][0]["name"] == "FEATURES"
+    for binary in (True, False):
+        x = httpclient.InferInput("FEATURES", [4, 64], "FP32")
+        x.set_data_from_numpy(data, binary_data=binary)
+        out = h.infer("cust002", [x])
+        assert out.as_numpy("SCORES").tobytes() == direct.as_numpy("SCORES").tobytes()
+        assert out.get_response()["parameters"]["variant"] == "default"
+    # Streaming through the router.
+    results = []
+    g.start_stream(callback=lambda result, error: results.append((result, error)))
+    x = grpcclient.InferInput("FEATURES", [4, 64], "FP32")
+    x.set_data_from_numpy(data)
+    g.async_stream_infer("cust002", [x])
+    g.stop_stream()
+    assert results and results[0][1] is None
+    assert results[0][0].as_numpy("SCORES").tobytes() == direct.as_numpy("SCORES").tobytes()
+
+
+def test_bad_requests_get_clear_errors(product):
+    g, h = grpc_client(product), http_client(product)
+    with pytest.raises(InferenceServerException, match="NOT_FOUND.*unknown model 'nope'"):
+        grpc_infer(g, "nope", features())
+    with pytest.raises(InferenceServerException, match="INVALID_ARGUMENT.*unexpected shape"):
+        grpc_infer(g, "cust002", np.zeros((2, 3), np.float32))
+    x = grpcclient.InferInput("FEATURES", [1, 64], "INT32")
+    x.set_data_from_numpy(np.zeros((1, 64), np.int32))
+    with pytest.raises(InferenceServerException, match="INVALID_ARGUMENT.*data-type"):
+        g.infer("cust002", [x])
+    with pytest.raises(InferenceServerException, match="INVALID_ARGUMENT|invalid"):
+        grpc_infer(g, "../etc", features())
+    big = np.zeros((8, 64 * 1024), np.float32)  # 2 MiB > the 1 MiB limit
+    x = grpcclient.InferInput("FEATURES", list(big.shape), "FP32")
+    x.set_data_from_numpy(big)
+    with pytest.raises(InferenceServerException, match="RESOURCE_EXHAUSTED"):
+        g.infer("cust002", [x])
+    resp = requests.post(f"http://{product.endpoints['router_http']}/v2/models/cust002/infer",
+                         data=b"x" * (2 << 20), timeout=10)
+    assert resp.status_code == 413 and "limit" in resp.json()["error"]
+    resp = requests.post(f"http://{product.endpoints['router_http']}/v2/models/cust002/infer",
+                         data=b"{not json", timeout=10)
+    assert resp.status_code == 400
+    with pytest.raises(InferenceServerException, match="not found|unknown model"):
+        h.get_model_metadata("nope")
+
+
+def test_model_control_is_refused_on_the_public_port(product):
+    g = grpc_client(product)
+    for call in (lambda: g.load_model("cust003"), lambda: g.unload_model("cust002"),
+                 lambda: g.get_model_repository_index(), lambda: g.get_system_shared_memory_status(),
+                 lambda: g.unregister_system_shared_memory(), lambda: g.get_log_settings(),
+                 lambda: g.get_trace_settings(), lambda: g.get_cuda_shared_memory_status()):
+        with pytest.raises(InferenceServerException, match="PERMISSION_DENIED"):
+            call()
+    base = f"http://{product.endpoints['router_http']}"
+    for method, path in (("POST", "/v2/repository/index"), ("POST", "/v2/repository/models/cust003/load"),
+                         ("POST", "/v2/repository/models/cust002/unload"),
+                         ("GET", "/v2/systemsharedmemory/status"), ("POST", "/v2/logging"),
+                         ("GET", "/v2/trace/setting")):
+        assert requests.request(method, base + path, timeout=5).status_code == 403, path
+    assert "cust003" not in {m["model"] for m in product.json("status") if m["state"] == "ready"}
+
+
+def test_ab_assignment_is_sticky_and_reported(product):
+    p = product
+    assert p.mmctl("experiment", "create", "rec-ab", "--control", "cust004", "--treatment", "cust017-v2",
+                   "--treatment-percent", "30", "--sticky").returncode == 0
+    g = grpc_client(p)
+    seen = {}
+    for user in range(40):
+        for _ in range(2):
+            r = grpc_infer(g, "cust004", features(1), headers={"x-user-id": f"u{user}"})
+            params = r.get_response().parameters
+            pair = (params["variant"].string_param, params["model"].string_param)
+            assert seen.setdefault(user, pair) == pair  # sticky
+            assert params["experiment"].string_param == "rec-ab"
+    assert {v for v, _ in seen.values()} == {"control", "treatment"}
+    # The user id may also come as a request parameter.
+    x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
+    x.set_data_from_numpy(features(1))
+    r = g.infer("cust004", [x], parameters={"user_id": "u7"})
+    assert r.get_response().parameters["variant"].string_param == seen[7][0]
+    grpc_infer(g, "cust004", features(1))  # no user id: random, counted
+    stats = p.json("experiment", "stats", "rec-ab")["variants"]
+    assert sum(v["requests"] for v in stats.values()) == 82
+    assert sum(v["random_assignments"] for v in stats.values()) == 1
+    assert all(v["p99_ms"] is not None for v in stats.values())
+    assert p.mmctl("experiment", "disable", "rec-ab").returncode == 0
+    r = grpc_infer(g, "cust004", features(1), headers={"x-user-id": "u1"})
+    assert r.get_response().parameters["model"].string_param == "cust004"
+    assert p.mmctl("experiment", "delete", "rec-ab").returncode == 0
+
+
+def _drive(p, model, seconds, until=None):
+    g = grpc_client(p)
+    deadline = time.monotonic() + seconds
+    errors = 0
+    while time.monotonic() < deadline:
+        try:
+            grpc_infer(g, model, features(1))
+        except InferenceServerException:
+            errors += 1
+        if until is not None and until():
+            break
+        time.sleep(0.01)
+    return errors
+
+
+def direct_after_load(p, model) -> grpcclient.InferenceServerClient:
+    """A client straight to Triton, once the control plane has ``model`` loaded."""
+    assert p.mmctl("load", model).returncode == 0
+    return grpcclient.InferenceServerClient(p.endpoints["triton"][0]["grpc"])
+
+
+def canary_status(p, name):
+    return p.json("canary", "status", name)
+
+
+def test_failing_canary_rolls_back_automatically(product):
+    p = product
+    assert p.mmctl("canary", "start", "cust005", "--to", "cust017-faulty", "--stages", "50,100",
+                   "--stage-seconds", "30", "--check-interval", "0.5", "--min-requests", "10",
+                   "--max-failed-checks", "2", "--max-error-rate", "0.05").returncode == 0
+    _drive(p, "cust005", 60, until=lambda: canary_status(p, "cust005")["status"] != "running")
+    status = canary_status(p, "cust005")
+    assert status["status"] == "rolled_back", status["history"]
+    last = status["history"][-1]
+    assert last["decision"] == "rollback" and "error rate" in last["reason"]
+    assert last["canary"]["requests"] >= 10
+    # After the rollback every request goes to the baseline and succeeds.
+    g = grpc_client(p)
+    for _ in range(10):
+        r = grpc_infer(g, "cust005", features(1))
+        assert r.get_response().parameters["model"].string_param == "cust005"
+
+
+def test_healthy_canary_is_promoted(product):
+    p = product
+    assert p.mmctl("canary", "start", "cust006", "--to", "cust017-v3", "--stages", "50,100",
+                   "--stage-seconds", "1", "--check-interval", "0.3", "--min-requests", "5").returncode == 0
+    _drive(p, "cust006", 90, until=lambda: canary_status(p, "cust006")["status"] != "running")
+    status = canary_status(p, "cust006")
+    assert status["status"] == "promoted", status["history"]
+    assert status["serving"] == "cust017-v3"
+    r = grpc_infer(grpc_client(p), "cust006", features(1))
+    assert r.get_response().parameters["model"].string_param == "cust017-v3"
+
+
+def test_idle_canary_holds(product):
+    p = product
+    assert p.mmctl("canary", "start", "cust007", "--to", "cust017-faulty", "--stages", "50,100",
+                   "--stage-seconds", "1", "--check-interval", "0.3", "--min-requests", "5",
+                   "--max-failed-checks", "1").returncode == 0
+    time.sleep(3)
+    status = canary_status(p, "cust007")
+    assert status["status"] == "running" and status["stage_index"] == 0
+    decisions = [h["decision"] for h in status["history"]]
+    assert decisions[0] == "start" and set(decisions[1:]) == {"hold"} and len(decisions) >= 3
+    assert p.mmctl("canary", "abort", "cust007").returncode == 0
+    assert canary_status(p, "cust007")["status"] == "aborted"
+
+
+def test_slow_and_dead_shadows_never_touch_the_primary(product):
+    p = product
+    g = grpc_client(p)
+    direct = grpcclient.InferenceServerClient(p.endpoints["triton"][0]["grpc"])
+    assert p.mmctl("shadow", "start", "cust008", "--model", "slow", "--percent", "100").returncode == 0
+    data = features(2, seed=5)
+    grpc_infer(g, "cust008", data)
+    expected = grpc_infer(direct, "cust008", data).get_response().raw_output_contents
+    start = time.monotonic()
+    for _ in range(150):
+        r = grpc_infer(g, "cust008", data)
+        assert r.get_response().raw_output_contents == expected
+        assert r.get_response().parameters["model"].string_param == "cust008"
+    elapsed_s = time.monotonic() - start
+    assert elapsed_s < 20, "the slow shadow (3 s per request) slowed the primary"
+    report = p.json("shadow", "report", "cust008")
+    assert report["dropped"] > 0 and report["mirrored"] + report["dropped"] == 151
+    assert p.mmctl("shadow", "stop", "cust008").returncode == 0
+    # A shadow that cannot even load: the primary does not notice, the errors are counted.
+    assert p.mmctl("shadow", "start", "cust003", "--model", "broken", "--percent", "100").returncode == 0
+    expected3 = grpc_infer(direct_after_load(p, "cust003"), "cust003", data).get_response().raw_output_contents
+    for _ in range(20):
+        assert grpc_infer(g, "cust003", data).get_response().raw_output_contents == expected3
+    deadline = time.monotonic() + 30
+    while p.json("shadow", "report", "cust003")["errors"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    report = p.json("shadow", "report", "cust003")
+    assert report["errors"] > 0 and report["compared"] == 0
+    assert p.mmctl("shadow", "stop", "cust003").returncode == 0
+    metrics = requests.get(f"http://{p.endpoints['router_http']}/metrics", timeout=5).text
+    assert 'mmr_shadow_dropped_total{route="cust008"}' in metrics
+
+
+def test_rate_limit_rejects_the_burst_overflow_only(product):
+    p = product
+    g = grpc_client(p)
+    grpc_infer(g, "cust001", features(1))  # loaded before the limit starts counting
+    assert p.mmctl("limit", "set", "cust001", "--qps", "0.5", "--burst", "5").returncode == 0
+    admitted = rejected = 0
+    for _ in range(12):
+        try:
+            grpc_infer(g, "cust001", features(1))
+            admitted += 1
+        except InferenceServerException as exc:
+            assert "RESOURCE_EXHAUSTED" in str(exc) and "retry in" in str(exc)
+            rejected += 1
+    assert (admitted, rejected) == (5, 7)
+    resp = requests.post(f"http://{p.endpoints['router_http']}/v2/models/cust001/infer",
+                         json={"inputs": [{"name": "FEATURES", "shape": [1, 64], "datatype": "FP32",
+                                           "data": [0.0] * 64}]}, timeout=10)
+    assert resp.status_code == 429 and int(resp.headers["Retry-After"]) >= 1
+    grpc_infer(g, "cust002", features(1))  # another model is unaffected
+    assert p.mmctl("limit", "clear", "cust001").returncode == 0
+    grpc_infer(g, "cust001", features(1))
+
+
+def test_router_health_and_metrics(product):
+    base = f"http://{product.endpoints['router_http']}"
+    grpc_infer(grpc_client(product), "cust002", features(1))
+    body = requests.get(base + "/health/cust002", timeout=5).json()
+    assert body["healthy"] is True and body["state"] == "ready"
+    assert requests.get(base + "/health/cust003", timeout=5).status_code == 503
+    assert requests.get(base + "/health/nope", timeout=5).status_code == 404
+    metrics = requests.get(base + "/metrics", timeout=5).text
+    assert 'mmr_requests_total{code="OK",model="cust002",route="cust002",variant="default"}' in metrics
+    assert "mmr_request_seconds_bucket" in metrics and "mmr_cold_load_waits_total" in metrics
