@@ -285,7 +285,7 @@ def test_router_health_and_metrics(product):
     grpc_infer(grpc_client(product), "cust002", features(1))
     body = requests.get(base + "/health/cust002", timeout=5).json()
     assert body["healthy"] is True and body["state"] == "ready"
-    assert requests.get(base + "/health/cust003", timeout=5).status_code == 503
+    assert requests.get(base + "/health/identity", timeout=5).status_code == 503  # not loaded
     assert requests.get(base + "/health/nope", timeout=5).status_code == 404
     metrics = requests.get(base + "/metrics", timeout=5).text
     assert 'mmr_requests_total{code="OK",model="cust002",route="cust002",variant="default"}' in metrics
