@@ -35,9 +35,17 @@ from .errors import (
     OperationTimeout,
     TritonUnavailable,
 )
-from .eviction import DEFAULT_POLICY, Capacity, CachePlanner, Resident, make_policy
+from .eviction import (
+    DEFAULT_POLICY,
+    DEFAULT_PRIORITY,
+    CachePlanner,
+    Capacity,
+    Resident,
+    make_policy,
+)
 from .metrics import ControlPlaneMetrics
 from .names import validate_model_name
+from .placement import Placer
 from .state_store import StateStore
 from .triton_admin import TritonAdmin, TritonModelState
 from .triton_process import TritonProcess
@@ -180,6 +188,8 @@ class ModelManager:
         metrics: ControlPlaneMetrics | None = None,
         clock: Callable[[], float] = time.time,
         stager: Stager | None = None,
+        priority_of: Callable[[str], int] | None = None,
+        placer: Placer | None = None,
     ):
         if not servers:
             raise InvalidInput("the fleet needs at least one Triton server")
@@ -190,6 +200,10 @@ class ModelManager:
         self.metrics = metrics or ControlPlaneMetrics()
         self.clock = clock
         self.stager = stager
+        # Rollout-stage eviction priority of a model (registry.stage_priority); SLA/tenant
+        # aware placement (placement.Placer).  Defaults: one priority, filters without labels.
+        self.priority_of = priority_of or (lambda _name: DEFAULT_PRIORITY)
+        self.placer = placer or Placer()
         self.records: dict[str, ModelRecord] = {}
         self.catalog: set[str] = set()
         self._lock = asyncio.Lock()
@@ -346,28 +360,13 @@ class ModelManager:
 
     def _place(self, name: str, size_bytes: int) -> tuple[TritonServer, list[str]]:
         """Pick a server and the victims to evict there.  Pure; raises if none fits."""
-        candidates, errors = [], []
-        for server in self.servers.values():
-            if not server.up:
-                errors.append(TritonUnavailable(f"server {server.name} ({server.spec.grpc_url}) is down"))
-                continue
-            try:
-                plan = server.planner.plan(name, size_bytes)
-            except CapacityExhausted as exc:
-                errors.append(exc)
-                continue
-            free = (server.spec.memory_budget_bytes or 0) - server.planner.used_bytes
-            candidates.append((len(plan.victims), -free, server.name, server, plan.victims))
-        if not candidates:
-            capacity = [e for e in errors if isinstance(e, CapacityExhausted)]
-            if capacity:
-                self.metrics.capacity_errors.inc()
-                raise capacity[0] if len(capacity) == 1 else CapacityExhausted(
-                    "; ".join(f"{e.message}" for e in capacity))
-            raise errors[0]
-        candidates.sort(key=lambda c: c[:3])
-        _, _, _, server, victims = candidates[0]
-        return server, victims
+        rec = self.records.get(name)
+        try:
+            return self.placer.place(name, size_bytes, self.servers.values(),
+                                     pinned=bool(rec is not None and rec.pinned))
+        except CapacityExhausted:
+            self.metrics.capacity_errors.inc()
+            raise
 
     async def _load(self, name: str) -> ModelRecord:
         pending_unload = self._unloads.get(name)
@@ -397,12 +396,12 @@ class ModelManager:
                 return rec
             server, victims = self._place(name, size_bytes)
             now = self.clock()
-            server.planner.touch(name, now)
             for v in victims:
                 server.planner.residents[v].evictable = False
                 self.records[v].state = ModelState.UNLOADING
             server.planner.admit(
-                Resident(name, size_bytes, pinned=rec.pinned, evictable=False), now,
+                Resident(name, size_bytes, pinned=rec.pinned, evictable=False,
+                         priority=self.priority_of(name)), now,
                 load_cost_s=rec.load_time_s or 1.0,
             )
             previous_state = rec.state

@@ -14,7 +14,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -24,7 +24,14 @@ from control_plane.errors import ControlPlaneError
 from control_plane.manager import ModelManager, TritonServer
 
 from .canary import CanaryController
-from .errors import BackendUnavailable, RateLimited, RequestTimeout, RouterError, from_control_plane
+from .errors import (
+    BackendUnavailable,
+    InvalidRequest,
+    RateLimited,
+    RequestTimeout,
+    RouterError,
+    from_control_plane,
+)
 from .ratelimit import TokenBucket
 from .routes import Decision, RouteTable
 from .shadow import ShadowItem, ShadowMirror, outputs_of
@@ -35,6 +42,7 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                      1, 2.5, 5, 10, 30)
 GRPC_MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024
+INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
 
 @dataclass
@@ -91,7 +99,10 @@ class Router:
         self.canaries = CanaryController(table, self.stats)
         self.rng = rng or random.Random()
         self._buckets: dict[str, tuple[dict, TokenBucket]] = {}
-        self._channels: dict[str, tuple[grpc.aio.Channel, service_pb2_grpc.GRPCInferenceServiceStub]] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, service_pb2_grpc.GRPCInferenceServiceStub, object]] = {}
+        self._suffixes: dict[tuple, bytes] = {}
+        self._name_overrides: dict[str, bytes] = {}
+        self._metric_children: dict[tuple, tuple] = {}
         self.shadow = ShadowMirror(self._send_shadow, self.config.shadow_log_dir,
                                    self.config.shadow_queue_size, self.config.shadow_workers,
                                    self.config.shadow_timeout_s, self.metrics)
@@ -121,9 +132,16 @@ class Router:
                 ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT_BYTES),
                 ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT_BYTES),
             ])
+            # The raw ModelInfer callable sends and receives bytes: the router never
+            # re-serializes a request or parses a response it only passes through.
             entry = self._channels[server.spec.grpc_url] = (
-                channel, service_pb2_grpc.GRPCInferenceServiceStub(channel))
+                channel, service_pb2_grpc.GRPCInferenceServiceStub(channel),
+                channel.unary_unary(INFER_METHOD, request_serializer=None, response_deserializer=None))
         return entry[1]
+
+    def raw_infer(self, server: TritonServer):
+        self.stub(server)
+        return self._channels[server.spec.grpc_url][2]
 
     def check_limits(self, *names: str) -> None:
         for name in names:
@@ -174,8 +192,14 @@ class Router:
 
     def record(self, decision: Decision, latency_s: float, code: str) -> None:
         ok = code == "OK"
-        self.metrics.requests.labels(decision.logical, decision.model, decision.variant, code).inc()
-        self.metrics.latency.labels(decision.logical, decision.variant).observe(latency_s)
+        key = (decision.logical, decision.model, decision.variant, code)
+        children = self._metric_children.get(key)
+        if children is None:  # labels() lookups cost more than the increments themselves
+            children = self._metric_children[key] = (
+                self.metrics.requests.labels(*key),
+                self.metrics.latency.labels(decision.logical, decision.variant))
+        children[0].inc()
+        children[1].observe(latency_s)
         self.stats.record(decision.scope, decision.variant, latency_s * 1000, ok, decision.randomly_assigned)
 
     # ------------------------------------------------------------------ inference
@@ -239,6 +263,60 @@ class Router:
                                              outputs_of(response),
                                              (time.perf_counter() - call.start) * 1000))
             return response
+
+    def _response_suffix(self, decision: Decision) -> bytes:
+        """Serialized routing parameters, appended to Triton's response bytes.
+
+        Protobuf merges concatenated messages (map entries add up), so appending these
+        bytes equals setting the parameters on a parsed response."""
+        key = (decision.model, decision.variant, decision.experiment)
+        suffix = self._suffixes.get(key)
+        if suffix is None:
+            r = service_pb2.ModelInferResponse()
+            r.parameters["model"].string_param = decision.model
+            r.parameters["variant"].string_param = decision.variant
+            if decision.experiment:
+                r.parameters["experiment"].string_param = decision.experiment
+            suffix = self._suffixes[key] = r.SerializeToString()
+        return suffix
+
+    def _model_override(self, model: str) -> bytes:
+        """Appended to request bytes: for a singular field the last occurrence wins."""
+        suffix = self._name_overrides.get(model)
+        if suffix is None:
+            suffix = self._name_overrides[model] = service_pb2.ModelInferRequest(
+                model_name=model).SerializeToString()
+        return suffix
+
+    async def infer_raw(self, raw: bytes, metadata_user_id: Callable[[], str | None],
+                        timeout_s: float | None = None) -> bytes:
+        """ModelInfer on serialized bytes: parse once to route, forward the bytes as they are."""
+        try:
+            request = service_pb2.ModelInferRequest.FromString(raw)
+        except Exception as exc:  # DecodeError
+            raise InvalidRequest(f"malformed ModelInferRequest: {exc}") from None
+        param = request.parameters.get("user_id")
+        user_id = param.string_param if param is not None and param.string_param else metadata_user_id()
+        async with self.serving(request.model_name, user_id) as call:
+            decision, server = call.decision, call.server
+            body = raw if decision.model == request.model_name else raw + self._model_override(decision.model)
+            try:
+                response = await self.raw_infer(server)(
+                    body, timeout=timeout_s or self.config.request_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                call.code = exc.code().name
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise BackendUnavailable(
+                        f"Triton {server.name} at {server.spec.grpc_url} is unavailable "
+                        f"({exc.details()}); the control plane restarts it, retry shortly") from exc
+                raise
+            if decision.shadow:
+                request.model_name = decision.shadow
+                self.shadow.offer(ShadowItem(
+                    decision.logical, decision.shadow, request,
+                    outputs_of(service_pb2.ModelInferResponse.FromString(response)),
+                    (time.perf_counter() - call.start) * 1000))
+            return response + self._response_suffix(decision)
 
     async def _send_shadow(self, model: str, request, timeout_s: float):
         server = await self.server_for(model)

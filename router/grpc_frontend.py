@@ -22,14 +22,18 @@ SERVER_VERSION = "2.51.0"
 EXTENSIONS = ["classification", "model_configuration", "statistics", "parameters"]
 
 
-def _user_id(request, context) -> str | None:
-    param = request.parameters.get("user_id") if request.parameters else None
-    if param is not None and param.string_param:
-        return param.string_param
+def _metadata_user_id(context) -> str | None:
     for key, value in context.invocation_metadata() or ():
         if key == "x-user-id":
             return value
     return None
+
+
+def _user_id(request, context) -> str | None:
+    param = request.parameters.get("user_id") if request.parameters else None
+    if param is not None and param.string_param:
+        return param.string_param
+    return _metadata_user_id(context)
 
 
 async def _abort(context, exc: RouterError):
@@ -120,18 +124,54 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     LogSettings = _refuse("LogSettings")
 
 
+SERVICE = "inference.GRPCInferenceService"
+
+
+class _HandlerCapture:
+    """Collects the generated method handlers so one of them can be replaced."""
+
+    def __init__(self):
+        self.handlers: dict = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        assert service == SERVICE, service
+        self.handlers = dict(handlers)
+
+
+def _servicer_handlers(servicer) -> dict:
+    capture = _HandlerCapture()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, capture)
+    return capture.handlers
+
+
 async def start_grpc(router: Router, host: str, port: int, max_request_bytes: int) -> tuple[grpc.aio.Server, int]:
     """Serve on host:port (0 = any free port); returns the server and the bound port.
 
     ``grpc.max_receive_message_length`` makes gRPC refuse an oversize message from its
     length prefix, before the body is read into memory (RESOURCE_EXHAUSTED).
     """
+    async def model_infer_raw(raw: bytes, context):
+        # ModelInfer on bytes (no deserializer): the hot path never re-serializes.
+        try:
+            return await router.infer_raw(raw, lambda: _metadata_user_id(context),
+                                          context.time_remaining())
+        except RouterError as exc:
+            await _abort(context, exc)
+        except grpc.aio.AioRpcError as exc:  # Triton's own answer (shape, dtype, ...)
+            await context.abort(exc.code(), exc.details())
+
+    handlers = _servicer_handlers(InferenceServicer(router))
+    handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(model_infer_raw)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_request_bytes),
         ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT_BYTES),
         ("grpc.so_reuseport", 0),
     ])
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(router), server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the router's gRPC port {host}:{port} (in use?)")
