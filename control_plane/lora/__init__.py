@@ -1,0 +1,53 @@
+"""LoRA multi-adapter serving: one base model, many PEFT adapters, mixed-adapter batches.
+
+Pure torch, no Triton: the LoRA model folders (``model_repository/tinylm``,
+``model_repository/recommender_lora``) get a copy of this package as ``<version>/_lora``
+(``control_plane.adapters_demo`` writes it), and the control plane imports it directly to
+validate adapters and write the manifest.  It must therefore never import the rest of
+``control_plane``.
+
+Modules:
+    peft       read/validate/write adapters in the PEFT layout
+    bank       stacked per-slot LoRA weights, per-row gather + bmm (BGMV) via forward hooks
+    policy     pure LRU-with-pinning for the device and host tiers
+    cache      device slots -> host memory -> adapter directory, background cold loads
+    manifest   the control plane's desired state (pinned/preload/disabled), watched by models
+    server     transport-free serving core: batches, deferred cold loads, control ops
+    runtime    settings from model config parameters, per-base parsing and runners
+    models     TinyLM (byte-level causal LM) and RecommenderMLP
+    errors     LoraError tree with the Triton error code of each class
+"""
+
+from .errors import (
+    AdapterCapacityExhausted,
+    AdapterNotFound,
+    AdapterRefused,
+    InvalidAdapterName,
+    InvalidRequest,
+    LoraError,
+    RuntimeClosing,
+)
+from .manifest import MANIFEST_FILE, Manifest, read_manifest, write_manifest
+from .names import validate_adapter_name
+from .peft import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, LoraConfig, read_adapter, write_adapter
+
+__all__ = [
+    "CONFIG_FILE",
+    "MANIFEST_FILE",
+    "WEIGHTS_FILE",
+    "AdapterCapacityExhausted",
+    "AdapterNotFound",
+    "AdapterRefused",
+    "InvalidAdapterName",
+    "InvalidRequest",
+    "LoraAdapter",
+    "LoraConfig",
+    "LoraError",
+    "Manifest",
+    "RuntimeClosing",
+    "read_adapter",
+    "read_manifest",
+    "validate_adapter_name",
+    "write_adapter",
+    "write_manifest",
+]

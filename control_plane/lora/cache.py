@@ -1,0 +1,556 @@
+"""The adapter cache inside a LoRA model: device slots, host memory, adapter directory.
+
+Tiers, fastest first:
+
+* **device**: ``max_device_adapters`` slots of the ``LoraBank`` (GPU memory on a GPU
+  instance).  A batch can only use adapters in a slot.  LRU; pinned adapters never leave.
+* **host**: up to ``max_host_adapters`` validated adapters in host memory (pinned memory on a
+  GPU instance, so the swap-in is one async copy).  LRU.
+* **cold**: the adapter directory (``<adapter_dir>/<name>/``, PEFT layout), which the control
+  plane fills like any other artifact (copied from the object store into the warm tier).
+
+How a request's adapter gets to a slot (``lease``):
+
+* in a slot: used as is (device hit);
+* in host memory: copied into a free slot, or into the least recently used unpinned slot
+  that the batch is not using (host hit; the copy is the "swap-in");
+* only on disk: read and validated on the loader thread (cold miss) while the lease
+  answers "pending" with a Future.  Disk reads never happen under the lock, so a cold load
+  never blocks a batch whose adapters are resident; it costs it at most one swap-in copy.
+* unknown, disabled, or refused earlier: an error for the requests that named it only.
+
+Thread safety: one ``RLock`` guards all of the cache's state and the bank.  ``lease`` holds
+it for the batch's forward pass too, so a slot cannot be rewritten while a batch reads it.
+The loader thread takes it only to insert a finished adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .bank import LoraBank
+from .errors import (
+    AdapterCapacityExhausted,
+    AdapterNotFound,
+    AdapterRefused,
+    InvalidRequest,
+    LoraError,
+    RuntimeClosing,
+)
+from .manifest import Manifest
+from .names import validate_adapter_name
+from .peft import CONFIG_FILE, LoraAdapter, adapter_signature, read_adapter
+from .policy import LruTier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AdapterStats:
+    requests: int = 0
+    device_hits: int = 0
+    host_hits: int = 0
+    misses: int = 0  # requests that waited for a cold load
+    cold_loads: int = 0
+    load_time_s: float | None = None  # last cold load: read + validate, disk -> host
+    swap_in_s: float | None = None  # last host -> device copy into a slot
+    last_used_unix: float | None = None
+
+
+@dataclass
+class Lease:
+    """What ``AdapterCache.lease`` decided for each distinct adapter name of a batch."""
+
+    slots: dict[str | None, int] = field(default_factory=dict)  # ready: name -> bank slot
+    errors: dict[str, LoraError] = field(default_factory=dict)  # fail these requests
+    pending: dict[str, Future] = field(default_factory=dict)  # cold: done when in host memory
+    overflow: set[str] = field(default_factory=set)  # no free slot in this batch: next wave
+
+
+class AdapterSource:
+    """The cold tier: a directory with one PEFT adapter directory per adapter name.
+
+    Names starting with '.' are staging leftovers (``.acme.tmp``) and are never served."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+
+    def path(self, name: str) -> Path:
+        return self.root / validate_adapter_name(name)
+
+    def exists(self, name: str) -> bool:
+        return self.path(name).is_dir()
+
+    def names(self) -> list[str]:
+        try:
+            entries = sorted(p for p in self.root.iterdir() if p.is_dir())
+        except FileNotFoundError:
+            return []
+        return [p.name for p in entries if not p.name.startswith(".")]
+
+
+def future_error(future: Future) -> BaseException | None:
+    """The Future's exception; a cancelled Future (the model is unloading) counts as one."""
+    if future.cancelled():
+        return RuntimeClosing("the model is being unloaded")
+    return future.exception()
+
+
+def _done(result=None, error: BaseException | None = None) -> Future:
+    future: Future = Future()
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+    return future
+
+
+class AdapterCache:
+    def __init__(
+        self,
+        bank: LoraBank,
+        source: AdapterSource,
+        *,
+        max_host_adapters: int = 64,
+        base_name: str = "base",
+        all_linear_excluded: Iterable[str] = (),
+        loader: Executor | None = None,
+        reader: Callable[..., LoraAdapter] = read_adapter,
+        load_delay_s: float = 0.0,
+        clock: Callable[[], float] = time.perf_counter,
+        wall_clock: Callable[[], float] = time.time,
+    ):
+        self.bank = bank
+        self.source = source
+        self.base_name = base_name
+        self.all_linear_excluded = tuple(all_linear_excluded)
+        self.device_tier = LruTier(bank.num_slots, "device")
+        self.host_tier = LruTier(max_host_adapters, "host")
+        self.lock = threading.RLock()
+        self._owns_loader = loader is None
+        self._loader = loader or ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
+        self._reader = reader
+        self._load_delay_s = load_delay_s  # test hook: makes a cold load observably slow
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._pin_host = bank.device.type == "cuda"
+
+        self._host: dict[str, LoraAdapter] = {}
+        self._slot_of: dict[str, int] = {}
+        self._free_slots = list(range(bank.num_slots, 0, -1))  # pop() gives slot 1 first
+        self._loading: dict[str, Future] = {}
+        self._refused: dict[str, tuple[AdapterRefused, tuple]] = {}
+        self._pinned: set[str] = set()
+        self._disabled: set[str] = set()
+        self._stats: dict[str, AdapterStats] = {}
+        self._meta: dict[str, tuple[int, int]] = {}  # name -> (rank, bytes) once loaded
+        self._control_errors: dict[str, str] = {}  # pin/preload failures, for status
+        self.manifest_generation: int | None = None
+        self.manifest_error: str | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ data path
+
+    @contextmanager
+    def lease(
+        self, names: Iterable[str | None], count: Iterable[bool] | None = None
+    ) -> Iterator[Lease]:
+        """Put the adapters of one batch into device slots and hold the lock until the block
+        ends (run the forward inside it).  ``names`` has one entry per request (None = base).
+        ``count`` (parallel to ``names``, default all True) says which requests enter the
+        statistics, so a request retried after a cold load or in a later wave counts once."""
+        names = list(names)
+        counted = [True] * len(names) if count is None else list(count)
+        with self.lock:
+            yield self._assign(names, Counter(n for n, c in zip(names, counted) if c))
+
+    def _assign(self, names: list[str | None], counts: Counter) -> Lease:
+        lease = Lease()
+        # Adapters already in a slot go first, so they are protected before any swap-in of
+        # this batch picks a victim.
+        order = sorted(dict.fromkeys(names), key=lambda n: n is not None and n not in self._slot_of)
+        now = self._wall_clock()
+        for name in order:
+            if name is None:
+                lease.slots[None] = 0
+                continue
+            slot = self._slot_of.get(name)
+            if slot is not None:  # the hot path: validated when it was admitted
+                self.device_tier.touch(name)
+                stats = self._stats[name]
+                stats.requests += counts[name]
+                stats.device_hits += counts[name]
+                stats.last_used_unix = now
+                lease.slots[name] = slot
+                continue
+            try:
+                slot, hit = self._ready_slot(name, protect=lease.slots.keys())
+            except (AdapterNotFound, InvalidRequest) as exc:
+                lease.errors[name] = exc  # no statistics for names that are not adapters
+                continue
+            except LoraError as exc:
+                lease.errors[name] = exc
+                hit = None
+                slot = 0
+            stats = self._stats.setdefault(name, AdapterStats())
+            stats.requests += counts[name]
+            stats.last_used_unix = now
+            if hit == "device":
+                stats.device_hits += counts[name]
+            elif hit == "host":
+                stats.host_hits += counts[name]
+            if name in lease.errors:
+                continue
+            if slot is None:
+                lease.overflow.add(name)
+            elif slot < 0:
+                stats.misses += counts[name]
+                lease.pending[name] = self._ensure_host(name)
+            else:
+                lease.slots[name] = slot
+        return lease
+
+    def _ready_slot(self, name: str, protect) -> tuple[int | None, str | None]:
+        """(slot, "device"|"host") when the adapter is in a slot now; (-1, None) if it must
+        come from disk first; (None, None) if every slot is in use by this batch.  Raises
+        for disabled, unknown or refused adapters."""
+        validate_adapter_name(name)
+        if name in self._disabled:
+            raise AdapterNotFound(f"adapter {name!r} is disabled on {self.base_name}")
+        slot = self._slot_of.get(name)
+        if slot is not None:
+            self.device_tier.touch(name)
+            self.host_tier.touch(name)
+            return slot, "device"
+        if name in self._host:
+            self.host_tier.touch(name)
+            slot = self._swap_in(name, protect)
+            return slot, ("host" if slot is not None else None)
+        refused = self._refused.get(name)
+        if refused is not None:
+            error, signature = refused
+            if signature == adapter_signature(self.source.path(name)):
+                raise error
+            del self._refused[name]  # re-staged since: try again
+        if name not in self._loading and not self.source.exists(name):
+            raise AdapterNotFound(
+                f"adapter {name!r} not found for {self.base_name}: no {self.source.path(name)} "
+                f"directory with {CONFIG_FILE}; stage it first"
+            )
+        return -1, None
+
+    def _swap_in(self, name: str, protect=()) -> int | None:
+        """Copy a host-tier adapter into a slot, evicting the LRU unpinned adapter that is
+        not in ``protect``.  None when every slot is in use by ``protect``."""
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            victim = self.device_tier.victim(protect)
+            if victim is None:
+                if self.device_tier.all_pinned():
+                    raise AdapterCapacityExhausted(
+                        f"cannot load adapter {name!r}: all {self.bank.num_slots} device slots "
+                        f"of {self.base_name} hold pinned adapters "
+                        f"({', '.join(sorted(self.device_tier.pinned))}); unpin one or raise "
+                        "max_device_adapters"
+                    )
+                return None
+            slot = self._evict_device(victim, clear=False)  # write() overwrites the slot whole
+        started = self._clock()
+        self.bank.write(slot, self._host[name])
+        self.bank.synchronize()
+        self._stats.setdefault(name, AdapterStats()).swap_in_s = self._clock() - started
+        self._slot_of[name] = slot
+        self.device_tier.add(name)
+        if name in self._pinned:
+            self.device_tier.pin(name)
+        return slot
+
+    def _evict_device(self, name: str, clear: bool = True) -> int:
+        slot = self._slot_of.pop(name)
+        self.device_tier.remove(name)
+        self.device_tier.unpin(name)
+        if clear:
+            self.bank.clear(slot)
+        log.info("evicted adapter %s from device slot %d", name, slot)
+        return slot
+
+    def _ensure_host(self, name: str) -> Future:
+        """A Future that completes once ``name`` is in host memory (one load per adapter;
+        late callers share it).  Fails with the loader's LoraError."""
+        with self.lock:
+            if name in self._host:
+                return _done()
+            future = self._loading.get(name)
+            if future is None:
+                if self._closed:
+                    return _done(error=InvalidRequest("the adapter cache is closed"))
+                future = self._loader.submit(self._load_cold, name)
+                self._loading[name] = future
+            return future
+
+    def _load_cold(self, name: str) -> None:
+        started = self._clock()
+        path = self.source.path(name)
+        try:
+            if self._load_delay_s:
+                time.sleep(self._load_delay_s)
+            adapter = self._reader(
+                path,
+                self.bank.targets,
+                name=name,
+                max_rank=self.bank.max_rank,
+                dtype=self.bank.dtype,
+                all_linear_excluded=self.all_linear_excluded,
+                base_name=self.base_name,
+            )
+            if self._pin_host:
+                adapter = adapter.to("cpu", pin_memory=True)
+        except AdapterRefused as exc:
+            log.error("%s", exc.message)
+            with self.lock:
+                self._loading.pop(name, None)
+                self._refused[name] = (exc, adapter_signature(path))
+            raise
+        except LoraError:
+            with self.lock:
+                self._loading.pop(name, None)
+            raise
+        except Exception as exc:
+            log.exception("loading adapter %s failed", name)
+            with self.lock:
+                self._loading.pop(name, None)
+            raise LoraError(f"loading adapter {name!r} failed: {exc}") from exc
+        with self.lock:
+            self._loading.pop(name, None)
+            if name in self._disabled:
+                raise AdapterNotFound(f"adapter {name!r} was disabled on {self.base_name} while loading")
+            self._insert_host(name, adapter)
+            stats = self._stats.setdefault(name, AdapterStats())
+            stats.cold_loads += 1
+            stats.load_time_s = self._clock() - started
+            log.info("loaded adapter %s (rank %d, %d bytes) in %.3fs", name, adapter.rank,
+                     adapter.nbytes, stats.load_time_s)
+
+    def _insert_host(self, name: str, adapter: LoraAdapter) -> None:
+        if name not in self.host_tier and self.host_tier.full:
+            victim = self.host_tier.victim()
+            if victim is not None:
+                self.host_tier.remove(victim)
+                self._host.pop(victim, None)
+        self._host[name] = adapter
+        self.host_tier.add(name)
+        self._meta[name] = (adapter.rank, adapter.nbytes)
+
+    # ------------------------------------------------------------------ control
+
+    def load(self, name: str) -> Future:
+        """Bring ``name`` into a device slot now (from disk if needed), in the background.
+        The Future fails with the reason when the adapter is unknown, refused or no slot
+        can be freed."""
+        try:
+            validate_adapter_name(name)
+            with self.lock:
+                if name in self._disabled:
+                    raise AdapterNotFound(f"adapter {name!r} is disabled on {self.base_name}")
+                if name in self._slot_of:
+                    self.device_tier.touch(name)
+                    return _done()
+                if name not in self._host and name not in self._loading and not self.source.exists(name):
+                    raise AdapterNotFound(
+                        f"adapter {name!r} not found for {self.base_name}: no "
+                        f"{self.source.path(name)} directory; stage it first"
+                    )
+                host = self._ensure_host(name)
+        except LoraError as exc:
+            return _done(error=exc)
+        result: Future = Future()
+
+        def to_device(done: Future) -> None:
+            error = future_error(done)
+            if error is None:
+                try:
+                    with self.lock:
+                        if name not in self._slot_of:
+                            if name not in self._host:
+                                raise LoraError(f"adapter {name!r} left host memory before its swap-in; retry")
+                            if self._swap_in(name) is None:  # pragma: no cover - no batch holds slots here
+                                raise AdapterCapacityExhausted(f"no device slot free for {name!r}")
+                except LoraError as exc:
+                    error = exc
+            if error is None:
+                result.set_result(None)
+            else:
+                result.set_exception(error)
+
+        host.add_done_callback(to_device)
+        return result
+
+    def pin(self, name: str) -> Future:
+        """Keep ``name`` in a device slot for good (loads it if needed)."""
+        with self.lock:
+            if name not in self._pinned and len(self._pinned) >= self.bank.num_slots:
+                return _done(error=AdapterCapacityExhausted(
+                    f"cannot pin {name!r}: all {self.bank.num_slots} device slots of "
+                    f"{self.base_name} are already pinned ({', '.join(sorted(self._pinned))})"
+                ))
+            self._pinned.add(name)
+            if name in self._slot_of:
+                self.device_tier.pin(name)
+        future = self.load(name)
+
+        def release_failed_pin(done: Future) -> None:
+            if future_error(done) is not None:  # a pin that cannot load holds no capacity
+                self.unpin(name)
+
+        future.add_done_callback(release_failed_pin)
+        return future
+
+    def unpin(self, name: str) -> None:
+        with self.lock:
+            self._pinned.discard(name)
+            self.device_tier.unpin(name)
+
+    def unload(self, name: str) -> bool:
+        """Drop ``name`` from device and host memory (the directory copy stays); a refusal
+        is forgotten too.  Refuses pinned adapters.  True if anything was dropped."""
+        validate_adapter_name(name)
+        with self.lock:
+            if name in self._pinned:
+                raise InvalidRequest(f"adapter {name!r} is pinned on {self.base_name}; unpin it first")
+            return self._drop(name)
+
+    def _drop(self, name: str) -> bool:
+        dropped = False
+        if name in self._slot_of:
+            self._free_slots.append(self._evict_device(name))
+            dropped = True
+        if name in self._host:
+            del self._host[name]
+            self.host_tier.remove(name)
+            dropped = True
+        dropped = self._refused.pop(name, None) is not None or dropped
+        return dropped
+
+    def disable(self, name: str) -> None:
+        with self.lock:
+            self._disabled.add(name)
+            self._pinned.discard(name)
+            self._drop(name)
+
+    def enable(self, name: str) -> None:
+        with self.lock:
+            self._disabled.discard(name)
+
+    def apply_manifest(self, manifest: Manifest) -> list[Future]:
+        """Make the cache match ``manifest`` (idempotent).  Pins and preloads load in the
+        background; their Futures are returned, failures also show in ``status()``."""
+        futures = []
+        with self.lock:
+            for name in set(self._disabled) - set(manifest.disabled):
+                self.enable(name)
+            for name in manifest.disabled:
+                self.disable(name)
+            for name in set(self._pinned) - set(manifest.pinned):
+                self.unpin(name)
+            self.manifest_generation = manifest.generation
+            for name in manifest.pinned:
+                self._control_errors.pop(name, None)
+            for name in manifest.preload:
+                self._control_errors.pop(name, None)
+        for name in manifest.pinned:
+            futures.append(self._track(name, "pin", self.pin(name)))
+        for name in manifest.preload:
+            if name not in manifest.pinned:
+                futures.append(self._track(name, "preload", self.load(name)))
+        return futures
+
+    def _track(self, name: str, what: str, future: Future) -> Future:
+        def record(done: Future) -> None:
+            error = future_error(done)
+            if error is not None:
+                message = getattr(error, "message", str(error))
+                log.error("%s of adapter %s failed: %s", what, name, message)
+                with self.lock:
+                    self._control_errors[name] = f"{what} failed: {message}"
+
+        future.add_done_callback(record)
+        return future
+
+    # ------------------------------------------------------------------ inspection
+
+    def tier_of(self, name: str) -> str:
+        with self.lock:
+            if name in self._disabled:
+                return "disabled"
+            if name in self._slot_of:
+                return "device"
+            if name in self._host:
+                return "host"
+            if name in self._loading:
+                return "loading"
+            if name in self._refused:
+                return "refused"
+            return "cold" if self.source.exists(name) else "missing"
+
+    def resident(self) -> list[str]:
+        """Adapters in device slots, least recently used first."""
+        with self.lock:
+            return list(self.device_tier)
+
+    def status(self) -> dict:
+        """Everything ``mmctl adapter list`` shows, as plain JSON-able data."""
+        with self.lock:
+            names = set(self.source.names()) | set(self._stats) | set(self._host) | set(self._slot_of)
+            names |= self._pinned | self._disabled | set(self._refused) | set(self._control_errors)
+            adapters = []
+            for name in sorted(names):
+                stats = self._stats.get(name, AdapterStats())
+                rank, nbytes = self._meta.get(name, (None, None))
+                refused = self._refused.get(name)
+                adapters.append({
+                    "name": name,
+                    "tier": self.tier_of(name),
+                    "pinned": name in self._pinned,
+                    "slot": self._slot_of.get(name),
+                    "rank": rank,
+                    "bytes": nbytes,
+                    "requests": stats.requests,
+                    "device_hits": stats.device_hits,
+                    "host_hits": stats.host_hits,
+                    "misses": stats.misses,
+                    "cold_loads": stats.cold_loads,
+                    "load_time_s": stats.load_time_s,
+                    "swap_in_s": stats.swap_in_s,
+                    "last_used_unix": stats.last_used_unix,
+                    "error": refused[0].message if refused else self._control_errors.get(name),
+                })
+            return {
+                "base": self.base_name,
+                "device": str(self.bank.device),
+                "max_device_adapters": self.bank.num_slots,
+                "max_host_adapters": self.host_tier.capacity,
+                "max_lora_rank": self.bank.max_rank,
+                "device_slots_used": len(self._slot_of),
+                "host_adapters": len(self._host),
+                "bank_bytes": self.bank.nbytes,
+                "host_bytes": sum(a.nbytes for a in self._host.values()),
+                "adapter_dir": str(self.source.root),
+                "manifest_generation": self.manifest_generation,
+                "manifest_error": self.manifest_error,
+                "adapters": adapters,
+            }
+
+    def close(self) -> None:
+        with self.lock:
+            self._closed = True
+        if self._owns_loader:
+            self._loader.shutdown(wait=True, cancel_futures=True)

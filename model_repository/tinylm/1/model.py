@@ -1,0 +1,46 @@
+"""tinylm: a byte-level causal LM that serves many LoRA adapters in mixed batches.
+
+Text in (``TEXT``, one prompt per row), greedy continuation out (``GENERATED_TEXT``).
+The budget is input ``MAX_NEW_TOKENS`` or request parameter ``max_new_tokens``; the adapter
+is request parameter ``adapter`` or input ``ADAPTER`` (none = the base model).  The LoRA
+runtime is the ``_lora`` package next to this file (a copy of ``control_plane/lora`` made by
+``control_plane/adapters_demo.py``); see README.md for adapters, control and errors.
+"""
+
+import os
+import sys
+
+# The python-backend stub embeds the system libpython and ignores PYTHONPATH, so the
+# launcher's environment (a virtualenv with torch) is added here.  A no-op in the NGC
+# container, where torch is installed system-wide.
+for _path in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    if _path and _path not in sys.path:
+        sys.path.append(_path)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+from _lora.models import load_tinylm  # noqa: E402
+from _lora.runtime import parse_text_request, tinylm_runner  # noqa: E402
+from _lora.triton_glue import LoraTritonModel, input_array  # noqa: E402
+
+WEIGHTS_FILE = "weights.safetensors"
+
+
+class TritonPythonModel(LoraTritonModel):
+    def build(self, version_dir):
+        self.lm = load_tinylm(os.path.join(version_dir, WEIGHTS_FILE))
+        return self.lm, tinylm_runner(self.lm)
+
+    def parse(self, request, parameters):
+        payload = parse_text_request(
+            self.lm,
+            self.settings,
+            input_array(request, "TEXT"),
+            input_array(request, "MAX_NEW_TOKENS"),
+            parameters,
+        )
+        return payload, len(payload.prompts)
+
+    def outputs(self, texts):
+        return [pb_utils.Tensor("GENERATED_TEXT", np.array(texts, dtype=object).reshape(-1, 1))]
