@@ -1,0 +1,220 @@
+"""``mmctl registry ...``: model versions, rollout stages and the warm tier.
+
+A click group added to ``mmctl`` (``cli.add_command(registry)``).  It finds the control
+plane through the parent's context object (``.url``, ``.timeout_s``); run on its own it
+takes ``MMCTL_URL``.  Exit codes are mmctl's (2 bad input, 3 unreachable, 4 unknown model,
+5 no capacity, 6 load/download failed, 7 timeout).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+import requests
+
+from .registry import DEFAULT_SLA, SLA_CLASSES, STAGES
+
+DEFAULT_URL = "http://127.0.0.1:8090"
+EXIT_ERROR, EXIT_UNREACHABLE, EXIT_LOAD_FAILED, EXIT_TIMEOUT = 1, 3, 6, 7
+EXIT_BY_ERROR = {
+    "invalid_input": 2, "invalid_model_name": 2, "model_not_found": 4, "capacity_exhausted": 5,
+    "load_failed": 6, "triton_unavailable": 3, "timeout": 7,
+}
+
+
+def _target(ctx: click.Context) -> tuple[str, float]:
+    obj = ctx.find_root().obj
+    url = getattr(obj, "url", None) or os.environ.get("MMCTL_URL", DEFAULT_URL)
+    return url.rstrip("/"), float(getattr(obj, "timeout_s", 600.0))
+
+
+def _call(method: str, path: str, body: dict | None = None, params: dict | None = None,
+          ok: tuple[int, ...] = (200, 201, 202)) -> dict:
+    url, timeout_s = _target(click.get_current_context())
+    try:
+        resp = requests.request(method, url + path, json=body, params=params, timeout=timeout_s)
+    except requests.ConnectionError:
+        click.echo(f"error: the control plane is not running at {url}; start it with `mmctl up`, "
+                   "or point --url / MMCTL_URL at it", err=True)
+        sys.exit(EXIT_UNREACHABLE)
+    except requests.Timeout:
+        click.echo(f"error: no answer from {url} within {timeout_s:.0f}s (raise --timeout)", err=True)
+        sys.exit(EXIT_TIMEOUT)
+    try:
+        data = resp.json()
+    except ValueError:
+        data = {"error": "internal", "message": resp.text[:500]}
+    if resp.status_code not in ok:
+        click.echo(f"error: {data.get('message', data)}", err=True)
+        sys.exit(EXIT_BY_ERROR.get(data.get("error"), EXIT_ERROR))
+    return data
+
+
+def _size(n) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _table(rows: list[list], headers: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _when(ts) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def _default_who() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no user name in this environment
+        return "mmctl"
+
+
+@click.group()
+def registry():
+    """Model versions, rollout stages (shadow/canary/production) and the warm tier."""
+
+
+@registry.command("add")
+@click.argument("model")
+@click.option("--version", "version", type=int, required=True, help="Version number (>= 1).")
+@click.option("--artifact", "artifact_uri", help="s3://bucket/path/ or file:///path/ of the model folder "
+              "(default: the configured cold store's <model>/<version>/).")
+@click.option("--from-dir", "source_dir", type=click.Path(exists=True, file_okay=False),
+              help="Publish this local model folder to the artifact URI first.")
+@click.option("--sha256", help="Expected folder sha256 (refused if the artifact differs).")
+@click.option("--metric", "metrics", multiple=True, help="Validation metric name=value (repeatable).")
+@click.option("--data-fingerprint", help="Fingerprint of the training data, e.g. sha256:...")
+@click.option("--sla", type=click.Choice(SLA_CLASSES), default=DEFAULT_SLA, show_default=True)
+@click.option("--tenant", help="Tenant the model belongs to (placement affinity).")
+@click.option("--stage", type=click.Choice(STAGES[:-1]), default="registered", show_default=True)
+@click.option("--who", default=_default_who, help="Recorded as the author of the change.")
+@click.option("--json", "as_json", is_flag=True)
+def add(model, version, artifact_uri, source_dir, sha256, metrics, data_fingerprint, sla, tenant,
+        stage, who, as_json):
+    """Register MODEL --version N with its artifact and metadata."""
+    body = {"version": version, "artifact_uri": artifact_uri, "sha256": sha256,
+            "source_dir": str(Path(source_dir).resolve()) if source_dir else None,
+            "metrics": list(metrics), "data_fingerprint": data_fingerprint, "sla": sla,
+            "tenant": tenant, "stage": stage, "who": who}
+    mv = _call("POST", f"/v1/registry/models/{model}/versions", body)
+    if as_json:
+        click.echo(json.dumps(mv, indent=2))
+    else:
+        click.echo(f"{mv['name']}: {mv['stage']}, {_size(mv['size_bytes'])}, sha256 {mv['sha256'][:16]}..., "
+                   f"{mv['artifact_uri']}")
+
+
+@registry.command("list")
+@click.argument("model", required=False)
+@click.option("--json", "as_json", is_flag=True)
+def list_(model, as_json):
+    """Models, versions, stage, size and where they are (cold/warm/hot, server)."""
+    data = _call("GET", "/v1/registry", params={"model": model} if model else None)
+    versions = data["versions"]
+    if as_json:
+        click.echo(json.dumps(versions, indent=2))
+        return
+    rows = [[v["name"], v["stage"], v["sla"], _size(v["size_bytes"]), _size(v.get("memory_bytes")),
+             v.get("tier") or "-", v.get("server") or "-",
+             " ".join(f"{k}={val:g}" for k, val in sorted(v["metrics"].items())) or "-",
+             f"{v['stage_changed_by']} {_when(v['stage_changed_at'])}"] for v in versions]
+    click.echo(_table(rows, ["NAME", "STAGE", "SLA", "SIZE", "MEASURED", "TIER", "SERVER",
+                             "METRICS", "STAGE SET BY"]))
+
+
+@registry.command("promote")
+@click.argument("model")
+@click.option("--version", "version", type=int, required=True)
+@click.option("--stage", type=click.Choice(STAGES), required=True,
+              help="production retires the current production version.")
+@click.option("--note", help="Why (kept in the history).")
+@click.option("--who", default=_default_who)
+@click.option("--json", "as_json", is_flag=True)
+def promote(model, version, stage, note, who, as_json):
+    """Move MODEL --version N to --stage (shadow|canary|production|retired)."""
+    mv = _call("POST", f"/v1/registry/models/{model}/versions/{version}/stage",
+               {"stage": stage, "note": note, "who": who})
+    click.echo(json.dumps(mv, indent=2) if as_json else
+               f"{mv['name']}: {mv['stage']} (by {mv['stage_changed_by']} at {_when(mv['stage_changed_at'])})")
+
+
+@registry.command("history")
+@click.argument("model")
+@click.option("--version", "version", type=int)
+@click.option("--json", "as_json", is_flag=True)
+def history(model, version, as_json):
+    """Every stage change of MODEL: from, to, who, when."""
+    data = _call("GET", f"/v1/registry/models/{model}/history",
+                 params={"version": version} if version is not None else None)["history"]
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    rows = [[f"v{c['version']}", c["from_stage"] or "-", c["to_stage"], c["who"], _when(c["at"]),
+             c.get("note") or ""] for c in data]
+    click.echo(_table(rows, ["VERSION", "FROM", "TO", "WHO", "WHEN", "NOTE"]))
+
+
+@registry.command("warm")
+@click.option("--json", "as_json", is_flag=True)
+def warm(as_json):
+    """What is in the warm tier (host DRAM) and what is downloading."""
+    data = _call("GET", "/v1/warm")
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(f"warm tier {data['repository']}: {_size(data['used_bytes'])} used of "
+               f"{_size(data['budget_bytes']) if data['budget_bytes'] else 'unlimited'}")
+    rows = [[m["name"], _size(m["size_bytes"]), "yes" if m["busy"] else "", "" if m["managed"] else "local-only",
+             _when(m["last_used"])] for m in data["models"]]
+    rows += [[d["name"], f"{_size(d['done_bytes'])}/{_size(d['total_bytes'])}", "", "downloading", "-"]
+             for d in data["downloads"]]
+    click.echo(_table(rows, ["NAME", "SIZE", "LOADED", "NOTE", "LAST USED"]))
+
+
+@registry.command("stage")
+@click.argument("model")
+@click.option("--version", "version", type=int, required=True)
+@click.option("--poll-interval", "poll_s", default=0.25, show_default=True, help="Seconds between checks.")
+def stage(model, version, poll_s):
+    """Copy MODEL --version N from the cold store into the warm tier, showing progress."""
+    name = f"{model}.v{version}"
+    _call("POST", f"/v1/warm/{name}/stage")
+    _, timeout_s = _target(click.get_current_context())
+    deadline = time.monotonic() + timeout_s
+    shown = False
+    while time.monotonic() < deadline:
+        data = _call("GET", "/v1/warm")
+        if any(m["name"] == name for m in data["models"]):
+            if shown:
+                click.echo(err=True)
+            click.echo(f"{name}: warm")
+            return
+        if name in data.get("errors", {}):
+            err = data["errors"][name]
+            if shown:
+                click.echo(err=True)
+            click.echo(f"error: {err.get('message', err)}", err=True)
+            sys.exit(EXIT_BY_ERROR.get(err.get("error"), EXIT_LOAD_FAILED))
+        for d in data["downloads"]:
+            if d["name"] == name and d["total_bytes"]:
+                pct = 100.0 * d["done_bytes"] / d["total_bytes"]
+                click.echo(f"\r{name}: {pct:5.1f}% of {_size(d['total_bytes'])}", nl=False, err=True)
+                shown = True
+        time.sleep(poll_s)
+    click.echo(f"error: {name} was not warm after {timeout_s:.0f}s", err=True)
+    sys.exit(EXIT_TIMEOUT)

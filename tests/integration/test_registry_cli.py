@@ -1,0 +1,141 @@
+"""`mmctl registry ...` against the real admin handlers on a loopback port (no Triton needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from types import SimpleNamespace
+
+import pytest
+from aiohttp import web
+from click.testing import CliRunner
+
+from control_plane.admin_api import error_middleware
+from control_plane.admin_registry import add_registry_routes
+from control_plane.cli_registry import registry as registry_cli
+from control_plane.cold_store import ColdStores, LocalDirStore, folder_sha256
+from control_plane.registry import Registry
+from control_plane.state_store import StateStore
+from control_plane.triton_process import free_port
+from control_plane.warm_tier import WarmTier
+
+pytestmark = pytest.mark.integration
+
+
+class AdminServer:
+    """The registry routes in an aiohttp app on its own loop thread."""
+
+    def __init__(self, tmp_path):
+        self.store = StateStore(tmp_path / "state.db")
+        self.cold = LocalDirStore(tmp_path / "cold")
+        stores = ColdStores([self.cold])
+        self.registry = Registry(self.store.db, stores=stores)
+        self.warm = WarmTier(tmp_path / "shm" / "repository", self.registry, stores)
+        manager = SimpleNamespace(records={})
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._serve, args=(manager,), daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10)
+
+    def _serve(self, manager):
+        asyncio.set_event_loop(self.loop)
+        app = web.Application(middlewares=[error_middleware])
+        add_registry_routes(app, self.registry, warm=self.warm, locate=self.warm.locator(manager))
+        self.runner = web.AppRunner(app, access_log=None)
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        self.ready.set()
+        self.loop.run_forever()
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+        self.store.close()
+
+
+@pytest.fixture
+def admin(tmp_path):
+    server = AdminServer(tmp_path)
+    yield server
+    server.close()
+
+
+def mmctl(url, *args):
+    result = CliRunner().invoke(registry_cli, list(args), obj=SimpleNamespace(url=url, timeout_s=30))
+    return result.exit_code, result.output
+
+
+def test_registry_add_list_promote_history_and_stage(admin, fleet_template):
+    url = admin.url
+    src = fleet_template / "cust001"
+    code, out = mmctl(url, "add", "cust001", "--version", "3", "--from-dir", str(src),
+                      "--metric", "auc=0.781", "--data-fingerprint", "sha256:" + "d" * 64,
+                      "--sla", "gold", "--tenant", "acme", "--who", "alice")
+    assert code == 0, out
+    assert out.startswith("cust001.v3: registered") and "file://" in out
+    mv = admin.registry.get("cust001", 3)
+    assert mv.sha256 == folder_sha256(src) and mv.metrics == {"auc": 0.781} and mv.sla == "gold"
+
+    # A second version from an artifact that is already in the store: sha256 from its manifest.
+    code, out = mmctl(url, "add", "cust001", "--version", "4", "--artifact", mv.artifact_uri,
+                      "--sha256", "sha256:" + mv.sha256, "--who", "alice", "--json")
+    assert code == 0, out
+    assert json.loads(out)["sha256"] == mv.sha256
+    code, out = mmctl(url, "add", "cust001", "--version", "5", "--artifact", mv.artifact_uri,
+                      "--sha256", "0" * 64, "--who", "alice")
+    assert code == 2 and "check the upload" in out
+
+    code, out = mmctl(url, "promote", "cust001", "--version", "3", "--stage", "canary", "--who", "bob",
+                      "--note", "metrics ok")
+    assert code == 0 and "cust001.v3: canary (by bob" in out
+    code, out = mmctl(url, "promote", "cust001", "--version", "4", "--stage", "production", "--who", "carol")
+    assert code == 0, out
+    code, out = mmctl(url, "history", "cust001", "--json")
+    steps = [(h["version"], h["to_stage"], h["who"]) for h in json.loads(out)]
+    assert steps == [(3, "registered", "alice"), (4, "registered", "alice"), (3, "canary", "bob"),
+                     (4, "production", "carol")]
+    code, out = mmctl(url, "history", "cust001")
+    assert code == 0 and "metrics ok" in out
+
+    code, out = mmctl(url, "list", "--json")
+    rows = {v["name"]: v for v in json.loads(out)}
+    assert rows["cust001.v3"]["tier"] == "cold" and rows["cust001.v4"]["stage"] == "production"
+
+    code, out = mmctl(url, "stage", "cust001", "--version", "3", "--poll-interval", "0.05")
+    assert code == 0 and "cust001.v3: warm" in out, out
+    code, out = mmctl(url, "list")
+    line = next(ln for ln in out.splitlines() if ln.startswith("cust001.v3"))
+    assert "canary" in line and "warm" in line and "auc=0.781" in line and "bob" in line
+    code, out = mmctl(url, "warm", "--json")
+    assert [m["name"] for m in json.loads(out)["models"]] == ["cust001.v3"]
+
+
+def test_errors_map_to_exit_codes(admin, tmp_path):
+    code, out = mmctl(admin.url, "promote", "nope", "--version", "1", "--stage", "canary")
+    assert code == 4 and "not in the registry" in out
+    code, out = mmctl(admin.url, "add", "bad..name", "--version", "1", "--artifact", "file:///x/")
+    assert code == 2 and "'..'" in out
+    code, out = mmctl(admin.url, "add", "empty", "--version", "1", "--artifact",
+                      (tmp_path / "nothing").as_uri() + "/")
+    assert code == 4 and "no artifact" in out
+    code, out = mmctl(admin.url, "stage", "ghost", "--version", "1")
+    assert code == 2 and "not in the registry" in out
+    code, out = mmctl(f"http://127.0.0.1:{free_port()}", "list")
+    assert code == 3 and "not running" in out
+
+
+def test_stage_reports_a_corrupt_artifact(admin, fleet_template):
+    code, out = mmctl(admin.url, "add", "cust002", "--version", "1", "--from-dir",
+                      str(fleet_template / "cust002"))
+    assert code == 0, out
+    weights = admin.cold.path_of(admin.registry.get("cust002", 1).artifact_uri) / "1" / "weights.safetensors"
+    weights.write_bytes(b"\0" * weights.stat().st_size)
+    code, out = mmctl(admin.url, "stage", "cust002", "--version", "1", "--poll-interval", "0.05")
+    assert code == 6 and "failed verification" in out
+    assert not (admin.warm.repository / "cust002.v1").exists()
