@@ -39,7 +39,12 @@ def _manager(request: web.Request) -> ModelManager:
 
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(_manager(request).status())
+    models = _manager(request).status()
+    locate = request.app[EXTRA_KEY].get("locate")
+    if locate is not None:  # hot / warm / cold, from the warm tier
+        for m in models:
+            m["tier"] = locate(m["model"])["tier"]
+    return web.json_response(models)
 
 
 async def model_status(request: web.Request) -> web.Response:

@@ -89,11 +89,11 @@ def status(api: Api, as_json: bool, show_all: bool):
         _emit(models, True, "")
         return
     shown = [m for m in models if show_all or m["state"] != "warm" or m["pinned"]]
-    rows = [[m["model"], m["state"], "yes" if m["pinned"] else "", m["server"] or "-",
+    rows = [[m["model"], m["state"], m.get("tier", "-"), "yes" if m["pinned"] else "", m["server"] or "-",
              _ago(m["last_used"]),
              f"{m['load_time_s']:.2f}s" if m["load_time_s"] else "-", _bytes(m["memory_bytes"]),
              (m["failure"] or "")[:60]] for m in shown]
-    click.echo(_table(rows, ["MODEL", "STATE", "PINNED", "SERVER", "LAST USED", "LOAD TIME",
+    click.echo(_table(rows, ["MODEL", "STATE", "TIER", "PINNED", "SERVER", "LAST USED", "LOAD TIME",
                              "MEMORY", "NOTE"]))
     hidden = len(models) - len(shown)
     if hidden:
@@ -224,14 +224,24 @@ def _size(value: str | None) -> int | None:
 @click.option("--router-grpc-port", type=int, default=8001, show_default=True)
 @click.option("--max-request-bytes", default="16MiB", show_default=True,
               help="Largest inference request the router accepts.")
+@click.option("--warm-budget", default=None,
+              help="Bytes of host DRAM for the warm tier (Triton's repository), e.g. 16GiB.")
+@click.option("--cold-dir", type=click.Path(path_type=Path), default=None,
+              help="Local cold store (default <state-dir>/cold). S3 comes from MMS_S3_* env.")
+@click.option("--auto-pin-top-k", type=int, default=None,
+              help="Pin the K models with the most traffic automatically.")
+@click.option("--prefetch-min-miss-rate", type=float, default=None,
+              help="Prefetch into warm the models missing more often than this per second.")
 @click.option("--policy", default=None, help="Eviction policy (default: the built-in default).")
 @click.option("--reconcile-interval", type=float, default=2.0, show_default=True)
 @click.option("--log-level", default="INFO", show_default=True)
 def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_mb, admin_host,
        admin_port, triton_servers, triton_http_port, triton_grpc_port, triton_metrics_port,
        attach, router, router_host, router_http_port, router_grpc_port, max_request_bytes,
-       policy, reconcile_interval, log_level):
+       warm_budget, cold_dir, auto_pin_top_k, prefetch_min_miss_rate, policy, reconcile_interval,
+       log_level):
     """Start tritonserver(s) and the control plane in the foreground; Ctrl-C stops all."""
+    from .cold_store import S3Config
     from .errors import ControlPlaneError
     from .eviction import DEFAULT_POLICY
     from .service import Service, ServiceConfig
@@ -247,7 +257,9 @@ def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_
         model_size_mb=model_size_mb, policy=policy or DEFAULT_POLICY,
         reconcile_interval_s=reconcile_interval, router=router, router_host=router_host,
         router_http_port=router_http_port, router_grpc_port=router_grpc_port,
-        max_request_bytes=_size(max_request_bytes))
+        max_request_bytes=_size(max_request_bytes), warm_budget_bytes=_size(warm_budget),
+        cold_dir=cold_dir, s3=S3Config.from_env(), auto_pin_top_k=auto_pin_top_k,
+        prefetch_min_miss_rate=prefetch_min_miss_rate)
     try:
         service = Service(cfg)
         asyncio.run(service.serve_forever())
@@ -276,7 +288,10 @@ def demo_fleet(out: Path, count: int, size_mb: float | None, overwrite: bool):
 def _register_subcommands() -> None:
     from router.cli import register
 
+    from .cli_registry import registry
+
     register(cli)
+    cli.add_command(registry)
 
 
 _register_subcommands()

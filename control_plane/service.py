@@ -36,7 +36,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class ServiceConfig:
     state_dir: Path = Path(".state")
-    repository: Path | None = None  # default: <state_dir>/repository
+    repository: Path | None = None  # Triton's repository = the warm tier; default below
+    warm_budget_bytes: int | None = None
+    cold_dir: Path | None = None  # local cold store; default <state_dir>/cold
+    s3: object | None = None  # cold_store.S3Config when an S3 bucket is configured
+    auto_pin_top_k: int | None = None
+    prefetch_min_miss_rate: float | None = None
     admin_host: str = "127.0.0.1"
     admin_port: int = 8090
     triton_host: str = "127.0.0.1"
@@ -80,7 +85,14 @@ class ServiceConfig:
 
     @property
     def repository_dir(self) -> Path:
-        return (self.repository or self.state_dir / "repository").resolve()
+        """The warm tier, which Triton serves from: host DRAM (tmpfs) when there is room
+        for the demo fleet and the warm budget, else a folder in the state directory."""
+        if self.repository is not None:
+            return self.repository.resolve()
+        from .warm_tier import default_warm_repository
+
+        need = (self.warm_budget_bytes or 0) + int(self.fleet_size * (self.model_size_mb or 1) * 1e6)
+        return default_warm_repository(self.state_dir, need)
 
 
 def _port(base: int, i: int) -> int:
@@ -95,13 +107,17 @@ class Service:
         self.manager: ModelManager | None = None
         self.runner: web.AppRunner | None = None
         self._loop_task: asyncio.Task | None = None
+        self.repository: Path = Path()
+        self.registry = None
+        self.warm = None
+        self.promoter = None
         self.admin_url = ""
         self.router = None
         self.grpc_server = None
         self.router_runner: web.AppRunner | None = None
 
     def prepare_repository(self) -> None:
-        repo = self.cfg.repository_dir
+        repo = self.repository
         repo.mkdir(parents=True, exist_ok=True)
         if self.cfg.fleet_size and self.cfg.repository is None:
             spec = FleetSpec(count=self.cfg.fleet_size, instance_kind=default_instance_kind())
@@ -117,7 +133,7 @@ class Service:
         servers = []
         for i in range(cfg.triton_servers):
             proc = TritonProcess(TritonLaunchConfig(
-                repository=cfg.repository_dir,
+                repository=self.repository,
                 work_dir=(cfg.state_dir / "triton").resolve(),
                 host=cfg.triton_host,
                 http_port=_port(cfg.triton_http_port, i),
@@ -139,24 +155,51 @@ class Service:
         return servers
 
     async def start(self) -> None:
+        from .cold_store import ColdStores, LocalDirStore, S3Store
+        from .placement import Placer, registry_facts
+        from .promotion import Promoter
+        from .registry import Registry, apply_stage_priorities, resident_priority_updater
+        from .warm_tier import WarmTier
+
         cfg = self.cfg
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        self.repository = cfg.repository_dir
+        store = StateStore(cfg.state_dir / "state.db")
+        stores = [LocalDirStore((cfg.cold_dir or cfg.state_dir / "cold").resolve())]
+        if cfg.s3 is not None and getattr(cfg.s3, "bucket", None):
+            stores.append(S3Store(cfg.s3))
+        self.registry = Registry(store.db, stores=ColdStores(stores))
+        self.warm = WarmTier(self.repository, self.registry, ColdStores(stores),
+                             budget_bytes=cfg.warm_budget_bytes)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.prepare_repository)
+        self.warm.recover()  # partial downloads from a crash never reach Triton
         # Popen runs on the loop thread: PR_SET_PDEATHSIG fires when the *thread* that
         # forked exits, and executor threads can exit while Triton should live on.
         servers = self._start_tritons()
-        store = StateStore(cfg.state_dir / "state.db")
         self.manager = ModelManager(
-            servers, store, repository=cfg.repository_dir,
+            servers, store, repository=self.repository,
             config=ManagerConfig(drain_timeout_s=cfg.drain_timeout_s,
-                                 unload_timeout_s=cfg.unload_timeout_s, policy=cfg.policy))
-        await self.manager.start()
-        self._loop_task = loop.create_task(self.manager.run_forever(cfg.reconcile_interval_s))
+                                 unload_timeout_s=cfg.unload_timeout_s, policy=cfg.policy),
+            stager=self.warm, priority_of=self.registry.stage_priority,
+            placer=Placer(facts=registry_facts(self.registry)))
+        manager = self.manager
+        self.warm.in_use = lambda n: (r := manager.records.get(n)) is not None and r.server is not None
+        self.registry.on_stage_change(resident_priority_updater(manager))
+        await manager.start()
+        apply_stage_priorities(manager, self.registry)
+        self.promoter = Promoter(manager, self.warm, top_k_pin=cfg.auto_pin_top_k,
+                                 prefetch_min_miss_rate=cfg.prefetch_min_miss_rate)
+        self._loop_task = loop.create_task(self._control_loop())
         self.admin_url = f"http://{cfg.admin_host}:{cfg.admin_port}"
         endpoints = {"admin": self.admin_url, "state_dir": str(cfg.state_dir.resolve()),
-                     "repository": str(cfg.repository_dir)}
-        admin_app = make_app(self.manager, {"endpoints": endpoints})
+                     "repository": str(self.repository)}
+        admin_app = make_app(self.manager, {"endpoints": endpoints,
+                                            "locate": self.warm.locator(self.manager)})
+        from .admin_registry import add_registry_routes
+
+        add_registry_routes(admin_app, self.registry, warm=self.warm,
+                            locate=self.warm.locator(self.manager))
         if cfg.router:
             await self._start_router(admin_app, endpoints)
         self.runner = web.AppRunner(admin_app, access_log=None)
@@ -170,6 +213,17 @@ class Service:
         (cfg.state_dir / "endpoints.json").write_text(json.dumps(endpoints, indent=2))
         log.info("control plane ready: admin API %s", self.admin_url)
 
+    async def _control_loop(self) -> None:
+        """Reconcile Triton state, then promotion (auto-pin / prefetch) when configured."""
+        while True:
+            await asyncio.sleep(self.cfg.reconcile_interval_s)
+            await self.manager.step()
+            if self.cfg.auto_pin_top_k or self.cfg.prefetch_min_miss_rate:
+                try:
+                    await self.promoter.step()
+                except Exception:  # one failing subsystem never stops the loop
+                    log.exception("promotion step failed")
+
     async def _start_router(self, admin_app: web.Application, endpoints: dict) -> None:
         from router.admin import add_router_routes
         from router.core import Router, RouterConfig
@@ -178,7 +232,17 @@ class Service:
         from router.routes import RouteTable
 
         cfg = self.cfg
-        table = RouteTable(self.manager.store)
+        registry = self.registry
+        production: dict[str, str] = {}
+
+        def refresh_production(*_args) -> None:
+            # The hot path reads this dict; SQLite is read only when a stage changes.
+            production.clear()
+            production.update({v.model: v.name for v in registry.versions() if v.stage == "production"})
+
+        refresh_production()
+        registry.on_stage_change(refresh_production)
+        table = RouteTable(self.manager.store, default_target=production.get)
         self.router = Router(self.manager, table, RouterConfig(
             load_timeout_s=cfg.load_wait_timeout_s, max_request_bytes=cfg.max_request_bytes,
             shadow_log_dir=(cfg.state_dir / "shadow").resolve()))

@@ -109,8 +109,12 @@ class Decision:
 
 class RouteTable:
     def __init__(self, store: StateStore | None = None, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 default_target: Callable[[str], str | None] | None = None):
+        """``default_target(name)``: the concrete model a name without a route serves (the
+        registry's production version, e.g. cust017 -> cust017.v3), or None."""
         self.store = store
+        self.default_target = default_target
         self.rng = rng or random.Random()
         self.clock = clock
         self.routes: dict[str, Route] = {}
@@ -140,7 +144,8 @@ class RouteTable:
         route = self.routes.get(name)
         if route is None:
             validate_model_name(name)
-            return Decision(name, name, "default", scope=f"model:{name}")
+            target = self.default_target(name) if self.default_target is not None else None
+            return Decision(name, target or name, "default", scope=f"model:{name}")
         shadow = None
         if route.shadow and route.shadow.percent > 0 and self.rng.random() * 100 < route.shadow.percent:
             shadow = route.shadow.model
