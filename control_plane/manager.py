@@ -154,6 +154,8 @@ class ManagerConfig:
     # After a failed load, on-demand ensures fail fast for this long instead of retrying
     # the load for every request (an explicit `mmctl load` always retries).
     failure_backoff_s: float = 10.0
+    # How long a load waits for room held by other loads/unloads in progress.
+    capacity_wait_s: float = 120.0
 
 
 @dataclass
@@ -390,23 +392,37 @@ class ModelManager:
             if server.up:
                 with contextlib.suppress(ControlPlaneError):
                     await self.refresh_usage(server)
-        async with self._lock:
-            # Re-check after the lock: someone may have loaded it meanwhile.
-            if rec.state == ModelState.READY:
-                return rec
-            server, victims = self._place(name, size_bytes)
-            now = self.clock()
-            for v in victims:
-                server.planner.residents[v].evictable = False
-                self.records[v].state = ModelState.UNLOADING
-            server.planner.admit(
-                Resident(name, size_bytes, pinned=rec.pinned, evictable=False,
-                         priority=self.priority_of(name)), now,
-                load_cost_s=rec.load_time_s or 1.0,
-            )
-            previous_state = rec.state
-            rec.state, rec.server, rec.memory_bytes, rec.failure = (
-                ModelState.LOADING, server.name, size_bytes, None)
+        deadline = time.monotonic() + self.config.capacity_wait_s
+        while True:
+            async with self._lock:
+                # Re-check after the lock: someone may have loaded it meanwhile.
+                if rec.state == ModelState.READY:
+                    return rec
+                try:
+                    server, victims = self._place(name, size_bytes)
+                except CapacityExhausted:
+                    # Room held only by loads/unloads in progress frees up in seconds: wait
+                    # for one of them instead of failing; room held by pins is final.
+                    waiting = self._busy_tasks() if self._room_is_busy() else set()
+                    if not waiting or time.monotonic() >= deadline:
+                        self._release_warm(name)
+                        raise
+                else:
+                    now = self.clock()
+                    for v in victims:
+                        server.planner.residents[v].evictable = False
+                        self.records[v].state = ModelState.UNLOADING
+                    server.planner.admit(
+                        Resident(name, size_bytes, pinned=rec.pinned, evictable=False,
+                                 priority=self.priority_of(name)), now,
+                        load_cost_s=rec.load_time_s or 1.0,
+                    )
+                    previous_state = rec.state
+                    rec.state, rec.server, rec.memory_bytes, rec.failure = (
+                        ModelState.LOADING, server.name, size_bytes, None)
+                    break
+            await asyncio.wait(waiting, timeout=max(0.0, deadline - time.monotonic()),
+                               return_when=asyncio.FIRST_COMPLETED)
         log.info("loading %s on %s (%d bytes), evicting %s", name, server.name, size_bytes, victims or "nothing")
 
         # 1. Make room.  A victim that does not free in time keeps its memory counted.
@@ -698,6 +714,14 @@ class ModelManager:
                 await self._unload_now(server, victim, reason="over_budget")
             except ControlPlaneError:
                 return
+
+    def _room_is_busy(self) -> bool:
+        return any(not r.evictable and not r.pinned
+                   for server in self.servers.values() for r in server.planner.residents.values())
+
+    def _busy_tasks(self) -> set[asyncio.Task]:
+        me = asyncio.current_task()
+        return {t for t in (*self._loads.values(), *self._unloads.values()) if t is not me and not t.done()}
 
     def _release_warm(self, name: str) -> None:
         """The warm tier may drop ``name`` again (it is neither loaded nor loading)."""

@@ -206,3 +206,29 @@ def test_reconcile_evicts_down_to_budget_after_adoption(tmp_path):
         assert len(ready) == 2
 
     run(go())
+
+
+def test_a_load_waits_for_room_held_by_a_load_in_progress(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=1)
+        await mgr.start()
+        # m2 finds the only slot reserved by m1's load: it waits, then evicts m1.
+        r1, r2 = await asyncio.gather(mgr.ensure("m1"), mgr.ensure("m2"))
+        assert admin.load_calls == ["m1", "m2"]
+        assert mgr.get("m2").state == ModelState.READY
+        assert mgr.get("m1").state == ModelState.WARM
+
+    run(go())
+
+
+def test_room_held_by_pins_fails_at_once(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=1)
+        await mgr.start()
+        await mgr.pin("m1")
+        start = asyncio.get_running_loop().time()
+        with pytest.raises(CapacityExhausted):
+            await mgr.ensure("m2")
+        assert asyncio.get_running_loop().time() - start < 0.5
+
+    run(go())
