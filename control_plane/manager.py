@@ -304,19 +304,43 @@ class ModelManager:
     @contextlib.asynccontextmanager
     async def lease(self, name: str) -> AsyncIterator[TritonServer]:
         """Hold ``name`` loaded while a request runs; unload waits for leases to drain."""
-        server = self.ready_server_of(name)
-        if server is None:
-            await self.ensure(name)
+        rec = await self.acquire(name)
+        try:
             server = self.ready_server_of(name)
             if server is None:
-                raise ModelLoadFailed(f"{name} was unloaded before the request could start; retry")
-        rec = self.records[name]
-        rec.inflight += 1
-        self.touch(name)
-        try:
+                await self.ensure(name)
+                server = self.ready_server_of(name)
+                if server is None:
+                    raise ModelLoadFailed(f"{name} was unloaded before the request could start; retry")
+            self.touch(name)
             yield server
         finally:
-            rec.inflight -= 1
+            self.release(rec)
+
+    async def acquire(self, name: str) -> ModelRecord:
+        """Count one request for ``name`` as in flight *before* it waits for a load, so the
+        model it waits for cannot be chosen as a victim before the request is served."""
+        rec = self.records.get(name)
+        if rec is None:
+            validate_model_name(name)
+            await self._known(name)
+            rec = self._record(name)
+        rec.inflight += 1
+        if rec.inflight == 1:
+            self._sync_evictable(rec)
+        return rec
+
+    def release(self, rec: ModelRecord) -> None:
+        rec.inflight -= 1
+        if rec.inflight == 0:
+            self._sync_evictable(rec)
+
+    def _sync_evictable(self, rec: ModelRecord) -> None:
+        """A resident is evictable when it is READY and no request holds it."""
+        server = self.servers.get(rec.server) if rec.server else None
+        resident = server.planner.residents.get(rec.name) if server else None
+        if resident is not None:
+            resident.evictable = rec.state == ModelState.READY and rec.inflight == 0
 
     async def refresh_usage(self, server: TritonServer) -> None:
         """Refresh recency from Triton's statistics: inferences sent straight to Triton count."""
@@ -403,10 +427,11 @@ class ModelManager:
                 except CapacityExhausted:
                     # Room held only by loads/unloads in progress frees up in seconds: wait
                     # for one of them instead of failing; room held by pins is final.
-                    waiting = self._busy_tasks() if self._room_is_busy() else set()
-                    if not waiting or time.monotonic() >= deadline:
+                    busy = self._room_is_busy()
+                    if not busy or time.monotonic() >= deadline:
                         self._release_warm(name)
                         raise
+                    waiting = self._busy_tasks()
                 else:
                     now = self.clock()
                     for v in victims:
@@ -421,8 +446,12 @@ class ModelManager:
                     rec.state, rec.server, rec.memory_bytes, rec.failure = (
                         ModelState.LOADING, server.name, size_bytes, None)
                     break
-            await asyncio.wait(waiting, timeout=max(0.0, deadline - time.monotonic()),
-                               return_when=asyncio.FIRST_COMPLETED)
+            # Room comes back when a load/unload task ends or a request releases a model.
+            timeout_s = min(0.05, max(0.0, deadline - time.monotonic()))
+            if waiting:
+                await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.sleep(timeout_s)
         log.info("loading %s on %s (%d bytes), evicting %s", name, server.name, size_bytes, victims or "nothing")
 
         # 1. Make room.  A victim that does not free in time keeps its memory counted.
@@ -452,7 +481,7 @@ class ModelManager:
         rec.load_time_s = time.monotonic() - start
         rec.warmup = {"ok": True, "latency_ms": warmup_ms, "checked_at": self.clock(), "error": None}
         rec.state = ModelState.READY
-        server.planner.residents[name].evictable = True
+        self._sync_evictable(rec)
         rec.last_used = self.clock()
         self.metrics.loads.labels(server.name, "ok").inc()
         self.metrics.load_seconds.labels(server.name).observe(rec.load_time_s)

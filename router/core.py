@@ -214,9 +214,19 @@ class Router:
         rec = None
         self.metrics.inflight.inc()
         try:
+            # The lease is taken before any wait for a load: the model a request waits for
+            # is not evictable until that request has been served.
+            rec = self.manager.records.get(decision.model)
+            if rec is not None:
+                rec.inflight += 1
+                if rec.inflight == 1:
+                    self.manager._sync_evictable(rec)
+            else:
+                try:
+                    rec = await self.manager.acquire(decision.model)
+                except ControlPlaneError as exc:
+                    raise from_control_plane(exc) from exc
             call.server = await self.server_for(decision.model)
-            rec = self.manager.records[decision.model]
-            rec.inflight += 1  # lease: the manager drains these before unloading
             self.manager.touch(decision.model)
             yield call
         except RouterError as exc:
@@ -228,7 +238,7 @@ class Router:
             raise
         finally:
             if rec is not None:
-                rec.inflight -= 1
+                self.manager.release(rec)
             self.metrics.inflight.dec()
             self.record(decision, time.perf_counter() - start, call.code)
 
@@ -237,6 +247,9 @@ class Router:
         """Route one ModelInferRequest.  Raises RouterError or grpc.aio.AioRpcError (Triton's)."""
         async with self.serving(request.model_name, user_id) as call:
             decision, server = call.decision, call.server
+            if decision.adapter is not None:
+                self._check_adapter_parameter(request, decision)
+                request.parameters["adapter"].string_param = decision.adapter
             shadow_request = None
             if decision.shadow:
                 shadow_request = service_pb2.ModelInferRequest()
@@ -258,6 +271,8 @@ class Router:
             params["variant"].string_param = decision.variant
             if decision.experiment:
                 params["experiment"].string_param = decision.experiment
+            if decision.adapter is not None:
+                params["adapter"].string_param = decision.adapter
             if shadow_request is not None:
                 self.shadow.offer(ShadowItem(decision.logical, decision.shadow, shadow_request,
                                              outputs_of(response),
@@ -269,7 +284,7 @@ class Router:
 
         Protobuf merges concatenated messages (map entries add up), so appending these
         bytes equals setting the parameters on a parsed response."""
-        key = (decision.model, decision.variant, decision.experiment)
+        key = (decision.model, decision.variant, decision.experiment, decision.adapter)
         suffix = self._suffixes.get(key)
         if suffix is None:
             r = service_pb2.ModelInferResponse()
@@ -277,16 +292,31 @@ class Router:
             r.parameters["variant"].string_param = decision.variant
             if decision.experiment:
                 r.parameters["experiment"].string_param = decision.experiment
+            if decision.adapter is not None:
+                r.parameters["adapter"].string_param = decision.adapter
             suffix = self._suffixes[key] = r.SerializeToString()
         return suffix
 
-    def _model_override(self, model: str) -> bytes:
-        """Appended to request bytes: for a singular field the last occurrence wins."""
-        suffix = self._name_overrides.get(model)
+    def _model_override(self, model: str, adapter: str | None = None) -> bytes:
+        """Appended to request bytes: for a singular field the last occurrence wins, and a
+        map entry (``parameters["adapter"]``) is added to or replaces the request's own."""
+        key = (model, adapter)
+        suffix = self._name_overrides.get(key)
         if suffix is None:
-            suffix = self._name_overrides[model] = service_pb2.ModelInferRequest(
-                model_name=model).SerializeToString()
+            r = service_pb2.ModelInferRequest(model_name=model)
+            if adapter is not None:
+                r.parameters["adapter"].string_param = adapter
+            suffix = self._name_overrides[key] = r.SerializeToString()
         return suffix
+
+    @staticmethod
+    def _check_adapter_parameter(request: service_pb2.ModelInferRequest, decision: Decision) -> None:
+        """``tinylm:acme`` with parameter ``adapter=other`` is a contradiction, not a choice."""
+        param = request.parameters.get("adapter")
+        if param is not None and param.string_param and param.string_param != decision.adapter:
+            raise InvalidRequest(
+                f"model name {decision.logical!r} selects adapter {decision.adapter!r} but the request "
+                f"parameter adapter is {param.string_param!r}; send one of them")
 
     async def infer_raw(self, raw: bytes, metadata_user_id: Callable[[], str | None],
                         timeout_s: float | None = None) -> bytes:
@@ -299,7 +329,13 @@ class Router:
         user_id = param.string_param if param is not None and param.string_param else metadata_user_id()
         async with self.serving(request.model_name, user_id) as call:
             decision, server = call.decision, call.server
-            body = raw if decision.model == request.model_name else raw + self._model_override(decision.model)
+            if decision.adapter is not None:
+                self._check_adapter_parameter(request, decision)
+                body = raw + self._model_override(decision.model, decision.adapter)
+            elif decision.model != request.model_name:
+                body = raw + self._model_override(decision.model)
+            else:
+                body = raw
             try:
                 response = await self.raw_infer(server)(
                     body, timeout=timeout_s or self.config.request_timeout_s)
@@ -312,6 +348,8 @@ class Router:
                 raise
             if decision.shadow:
                 request.model_name = decision.shadow
+                if decision.adapter is not None:
+                    request.parameters["adapter"].string_param = decision.adapter
                 self.shadow.offer(ShadowItem(
                     decision.logical, decision.shadow, request,
                     outputs_of(service_pb2.ModelInferResponse.FromString(response)),
