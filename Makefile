@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 UP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup up test test-unit bench check up-docker clean
+.PHONY: setup up test test-unit bench bench-gpu check up-docker clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,9 @@ test-unit: setup
 
 bench: setup
 	$(BIN)/python -m bench.run_all
+
+bench-gpu: setup
+	$(BIN)/python -m bench.gpu
 
 check: setup
 	$(BIN)/python -m pip install -q ruff

@@ -12,6 +12,7 @@ without the gRPC transport, so the numbers isolate the LoRA cost.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -363,10 +364,17 @@ def main(argv=None):
                 dirs[label][base] = Path(tmp) / label / base
                 generate_adapters(dirs[label][base], base, names[: args.adapters if label == "wide" else count],
                                   RANK, spec)
+        ratios = {}
         if args.only in (None, "throughput"):
-            throughput(args, dirs["demo"], device, SPEC, "demo-size bases")
+            ratios["demo"] = throughput(args, dirs["demo"], device, SPEC, "demo-size bases")
             if "wide" in dirs:
-                throughput(args, dirs["wide"], device, WIDE, "wider bases (same code, realistic rank/width)")
+                ratios["wide"] = throughput(args, dirs["wide"], device, WIDE,
+                                            "wider bases (same code, realistic rank/width)")
+        out = Path(__file__).resolve().parent / "results" / "lora.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"benchmark": "lora", "device": device, "adapters": args.adapters,
+                                   "batch": args.batch, "throughput_ratio_many_vs_one": ratios},
+                                  indent=2))
         if args.only in (None, "swap"):
             swap_in(args, dirs["demo"], device)
         if args.only in (None, "memory"):

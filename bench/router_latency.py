@@ -68,7 +68,10 @@ def latency_run(urls: dict[str, str], requests: int, block: int = 100) -> dict:
                 t0 = time.perf_counter()
                 client.infer("identity", [x])
                 samples[name].append(time.perf_counter() - t0)
-    return {k: percentiles_us(v) for k, v in samples.items()}
+    out = {k: percentiles_us(v) for k, v in samples.items()}
+    for k, v in samples.items():  # kept for the latency CDF plot (bench/run_all.py)
+        out[k]["samples_us"] = [round(x * 1e6, 1) for x in v]
+    return out
 
 
 def throughput_run(url: str, model: str, threads: int, seconds: float, rows: int) -> dict:

@@ -169,6 +169,12 @@ def main(argv=None) -> dict:
         "errors": sum(not r["ok"] for r in mixed) + sum(not r["ok"] for r in hot),
         "error_messages": errors[:5],
         "pinned_ready_after": len(pinned_ready),
+        "latency_ms_samples": {  # for the latency CDF plot (bench/run_all.py)
+            "hot path": [round(r["latency_s"] * 1000, 3) for r in hot if r["ok"]],
+            "frequent": [round(r["latency_s"] * 1000, 3) for r in mixed if r["ok"] and r["model"] in frequent],
+            "occasional": [round(r["latency_s"] * 1000, 3) for r in mixed
+                           if r["ok"] and r["model"] not in frequent],
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -1,0 +1,185 @@
+"""`make bench`: every CPU benchmark in a few minutes, one summary table, JSON + PNG plots.
+
+Each benchmark is its own module and can run alone with its own options:
+
+    python -m bench.policy_replay    eviction policies vs Belady on request traces
+    python -m bench.router_latency   what the router adds (vs direct Triton and a plain proxy)
+    python -m bench.seed_scenario    50 customers, top 12 pinned, on the real stack
+    python bench/lora_bench.py       LoRA: 1 vs 100 adapters per batch, swap-in, memory
+
+This runner uses shorter settings (`--full` uses each benchmark's defaults), writes
+bench/results/summary.json (machine, versions, conditions, headline numbers) and the plots
+bench/results/*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+QUICK = {
+    "policy_replay": ["-m", "bench.policy_replay", "--quick"],
+    "router_latency": ["-m", "bench.router_latency", "--requests", "2000", "--seconds", "5"],
+    "seed_scenario": ["-m", "bench.seed_scenario", "--rate", "3", "--seconds", "40",
+                      "--hot-seconds", "10"],
+    "lora": ["bench/lora_bench.py", "--quick", "--no-wide"],
+}
+FULL = {
+    "policy_replay": ["-m", "bench.policy_replay"],
+    "router_latency": ["-m", "bench.router_latency"],
+    "seed_scenario": ["-m", "bench.seed_scenario"],
+    "lora": ["bench/lora_bench.py"],
+}
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "tritonclient", "nvidia-pytriton", "grpcio", "numpy"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def load(name: str) -> dict | list | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def plot_cdfs() -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+    except ImportError:
+        print("matplotlib not installed: no plots (pip install matplotlib)")
+        return []
+    written = []
+    router = load("router.json")
+    if router:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for path, stats in router["latency_identity"].items():
+            xs = np.sort(np.array(stats["samples_us"]))
+            ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=path)
+        ax.set(xlabel="latency (us), identity model, concurrency 1", ylabel="CDF",
+               title="direct Triton vs plain proxy vs router")
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(RESULTS / "router_latency_cdf.png", dpi=120)
+        plt.close(fig)
+        written.append("router_latency_cdf.png")
+    seed = load("seed_scenario.json")
+    if seed:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for group, samples in seed["latency_ms_samples"].items():
+            if samples:
+                xs = np.sort(np.array(samples))
+                ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=group)
+        ax.set(xlabel="latency (ms)", ylabel="CDF", title="seed scenario through the router")
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(RESULTS / "seed_latency_cdf.png", dpi=120)
+        plt.close(fig)
+        written.append("seed_latency_cdf.png")
+    if (RESULTS / "policy_hit_ratio.png").exists():
+        written.append("policy_hit_ratio.png")
+    return written
+
+
+def summary_rows() -> list[tuple[str, str, str]]:
+    rows = []
+    policy = load("policy.json")
+    if policy:
+        for r in policy:
+            if r["is_default"] or r["policy"] == "lru":
+                rows.append((f"policy {r['trace']} ({r['models']} models, {r['slots']} slots)",
+                             r["policy"] + (" (default)" if r["is_default"] else ""),
+                             f"hit {r['hit_ratio']:.3f} = {r['hit_ratio_vs_belady']:.3f}x Belady, "
+                             f"miss cost {r['cost_weighted_miss_s']:.0f}s"))
+    router = load("router.json")
+    if router:
+        o, p = router["router_overhead_us"], router["plain_proxy_overhead_us"]
+        rows.append(("router latency added (identity, c=1)", "router",
+                     f"p50 +{o['p50_us']:.0f}us, p99 +{o['p99_us']:.0f}us "
+                     f"(plain proxy +{p['p50_us']:.0f}/+{p['p99_us']:.0f}us)"))
+        t = router["throughput_recommender"]
+        rows.append(("router throughput (recommender)", "router",
+                     f"{router['router_throughput_ratio'] * 100:.0f}% of direct "
+                     f"({t['router']['requests_per_s']:.0f} vs {t['direct']['requests_per_s']:.0f} req/s)"))
+    seed = load("seed_scenario.json")
+    if seed:
+        for group in ("frequent", "occasional"):
+            g = seed["mixed"][group]
+            rows.append((f"seed scenario: {group} customers", "end to end",
+                         f"p50 {g['p50_ms']:.1f}ms p99 {g['p99_ms']:.1f}ms, {g['errors']} errors"))
+        h = seed["hot_path_frequent_only"]
+        rows.append(("seed scenario: hot path only", "end to end",
+                     f"p50 {h['p50_ms']:.1f}ms p99 {h['p99_ms']:.1f}ms"))
+        rows.append(("seed scenario: cache", "end to end",
+                     f"hit ratio {seed['hit_ratio']:.3f}, {seed['loads_per_minute']:.1f} loads/min, "
+                     f"{seed['errors']} errors"))
+    lora = load("lora.json")
+    if lora:
+        for size, ratios in lora["throughput_ratio_many_vs_one"].items():
+            for base, ratio in ratios.items():
+                rows.append((f"LoRA {lora['adapters']} vs 1 adapter ({size} {base})", lora["device"],
+                             f"{ratio * 100:.0f}% of single-adapter throughput"))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--full", action="store_true", help="each benchmark's own (longer) defaults")
+    ap.add_argument("--only", help="comma-separated subset of: " + ", ".join(QUICK))
+    args = ap.parse_args(argv)
+    plan = FULL if args.full else QUICK
+    chosen = args.only.split(",") if args.only else list(plan)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    timings, failed = {}, []
+    for name in chosen:
+        print(f"\n=== {name}: {' '.join(plan[name])}", flush=True)
+        start = time.monotonic()
+        rc = subprocess.call([sys.executable, *plan[name]], cwd=ROOT)
+        timings[name] = round(time.monotonic() - start, 1)
+        if rc != 0:
+            failed.append(name)
+    plots = plot_cdfs()
+    rows = summary_rows()
+    summary = {
+        "machine": {"node": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        "versions": versions(), "mode": "full" if args.full else "quick", "seconds": timings,
+        "failed": failed, "plots": plots,
+        "rows": [{"benchmark": a, "subject": b, "result": c} for a, b, c in rows],
+    }
+    (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2))
+    width = max((len(r[0]) for r in rows), default=10)
+    print(f"\n=== summary ({summary['mode']}; {os.cpu_count()} CPUs; python {platform.python_version()}, "
+          f"torch {summary['versions']['torch']}, nvidia-pytriton {summary['versions']['nvidia-pytriton']})")
+    for a, b, c in rows:
+        print(f"  {a:<{width}}  {b:<20}  {c}")
+    print(f"  wall time per benchmark (s): {timings}")
+    print(f"  results and plots in {RESULTS}: summary.json {' '.join(plots)}")
+    if failed:
+        print(f"  FAILED: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
