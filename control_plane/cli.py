@@ -288,10 +288,12 @@ def demo_fleet(out: Path, count: int, size_mb: float | None, overwrite: bool):
 def _register_subcommands() -> None:
     from router.cli import register
 
+    from .cli_adapters import adapter
     from .cli_registry import registry
 
     register(cli)
     cli.add_command(registry)
+    cli.add_command(adapter)
 
 
 _register_subcommands()

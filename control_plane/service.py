@@ -127,6 +127,11 @@ class Service:
             written = generate_fleet(repo, spec) + generate_extras(repo, spec)
             if written:
                 log.info("wrote %d demo models into %s", len(written), repo)
+            from .adapters_demo import BASES, LoraDemoSpec, generate_lora_demo
+
+            if not all((repo / base).is_dir() for base in BASES):  # LoRA bases + demo adapters
+                lora = generate_lora_demo(repo, LoraDemoSpec(adapters=4, instance_kind=spec.instance_kind))
+                log.info("wrote LoRA bases %s with %d demo adapters each", ", ".join(lora), 4)
 
     def _start_tritons(self) -> list[TritonServer]:
         cfg = self.cfg
@@ -200,6 +205,11 @@ class Service:
 
         add_registry_routes(admin_app, self.registry, warm=self.warm,
                             locate=self.warm.locator(self.manager))
+        from .adapters import AdapterManager
+        from .admin_adapters import add_adapter_routes
+
+        add_adapter_routes(admin_app, AdapterManager(self.manager, self.repository,
+                                                     stores=self.registry.stores))
         if cfg.router:
             await self._start_router(admin_app, endpoints)
         self.runner = web.AppRunner(admin_app, access_log=None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -18,9 +19,22 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-from .errors import ModelLoadFailed, ModelNotFound, OperationTimeout, TritonUnavailable
+from .errors import (
+    CapacityExhausted,
+    InvalidInput,
+    ModelLoadFailed,
+    ModelNotFound,
+    OperationTimeout,
+    TritonUnavailable,
+)
 
 log = logging.getLogger(__name__)
+
+# Inputs of the LoRA models (model_repository/tinylm) that select or control adapters rather
+# than carry data: a warm-up leaves them out and so runs the base model.
+ADAPTER_INPUT = "ADAPTER"
+ADAPTER_CONTROL_INPUT = "ADAPTER_CONTROL"
+ADAPTER_STATUS_OUTPUT = "ADAPTER_STATUS"
 
 
 class TritonModelState(str, enum.Enum):
@@ -164,6 +178,8 @@ class TritonAdmin:
             inputs = []
             batched = int(cfg.get("max_batch_size", 0)) > 0
             for spec in cfg.get("input", []):
+                if spec["name"] in (ADAPTER_INPUT, ADAPTER_CONTROL_INPUT) and spec.get("optional"):
+                    continue
                 dims = [1 if int(d) < 0 else int(d) for d in spec.get("dims", [])]
                 shape = ([1] if batched else []) + dims
                 triton_dtype = spec["data_type"].removeprefix("TYPE_")
@@ -184,3 +200,40 @@ class TritonAdmin:
             if _is_unavailable(exc):
                 raise self._unavailable(exc) from exc
             raise ModelLoadFailed(f"warm-up inference of {model} failed: {exc.message() or exc}") from exc
+
+    async def adapter_control(self, model: str, command: dict, timeout_s: float | None = None) -> dict:
+        """Send one LoRA control command (``{"op": "status" | "sync" | "load" | "unload", ...}``)
+        as an inference carrying only ADAPTER_CONTROL; return the model's JSON answer.
+
+        The model's error codes map to control-plane errors: NOT_FOUND -> ModelNotFound (an
+        unknown adapter, or the model is not loaded), INVALID_ARG -> InvalidInput (bad name, a
+        refused adapter, a pinned one), UNAVAILABLE with a slot message -> CapacityExhausted
+        (every device slot pinned); an unreachable server -> TritonUnavailable."""
+        timeout_s = self.timeouts.load_s if timeout_s is None else timeout_s
+        control = InferInput(ADAPTER_CONTROL_INPUT, [1, 1], "BYTES")
+        control.set_data_from_numpy(np.array([[json.dumps(command).encode()]], dtype=np.object_))
+        try:
+            result = await self.client.infer(model, [control], client_timeout=timeout_s)
+        except InferenceServerException as exc:
+            status = str(exc.status() or "")
+            msg = (exc.message() or str(exc)).strip()
+            if "NOT_FOUND" in status:
+                raise ModelNotFound(msg) from exc
+            if "INVALID_ARGUMENT" in status:
+                raise InvalidInput(msg) from exc
+            if "DEADLINE" in status:
+                raise OperationTimeout(
+                    f"{model} did not answer {command.get('op')!r} within {timeout_s:.0f}s") from exc
+            if "UNAVAILABLE" in status and "slot" in msg:
+                raise CapacityExhausted(msg) from exc
+            if _is_unavailable(exc):
+                raise self._unavailable(exc) from exc
+            raise ModelLoadFailed(f"{model} failed {command.get('op')!r}: {msg}") from exc
+        raw = result.as_numpy(ADAPTER_STATUS_OUTPUT)
+        if raw is None or raw.size != 1:
+            raise ModelLoadFailed(f"{model} did not answer with one {ADAPTER_STATUS_OUTPUT} string")
+        value = raw.reshape(-1)[0]
+        try:
+            return json.loads(value.decode() if isinstance(value, bytes) else value)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelLoadFailed(f"{model} answered {ADAPTER_STATUS_OUTPUT} that is not JSON: {exc}") from exc

@@ -116,7 +116,7 @@ class Router:
         if self._canary_task:
             self._canary_task.cancel()
         await self.shadow.stop()
-        for channel, _ in self._channels.values():
+        for channel, *_ in self._channels.values():
             await channel.close()
 
     async def _canary_loop(self) -> None:

@@ -1,8 +1,9 @@
 """KServe v2 HTTP/REST on the public port, plus /health/{model} and /metrics.
 
 Inference bodies (JSON, or JSON header + binary tensors) are forwarded to the chosen
-Triton's HTTP endpoint unchanged; only the response's JSON header gains the routing
-parameters (``model``, ``variant``, ``experiment``).  Repository, shared-memory, logging
+Triton's HTTP endpoint unchanged, except that a ``base:adapter`` name adds
+``parameters.adapter`` to the request's JSON header; the response's JSON header gains the
+routing parameters (``model``, ``variant``, ``experiment``, ``adapter``).  Repository, shared-memory, logging
 and trace endpoints answer 403.
 """
 
@@ -113,6 +114,29 @@ async def model_stats(request):
     return await _forward_get(request, "/stats")
 
 
+def _with_adapter(doc: dict, body: bytes, header_len: str | None, headers: dict,
+                  decision) -> tuple[bytes, dict]:
+    """The body with ``parameters.adapter`` set for a ``base:adapter`` name: the JSON header
+    is re-serialized, binary tensors after it are passed through untouched."""
+    params = doc.get("parameters")
+    if params is None:
+        params = doc["parameters"] = {}
+    if not isinstance(params, dict):
+        raise InvalidRequest("'parameters' must be a JSON object")
+    given = params.get("adapter")
+    if given not in (None, "", decision.adapter):
+        raise InvalidRequest(
+            f"model name {decision.logical!r} selects adapter {decision.adapter!r} but the request "
+            f"parameter adapter is {given!r}; send one of them")
+    params["adapter"] = decision.adapter
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    if not header_len:
+        return header, headers
+    headers = {k: v for k, v in headers.items() if k.lower() != HEADER_LENGTH.lower()}
+    headers[HEADER_LENGTH] = str(len(header))
+    return header + body[int(header_len):], headers
+
+
 async def infer(request: web.Request) -> web.Response:
     router = _router(request)
     limit = router.config.max_request_bytes
@@ -136,6 +160,8 @@ async def infer(request: web.Request) -> web.Response:
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("content-type", HEADER_LENGTH.lower(), "content-encoding",
                                     "accept-encoding")}
+        if decision.adapter is not None:
+            body, headers = _with_adapter(doc, body, header_len, headers, decision)
         try:
             async with request.app[SESSION_KEY].post(f"http://{server.spec.http_url}{path}", data=body,
                                                      headers=headers) as resp:
@@ -157,6 +183,8 @@ async def infer(request: web.Request) -> web.Response:
         params.update(model=decision.model, variant=decision.variant)
         if decision.experiment:
             params["experiment"] = decision.experiment
+        if decision.adapter is not None:
+            params["adapter"] = decision.adapter
         out["model_name"] = decision.model
         header = json.dumps(out, separators=(",", ":")).encode()
         resp_headers = {}

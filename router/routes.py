@@ -1,7 +1,9 @@
 """The route table: logical model name -> concrete model, with A/B, canary and shadow.
 
 Owned by the control plane and read by the router in-process, so resolving a request is a
-dictionary lookup and a hash, never a remote call.  Persisted as JSON in the control
+dictionary lookup and a hash, never a remote call.  A logical name ``base:adapter``
+(``tinylm:acme``) resolves like ``base`` and carries the LoRA adapter to select; rate limits
+and statistics stay per ``base:adapter``.  Persisted as JSON in the control
 plane's SQLite state so experiments, canary progress and limits survive restarts.
 """
 
@@ -11,9 +13,10 @@ import hashlib
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
+from control_plane.errors import InvalidModelName
 from control_plane.names import validate_model_name
 from control_plane.state_store import StateStore
 
@@ -22,6 +25,35 @@ from .errors import InvalidRequest, ModelNotFound
 BUCKETS = 10_000
 ROUTES_KEY = "router.routes"
 LIMITS_KEY = "router.limits"
+
+
+ADAPTER_SEPARATOR = ":"
+
+
+def split_adapter(name: str) -> tuple[str, str | None]:
+    """``"tinylm:acme"`` -> ``("tinylm", "acme")`` (base model + LoRA adapter);
+    ``"cust001"`` -> ``("cust001", None)``.  Each part follows the model-name rules, so a
+    name with ``:`` never reaches Triton or the filesystem whole."""
+    if ADAPTER_SEPARATOR not in name:
+        return name, None
+    base, _, adapter = name.partition(ADAPTER_SEPARATOR)
+    try:
+        validate_model_name(base)
+        validate_model_name(adapter)
+    except InvalidModelName:
+        raise InvalidModelName(
+            f"logical name {name!r} is invalid: write BASE:ADAPTER (e.g. tinylm:acme), each part "
+            "letters, digits, '_', '-' and '.', starting with a letter or digit") from None
+    return base, adapter
+
+
+def validate_logical_name(name: str) -> str:
+    """A model name, or ``base:adapter``."""
+    if isinstance(name, str) and ADAPTER_SEPARATOR in name:
+        split_adapter(name)
+    else:
+        validate_model_name(name)
+    return name
 
 
 def bucket(experiment_id: str, user_id: str) -> int:
@@ -105,6 +137,7 @@ class Decision:
     randomly_assigned: bool = False
     shadow: str | None = None
     scope: str = ""  # statistics scope: "exp:<id>", "canary:<name>" or "model:<name>"
+    adapter: str | None = None  # LoRA adapter the request must carry (``base:adapter`` names)
 
 
 class RouteTable:
@@ -140,7 +173,15 @@ class RouteTable:
 
     # ------------------------------------------------------------------ resolve
     def resolve(self, name: str, user_id: str | None) -> Decision:
-        """Pick the concrete model for one request (no I/O)."""
+        """Pick the concrete model for one request (no I/O).
+
+        ``base:adapter`` resolves ``base`` as usual (aliases, experiments and canaries of the
+        base apply) and carries the adapter; statistics and limits stay per ``base:adapter``."""
+        if ADAPTER_SEPARATOR in name:
+            base, adapter = split_adapter(name)
+            decision = self.resolve(base, user_id)
+            scope = f"model:{name}" if decision.scope.startswith("model:") else decision.scope
+            return replace(decision, logical=name, adapter=adapter, scope=scope)
         route = self.routes.get(name)
         if route is None:
             validate_model_name(name)
@@ -246,7 +287,8 @@ class RouteTable:
         return route
 
     def set_limit(self, name: str, qps: float | None, burst: float | None = None) -> None:
-        validate_model_name(name)
+        """Limit a model, a route or one adapter of a base (``tinylm:acme``)."""
+        validate_logical_name(name)
         if qps is None:
             self.limits.pop(name, None)
         else:

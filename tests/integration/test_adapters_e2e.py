@@ -1,0 +1,229 @@
+"""LoRA adapters end to end: `mmctl up` (tritonserver + control plane + router) as a child
+process, adapters driven with `mmctl adapter ...`, inference through the router with
+``base:adapter`` names compared with the same request sent straight to Triton."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from control_plane.adapters_demo import LoraDemoSpec, write_demo_adapter, write_lora_model
+from control_plane.lora.models import TinyLMConfig
+from control_plane.triton_process import which_tritonserver
+from tests.product import Product
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(which_tritonserver() is None, reason="no tritonserver binary"),
+]
+
+SPEC = LoraDemoSpec(
+    tinylm=TinyLMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64),
+    parameters={"max_device_adapters": "2", "manifest_poll_s": "0.2"},
+)
+PROMPTS = [b"hello", b"LoRA on Triton"]
+
+
+@pytest.fixture(scope="module")
+def product(fleet_template, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    repo = root / "repository"
+    shutil.copytree(fleet_template, repo)
+    write_lora_model(repo, "tinylm", SPEC)
+    write_lora_model(repo, "recommender_lora", SPEC)
+    write_demo_adapter(repo / "tinylm" / "adapters", "tinylm", "cust001", rank=4, spec=SPEC)
+    src = root / "uploads"
+    for name in ("acme", "globex"):
+        write_demo_adapter(src, "tinylm", name, rank=8, spec=SPEC)
+    write_demo_adapter(src, "recommender_lora", "wrongbase", rank=4, spec=SPEC)
+    broken = write_demo_adapter(src, "tinylm", "broken", rank=4, spec=SPEC)
+    (broken / "adapter_config.json").write_text('{"r": "eight"}')
+    p = Product(root / "state", repo, "--max-loaded", "8").start()
+    p.endpoints = p.json("endpoints")
+    p.src = src
+    yield p
+    p.stop()
+    deadline = time.monotonic() + 20  # Triton exits after its parent, not with it
+    while p.triton_pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not p.triton_pids(), "tritonserver was left running"
+
+
+def generate(client, model, prompts=PROMPTS, **params):
+    text = grpcclient.InferInput("TEXT", [len(prompts), 1], "BYTES")
+    text.set_data_from_numpy(np.array([[p] for p in prompts], dtype=object))
+    return client.infer(model, [text], parameters={"max_new_tokens": 8, **params})
+
+
+def router_client(p) -> grpcclient.InferenceServerClient:
+    return grpcclient.InferenceServerClient(p.endpoints["router_grpc"])
+
+
+def triton_client(p) -> grpcclient.InferenceServerClient:
+    return grpcclient.InferenceServerClient(p.endpoints["triton"][0]["grpc"])
+
+
+def adapters(p, base="tinylm") -> dict[str, dict]:
+    return {a["name"]: a for a in p.json("adapter", "list", base)["adapters"]}
+
+
+def test_add_validates_and_refuses_with_the_reason(product):
+    p = product
+    out = p.mmctl("adapter", "add", "support-bot/acme", "--base", "tinylm", "--path", str(p.src / "acme"))
+    assert out.returncode == 0, out.stderr
+    assert "added tinylm:acme (support-bot/acme): cold" in out.stdout
+    listed = p.json("adapter", "list", "tinylm")
+    assert not listed["loaded"]  # listing never loads the base
+    rows = {a["name"]: a for a in listed["adapters"]}
+    assert set(rows) == {"acme", "cust001"}
+    assert rows["acme"]["tier"] == rows["cust001"]["tier"] == "cold"
+    assert rows["acme"]["rank"] == 8 and rows["acme"]["label"] == "support-bot/acme"
+    assert rows["acme"]["uri"].startswith("file://") and rows["acme"]["registered"]
+    assert not rows["cust001"]["registered"]  # found in the adapter directory
+    # From the cold-store URI acme was published to.
+    out = p.mmctl("adapter", "add", "globex", "--base", "tinylm", "--path", rows["acme"]["uri"], "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["sha256"] == rows["acme"]["sha256"]
+    cases = [
+        (["broken", "--base", "tinylm", "--path", str(p.src / "broken")], 2,
+         "adapter 'broken' refused: 'r' must be a positive integer"),
+        (["wrongbase", "--base", "tinylm", "--path", str(p.src / "wrongbase")], 2,
+         "name no linear layer of tinylm"),
+        (["acme2", "--base", "recommender_lora", "--path", str(p.src / "acme")], 2,
+         "name no linear layer of recommender_lora"),
+        (["acme", "--base", "tinylm", "--path", str(p.src / "acme")], 2, "already exists"),
+        (["x", "--base", "cust001", "--path", str(p.src / "acme")], 2, "not a LoRA base"),
+        (["x", "--base", "nope", "--path", str(p.src / "acme")], 4, "unknown base model 'nope'"),
+        (["team/a b", "--base", "tinylm", "--path", str(p.src / "acme")], 2, "last part is the adapter's name"),
+    ]
+    for args, code, words in cases:
+        out = p.mmctl("adapter", "add", *args)
+        assert out.returncode == code and words in out.stderr, (args, out.returncode, out.stderr)
+    assert set(adapters(p)) == {"acme", "cust001", "globex"}  # nothing left behind
+    assert not [d for d in (p.repository / "tinylm" / "adapters").iterdir() if d.name.startswith(".")]
+
+
+def test_router_base_adapter_name_equals_the_adapter_parameter_on_triton(product):
+    p = product
+    router, triton = router_client(p), triton_client(p)
+    via_router = generate(router, "tinylm:acme")  # the base is cold: this request loads it
+    direct = generate(triton, "tinylm", adapter="acme")
+    base = generate(triton, "tinylm")
+    got = via_router.as_numpy("GENERATED_TEXT").reshape(-1).tolist()
+    assert got == direct.as_numpy("GENERATED_TEXT").reshape(-1).tolist()
+    assert got != base.as_numpy("GENERATED_TEXT").reshape(-1).tolist()
+    params = via_router.get_response().parameters
+    assert params["model"].string_param == "tinylm" and params["adapter"].string_param == "acme"
+    # HTTP through the router (JSON and binary tensors), and the streaming gRPC path
+    h = httpclient.InferenceServerClient(p.endpoints["router_http"])
+    for binary in (False, True):
+        x = httpclient.InferInput("TEXT", [2, 1], "BYTES")
+        x.set_data_from_numpy(np.array([[q] for q in PROMPTS], dtype=object), binary_data=binary)
+        out = h.infer("tinylm:acme", [x], parameters={"max_new_tokens": 8})
+        assert out.as_numpy("GENERATED_TEXT").reshape(-1).tolist() == got
+        assert out.get_response()["parameters"]["adapter"] == "acme"
+    results = []
+    router.start_stream(callback=lambda result, error: results.append((result, error)))
+    text = grpcclient.InferInput("TEXT", [2, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[q] for q in PROMPTS], dtype=object))
+    router.async_stream_infer("tinylm:acme", [text], parameters={"max_new_tokens": 8})
+    router.stop_stream()
+    assert results and results[0][1] is None
+    assert results[0][0].as_numpy("GENERATED_TEXT").reshape(-1).tolist() == got
+
+
+def test_unknown_adapter_fails_that_request_only(product):
+    p = product
+    router = router_client(p)
+    with pytest.raises(InferenceServerException) as info:
+        generate(router, "tinylm:ghost")
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+    assert "adapter 'ghost' not found for tinylm" in info.value.message()
+    resp = requests.post(f"http://{p.endpoints['router_http']}/v2/models/tinylm:ghost/infer", timeout=30,
+                         json={"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["x"]}]})
+    assert resp.status_code == 404 and "not found" in resp.text
+    with pytest.raises(InferenceServerException, match="INVALID_ARGUMENT.*BASE:ADAPTER"):
+        generate(router, "tinylm:a:b")
+    with pytest.raises(InferenceServerException, match="INVALID_ARGUMENT.*selects adapter 'acme'"):
+        generate(router, "tinylm:acme", adapter="globex")
+    assert generate(router, "tinylm:cust001").as_numpy("GENERATED_TEXT").shape == (2, 1)
+
+
+def test_list_pin_load_unload_and_metrics(product):
+    p = product
+    router = router_client(p)
+    generate(router, "tinylm:acme")
+    rows = adapters(p)
+    assert rows["acme"]["tier"] == "device"  # a device slot (gpu on a GPU server)
+    assert rows["acme"]["requests"] >= 1 and rows["acme"]["misses"] >= 1 and rows["acme"]["last_used"]
+    assert rows["globex"]["tier"] == "cold"
+    out = p.mmctl("adapter", "list", "tinylm")
+    assert out.returncode == 0 and "ADAPTER" in out.stdout and "acme (support-bot/acme)" in out.stdout
+    assert "device slots used" in out.stdout
+    # pin: confirmed by the model; the 2 slots of this base cannot hold 3 pins
+    assert p.json("adapter", "pin", "tinylm", "acme")["pinned"]
+    assert p.json("adapter", "pin", "tinylm", "cust001")["tier"] == "device"
+    out = p.mmctl("adapter", "pin", "tinylm", "globex")
+    assert out.returncode == 5 and "already pinned" in out.stderr, out.stderr
+    rows = adapters(p)
+    assert rows["acme"]["pinned"] and rows["cust001"]["pinned"] and not rows["globex"]["pinned"]
+    out = p.mmctl("adapter", "unload", "tinylm", "acme")
+    assert out.returncode == 2 and "unpin it first" in out.stderr
+    assert not p.json("adapter", "unpin", "tinylm", "cust001")["pinned"]
+    assert not p.json("adapter", "unpin", "tinylm", "acme")["pinned"]
+    # unload / load
+    assert p.json("adapter", "unload", "tinylm", "acme")["tier"] == "cold"
+    assert p.json("adapter", "load", "tinylm", "globex")["tier"] == "device"
+    assert p.json("adapter", "load", "tinylm", "acme")["tier"] == "device"
+    out = p.mmctl("adapter", "load", "tinylm", "ghost")
+    assert out.returncode == 4 and "unknown adapter 'ghost'" in out.stderr
+    metrics = requests.get(p.url + "/metrics", timeout=10).text
+    assert 'mms_adapter_requests_total{adapter="acme",base="tinylm"}' in metrics
+    assert 'mms_adapter_cache_misses_total{adapter="acme",base="tinylm"}' in metrics
+    assert 'mms_adapter_load_seconds{adapter="acme",base="tinylm"}' in metrics
+
+
+def test_rate_limit_per_adapter(product):
+    p = product
+    router = router_client(p)
+    generate(router, "tinylm:acme")  # the base is loaded before the limit starts counting
+    out = p.mmctl("limit", "set", "tinylm:acme", "--qps", "0.2", "--burst", "2")
+    assert out.returncode == 0, out.stderr
+    try:
+        outcomes = []
+        for _ in range(4):
+            try:
+                generate(router, "tinylm:acme", max_new_tokens=1)
+                outcomes.append("ok")
+            except InferenceServerException as exc:
+                assert "RESOURCE_EXHAUSTED" in str(exc) and "tinylm:acme" in str(exc)
+                outcomes.append("limited")
+        assert outcomes.count("ok") == 2 and outcomes[-1] == "limited"
+        for other in ("tinylm:globex", "tinylm"):  # other adapters and the base are not limited
+            for _ in range(3):
+                generate(router, other, max_new_tokens=1)
+    finally:
+        assert p.mmctl("limit", "clear", "tinylm:acme").returncode == 0
+    assert "tinylm:acme" not in requests.get(p.url + "/v1/limits", timeout=10).json()
+
+
+def test_remove_then_requests_get_not_found(product):
+    p = product
+    router = router_client(p)
+    generate(router, "tinylm:globex")
+    out = p.mmctl("adapter", "remove", "tinylm", "globex")
+    assert out.returncode == 0 and "removed tinylm:globex" in out.stdout, out.stderr
+    assert "globex" not in adapters(p)
+    with pytest.raises(InferenceServerException) as info:
+        generate(router, "tinylm:globex")
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+    out = p.mmctl("adapter", "remove", "tinylm", "globex")
+    assert out.returncode == 4

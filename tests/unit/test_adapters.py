@@ -1,0 +1,355 @@
+"""Adapter control plane without sockets: names, config parsing, row merging, the registry
+table, metrics, ``base:adapter`` routing and the AdapterManager against a fake model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from tritonclient.grpc import service_pb2
+
+from control_plane.adapters import (
+    AdapterManager,
+    AdapterMetrics,
+    AdapterStore,
+    describe_base,
+    merge_rows,
+    parse_adapter_ref,
+    parse_model_config,
+    public_tier,
+)
+from control_plane.adapters_demo import (
+    REPO_MODELS,
+    LoraDemoSpec,
+    write_demo_adapter,
+    write_lora_model,
+)
+from control_plane.cold_store import ColdStores, LocalDirStore, folder_sha256
+from control_plane.errors import CapacityExhausted, InvalidInput, InvalidModelName, ModelNotFound
+from control_plane.lora.manifest import read_manifest
+from control_plane.lora.models import TinyLMConfig
+from router.core import Router
+from router.errors import InvalidRequest
+from router.http_frontend import HEADER_LENGTH, _with_adapter
+from router.routes import RouteTable, split_adapter
+from tests.conftest import run
+
+SPEC = LoraDemoSpec(tinylm=TinyLMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64))
+
+
+# --------------------------------------------------------------------------- names
+@pytest.mark.parametrize("ref, expected", [
+    ("acme", ("acme", None)),
+    ("support-bot/acme", ("acme", "support-bot/acme")),
+    ("org/team/acme.v2", ("acme.v2", "org/team/acme.v2")),
+])
+def test_adapter_refs_and_labels(ref, expected):
+    assert parse_adapter_ref(ref) == expected
+
+
+@pytest.mark.parametrize("ref, words", [
+    ("", "non-empty"),
+    ("support-bot/", "empty segment"),
+    ("../acme", "last part is the adapter's name"),
+    ("a b", "adapter name 'a b' is invalid"),
+    ("tinylm:acme", "adapter name"),
+])
+def test_bad_adapter_refs_say_why(ref, words):
+    with pytest.raises(InvalidInput, match=words.replace("(", r"\(")):
+        parse_adapter_ref(ref)
+
+
+def test_logical_names_split_into_base_and_adapter():
+    assert split_adapter("tinylm:acme") == ("tinylm", "acme")
+    assert split_adapter("cust001") == ("cust001", None)
+    for bad in ("tinylm:", ":acme", "tinylm:a:b", "tinylm:../x"):
+        with pytest.raises(InvalidModelName, match="BASE:ADAPTER"):
+            split_adapter(bad)
+
+
+# --------------------------------------------------------------------------- config / base
+def test_parse_model_config_reads_inputs_and_parameters():
+    text = (REPO_MODELS / "tinylm" / "config.pbtxt").read_text()
+    inputs, params = parse_model_config(text)
+    assert {"TEXT", "ADAPTER", "ADAPTER_CONTROL"} <= inputs and "GENERATED_TEXT" not in inputs
+    assert params["max_lora_rank"] == "16" and params["adapter_dir"] == "adapters"
+
+
+def test_describe_base_refuses_plain_and_unknown_models(tmp_path):
+    write_lora_model(tmp_path, "tinylm", SPEC, parameters={"max_lora_rank": "8"})
+    base = describe_base(tmp_path, "tinylm")
+    assert (base.kind, base.max_rank, base.adapter_dir) == ("tinylm", 8, tmp_path / "tinylm" / "adapters")
+    (tmp_path / "plain" / "1").mkdir(parents=True)
+    (tmp_path / "plain" / "config.pbtxt").write_text('name: "plain"\ninput [\n  { name: "FEATURES" }\n]\n')
+    with pytest.raises(InvalidInput, match="not a LoRA base"):
+        describe_base(tmp_path, "plain")
+    with pytest.raises(ModelNotFound, match="unknown base model 'nope'"):
+        describe_base(tmp_path, "nope")
+
+
+# --------------------------------------------------------------------------- merging
+LIVE = {
+    "device": "cpu",
+    "adapters": [
+        {"name": "acme", "tier": "device", "pinned": True, "slot": 1, "rank": 8, "bytes": 4096,
+         "requests": 5, "device_hits": 3, "host_hits": 1, "misses": 1, "cold_loads": 1,
+         "load_time_s": 0.02, "swap_in_s": 0.001, "last_used_unix": 200.0, "error": None},
+        {"name": "globex", "tier": "host", "pinned": False, "slot": None, "rank": 4, "bytes": 2048,
+         "requests": 1, "device_hits": 0, "host_hits": 0, "misses": 1, "cold_loads": 1,
+         "load_time_s": 0.01, "swap_in_s": None, "last_used_unix": 100.0, "error": None},
+        {"name": "ghost", "tier": "missing", "requests": 0},
+    ],
+}
+
+
+def test_merge_rows_prefers_live_status_and_falls_back_to_registry_and_disk():
+    registered = {"acme": {"name": "acme", "label": "support-bot/acme", "uri": "file:///c/acme/",
+                           "rank": 8, "bytes": 4000, "pinned": True, "last_used": 250.0},
+                  "gone": {"name": "gone", "uri": "file:///c/gone/", "rank": 2, "bytes": 10}}
+    rows = {r["name"]: r for r in merge_rows("tinylm", registered, ["acme", "globex", "initech"],
+                                             {"pinned": ["acme"], "disabled": ["initech"]}, LIVE,
+                                             summary=lambda n: (16, 99))}
+    assert set(rows) == {"acme", "globex", "initech", "gone"}  # ghost: nobody knows it
+    acme = rows["acme"]
+    assert (acme["tier"], acme["pinned"], acme["label"], acme["bytes"]) == ("device", True, "support-bot/acme", 4096)
+    assert (acme["requests"], acme["hits"], acme["misses"], acme["last_used"]) == (5, 4, 1, 250.0)
+    assert rows["globex"]["tier"] == "host" and not rows["globex"]["registered"]
+    assert rows["initech"]["tier"] == "disabled" and rows["initech"]["rank"] == 16
+    assert rows["gone"]["tier"] == "missing" and "restored from file:///c/gone/" in rows["gone"]["error"]
+    cold = {r["name"]: r["tier"] for r in merge_rows("tinylm", {}, ["acme"], {}, None)}
+    assert cold == {"acme": "cold"}
+
+
+def test_cold_summary_matches_the_loaded_adapter(tmp_path):
+    from control_plane.adapters import _peft_summary
+    from control_plane.adapters_demo import base_targets
+    from control_plane.lora.peft import read_adapter
+
+    path = write_demo_adapter(tmp_path, "tinylm", "acme", rank=4, spec=SPEC)
+    adapter = read_adapter(path, base_targets("tinylm", SPEC))
+    assert _peft_summary(path) == (4, adapter.nbytes)
+    assert _peft_summary(tmp_path / "nothing") == (None, None)
+
+
+def test_device_tier_is_gpu_on_a_gpu():
+    assert public_tier("device", "cuda:0") == "gpu"
+    assert public_tier("device", "cpu") == "device"
+    assert public_tier("host", "cuda:0") == "host"
+
+
+def test_registry_table_keeps_last_used_and_registers_pins():
+    store = AdapterStore(sqlite3.connect(":memory:"))
+    store.put("tinylm", "acme", label=None, uri="u", sha256="s", rank=8, nbytes=1, added_by="ann", added_at=1.0)
+    store.touch("tinylm", {"acme": 50.0})
+    store.touch("tinylm", {"acme": 40.0})  # older: ignored
+    store.put("tinylm", "acme", label="x/acme", uri="u2", sha256="s2", rank=8, nbytes=1, added_by="bob", added_at=2.0)
+    row = store.get("tinylm", "acme")
+    assert (row["last_used"], row["label"], row["added_by"], row["pinned"]) == (50.0, "x/acme", "bob", False)
+    store.set_pinned("tinylm", "found", True, now=3.0)  # only in the directory until now
+    assert store.get("tinylm", "found")["pinned"] is True
+    store.delete("tinylm", "acme")
+    assert [r["name"] for r in store.rows("tinylm")] == ["found"]
+
+
+def test_metrics_come_from_the_latest_status():
+    registry = CollectorRegistry()
+    metrics = AdapterMetrics(registry)
+    metrics.update("tinylm", dict(LIVE, device_slots_used=1))
+    text = generate_latest(registry).decode()
+    assert 'mms_adapter_requests_total{adapter="acme",base="tinylm"} 5.0' in text
+    assert 'mms_adapter_cache_hits_total{adapter="acme",base="tinylm",tier="device"} 3.0' in text
+    assert 'mms_adapter_cache_misses_total{adapter="globex",base="tinylm"} 1.0' in text
+    assert 'mms_adapter_load_seconds{adapter="acme",base="tinylm"} 0.02' in text
+    assert 'mms_adapter_device_slots_used{base="tinylm"} 1.0' in text
+
+
+# --------------------------------------------------------------------------- router
+def test_base_adapter_names_resolve_through_the_base_route_and_limit_per_adapter():
+    table = RouteTable(default_target={"tinylm": "tinylm.v2"}.get)
+    d = table.resolve("tinylm:acme", None)
+    assert (d.logical, d.model, d.adapter, d.scope) == ("tinylm:acme", "tinylm.v2", "acme", "model:tinylm:acme")
+    assert table.resolve("tinylm", None).adapter is None
+    table.set_alias("lm", "tinylm")
+    assert (table.resolve("lm:acme", None).model, table.resolve("lm:acme", None).adapter) == ("tinylm", "acme")
+    table.set_limit("tinylm:acme", 5)
+    assert table.limits == {"tinylm:acme": {"qps": 5.0, "burst": 5.0}}
+    with pytest.raises(InvalidModelName):
+        table.set_limit("tinylm:a/b", 5)
+
+
+def test_appended_request_bytes_set_model_and_adapter_parameter():
+    router = Router.__new__(Router)
+    router._name_overrides = {}
+    request = service_pb2.ModelInferRequest(model_name="tinylm:acme", id="r1")
+    request.parameters["max_new_tokens"].int64_param = 4
+    raw = request.SerializeToString() + router._model_override("tinylm", "acme")
+    merged = service_pb2.ModelInferRequest.FromString(raw)
+    assert merged.model_name == "tinylm" and merged.id == "r1"
+    assert merged.parameters["adapter"].string_param == "acme"
+    assert merged.parameters["max_new_tokens"].int64_param == 4
+    decision = RouteTable().resolve("tinylm:acme", None)
+    request.parameters["adapter"].string_param = "other"
+    with pytest.raises(InvalidRequest, match="selects adapter 'acme'"):
+        Router._check_adapter_parameter(request, decision)
+
+
+def test_http_body_gets_the_adapter_parameter_and_keeps_binary_tensors():
+    decision = RouteTable().resolve("tinylm:acme", None)
+    doc = {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
+                       "parameters": {"binary_data_size": 9}}]}
+    header = json.dumps(doc).encode()
+    body = header + b"\x05\x00\x00\x00hello"
+    new_body, headers = _with_adapter(json.loads(header), body, str(len(header)),
+                                      {HEADER_LENGTH: str(len(header)), "Content-Type": "x"}, decision)
+    n = int(headers[HEADER_LENGTH])
+    assert json.loads(new_body[:n])["parameters"] == {"adapter": "acme"}
+    assert new_body[n:] == b"\x05\x00\x00\x00hello" and headers["Content-Type"] == "x"
+    with pytest.raises(InvalidRequest, match="parameter adapter is 'other'"):
+        _with_adapter({"parameters": {"adapter": "other"}}, b"{}", None, {}, decision)
+
+
+# --------------------------------------------------------------------------- manager
+class FakeModel:
+    """The LoRA model's control answers, from the adapter directory: pins beyond ``slots``
+    fail the way the real cache reports them (an error in the status, not a failed sync)."""
+
+    def __init__(self, adapter_dir, slots=2):
+        self.adapter_dir = adapter_dir
+        self.slots = slots
+        self.commands = []
+
+    async def adapter_control(self, model, command):
+        self.commands.append(command)
+        manifest = read_manifest(self.adapter_dir)
+        names = sorted(p.name for p in self.adapter_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+        pinned = list(manifest.pinned)[: self.slots]
+        adapters = []
+        for n in names:
+            error = "pin failed: cannot pin: all device slots are already pinned" if (
+                n in manifest.pinned and n not in pinned) else None
+            adapters.append({"name": n, "tier": "device" if n in pinned else "cold",
+                             "pinned": n in pinned, "error": error, "requests": 0})
+        return {"device": "cpu", "device_slots_used": len(pinned), "adapters": adapters}
+
+
+class FakeManager:
+    def __init__(self, admin=None):
+        self.server = SimpleNamespace(name="triton0", admin=admin) if admin else None
+        self.records = {"tinylm": SimpleNamespace(last_inference_ms=0)}
+        self.store = SimpleNamespace(db=sqlite3.connect(":memory:"))
+        self.metrics = SimpleNamespace(registry=CollectorRegistry())
+        self.ensured = []
+
+    def ready_server_of(self, name):
+        return self.server if name == "tinylm" else None
+
+    async def ensure(self, name):
+        self.ensured.append(name)
+
+
+@pytest.fixture
+def lora_repo(tmp_path):
+    repo = tmp_path / "repository"
+    write_lora_model(repo, "tinylm", SPEC)
+    write_lora_model(repo, "recommender_lora", SPEC)
+    src = tmp_path / "src"
+    write_demo_adapter(src, "tinylm", "acme", rank=4, spec=SPEC)
+    write_demo_adapter(src, "tinylm", "globex", rank=4, spec=SPEC)
+    write_demo_adapter(src, "recommender_lora", "wrongbase", rank=4, spec=SPEC)
+    broken = write_demo_adapter(src, "tinylm", "broken", rank=4, spec=SPEC)
+    (broken / "adapter_config.json").write_text('{"r": "eight"}')
+    (src / "acme" / "README.md").write_text("trained on acme tickets\n")
+    return SimpleNamespace(repo=repo, src=src, cold=LocalDirStore(tmp_path / "cold"))
+
+
+def test_add_validates_publishes_and_lists_cold_adapters(lora_repo):
+    adapters = AdapterManager(FakeManager(), lora_repo.repo, stores=ColdStores([lora_repo.cold]), clock=lambda: 7.0)
+    row = run(adapters.add("tinylm", "support-bot/acme", str(lora_repo.src / "acme"), who="ann"))
+    assert (row["name"], row["label"], row["tier"], row["rank"], row["added_by"]) == ("acme", "support-bot/acme", "cold", 4, "ann")
+    folder = lora_repo.repo / "tinylm" / "adapters" / "acme"
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert row["uri"] == (lora_repo.cold.root / "adapters" / "tinylm" / "acme").as_uri() + "/"
+    assert row["sha256"] == folder_sha256(folder)
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no staging left
+    # from the cold-store URI it was published to
+    run(adapters.add("tinylm", "acme2", row["uri"]))
+    assert (lora_repo.repo / "tinylm" / "adapters" / "acme2" / "adapter_model.safetensors").is_file()
+    with pytest.raises(InvalidInput, match="already exists"):
+        run(adapters.add("tinylm", "acme", str(lora_repo.src / "acme")))
+    listed = run(adapters.list("tinylm"))
+    assert not listed["loaded"] and [(a["name"], a["tier"]) for a in listed["adapters"]] == [
+        ("acme", "cold"), ("acme2", "cold")]
+
+
+@pytest.mark.parametrize("source, base, words", [
+    ("broken", "tinylm", "adapter 'x' refused: 'r' must be a positive integer"),
+    ("wrongbase", "tinylm", "name no linear layer of tinylm"),
+    ("acme", "recommender_lora", "name no linear layer of recommender_lora"),
+    ("nothing-here", "tinylm", "is not a directory"),
+])
+def test_bad_adapters_are_refused_with_the_reason_and_leave_nothing(lora_repo, source, base, words):
+    adapters = AdapterManager(FakeManager(), lora_repo.repo, stores=ColdStores([lora_repo.cold]))
+    with pytest.raises(InvalidInput, match=words):
+        run(adapters.add(base, "x", str(lora_repo.src / source)))
+    adapter_dir = lora_repo.repo / base / "adapters"
+    assert list(adapter_dir.iterdir()) == [] and adapters.store.rows() == []
+
+
+def test_pin_is_confirmed_by_the_model_and_undone_when_it_cannot_pin(lora_repo):
+    model = FakeModel(lora_repo.repo / "tinylm" / "adapters", slots=1)
+    manager = FakeManager(admin=model)
+    adapters = AdapterManager(manager, lora_repo.repo, stores=ColdStores([lora_repo.cold]))
+    for name in ("acme", "globex"):
+        run(adapters.add("tinylm", name, str(lora_repo.src / name)))
+    row = run(adapters.pin("tinylm", "acme"))
+    assert row["pinned"] and row["tier"] == "device" and adapters.store.get("tinylm", "acme")["pinned"]
+    assert {"op": "sync"} in model.commands
+    with pytest.raises(CapacityExhausted, match="all device slots are already pinned"):
+        run(adapters.pin("tinylm", "globex"))
+    manifest = read_manifest(model.adapter_dir)
+    assert manifest.pinned == ("acme",) and not adapters.store.get("tinylm", "globex")["pinned"]
+    with pytest.raises(InvalidInput, match="pinned"):
+        run(adapters.unload("tinylm", "acme"))
+    with pytest.raises(InvalidInput, match="unpin it first"):
+        run(adapters.remove("tinylm", "acme"))
+    manager.records["tinylm"].last_inference_ms = 0
+    assert not run(adapters.unpin("tinylm", "acme"))["pinned"]
+    assert read_manifest(model.adapter_dir).pinned == ()
+    assert manager.records["tinylm"].last_inference_ms == 0  # an explicit op counts as use
+    run(adapters.list("tinylm"))
+    assert manager.records["tinylm"].last_inference_ms > 0  # a status poll is not use
+    run(adapters.load("tinylm", "globex"))
+    assert manager.ensured == ["tinylm"] and model.commands[-1] == {"op": "load", "adapter": "globex"}
+    with pytest.raises(ModelNotFound, match="unknown adapter 'ghost'"):
+        run(adapters.load("tinylm", "ghost"))
+
+
+def test_remove_disables_while_deleting_and_keeps_the_cold_copy(lora_repo):
+    model = FakeModel(lora_repo.repo / "tinylm" / "adapters")
+    adapters = AdapterManager(FakeManager(admin=model), lora_repo.repo, stores=ColdStores([lora_repo.cold]))
+    row = run(adapters.add("tinylm", "acme", str(lora_repo.src / "acme")))
+    out = run(adapters.remove("tinylm", "acme"))
+    assert out == {"base": "tinylm", "name": "acme", "removed": True, "uri": row["uri"]}
+    assert not (model.adapter_dir / "acme").exists() and adapters.store.rows() == []
+    assert read_manifest(model.adapter_dir).disabled == ()  # re-adding works
+    assert lora_repo.cold.path_of(row["uri"]).is_dir()
+    with pytest.raises(ModelNotFound):
+        run(adapters.remove("tinylm", "acme"))
+
+
+def test_recover_restores_a_wiped_adapter_folder_and_its_pin(lora_repo):
+    manager = FakeManager()
+    adapters = AdapterManager(manager, lora_repo.repo, stores=ColdStores([lora_repo.cold]))
+    run(adapters.add("tinylm", "acme", str(lora_repo.src / "acme")))
+    run(adapters.pin("tinylm", "acme"))  # base not loaded: manifest + registry only
+    adapter_dir = lora_repo.repo / "tinylm" / "adapters"
+    shutil.rmtree(adapter_dir)  # e.g. a tmpfs repository after a reboot
+    assert run(adapters.list("tinylm"))["adapters"][0]["tier"] == "missing"
+    report = run(AdapterManager(manager, lora_repo.repo, stores=ColdStores([lora_repo.cold])).recover())
+    assert report == {"restored": ["tinylm:acme"], "failed": {}}
+    assert (adapter_dir / "acme" / "adapter_model.safetensors").is_file()
+    assert read_manifest(adapter_dir).pinned == ("acme",)
