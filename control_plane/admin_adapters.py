@@ -20,21 +20,9 @@ import contextlib
 from aiohttp import web
 
 from .adapters import AdapterManager
-from .errors import InvalidInput
+from .admin_api import json_body as _json
 
 ADAPTERS_KEY = web.AppKey("adapters", AdapterManager)
-
-
-async def _json(request: web.Request) -> dict:
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except ValueError:
-        raise InvalidInput("the request body must be JSON") from None
-    if not isinstance(body, dict):
-        raise InvalidInput("the request body must be a JSON object")
-    return body
 
 
 def _adapters(request: web.Request) -> AdapterManager:

@@ -34,6 +34,19 @@ async def error_middleware(request: web.Request, handler):
         return web.json_response({"error": "internal", "message": repr(exc)}, status=500)
 
 
+async def json_body(request: web.Request) -> dict:
+    """The request's JSON object ({} when there is no body); InvalidInput otherwise."""
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError:
+        raise InvalidInput("the request body must be JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidInput("the request body must be a JSON object")
+    return body
+
+
 def _manager(request: web.Request) -> ModelManager:
     return request.app[MANAGER_KEY]
 

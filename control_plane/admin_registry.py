@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from .admin_api import json_body as _json
 from .errors import ControlPlaneError, InvalidInput
 from .names import validate_model_name
 from .registry import DEFAULT_SLA, Registry, parse_metrics, register_version
@@ -32,18 +33,6 @@ REGISTRY_KEY = web.AppKey("registry", Registry)
 WARM_KEY = web.AppKey("warm_tier", object)
 LOCATE_KEY = web.AppKey("locate", object)
 STAGING_KEY = web.AppKey("warm_staging", dict)
-
-
-async def _json(request: web.Request) -> dict:
-    if not request.can_read_body:
-        return {}
-    try:
-        body = await request.json()
-    except ValueError:
-        raise InvalidInput("the request body must be JSON") from None
-    if not isinstance(body, dict):
-        raise InvalidInput("the request body must be a JSON object")
-    return body
 
 
 def _who(request: web.Request, body: dict) -> str:

@@ -9,7 +9,6 @@ Exit codes scripts can rely on:
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import json
 import logging
 import os
@@ -34,6 +33,8 @@ from .cli_common import (  # noqa: F401  (exit codes are part of this module's s
     _table,
     pass_api,
 )
+from .cli_common import fmt_ago as _ago
+from .cli_common import fmt_bytes as _bytes
 
 
 @click.group()
@@ -45,27 +46,6 @@ from .cli_common import (  # noqa: F401  (exit codes are part of this module's s
 def cli(ctx: click.Context, url: str, timeout_s: float):
     """Multi-model serving on Triton: load, pin and inspect models."""
     ctx.obj = Api(url, timeout_s)
-
-
-def _ago(ts) -> str:
-    if not ts:
-        return "-"
-    secs = max(0, dt.datetime.now().timestamp() - ts)
-    if secs < 60:
-        return f"{secs:.0f}s ago"
-    if secs < 3600:
-        return f"{secs / 60:.0f}m ago"
-    return f"{secs / 3600:.1f}h ago"
-
-
-def _bytes(n) -> str:
-    if not n:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _emit(body, as_json: bool, text: str) -> None:

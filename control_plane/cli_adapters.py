@@ -12,8 +12,6 @@ last segment (``acme``: ``tinylm:acme`` through the router, ``adapter=acme`` on 
 
 from __future__ import annotations
 
-import datetime as dt
-import getpass
 import json
 import os
 
@@ -21,6 +19,9 @@ import click
 import requests
 
 from .cli_common import Api, _table, pass_api
+from .cli_common import fmt_ago as _ago
+from .cli_common import fmt_bytes as _bytes
+from .cli_common import who_am_i as _who
 
 
 def _q(name: str) -> str:
@@ -39,34 +40,6 @@ def _path(base: str, name: str | None = None, action: str | None = None) -> str:
     if action is not None:
         path += f"/{action}"
     return path
-
-
-def _bytes(n) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _ago(ts) -> str:
-    if not ts:
-        return "-"
-    secs = max(0.0, dt.datetime.now().timestamp() - ts)
-    if secs < 60:
-        return f"{secs:.0f}s ago"
-    if secs < 3600:
-        return f"{secs / 60:.0f}m ago"
-    return f"{secs / 3600:.1f}h ago"
-
-
-def _who() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # no user name in this environment
-        return "mmctl"
 
 
 def _one_line(row: dict) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import getpass
 import sys
 
 import click
@@ -58,3 +60,37 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+
+
+def current_api() -> Api:
+    """The Api of the running ``mmctl`` invocation (set by the root group)."""
+    return click.get_current_context().find_root().obj
+
+
+def fmt_bytes(n) -> str:
+    if not n:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def fmt_ago(ts) -> str:
+    if not ts:
+        return "-"
+    secs = max(0.0, dt.datetime.now().timestamp() - ts)
+    if secs < 60:
+        return f"{secs:.0f}s ago"
+    if secs < 3600:
+        return f"{secs / 60:.0f}m ago"
+    return f"{secs / 3600:.1f}h ago"
+
+
+def who_am_i() -> str:
+    """Recorded as the author of registry and adapter changes."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no user name in this environment
+        return "mmctl"

@@ -8,80 +8,32 @@ takes ``MMCTL_URL``.  Exit codes are mmctl's (2 bad input, 3 unreachable, 4 unkn
 
 from __future__ import annotations
 
-import getpass
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import click
-import requests
 
+from .cli_common import (
+    EXIT_BY_ERROR,
+    EXIT_LOAD_FAILED,
+    EXIT_TIMEOUT,
+    _table,
+    current_api,
+    who_am_i,
+)
+from .cli_common import fmt_bytes as _size
 from .registry import DEFAULT_SLA, SLA_CLASSES, STAGES
-
-DEFAULT_URL = "http://127.0.0.1:8090"
-EXIT_ERROR, EXIT_UNREACHABLE, EXIT_LOAD_FAILED, EXIT_TIMEOUT = 1, 3, 6, 7
-EXIT_BY_ERROR = {
-    "invalid_input": 2, "invalid_model_name": 2, "model_not_found": 4, "capacity_exhausted": 5,
-    "load_failed": 6, "triton_unavailable": 3, "timeout": 7,
-}
-
-
-def _target(ctx: click.Context) -> tuple[str, float]:
-    obj = ctx.find_root().obj
-    url = getattr(obj, "url", None) or os.environ.get("MMCTL_URL", DEFAULT_URL)
-    return url.rstrip("/"), float(getattr(obj, "timeout_s", 600.0))
 
 
 def _call(method: str, path: str, body: dict | None = None, params: dict | None = None,
           ok: tuple[int, ...] = (200, 201, 202)) -> dict:
-    url, timeout_s = _target(click.get_current_context())
-    try:
-        resp = requests.request(method, url + path, json=body, params=params, timeout=timeout_s)
-    except requests.ConnectionError:
-        click.echo(f"error: the control plane is not running at {url}; start it with `mmctl up`, "
-                   "or point --url / MMCTL_URL at it", err=True)
-        sys.exit(EXIT_UNREACHABLE)
-    except requests.Timeout:
-        click.echo(f"error: no answer from {url} within {timeout_s:.0f}s (raise --timeout)", err=True)
-        sys.exit(EXIT_TIMEOUT)
-    try:
-        data = resp.json()
-    except ValueError:
-        data = {"error": "internal", "message": resp.text[:500]}
-    if resp.status_code not in ok:
-        click.echo(f"error: {data.get('message', data)}", err=True)
-        sys.exit(EXIT_BY_ERROR.get(data.get("error"), EXIT_ERROR))
-    return data
-
-
-def _size(n) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _table(rows: list[list], headers: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths))]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
-    return "\n".join(line.rstrip() for line in lines)
+    return current_api().call(method, path, ok_statuses=ok, body=body, **(params or {}))[1]
 
 
 def _when(ts) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
-
-
-def _default_who() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # no user name in this environment
-        return "mmctl"
 
 
 @click.group()
@@ -102,7 +54,7 @@ def registry():
 @click.option("--sla", type=click.Choice(SLA_CLASSES), default=DEFAULT_SLA, show_default=True)
 @click.option("--tenant", help="Tenant the model belongs to (placement affinity).")
 @click.option("--stage", type=click.Choice(STAGES[:-1]), default="registered", show_default=True)
-@click.option("--who", default=_default_who, help="Recorded as the author of the change.")
+@click.option("--who", default=who_am_i, help="Recorded as the author of the change.")
 @click.option("--json", "as_json", is_flag=True)
 def add(model, version, artifact_uri, source_dir, sha256, metrics, data_fingerprint, sla, tenant,
         stage, who, as_json):
@@ -143,7 +95,7 @@ def list_(model, as_json):
 @click.option("--stage", type=click.Choice(STAGES), required=True,
               help="production retires the current production version.")
 @click.option("--note", help="Why (kept in the history).")
-@click.option("--who", default=_default_who)
+@click.option("--who", default=who_am_i)
 @click.option("--json", "as_json", is_flag=True)
 def promote(model, version, stage, note, who, as_json):
     """Move MODEL --version N to --stage (shadow|canary|production|retired)."""
@@ -194,7 +146,7 @@ def stage(model, version, poll_s):
     """Copy MODEL --version N from the cold store into the warm tier, showing progress."""
     name = f"{model}.v{version}"
     _call("POST", f"/v1/warm/{name}/stage")
-    _, timeout_s = _target(click.get_current_context())
+    timeout_s = current_api().timeout_s
     deadline = time.monotonic() + timeout_s
     shown = False
     while time.monotonic() < deadline:

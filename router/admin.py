@@ -8,6 +8,8 @@ from dataclasses import asdict
 
 from aiohttp import web
 
+from control_plane.admin_api import json_body as _json
+
 from .canary import abort, promote
 from .core import Router
 from .errors import InvalidRequest, ModelNotFound, RouterError
@@ -26,16 +28,6 @@ async def router_errors(request: web.Request, handler):
 
 def _r(request) -> Router:
     return request.app[ROUTER_ADMIN_KEY]
-
-
-async def _json(request) -> dict:
-    try:
-        body = await request.json() if request.can_read_body else {}
-    except ValueError:
-        raise InvalidRequest("request body must be JSON") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    return body
 
 
 def _num(body: dict, key: str, default=None, cast=float):

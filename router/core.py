@@ -14,7 +14,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, NoReturn
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -260,12 +260,7 @@ class Router:
                 response = await self.stub(server).ModelInfer(
                     request, timeout=timeout_s or self.config.request_timeout_s)
             except grpc.aio.AioRpcError as exc:
-                call.code = exc.code().name
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    raise BackendUnavailable(
-                        f"Triton {server.name} at {server.spec.grpc_url} is unavailable "
-                        f"({exc.details()}); the control plane restarts it, retry shortly") from exc
-                raise
+                self._reraise(call, server, exc)
             params = response.parameters
             params["model"].string_param = decision.model
             params["variant"].string_param = decision.variant
@@ -278,6 +273,17 @@ class Router:
                                              outputs_of(response),
                                              (time.perf_counter() - call.start) * 1000))
             return response
+
+    @staticmethod
+    def _reraise(call: Call, server: TritonServer, exc: grpc.aio.AioRpcError) -> NoReturn:
+        """Triton's own answer (shape, dtype, ...) passes through; a Triton that is down
+        says so."""
+        call.code = exc.code().name
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            raise BackendUnavailable(
+                f"Triton {server.name} at {server.spec.grpc_url} is unavailable "
+                f"({exc.details()}); the control plane restarts it, retry shortly") from exc
+        raise exc
 
     def _response_suffix(self, decision: Decision) -> bytes:
         """Serialized routing parameters, appended to Triton's response bytes.
@@ -340,12 +346,7 @@ class Router:
                 response = await self.raw_infer(server)(
                     body, timeout=timeout_s or self.config.request_timeout_s)
             except grpc.aio.AioRpcError as exc:
-                call.code = exc.code().name
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    raise BackendUnavailable(
-                        f"Triton {server.name} at {server.spec.grpc_url} is unavailable "
-                        f"({exc.details()}); the control plane restarts it, retry shortly") from exc
-                raise
+                self._reraise(call, server, exc)
             if decision.shadow:
                 request.model_name = decision.shadow
                 if decision.adapter is not None:

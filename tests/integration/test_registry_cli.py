@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from control_plane.admin_api import error_middleware
 from control_plane.admin_registry import add_registry_routes
+from control_plane.cli_common import Api
 from control_plane.cli_registry import registry as registry_cli
 from control_plane.cold_store import ColdStores, LocalDirStore, folder_sha256
 from control_plane.registry import Registry
@@ -67,7 +68,7 @@ def admin(tmp_path):
 
 
 def mmctl(url, *args):
-    result = CliRunner().invoke(registry_cli, list(args), obj=SimpleNamespace(url=url, timeout_s=30))
+    result = CliRunner().invoke(registry_cli, list(args), obj=Api(url, 30))
     return result.exit_code, result.output
 
 
