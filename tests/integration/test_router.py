@@ -290,3 +290,35 @@ def test_router_health_and_metrics(product):
     metrics = requests.get(base + "/metrics", timeout=5).text
     assert 'mmr_requests_total{code="OK",model="cust002",route="cust002",variant="default"}' in metrics
     assert "mmr_request_seconds_bucket" in metrics and "mmr_cold_load_waits_total" in metrics
+
+
+def test_triton_down_is_unavailable_then_recovers(fleet_template, tmp_path):
+    import os
+    import shutil
+    import signal
+
+    repo = tmp_path / "repository"
+    shutil.copytree(fleet_template, repo)
+    # A slow reconcile loop leaves a window in which Triton is down and not yet restarted.
+    p = Product(tmp_path / "state", repo, "--max-loaded", "4", "--reconcile-interval", "6").start()
+    try:
+        endpoints = p.json("endpoints")
+        g = grpcclient.InferenceServerClient(endpoints["router_grpc"])
+        grpc_infer(g, "cust001", features(1))
+        triton_pids = p.triton_pids()
+        assert len(triton_pids) == 1
+        os.kill(triton_pids[0], signal.SIGKILL)
+        time.sleep(0.5)
+        with pytest.raises(InferenceServerException, match="UNAVAILABLE.*Triton .* is unavailable"):
+            grpc_infer(g, "cust001", features(1))
+        # The control plane restarts its Triton; the model is loaded again on demand.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                grpc_infer(g, "cust001", features(1))
+                break
+            except InferenceServerException:
+                assert time.monotonic() < deadline, "the router did not recover"
+                time.sleep(1)
+    finally:
+        p.stop()
