@@ -2,6 +2,7 @@
 
 Each benchmark is its own module and can run alone with its own options:
 
+    python -m bench.load_unload      load + warm-up and unload-until-free times on real Triton
     python -m bench.policy_replay    eviction policies vs Belady on request traces
     python -m bench.router_latency   what the router adds (vs direct Triton and a plain proxy)
     python -m bench.seed_scenario    50 customers, top 12 pinned, on the real stack
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 QUICK = {
+    "load_unload": ["-m", "bench.load_unload", "--cycles", "6"],
     "policy_replay": ["-m", "bench.policy_replay", "--quick"],
     "router_latency": ["-m", "bench.router_latency", "--requests", "2000", "--seconds", "5"],
     "seed_scenario": ["-m", "bench.seed_scenario", "--rate", "3", "--seconds", "40",
@@ -35,6 +37,7 @@ QUICK = {
     "lora": ["bench/lora_bench.py", "--quick", "--no-wide"],
 }
 FULL = {
+    "load_unload": ["-m", "bench.load_unload"],
     "policy_replay": ["-m", "bench.policy_replay"],
     "router_latency": ["-m", "bench.router_latency"],
     "seed_scenario": ["-m", "bench.seed_scenario"],
@@ -105,6 +108,12 @@ def plot_cdfs() -> list[str]:
 
 def summary_rows() -> list[tuple[str, str, str]]:
     rows = []
+    lu = load("load_unload.json")
+    if lu:
+        m = lu["median"]
+        rows.append(("load + warm-up of a demo model (warm)", "Triton", f"median {m['load_and_warmup_s']:.2f}s"))
+        rows.append(("unload until memory free", "Triton",
+                     f"median {m['unload_to_free_s']:.2f}s (call returns in {m['unload_returns_s'] * 1000:.1f}ms)"))
     policy = load("policy.json")
     if policy:
         for r in policy:
