@@ -119,7 +119,7 @@ async def canary_status(request):
     body = asdict(canary)
     body["percent"] = canary.percent
     body["route"] = name
-    body["serving"] = router.table.routes[name].target
+    body["serving"] = router.table.target_of(name)
     body["variants"] = router.stats.scope(f"canary:{name}")
     return web.json_response(body)
 

@@ -113,7 +113,7 @@ class Shadow:
 @dataclass
 class Route:
     name: str
-    target: str
+    target: str | None  # None: the default (registry production version, else the name)
     experiment: Experiment | None = None
     canary: Canary | None = None
     shadow: Shadow | None = None
@@ -165,10 +165,19 @@ class RouteTable:
             self.store.put(ROUTES_KEY, json.dumps([asdict(r) for r in self.routes.values()]))
             self.store.put(LIMITS_KEY, json.dumps(self.limits))
 
+    def target_of(self, name: str) -> str:
+        """What ``name`` serves outside experiments and canaries: an explicit alias, else the
+        registry's production version, else the model of that name."""
+        route = self.routes.get(name)
+        if route is not None and route.target:
+            return route.target
+        target = self.default_target(name) if self.default_target is not None else None
+        return target or name
+
     def route(self, name: str, create: bool = False) -> Route | None:
         route = self.routes.get(name)
         if route is None and create:
-            route = self.routes[name] = Route(name, target=name)
+            route = self.routes[name] = Route(name, target=None)
         return route
 
     # ------------------------------------------------------------------ resolve
@@ -205,7 +214,7 @@ class RouteTable:
             if point < canary.percent * BUCKETS / 100:
                 return Decision(name, canary.candidate, "canary", shadow=shadow, scope=f"canary:{name}")
             return Decision(name, canary.baseline, "baseline", shadow=shadow, scope=f"canary:{name}")
-        return Decision(name, route.target, "default", shadow=shadow, scope=f"model:{name}")
+        return Decision(name, self.target_of(name), "default", shadow=shadow, scope=f"model:{name}")
 
     # ------------------------------------------------------------------ changes
     def set_alias(self, name: str, target: str) -> Route:
@@ -262,7 +271,7 @@ class RouteTable:
         if not stages or stages != sorted(stages):
             raise InvalidRequest(f"stages {stages} must be a non-empty increasing list of percentages")
         now = self.clock()
-        route.canary = Canary(baseline=route.target, candidate=candidate, stages=stages,
+        route.canary = Canary(baseline=self.target_of(name), candidate=candidate, stages=stages,
                               stage_started_at=now, last_check_at=now, **options)
         route.canary.history.append({"at": now, "decision": "start", "stage": 0,
                                      "percent": stages[0]})

@@ -198,3 +198,17 @@ def test_shadow_queue_drops_when_full_and_never_blocks():
         await mirror.stop()
 
     run(go())
+
+
+def test_name_serves_registry_production_version_unless_aliased():
+    production = {"cust017": "cust017.v3"}
+    table = RouteTable(rng=random.Random(4), default_target=production.get)
+    assert table.resolve("cust017", None).model == "cust017.v3"
+    assert table.resolve("cust001", None).model == "cust001"
+    table.create_experiment("e", "cust017", "cust017-v2", 10)
+    table.delete_experiment("e")  # the route that remains must not pin the old target
+    assert table.resolve("cust017", None).model == "cust017.v3"
+    table.start_canary("cust017", "cust017.v4", stages=[10, 100], stage_s=1)
+    assert table.routes["cust017"].canary.baseline == "cust017.v3"
+    table.set_alias("cust017", "cust017-v2")
+    assert table.target_of("cust017") == "cust017-v2"
