@@ -170,12 +170,6 @@ def _drive(p, model, seconds, until=None):
     return errors
 
 
-def direct_after_load(p, model) -> grpcclient.InferenceServerClient:
-    """A client straight to Triton, once the control plane has ``model`` loaded."""
-    assert p.mmctl("load", model).returncode == 0
-    return grpcclient.InferenceServerClient(p.endpoints["triton"][0]["grpc"])
-
-
 def canary_status(p, name):
     return p.json("canary", "status", name)
 
@@ -228,6 +222,9 @@ def test_slow_and_dead_shadows_never_touch_the_primary(product):
     p = product
     g = grpc_client(p)
     direct = grpcclient.InferenceServerClient(p.endpoints["triton"][0]["grpc"])
+    # Pinned: loading the shadows must not evict the primaries compared against below.
+    for model in ("cust008", "cust003"):
+        assert p.mmctl("pin", model).returncode == 0
     assert p.mmctl("shadow", "start", "cust008", "--model", "slow", "--percent", "100").returncode == 0
     data = features(2, seed=5)
     grpc_infer(g, "cust008", data)
@@ -244,7 +241,7 @@ def test_slow_and_dead_shadows_never_touch_the_primary(product):
     assert p.mmctl("shadow", "stop", "cust008").returncode == 0
     # A shadow that cannot even load: the primary does not notice, the errors are counted.
     assert p.mmctl("shadow", "start", "cust003", "--model", "broken", "--percent", "100").returncode == 0
-    expected3 = grpc_infer(direct_after_load(p, "cust003"), "cust003", data).get_response().raw_output_contents
+    expected3 = grpc_infer(direct, "cust003", data).get_response().raw_output_contents
     for _ in range(20):
         assert grpc_infer(g, "cust003", data).get_response().raw_output_contents == expected3
     deadline = time.monotonic() + 30
@@ -253,6 +250,8 @@ def test_slow_and_dead_shadows_never_touch_the_primary(product):
     report = p.json("shadow", "report", "cust003")
     assert report["errors"] > 0 and report["compared"] == 0
     assert p.mmctl("shadow", "stop", "cust003").returncode == 0
+    for model in ("cust008", "cust003"):
+        assert p.mmctl("unpin", model).returncode == 0
     metrics = requests.get(f"http://{p.endpoints['router_http']}/metrics", timeout=5).text
     assert 'mmr_shadow_dropped_total{route="cust008"}' in metrics
 
