@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import platform
 import shutil
@@ -61,6 +62,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--model-size-mb", type=float, default=0, help="0 = the small demo model")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "load_unload.json")
     args = ap.parse_args(argv)
+    # The manager logs each unload done behind its back (here, on purpose) as a warning.
+    logging.getLogger("control_plane").setLevel(logging.ERROR)
     work = Path(tempfile.mkdtemp(prefix="bench-load-"))
     repo = work / "repository"
     spec = FleetSpec(count=4)
