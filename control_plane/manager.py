@@ -53,6 +53,10 @@ from .triton_process import TritonProcess
 log = logging.getLogger(__name__)
 
 
+UNKNOWN_NAME_TTL_S = 5.0
+UNKNOWN_NAMES_MAX = 10_000
+
+
 class ModelState(str, enum.Enum):
     COLD = "cold"  # known, artifacts only in the cold store
     WARM = "warm"  # artifacts in Triton's repository, not loaded
@@ -74,7 +78,8 @@ class ModelRecord:
     failure: str | None = None
     warmup: dict | None = None
     loads: int = 0
-    inflight: int = 0
+    inflight: int = 0  # requests holding the model (waiting for it or running on it)
+    active: int = 0  # of those, requests sent to Triton: what an unload drains
     last_inference_ms: int = 0  # newest Triton-reported inference, to refresh recency
     failed_at: float | None = None  # monotonic time of the last failed load
 
@@ -124,6 +129,8 @@ class TritonServer:
     planner: CachePlanner
     process: TritonProcess | None = None
     up: bool = True
+    restart_failures: int = 0
+    next_restart_at: float = 0.0  # monotonic; restarts of a crashing Triton back off
 
     @property
     def name(self) -> str:
@@ -213,6 +220,7 @@ class ModelManager:
         self._unloads: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
         self._load_listeners: list[Callable[[str, ModelRecord], None]] = []
+        self._unknown: dict[str, float] = {}  # name -> when it was last found unknown
         pins = store.pins()
         for name, row in store.model_rows().items():
             rec = self._record(name)
@@ -261,15 +269,28 @@ class ModelManager:
         self._load_listeners.append(listener)
 
     async def _known(self, name: str) -> None:
-        """Raise ModelNotFound unless some server's repository has ``name``."""
-        if name in self.catalog or (self.stager is not None and name in self.stager.known()):
+        """Raise ModelNotFound unless some server's repository (or a tier) has ``name``.
+
+        Unknown names are remembered for a few seconds: a client repeating a bad name must
+        not turn each request into index RPCs and registry queries."""
+        if name in self.catalog:
+            return
+        refused_at = self._unknown.get(name)
+        if refused_at is not None and time.monotonic() - refused_at < UNKNOWN_NAME_TTL_S:
+            raise ModelNotFound(f"unknown model {name!r}: it is not in the model repository; "
+                                "`mmctl status` lists the known models")
+        if self.stager is not None and name in self.stager.known():
             return
         await self.refresh_catalog()
         if name not in self.catalog and not (self.stager is not None and name in self.stager.known()):
+            if len(self._unknown) >= UNKNOWN_NAMES_MAX:
+                self._unknown.clear()
+            self._unknown[name] = time.monotonic()
             raise ModelNotFound(
                 f"unknown model {name!r}: it is not in the model repository; "
                 "`mmctl status` lists the known models"
             )
+        self._unknown.pop(name, None)
 
     async def refresh_catalog(self) -> None:
         errors = []
@@ -313,7 +334,11 @@ class ModelManager:
                 if server is None:
                     raise ModelLoadFailed(f"{name} was unloaded before the request could start; retry")
             self.touch(name)
-            yield server
+            rec.active += 1
+            try:
+                yield server
+            finally:
+                rec.active -= 1
         finally:
             self.release(rec)
 
@@ -378,6 +403,8 @@ class ModelManager:
         task = self._loads.get(name)
         if task is None:
             await self._known(name)
+            task = self._loads.get(name)  # re-read: another caller may have started it meanwhile
+        if task is None:
             self.metrics.misses.labels(name).inc()
             task = asyncio.get_running_loop().create_task(self._load(name))
             self._loads[name] = task
@@ -407,8 +434,12 @@ class ModelManager:
             self.stager.set_busy(name, True)
             try:
                 size_bytes = await self.stager.stage(name)
-            except BaseException:
+            except BaseException as exc:
                 self.stager.set_busy(name, False)
+                if isinstance(exc, ControlPlaneError) and not isinstance(exc, ModelNotFound):
+                    # A bad artifact or an unreachable store: back off like a failed load.
+                    rec.state, rec.failure, rec.failed_at = (
+                        ModelState.FAILED, exc.message, time.monotonic())
                 raise
         else:
             size_bytes = self.artifact_bytes(name)
@@ -551,11 +582,13 @@ class ModelManager:
         rec.state = ModelState.UNLOADING
         # Drain: requests holding a lease finish first (bounded by drain_timeout_s).
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while rec.inflight > 0 and time.monotonic() < deadline:
+        # Only requests already sent to Triton are drained: requests still waiting for this
+        # model wait for the unload to finish, so waiting on them would deadlock.
+        while rec.active > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        if rec.inflight > 0:
+        if rec.active > 0:
             log.warning("%s still has %d requests in flight after %.0fs; unloading anyway "
-                        "(Triton lets running requests finish)", name, rec.inflight,
+                        "(Triton lets running requests finish)", name, rec.active,
                         self.config.drain_timeout_s)
         start = time.monotonic()
         try:
@@ -579,8 +612,9 @@ class ModelManager:
     # ------------------------------------------------------------------ pins
     async def pin(self, name: str) -> ModelRecord:
         """Pin and make resident.  If it cannot be loaded, the pin is not kept."""
-        rec = self.get(name)
-        await self._known(name)
+        validate_model_name(name)
+        await self._known(name)  # cold models (registry only) can be pinned too
+        rec = self._record(name)
         was_pinned = rec.pinned
         rec.pinned = True
         if rec.server and rec.name in self.servers[rec.server].planner.residents:
@@ -651,14 +685,7 @@ class ModelManager:
 
     async def _reconcile_server(self, server: TritonServer) -> None:
         if server.process is not None and not server.process.alive():
-            log.error("tritonserver %s exited (code %s); restarting it", server.name,
-                      server.process.proc.returncode if server.process.proc else None)
-            self._forget_server_models(server, "tritonserver exited")
-            # Started on the loop thread on purpose (PR_SET_PDEATHSIG follows the forking
-            # thread); blocks the loop for Triton's start-up, acceptable in crash recovery.
-            server.process.start()
-            server.up = True
-            self._spawn(self.load_pinned())
+            await self._restart_triton(server)
             return
         try:
             index = await server.admin.index()
@@ -689,10 +716,16 @@ class ModelManager:
                                                 "checked_at": self.clock(), "error": None,
                                                 "note": "adopted from Triton's index"}
                     log.warning("adopted %s: Triton %s has it loaded", name, server.name)
+                elif (entry.state == TritonModelState.READY and rec.state == ModelState.FAILED
+                        and rec.server == server.name):
+                    # Its unload (after a failure) did not complete: try again, so the
+                    # memory is freed and counted free once Triton confirms.
+                    self._spawn(self._retry_unload(server, name))
                 elif entry.state != TritonModelState.READY and ours:
                     if entry.state in (TritonModelState.LOADING, TritonModelState.UNLOADING):
                         continue
                     server.planner.remove(name)
+                    self._release_warm(name)
                     if rec.state == ModelState.READY:
                         log.warning("%s is no longer loaded on %s (%s)", name, server.name,
                                     entry.reason or entry.state.value)
@@ -703,6 +736,7 @@ class ModelManager:
             for name, rec in self.records.items():
                 if rec.server == server.name and name not in index and name not in busy:
                     server.planner.remove(name)
+                    self._release_warm(name)
                     rec.state, rec.server = ModelState.WARM, None
         self._update_gauges(server)
         with contextlib.suppress(ControlPlaneError):
@@ -711,13 +745,45 @@ class ModelManager:
         if was_down:
             self._spawn(self.load_pinned())
 
+    async def _restart_triton(self, server: TritonServer) -> None:
+        """Relaunch a managed Triton that died; the event loop keeps serving meanwhile."""
+        now = time.monotonic()
+        if now < server.next_restart_at:
+            return
+        log.error("tritonserver %s exited (code %s); restarting it", server.name,
+                  server.process.proc.returncode if server.process.proc else None)
+        server.up = False
+        self.metrics.server_up.labels(server.name).set(0)
+        self._forget_server_models(server, "tritonserver exited")
+        # Popen on the loop thread (PR_SET_PDEATHSIG follows the forking thread); the
+        # readiness wait runs in a worker thread so requests for other servers go on.
+        server.process.launch()
+        try:
+            await asyncio.to_thread(server.process.wait_ready, server.process.cfg.ready_timeout_s)
+        except TritonUnavailable as exc:
+            server.restart_failures += 1
+            delay_s = min(60.0, 2.0 ** server.restart_failures)
+            server.next_restart_at = time.monotonic() + delay_s
+            log.error("restart of %s failed (%s); next try in %.0fs", server.name, exc.message, delay_s)
+            await asyncio.to_thread(server.process.stop)
+            return
+        server.restart_failures = 0
+        server.up = True
+        self.metrics.server_up.labels(server.name).set(1)
+        self._spawn(self.load_pinned())
+
     def _forget_server_models(self, server: TritonServer, reason: str) -> None:
         for name, rec in self.records.items():
             if rec.server == server.name:
                 server.planner.remove(name)
+                self._release_warm(name)
                 rec.state, rec.server = ModelState.WARM, None
                 rec.failure = reason
         self._update_gauges(server)
+
+    async def _retry_unload(self, server: TritonServer, name: str) -> None:
+        with contextlib.suppress(ControlPlaneError):
+            await self._unload_now(server, name, reason="retry_after_failure")
 
     async def _enforce_capacity(self, server: TritonServer) -> None:
         """After adopting what Triton had loaded, evict down to the budget (unpinned, LRU)."""
@@ -745,7 +811,10 @@ class ModelManager:
                 return
 
     def _room_is_busy(self) -> bool:
+        """Room held by loads/unloads in progress or by requests (not by pins or failures)."""
         return any(not r.evictable and not r.pinned
+                   and self.records.get(r.key) is not None
+                   and self.records[r.key].state != ModelState.FAILED
                    for server in self.servers.values() for r in server.planner.residents.values())
 
     def _busy_tasks(self) -> set[asyncio.Task]:

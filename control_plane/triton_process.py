@@ -151,6 +151,16 @@ class TritonProcess:
         return f"http://{self.cfg.host}:{self.cfg.metrics_port}/metrics"
 
     def start(self) -> None:
+        """Launch and wait until ready (stops the child if it never gets ready)."""
+        self.launch()
+        try:
+            self.wait_ready(self.cfg.ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def launch(self) -> None:
+        """Start the child process without waiting for it to be ready."""
         cfg = self.cfg
         cfg.work_dir.mkdir(parents=True, exist_ok=True)
         binary = pytriton_root() / "bin" / "tritonserver"
@@ -172,11 +182,6 @@ class TritonProcess:
             )
         finally:
             stdout.close()
-        try:
-            self.wait_ready(cfg.ready_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -27,6 +27,7 @@ from .canary import CanaryController
 from .errors import (
     BackendUnavailable,
     InvalidRequest,
+    PermissionDenied,
     RateLimited,
     RequestTimeout,
     RouterError,
@@ -43,6 +44,7 @@ LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1
                      1, 2.5, 5, 10, 30)
 GRPC_MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+BYTES_CACHE_MAX = 4096
 
 
 @dataclass
@@ -190,17 +192,22 @@ class Router:
             raise BackendUnavailable(f"{model} was unloaded before the request could be sent; retry")
         return server
 
-    def record(self, decision: Decision, latency_s: float, code: str) -> None:
+    def record(self, decision: Decision, latency_s: float, code: str, known: bool = True) -> None:
         ok = code == "OK"
-        key = (decision.logical, decision.model, decision.variant, code)
+        # Adapters share their base's series: adapter names are chosen by clients.
+        route = decision.logical.split(":", 1)[0] if known else "unknown"
+        key = (route, decision.model if known else "unknown", decision.variant, code)
         children = self._metric_children.get(key)
         if children is None:  # labels() lookups cost more than the increments themselves
             children = self._metric_children[key] = (
                 self.metrics.requests.labels(*key),
-                self.metrics.latency.labels(decision.logical, decision.variant))
+                self.metrics.latency.labels(route, decision.variant))
         children[0].inc()
         children[1].observe(latency_s)
-        self.stats.record(decision.scope, decision.variant, latency_s * 1000, ok, decision.randomly_assigned)
+        if not decision.scope.startswith(("exp:", "canary:")):
+            return  # per-variant windows feed experiments and canaries only
+        self.stats.record(decision.scope, decision.variant, latency_s * 1000, ok,
+                          decision.randomly_assigned)
 
     # ------------------------------------------------------------------ inference
     @contextlib.asynccontextmanager
@@ -212,6 +219,7 @@ class Router:
         decision = self.decide(logical, user_id)
         call = Call(decision, start)
         rec = None
+        sent = False
         self.metrics.inflight.inc()
         try:
             # The lease is taken before any wait for a load: the model a request waits for
@@ -228,6 +236,8 @@ class Router:
                     raise from_control_plane(exc) from exc
             call.server = await self.server_for(decision.model)
             self.manager.touch(decision.model)
+            rec.active += 1  # sent to Triton: an unload drains these
+            sent = True
             yield call
         except RouterError as exc:
             call.code = exc.grpc_code.name
@@ -237,15 +247,46 @@ class Router:
                 call.code = "INTERNAL"
             raise
         finally:
+            if sent:
+                rec.active -= 1
             if rec is not None:
                 self.manager.release(rec)
             self.metrics.inflight.dec()
-            self.record(decision, time.perf_counter() - start, call.code)
+            # Names that turned out unknown get no series of their own (label cardinality).
+            self.record(decision, time.perf_counter() - start, call.code, known=rec is not None)
+
+    @staticmethod
+    def public_name(model_name: str, input_names, adapter_param: str | None) -> str:
+        """The logical name a public request asks for, after the adapter checks.
+
+        Adapter control (``ADAPTER_CONTROL``) is model control: never from the public port.
+        An adapter chosen by request parameter is routed and rate-limited as ``base:adapter``
+        so the per-adapter limit cannot be bypassed; the ``ADAPTER`` input is refused here
+        because the router could not see which adapter it names."""
+        for name in input_names:
+            if name == "ADAPTER_CONTROL":
+                raise PermissionDenied(
+                    "ADAPTER_CONTROL is adapter management, not available on the public port; "
+                    "use mmctl adapter load/unload/pin")
+            if name == "ADAPTER":
+                raise InvalidRequest(
+                    f"select the adapter with the model name {model_name}:NAME or the request "
+                    "parameter adapter=NAME (the ADAPTER input is not accepted by the router)")
+        if adapter_param and ":" not in model_name:
+            return f"{model_name}:{adapter_param}"
+        return model_name
+
+    @staticmethod
+    def _adapter_param(request: service_pb2.ModelInferRequest) -> str | None:
+        param = request.parameters.get("adapter")
+        return param.string_param if param is not None and param.string_param else None
 
     async def infer(self, request: service_pb2.ModelInferRequest, user_id: str | None,
                     timeout_s: float | None = None) -> service_pb2.ModelInferResponse:
         """Route one ModelInferRequest.  Raises RouterError or grpc.aio.AioRpcError (Triton's)."""
-        async with self.serving(request.model_name, user_id) as call:
+        logical = self.public_name(request.model_name, (i.name for i in request.inputs),
+                                   self._adapter_param(request))
+        async with self.serving(logical, user_id) as call:
             decision, server = call.decision, call.server
             if decision.adapter is not None:
                 self._check_adapter_parameter(request, decision)
@@ -269,7 +310,8 @@ class Router:
             if decision.adapter is not None:
                 params["adapter"].string_param = decision.adapter
             if shadow_request is not None:
-                self.shadow.offer(ShadowItem(decision.logical, decision.shadow, shadow_request,
+                self.shadow.offer(ShadowItem(decision.logical.split(":", 1)[0], decision.shadow,
+                                             shadow_request,
                                              outputs_of(response),
                                              (time.perf_counter() - call.start) * 1000))
             return response
@@ -300,6 +342,8 @@ class Router:
                 r.parameters["experiment"].string_param = decision.experiment
             if decision.adapter is not None:
                 r.parameters["adapter"].string_param = decision.adapter
+            if len(self._suffixes) >= BYTES_CACHE_MAX:  # keys include client-chosen adapters
+                self._suffixes.clear()
             suffix = self._suffixes[key] = r.SerializeToString()
         return suffix
 
@@ -312,6 +356,8 @@ class Router:
             r = service_pb2.ModelInferRequest(model_name=model)
             if adapter is not None:
                 r.parameters["adapter"].string_param = adapter
+            if len(self._name_overrides) >= BYTES_CACHE_MAX:
+                self._name_overrides.clear()
             suffix = self._name_overrides[key] = r.SerializeToString()
         return suffix
 
@@ -333,7 +379,9 @@ class Router:
             raise InvalidRequest(f"malformed ModelInferRequest: {exc}") from None
         param = request.parameters.get("user_id")
         user_id = param.string_param if param is not None and param.string_param else metadata_user_id()
-        async with self.serving(request.model_name, user_id) as call:
+        logical = self.public_name(request.model_name, (i.name for i in request.inputs),
+                                   self._adapter_param(request))
+        async with self.serving(logical, user_id) as call:
             decision, server = call.decision, call.server
             if decision.adapter is not None:
                 self._check_adapter_parameter(request, decision)
@@ -352,7 +400,7 @@ class Router:
                 if decision.adapter is not None:
                     request.parameters["adapter"].string_param = decision.adapter
                 self.shadow.offer(ShadowItem(
-                    decision.logical, decision.shadow, request,
+                    decision.logical.split(":", 1)[0], decision.shadow, request,
                     outputs_of(service_pb2.ModelInferResponse.FromString(response)),
                     (time.perf_counter() - call.start) * 1000))
             return response + self._response_suffix(decision)

@@ -67,6 +67,14 @@ def _router(request: web.Request) -> Router:
     return request.app[ROUTER_KEY]
 
 
+def _version(request: web.Request) -> str | None:
+    """The URL's model version: digits only (it is spliced into the URL sent to Triton)."""
+    version = request.match_info.get("version")
+    if version is not None and not version.isdigit():
+        raise InvalidRequest(f"model version must be a number, got {version!r}")
+    return version
+
+
 async def live(request):
     return web.json_response({"live": True})
 
@@ -90,7 +98,7 @@ async def _forward_get(request: web.Request, suffix: str) -> web.Response:
     logical = request.match_info["model"]
     decision = router.decide_without_limits(logical)
     server = await router.server_for(decision.model)
-    version = request.match_info.get("version")
+    version = _version(request)
     path = f"/v2/models/{decision.model}" + (f"/versions/{version}" if version else "") + suffix
     async with request.app[SESSION_KEY].get(f"http://{server.spec.http_url}{path}") as resp:
         body = await resp.read()
@@ -151,11 +159,18 @@ async def infer(request: web.Request) -> web.Response:
         doc = json.loads(json_part or b"{}")
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
-    user_id = request.headers.get("x-user-id") or (doc.get("parameters") or {}).get("user_id")
-    logical = request.match_info["model"]
+    if not isinstance(doc, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    params = doc.get("parameters") if isinstance(doc.get("parameters"), dict) else {}
+    user_id = request.headers.get("x-user-id") or params.get("user_id")
+    adapter = params.get("adapter")
+    logical = router.public_name(
+        request.match_info["model"],
+        (i.get("name") for i in doc.get("inputs") or () if isinstance(i, dict)),
+        adapter if isinstance(adapter, str) and adapter else None)
     async with router.serving(logical, str(user_id) if user_id is not None else None) as call:
         decision, server = call.decision, call.server
-        version = request.match_info.get("version")
+        version = _version(request)
         path = f"/v2/models/{decision.model}" + (f"/versions/{version}" if version else "") + "/infer"
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("content-type", HEADER_LENGTH.lower(), "content-encoding",

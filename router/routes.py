@@ -237,7 +237,12 @@ class RouteTable:
         _percent(treatment_percent, "treatment percent")
         if any(r.experiment and r.experiment.id == experiment_id for r in self.routes.values()):
             raise InvalidRequest(f"experiment {experiment_id!r} already exists; delete it first")
+        if route_name is not None:
+            validate_model_name(route_name)
         route = self.route(route_name or control, create=True)
+        if route.canary is not None and route.canary.status == "running":
+            raise InvalidRequest(f"{route.name} has a running canary to {route.canary.candidate}; "
+                                 "abort or promote it before an experiment")
         if route.experiment is not None:
             raise InvalidRequest(
                 f"{route.name} already runs experiment {route.experiment.id!r}; delete it first")
@@ -247,7 +252,9 @@ class RouteTable:
         return route.experiment
 
     def set_experiment_enabled(self, experiment_id: str, enabled: bool) -> Experiment:
-        _, exp = self.experiment_for(experiment_id)
+        route, exp = self.experiment_for(experiment_id)
+        if enabled and route.canary is not None and route.canary.status == "running":
+            raise InvalidRequest(f"{route.name} has a running canary; abort or promote it first")
         exp.enabled = enabled
         self.save()
         return exp

@@ -17,7 +17,7 @@ def validate_adapter_name(name: object) -> str:
         raise InvalidAdapterName(
             f"adapter name is {len(name)} characters; the limit is {MAX_NAME_LENGTH}"
         )
-    if ".." in name or not _NAME_RE.match(name):
+    if ".." in name or not _NAME_RE.fullmatch(name):
         raise InvalidAdapterName(
             f"adapter name {name!r} is invalid: use letters, digits, '_', '-' and '.', starting "
             "with a letter or digit (no '..', '/', whitespace or shell metacharacters)"

@@ -122,6 +122,15 @@ def test_model_control_is_refused_on_the_public_port(product):
                          ("GET", "/v2/systemsharedmemory/status"), ("POST", "/v2/logging"),
                          ("GET", "/v2/trace/setting")):
         assert requests.request(method, base + path, timeout=5).status_code == 403, path
+    # A version segment that smuggles a path to Triton's repository API is refused.
+    sneaky = "/v2/models/cust002/versions/1%2F..%2F..%2F..%2Frepository%2Fmodels%2Fcust003%2Fload%3F/infer"
+    resp = requests.post(base + sneaky, json={"inputs": []}, timeout=5)
+    assert resp.status_code == 400 and "version must be a number" in resp.json()["error"]
+    # Adapter management rides on inference inputs: refused on the public port too.
+    x = grpcclient.InferInput("ADAPTER_CONTROL", [1, 1], "BYTES")
+    x.set_data_from_numpy(np.array([[b'{"op": "status"}']], dtype=object))
+    with pytest.raises(InferenceServerException, match="PERMISSION_DENIED.*ADAPTER_CONTROL"):
+        g.infer("cust002", [x])
     assert "cust003" not in {m["model"] for m in product.json("status") if m["state"] == "ready"}
 
 

@@ -232,3 +232,44 @@ def test_room_held_by_pins_fails_at_once(tmp_path):
         assert asyncio.get_running_loop().time() - start < 0.5
 
     run(go())
+
+
+def test_unload_is_not_blocked_by_requests_waiting_for_the_same_model(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=2, drain_timeout_s=5)
+        await mgr.start()
+        await mgr.ensure("m1")
+        waiting = await mgr.acquire("m1")  # a request that has not reached Triton yet
+        start = asyncio.get_running_loop().time()
+        await mgr.unload("m1")
+        assert asyncio.get_running_loop().time() - start < 1.0  # no drain_timeout_s wait
+        mgr.release(waiting)
+
+    run(go())
+
+
+def test_failed_staging_backs_off(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path)
+        calls = []
+
+        class BadStager:
+            async def stage(self, model):
+                calls.append(model)
+                raise ModelLoadFailed(f"{model}: sha256 mismatch")
+
+            def set_busy(self, model, busy):
+                pass
+
+            def known(self):
+                return {"m1"}
+
+        mgr.stager = BadStager()
+        await mgr.start()
+        with pytest.raises(ModelLoadFailed, match="sha256"):
+            await mgr.ensure("m1")
+        with pytest.raises(ModelLoadFailed, match="not retrying"):
+            await mgr.ensure("m1")
+        assert calls == ["m1"]
+
+    run(go())

@@ -212,3 +212,26 @@ def test_name_serves_registry_production_version_unless_aliased():
     assert table.routes["cust017"].canary.baseline == "cust017.v3"
     table.set_alias("cust017", "cust017-v2")
     assert table.target_of("cust017") == "cust017-v2"
+
+
+def test_public_requests_cannot_control_adapters_or_dodge_their_limits():
+    from router.core import Router
+    from router.errors import PermissionDenied
+
+    with pytest.raises(PermissionDenied, match="ADAPTER_CONTROL"):
+        Router.public_name("tinylm", ["ADAPTER_CONTROL"], None)
+    with pytest.raises(InvalidRequest, match="adapter=NAME"):
+        Router.public_name("tinylm", ["TEXT", "ADAPTER"], None)
+    # An adapter chosen by parameter is routed (and rate-limited) as base:adapter.
+    assert Router.public_name("tinylm", ["TEXT"], "acme") == "tinylm:acme"
+    assert Router.public_name("tinylm:acme", ["TEXT"], "acme") == "tinylm:acme"
+    assert Router.public_name("cust001", ["FEATURES"], None) == "cust001"
+
+
+def test_experiment_refused_on_a_route_with_a_running_canary():
+    table = RouteTable()
+    table.start_canary("a", "b", stages=[10, 100], stage_s=60)
+    with pytest.raises(InvalidRequest, match="running canary"):
+        table.create_experiment("e", "a", "c", 10)
+    with pytest.raises(InvalidModelName):
+        table.create_experiment("e2", "x", "y", 10, route_name="../r")
