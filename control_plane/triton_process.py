@@ -150,14 +150,27 @@ class TritonProcess:
     def metrics_url(self) -> str:
         return f"http://{self.cfg.host}:{self.cfg.metrics_port}/metrics"
 
-    def start(self) -> None:
-        """Launch and wait until ready (stops the child if it never gets ready)."""
-        self.launch()
-        try:
-            self.wait_ready(self.cfg.ready_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+    def start(self, attempts: int = 2) -> None:
+        """Launch and wait until ready (stops the child if it never gets ready).
+
+        A tritonserver that dies while starting is launched once more: its gRPC event
+        engine occasionally aborts at start-up ("epoll_wait error: Bad file descriptor"),
+        and a second start succeeds."""
+        for attempt in range(1, attempts + 1):
+            self.launch()
+            try:
+                self.wait_ready(self.cfg.ready_timeout_s)
+                return
+            except TritonUnavailable as exc:
+                died = self.proc is not None and self.proc.poll() is not None  # not a timeout
+                self.stop()
+                if attempt == attempts or not died:
+                    raise
+                log.warning("tritonserver died while starting (%s); starting it again",
+                            exc.message.splitlines()[0])
+            except BaseException:
+                self.stop()
+                raise
 
     def launch(self) -> None:
         """Start the child process without waiting for it to be ready."""

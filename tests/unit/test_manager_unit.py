@@ -273,3 +273,4 @@ def test_failed_staging_backs_off(tmp_path):
         assert calls == ["m1"]
 
     run(go())
+
