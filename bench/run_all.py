@@ -60,6 +60,24 @@ def load(name: str) -> dict | list | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _cdf_plot(plt, np, series: dict[str, list[float]], xlabel: str, title: str,
+              filename: str) -> str:
+    """One latency CDF per series (log x axis), saved under bench/results/."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, samples in series.items():
+        if samples:
+            xs = np.sort(np.array(samples))
+            ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=label)
+    ax.set(xlabel=xlabel, ylabel="CDF", title=title)
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / filename, dpi=120)
+    plt.close(fig)
+    return filename
+
+
 def plot_cdfs() -> list[str]:
     try:
         import matplotlib
@@ -73,34 +91,14 @@ def plot_cdfs() -> list[str]:
     written = []
     router = load("router.json")
     if router:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for path, stats in router["latency_identity"].items():
-            xs = np.sort(np.array(stats["samples_us"]))
-            ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=path)
-        ax.set(xlabel="latency (us), identity model, concurrency 1", ylabel="CDF",
-               title="direct Triton vs plain proxy vs router")
-        ax.set_xscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(RESULTS / "router_latency_cdf.png", dpi=120)
-        plt.close(fig)
-        written.append("router_latency_cdf.png")
+        series = {path: stats["samples_us"] for path, stats in router["latency_identity"].items()}
+        written.append(_cdf_plot(plt, np, series, "latency (us), identity model, concurrency 1",
+                                 "direct Triton vs plain proxy vs router",
+                                 "router_latency_cdf.png"))
     seed = load("seed_scenario.json")
     if seed:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for group, samples in seed["latency_ms_samples"].items():
-            if samples:
-                xs = np.sort(np.array(samples))
-                ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=group)
-        ax.set(xlabel="latency (ms)", ylabel="CDF", title="seed scenario through the router")
-        ax.set_xscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(RESULTS / "seed_latency_cdf.png", dpi=120)
-        plt.close(fig)
-        written.append("seed_latency_cdf.png")
+        written.append(_cdf_plot(plt, np, seed["latency_ms_samples"], "latency (ms)",
+                                 "seed scenario through the router", "seed_latency_cdf.png"))
     if (RESULTS / "policy_hit_ratio.png").exists():
         written.append("policy_hit_ratio.png")
     return written
