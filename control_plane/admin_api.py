@@ -51,6 +51,14 @@ def _manager(request: web.Request) -> ModelManager:
     return request.app[MANAGER_KEY]
 
 
+def _model(request: web.Request) -> str:
+    """The concrete model a request names: ``extra["resolve_name"]`` (the registry's) turns a
+    logical name into its production version (``simple`` -> ``simple.v1``)."""
+    name = request.match_info["model"]
+    resolve = request.app[EXTRA_KEY].get("resolve_name")
+    return resolve(name) if resolve is not None else name
+
+
 async def status(request: web.Request) -> web.Response:
     models = _manager(request).status()
     locate = request.app[EXTRA_KEY].get("locate")
@@ -61,31 +69,31 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def model_status(request: web.Request) -> web.Response:
-    return web.json_response(_manager(request).get(request.match_info["model"]).to_dict())
+    return web.json_response(_manager(request).get(_model(request)).to_dict())
 
 
 async def load(request: web.Request) -> web.Response:
-    rec = await _manager(request).ensure(request.match_info["model"], retry_failed=True)
+    rec = await _manager(request).ensure(_model(request), retry_failed=True)
     return web.json_response(rec.to_dict())
 
 
 async def unload(request: web.Request) -> web.Response:
     force = request.query.get("force", "") in ("1", "true", "yes")
-    rec = await _manager(request).unload(request.match_info["model"], force=force)
+    rec = await _manager(request).unload(_model(request), force=force)
     return web.json_response(rec.to_dict())
 
 
 async def pin(request: web.Request) -> web.Response:
-    return web.json_response((await _manager(request).pin(request.match_info["model"])).to_dict())
+    return web.json_response((await _manager(request).pin(_model(request))).to_dict())
 
 
 async def unpin(request: web.Request) -> web.Response:
-    return web.json_response((await _manager(request).unpin(request.match_info["model"])).to_dict())
+    return web.json_response((await _manager(request).unpin(_model(request))).to_dict())
 
 
 async def health(request: web.Request) -> web.Response:
     probe = request.query.get("probe", "") in ("1", "true", "yes")
-    body = await _manager(request).health(request.match_info["model"], probe=probe)
+    body = await _manager(request).health(_model(request), probe=probe)
     return web.json_response(body, status=200 if body["healthy"] else 503)
 
 

@@ -73,14 +73,31 @@ async def add_version(request: web.Request) -> web.Response:
         metrics = [f"{k}={v}" for k, v in metrics.items()]
     if not isinstance(metrics, list):
         raise InvalidInput("metrics must be a list of 'name=value' or an object")
+    version = body.get("version")
+    previous = registry.production(model)
     mv = await register_version(
-        registry, model, _version(body.get("version")), who=_who(request, body),
-        artifact_uri=body.get("artifact_uri"), sha256=body.get("sha256"),
+        registry, model, _version(version) if version is not None else None,
+        who=_who(request, body), artifact_uri=body.get("artifact_uri"), sha256=body.get("sha256"),
         source_dir=body.get("source_dir"), sla=body.get("sla") or DEFAULT_SLA,
         metrics=parse_metrics(str(m) for m in metrics),
         data_fingerprint=body.get("data_fingerprint"), tenant=body.get("tenant"),
-        stage=body.get("stage") or "registered")
-    return web.json_response(mv.to_dict(), status=201)
+        stage=body.get("stage") or None)
+    out = mv.to_dict()
+    out["serves"] = _serves(model, mv, previous, stage_given=bool(body.get("stage")))
+    return web.json_response(out, status=201)
+
+
+def _serves(model: str, mv, previous, stage_given: bool) -> str:
+    """One line for the person who added a version: what the logical name serves now."""
+    if mv.stage == "production":
+        why = "" if stage_given else f" (the first version of {model}, so it is production)"
+        was = f"; it replaced {previous.name}" if previous is not None else ""
+        return (f"{model} serves {mv.name}{why}{was}: clients ask for {model!r}, "
+                f"`mmctl load {model}` loads it now")
+    current = f"{model} keeps serving {previous.name}" if previous is not None else \
+        f"{model} has no production version"
+    return (f"{current}; try {mv.name} by its name, then make it the default: "
+            f"mmctl registry promote {model} --version {mv.version} --stage production")
 
 
 async def promote(request: web.Request) -> web.Response:

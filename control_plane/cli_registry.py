@@ -43,22 +43,30 @@ def registry():
 
 @registry.command("add")
 @click.argument("model")
-@click.option("--version", "version", type=int, required=True, help="Version number (>= 1).")
+@click.option("--version", "version", type=int, help="Version number (>= 1); default: the next free one.")
+@click.option("--from-dir", "source_dir", type=click.Path(exists=True, file_okay=False),
+              help="A Triton model folder (config.pbtxt, 1/model.py): copied into the cold store "
+              "(the local one by default, or --artifact).")
 @click.option("--artifact", "artifact_uri", help="s3://bucket/path/ or file:///path/ of the model folder "
               "(default: the configured cold store's <model>/<version>/).")
-@click.option("--from-dir", "source_dir", type=click.Path(exists=True, file_okay=False),
-              help="Publish this local model folder to the artifact URI first.")
 @click.option("--sha256", help="Expected folder sha256 (refused if the artifact differs).")
 @click.option("--metric", "metrics", multiple=True, help="Validation metric name=value (repeatable).")
 @click.option("--data-fingerprint", help="Fingerprint of the training data, e.g. sha256:...")
 @click.option("--sla", type=click.Choice(SLA_CLASSES), default=DEFAULT_SLA, show_default=True)
 @click.option("--tenant", help="Tenant the model belongs to (placement affinity).")
-@click.option("--stage", type=click.Choice(STAGES[:-1]), default="registered", show_default=True)
+@click.option("--stage", type=click.Choice(STAGES[:-1]),
+              help="Default: production for a model's first version (its logical name serves it "
+              "at once), else registered.")
 @click.option("--who", default=who_am_i, help="Recorded as the author of the change.")
 @click.option("--json", "as_json", is_flag=True)
-def add(model, version, artifact_uri, source_dir, sha256, metrics, data_fingerprint, sla, tenant,
+def add(model, version, source_dir, artifact_uri, sha256, metrics, data_fingerprint, sla, tenant,
         stage, who, as_json):
-    """Register MODEL --version N with its artifact and metadata."""
+    """Add a version of MODEL from a model folder (--from-dir) or an artifact (--artifact).
+
+    \b
+    mmctl registry add simple --from-dir ./simple     # simple.v1, production: serve it as "simple"
+    mmctl registry add simple --from-dir ./simple2    # simple.v2, registered: promote when ready
+    """
     body = {"version": version, "artifact_uri": artifact_uri, "sha256": sha256,
             "source_dir": str(Path(source_dir).resolve()) if source_dir else None,
             "metrics": list(metrics), "data_fingerprint": data_fingerprint, "sla": sla,
@@ -67,8 +75,10 @@ def add(model, version, artifact_uri, source_dir, sha256, metrics, data_fingerpr
     if as_json:
         click.echo(json.dumps(mv, indent=2))
     else:
-        click.echo(f"{mv['name']}: {mv['stage']}, {_size(mv['size_bytes'])}, sha256 {mv['sha256'][:16]}..., "
-                   f"{mv['artifact_uri']}")
+        click.echo(f"{mv['name']}: {mv['model']} version {mv['version']}, {mv['stage']}, "
+                   f"{_size(mv['size_bytes'])}, sha256 {mv['sha256'][:16]}..., {mv['artifact_uri']}")
+        if mv.get("serves"):
+            click.echo(mv["serves"])
 
 
 @registry.command("list")
@@ -140,11 +150,20 @@ def warm(as_json):
 
 @registry.command("stage")
 @click.argument("model")
-@click.option("--version", "version", type=int, required=True)
+@click.option("--version", "version", type=int, help="Default: the production version.")
 @click.option("--poll-interval", "poll_s", default=0.25, show_default=True, help="Seconds between checks.")
 def stage(model, version, poll_s):
     """Copy MODEL --version N from the cold store into the warm tier, showing progress."""
-    name = f"{model}.v{version}"
+    versions = _call("GET", "/v1/registry", params={"model": model})["versions"]
+    match = [v for v in versions if (v["version"] == version if version is not None
+                                     else v["stage"] == "production")]
+    if not match:
+        known = ", ".join(f"{v['version']} ({v['stage']})" for v in versions) or "none"
+        what = f"version {version}" if version is not None else "a production version"
+        click.echo(f"error: {model} has no {what} in the registry (versions: {known}); "
+                   "`mmctl registry list` shows them", err=True)
+        sys.exit(EXIT_BY_ERROR["model_not_found"])
+    name = match[0]["name"]
     _call("POST", f"/v1/warm/{name}/stage")
     timeout_s = current_api().timeout_s
     deadline = time.monotonic() + timeout_s

@@ -115,6 +115,9 @@ MODEL_REPOSITORY_DIR = TEMPLATE_DIR.parent
 # Rollout drills on cust017: two healthy new versions and one that loads and warms up
 # fine but then fails every other request (a bad canary).
 DEMO_VARIANTS = (("cust017-v2", ()), ("cust017-v3", ()), ("cust017-faulty", (("fail_fraction", "0.5"),)))
+# Their place in the registry: versions of cust017 (whose own folder is version 1), so a
+# rollout reads "cust017 -> version 2"; each keeps its folder name as its concrete name.
+DEMO_VERSIONS = {"cust017-v2": ("cust017", 2), "cust017-v3": ("cust017", 3), "cust017-faulty": ("cust017", 4)}
 
 
 def generate_extras(repository: Path, spec: FleetSpec = FleetSpec()) -> list[str]:

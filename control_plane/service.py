@@ -18,6 +18,7 @@ from aiohttp import web
 
 from .admin_api import make_app
 from .demo_fleet import (
+    DEMO_VERSIONS,
     FleetSpec,
     default_instance_kind,
     generate_extras,
@@ -133,6 +134,16 @@ class Service:
                 lora = generate_lora_demo(repo, LoraDemoSpec(adapters=4, instance_kind=spec.instance_kind))
                 log.info("wrote LoRA bases %s with %d demo adapters each", ", ".join(lora), 4)
 
+    async def register_repository(self) -> None:
+        """One catalogue: every model folder of Triton's repository (the demo fleet, or what
+        the user's --repository holds) is in the registry, at first start and for folders
+        added since.  Hashing new folders runs in a thread; registry writes on the loop."""
+        from .registry import add_repository_versions, collect_repository
+
+        found = await asyncio.get_running_loop().run_in_executor(
+            None, collect_repository, self.registry, self.repository, DEMO_VERSIONS)
+        add_repository_versions(self.registry, found)
+
     def _start_tritons(self) -> list[TritonServer]:
         cfg = self.cfg
         servers = []
@@ -179,6 +190,7 @@ class Service:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.prepare_repository)
         self.warm.recover()  # partial downloads from a crash never reach Triton
+        await self.register_repository()
         # Popen runs on the loop thread: PR_SET_PDEATHSIG fires when the *thread* that
         # forked exits, and executor threads can exit while Triton should live on.
         servers = self._start_tritons()
@@ -200,7 +212,8 @@ class Service:
         endpoints = {"admin": self.admin_url, "state_dir": str(cfg.state_dir.resolve()),
                      "repository": str(self.repository)}
         admin_app = make_app(self.manager, {"endpoints": endpoints,
-                                            "locate": self.warm.locator(self.manager)})
+                                            "locate": self.warm.locator(self.manager),
+                                            "resolve_name": self.registry.resolve_name})
         from .admin_registry import add_registry_routes
 
         add_registry_routes(admin_app, self.registry, warm=self.warm,

@@ -202,20 +202,24 @@ class WarmTier:
             log.warning("%s is warm with sha256 %s but the registry says %s; fetching again",
                         name, entry.sha256, mv.sha256)
             self._drop(name, "registry sha256 changed")
-        if mv is None:
-            local = self.repository / name
-            if (local / "config.pbtxt").is_file():  # a local-only folder put there by hand
-                size = folder_bytes(local)
-                self.entries[name] = WarmEntry(name, size, False, None, self.clock())
-                return size
-            raise ModelNotFound(
-                f"{name} is neither in the warm repository {self.repository} nor in the registry; "
-                "register it (mmctl registry add MODEL --version N --artifact URI) and ask for "
-                "MODEL.vN")
-        if mv.stage == "retired":
+        if mv is not None and mv.stage == "retired":
             raise InvalidInput(
                 f"{name} is retired; promote it again before loading it "
                 f"(mmctl registry promote {mv.model} --version {mv.version} --stage canary)")
+        if mv is None or mv.in_repository:
+            local = self.repository / name
+            if (local / "config.pbtxt").is_file():  # a repository folder: served as it is
+                size = folder_bytes(local)
+                self.entries[name] = WarmEntry(name, size, False, None, self.clock())
+                return size
+            if mv is not None:
+                raise ModelNotFound(
+                    f"{name} ({mv.model} version {mv.version}) was registered from the folder "
+                    f"{local}, which is gone and has no copy in the cold store; put the folder "
+                    f"back, or add the model again: mmctl registry add {mv.model} --from-dir DIR")
+            raise ModelNotFound(
+                f"{name} is neither in the warm repository {self.repository} nor in the registry; "
+                "add it from its folder (mmctl registry add MODEL --from-dir DIR) and ask for MODEL")
         store = self.stores.for_uri(mv.artifact_uri)
         # Reserve before the first await so two concurrent stages cannot claim the same room.
         self._make_room(name, mv.size_bytes)
@@ -376,7 +380,7 @@ class WarmTier:
         mv = self.registry.by_name(folder.name) if self.registry is not None else None
         manifest_path = folder / WARM_MANIFEST
         if not manifest_path.is_file():
-            if mv is None:
+            if mv is None or mv.in_repository:
                 return "local", None
             return "registered model without a warm manifest (not staged by the control plane)", None
         try:

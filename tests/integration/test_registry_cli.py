@@ -79,7 +79,9 @@ def test_registry_add_list_promote_history_and_stage(admin, fleet_template):
                       "--metric", "auc=0.781", "--data-fingerprint", "sha256:" + "d" * 64,
                       "--sla", "gold", "--tenant", "acme", "--who", "alice")
     assert code == 0, out
-    assert out.startswith("cust001.v3: registered") and "file://" in out
+    # The model's first version: production by default, and the output says so.
+    assert out.startswith("cust001.v3: cust001 version 3, production") and "file://" in out
+    assert "the first version of cust001, so it is production" in out
     mv = admin.registry.get("cust001", 3)
     assert mv.sha256 == folder_sha256(src) and mv.metrics == {"auc": 0.781} and mv.sla == "gold"
 
@@ -87,20 +89,22 @@ def test_registry_add_list_promote_history_and_stage(admin, fleet_template):
     code, out = mmctl(url, "add", "cust001", "--version", "4", "--artifact", mv.artifact_uri,
                       "--sha256", "sha256:" + mv.sha256, "--who", "alice", "--json")
     assert code == 0, out
-    assert json.loads(out)["sha256"] == mv.sha256
+    added = json.loads(out)
+    assert added["sha256"] == mv.sha256 and added["stage"] == "registered"
+    assert "cust001 keeps serving cust001.v3" in added["serves"]
     code, out = mmctl(url, "add", "cust001", "--version", "5", "--artifact", mv.artifact_uri,
                       "--sha256", "0" * 64, "--who", "alice")
     assert code == 2 and "check the upload" in out
 
-    code, out = mmctl(url, "promote", "cust001", "--version", "3", "--stage", "canary", "--who", "bob",
+    code, out = mmctl(url, "promote", "cust001", "--version", "4", "--stage", "canary", "--who", "bob",
                       "--note", "metrics ok")
-    assert code == 0 and "cust001.v3: canary (by bob" in out
+    assert code == 0 and "cust001.v4: canary (by bob" in out
     code, out = mmctl(url, "promote", "cust001", "--version", "4", "--stage", "production", "--who", "carol")
     assert code == 0, out
     code, out = mmctl(url, "history", "cust001", "--json")
     steps = [(h["version"], h["to_stage"], h["who"]) for h in json.loads(out)]
-    assert steps == [(3, "registered", "alice"), (4, "registered", "alice"), (3, "canary", "bob"),
-                     (4, "production", "carol")]
+    assert steps == [(3, "production", "alice"), (4, "registered", "alice"), (4, "canary", "bob"),
+                     (3, "retired", "carol"), (4, "production", "carol")]
     code, out = mmctl(url, "history", "cust001")
     assert code == 0 and "metrics ok" in out
 
@@ -108,13 +112,86 @@ def test_registry_add_list_promote_history_and_stage(admin, fleet_template):
     rows = {v["name"]: v for v in json.loads(out)}
     assert rows["cust001.v3"]["tier"] == "cold" and rows["cust001.v4"]["stage"] == "production"
 
-    code, out = mmctl(url, "stage", "cust001", "--version", "3", "--poll-interval", "0.05")
-    assert code == 0 and "cust001.v3: warm" in out, out
+    # `stage` without --version takes the production version.
+    code, out = mmctl(url, "stage", "cust001", "--poll-interval", "0.05")
+    assert code == 0 and "cust001.v4: warm" in out, out
     code, out = mmctl(url, "list")
+    line = next(ln for ln in out.splitlines() if ln.startswith("cust001.v4"))
+    assert "production" in line and "warm" in line and "carol" in line
     line = next(ln for ln in out.splitlines() if ln.startswith("cust001.v3"))
-    assert "canary" in line and "warm" in line and "auc=0.781" in line and "bob" in line
+    assert "retired" in line and "cold" in line and "auc=0.781" in line
     code, out = mmctl(url, "warm", "--json")
-    assert [m["name"] for m in json.loads(out)["models"]] == ["cust001.v3"]
+    assert [m["name"] for m in json.loads(out)["models"]] == ["cust001.v4"]
+
+
+def test_add_takes_the_next_free_version_and_keeps_production(admin, fleet_template):
+    code, out = mmctl(admin.url, "add", "cust003", "--from-dir", str(fleet_template / "cust003"))
+    assert code == 0 and out.startswith("cust003.v1: cust003 version 1, production"), out
+    code, out = mmctl(admin.url, "add", "cust003", "--from-dir", str(fleet_template / "cust004"))
+    assert code == 0 and out.startswith("cust003.v2: cust003 version 2, registered"), out
+    assert "cust003 keeps serving cust003.v1" in out
+    assert "mmctl registry promote cust003 --version 2 --stage production" in out
+    assert admin.registry.resolve_name("cust003") == "cust003.v1"
+    code, out = mmctl(admin.url, "add", "cust003", "--version", "2", "--from-dir", str(fleet_template / "cust004"))
+    assert code == 2 and "already registered" in out and "the next free one is 3" in out
+
+
+def simple_folder(root, config_name='name: "simple"', version_dir="1"):
+    folder = root / "simple"
+    folder.mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(
+        f'{config_name}\nbackend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]\n')
+    if version_dir:
+        (folder / version_dir).mkdir()
+        (folder / version_dir / "model.py").write_text("# a model\n")
+    return folder
+
+
+@pytest.mark.parametrize("setup, args, exit_code, message", [
+    ("missing", [], 2, "does not exist"),
+    ("no-config", [], 2, "has no config.pbtxt"),
+    ("no-version", [], 2, "has no version folder"),
+    ("mismatch", [], 2, 'says name: "other" but the model is added as'),
+    ("syntax", [], 2, "is not a valid Triton model configuration"),
+    ("ok", ["--artifact", "ftp://x/"], 2, "no cold store handles"),
+])
+def test_add_from_dir_refuses_what_triton_would_refuse(admin, tmp_path, setup, args, exit_code, message):
+    folder = tmp_path / "simple"
+    if setup == "no-config":
+        (folder / "1").mkdir(parents=True)
+    elif setup == "no-version":
+        simple_folder(tmp_path, version_dir="")
+    elif setup == "mismatch":
+        simple_folder(tmp_path, config_name='name: "other"')
+    elif setup == "syntax":
+        simple_folder(tmp_path, config_name="name: simple {")
+    elif setup == "ok":
+        simple_folder(tmp_path)
+    code, out = mmctl(admin.url, "add", "simple", "--from-dir", str(folder), *args)
+    assert code == exit_code and message in out, out
+    assert admin.registry.versions("simple") == []
+    assert not (tmp_path / "cold" / "simple").exists()  # nothing half-published
+
+
+def test_add_accepts_the_config_name_of_the_folder_or_none(admin, tmp_path):
+    folder = simple_folder(tmp_path / "a")
+    code, out = mmctl(admin.url, "add", "adder", "--from-dir", str(folder))  # config says "simple"
+    assert code == 0, out
+    folder = simple_folder(tmp_path / "b", config_name="")
+    code, out = mmctl(admin.url, "add", "adder", "--from-dir", str(folder))
+    assert code == 0 and out.startswith("adder.v2"), out
+
+
+def test_add_refuses_a_name_that_is_already_another_models_version(admin, tmp_path, fleet_template):
+    folder = simple_folder(tmp_path)
+    admin.registry.add("cust017", 2, "repository://cust017-v2/", "ab" * 32, 10, who="t",
+                       triton_name="cust017-v2")
+    code, out = mmctl(admin.url, "add", "cust017-v2", "--from-dir", str(folder))
+    assert code == 2 and "cust017-v2 is already the name of cust017 version 2" in out
+    code, out = mmctl(admin.url, "add", "bad name", "--from-dir", str(folder))
+    assert code == 2 and "is invalid" in out
 
 
 def test_errors_map_to_exit_codes(admin, tmp_path):
@@ -126,7 +203,7 @@ def test_errors_map_to_exit_codes(admin, tmp_path):
                       (tmp_path / "nothing").as_uri() + "/")
     assert code == 4 and "no artifact" in out
     code, out = mmctl(admin.url, "stage", "ghost", "--version", "1")
-    assert code == 2 and "not in the registry" in out
+    assert code == 4 and "ghost has no version 1 in the registry" in out
     code, out = mmctl(f"http://127.0.0.1:{free_port()}", "list")
     assert code == 3 and "not running" in out
 

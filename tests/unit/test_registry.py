@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import pytest
 
+from control_plane.cold_store import folder_sha256
 from control_plane.errors import InvalidInput, InvalidModelName, ModelNotFound
 from control_plane.eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
 from control_plane.names import validate_model_name
-from control_plane.registry import Registry, concrete_name, parse_concrete, parse_metrics
+from control_plane.registry import (
+    _WARM_MANIFEST,
+    SCHEMA,
+    Registry,
+    concrete_name,
+    parse_concrete,
+    parse_metrics,
+    register_repository,
+)
 from control_plane.state_store import StateStore
+from control_plane.warm_tier import WARM_MANIFEST
 
 SHA = "ab" * 32
 
@@ -179,3 +189,138 @@ def test_parse_metrics():
         parse_metrics(["auc"])
     with pytest.raises(InvalidInput, match="name=number"):
         parse_metrics(["auc=high"])
+
+
+# -- one catalogue: concrete names of their own, the repository's folders, logical names ------
+def make_model_folder(repo, name, text="w"):
+    folder = repo / name
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(f'name: "{name}"\nbackend: "python"\n')
+    (folder / "1" / "model.py").write_text(text)
+    return folder
+
+
+def test_a_state_file_from_before_concrete_names_is_migrated(tmp_path):
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
+    old_schema = SCHEMA.replace("    triton_name TEXT,\n", "")
+    assert "triton_name" not in old_schema
+    db.executescript(old_schema)
+    db.execute("INSERT INTO registry_versions (model, version, artifact_uri, sha256, size_bytes, sla, "
+               "stage, created_at, created_by, stage_changed_at, stage_changed_by) VALUES "
+               "('cust017', 3, 's3://m/cust017/3/', ?, 10, 'silver', 'production', 1, 'a', 1, 'a')", (SHA,))
+    db.close()
+    for _ in range(2):  # and opening it again changes nothing
+        store = StateStore(tmp_path / "state.db")
+        reg = Registry(store.db)
+        mv = reg.get("cust017", 3)
+        assert mv.name == mv.triton_name == "cust017.v3"
+        assert reg.by_name("cust017.v3") == mv and reg.resolve_name("cust017") == "cust017.v3"
+        store.close()
+
+
+def test_a_version_keeps_its_own_concrete_name(reg):
+    heard = []
+    reg.on_stage_change(lambda name, stage: heard.append((name, stage)))
+    add(reg, version=1, stage="production", triton_name="cust017")
+    add(reg, version=2, triton_name="cust017-v2")
+    add(reg, version=3)
+    assert [v.name for v in reg.versions("cust017")] == ["cust017", "cust017-v2", "cust017.v3"]
+    assert reg.by_name("cust017-v2").version == 2 and reg.by_name("cust017.v2") is None
+    assert reg.concrete_names() == {"cust017", "cust017-v2", "cust017.v3"}
+    reg.record_memory("cust017-v2", 42)
+    assert reg.get("cust017", 2).memory_bytes == 42
+    reg.promote("cust017", 2, "canary", who="a")
+    assert reg.stage_priority("cust017-v2") == STAGE_PRIORITY["canary"]
+    assert heard[-1] == ("cust017-v2", "canary")
+    assert reg.get("cust017", 2).to_dict()["name"] == "cust017-v2"
+
+
+def test_logical_names_resolve_to_production_like_the_router(reg):
+    add(reg, version=1, stage="production", triton_name="cust017")
+    add(reg, version=2, triton_name="cust017-v2")
+    add(reg, model="simple", version=1, stage="production")
+    assert reg.resolve_name("simple") == "simple.v1"
+    assert reg.resolve_name("simple.v1") == "simple.v1"  # a concrete name stays
+    assert reg.resolve_name("cust017-v2") == "cust017-v2"
+    assert reg.resolve_name("not-registered") == "not-registered"  # the manager decides
+    reg.promote("cust017", 2, "production", who="a")
+    # Logical first: "cust017" now means version 2, though version 1's folder is "cust017".
+    assert reg.resolve_name("cust017") == "cust017-v2"
+    reg.promote("simple", 1, "retired", who="a")
+    with pytest.raises(ModelNotFound, match=r"simple has no production version.*simple.v1 \(retired\)"
+                                            r".*mmctl registry promote simple --version 1"):
+        reg.resolve_name("simple")
+
+
+def test_next_version_counts_retired_ones(reg):
+    assert reg.next_version("cust017") == 1
+    add(reg, version=1)
+    add(reg, version=4)
+    reg.promote("cust017", 4, "retired", who="a")
+    assert reg.next_version("cust017") == 5
+
+
+@pytest.mark.parametrize("first, second, message", [
+    # a concrete name means one version
+    ({"model": "a", "triton_name": "shared"}, {"model": "b", "triton_name": "shared"},
+     "shared is already the name of a version 1"),
+    # a model's version's name cannot be a model of its own, nor the other way round
+    ({"model": "cust017", "triton_name": "cust017-v2"}, {"model": "cust017-v2"},
+     "cust017-v2 is already the name of cust017 version 1"),
+    ({"model": "cust018"}, {"model": "cust017", "version": 2, "triton_name": "cust018"},
+     "cust018 is already a model of its own"),
+])
+def test_names_mean_one_thing(reg, first, second, message):
+    add(reg, **first)
+    with pytest.raises(InvalidInput, match=message):
+        add(reg, **second)
+
+
+def test_register_repository_registers_every_folder_once(tmp_path, reg):
+    repo = tmp_path / "repo"
+    for name in ("cust001", "cust017", "cust017-v2", "cust017-faulty", "identity", "foo.v2"):
+        make_model_folder(repo, name)
+    (repo / ".cust002.tmp").mkdir()  # half-written: skipped
+    (repo / "notes").mkdir()  # no config.pbtxt: skipped
+    make_model_folder(repo, "staged.v1")
+    (repo / "staged.v1" / WARM_MANIFEST).write_text("{}")  # the warm tier's copy: skipped
+    versions = {"cust017-v2": ("cust017", 2), "cust017-faulty": ("cust017", 4)}
+
+    added = register_repository(reg, repo, versions=versions)
+    rows = {v.name: (v.model, v.version, v.stage) for v in reg.versions()}
+    assert rows == {
+        "cust001": ("cust001", 1, "production"),
+        "cust017": ("cust017", 1, "production"),
+        "cust017-v2": ("cust017", 2, "registered"),
+        "cust017-faulty": ("cust017", 4, "registered"),
+        "identity": ("identity", 1, "production"),
+        "foo.v2": ("foo", 2, "registered"),
+    }
+    assert {mv.name for mv in added} == set(rows)
+    mv = reg.by_name("cust017-v2")
+    assert mv.in_repository and mv.artifact_uri == "repository://cust017-v2/"
+    assert mv.sha256 == folder_sha256(repo / "cust017-v2") and mv.created_by == "mmctl up"
+    assert reg.resolve_name("cust017") == "cust017"
+
+    # Restart: nothing new, nothing changed; a folder added meanwhile is picked up.
+    assert register_repository(reg, repo, versions=versions) == []
+    make_model_folder(repo, "cust017-v3")
+    [mv] = register_repository(reg, repo, versions={**versions, "cust017-v3": ("cust017", 3)})
+    assert (mv.name, mv.model, mv.version, mv.stage) == ("cust017-v3", "cust017", 3, "registered")
+
+
+def test_register_repository_takes_the_next_version_when_one_is_taken(tmp_path, reg):
+    add(reg, model="cust017", version=1, stage="production")  # registered earlier from the cold store
+    make_model_folder(tmp_path / "repo", "cust017")
+    [mv] = register_repository(reg, tmp_path / "repo")
+    assert (mv.name, mv.version, mv.stage) == ("cust017", 2, "registered")
+    assert reg.resolve_name("cust017") == "cust017.v1"
+
+
+def test_demo_versions_name_the_demo_variants():
+    from control_plane.demo_fleet import DEMO_VARIANTS, DEMO_VERSIONS
+
+    assert {name for name, _params in DEMO_VARIANTS} == set(DEMO_VERSIONS)
+    assert _WARM_MANIFEST == WARM_MANIFEST
