@@ -3,11 +3,33 @@
 Handlers only translate between HTTP and the manager; errors map to statuses in one place
 (``error_middleware``).  This API can load and unload models, so it must never be exposed on
 the public port: it binds 127.0.0.1 unless the operator says otherwise.
+
+Binding loopback does not keep a web browser out: any page an operator has open can send
+requests to 127.0.0.1.  ``access_middleware`` closes that door, in this order:
+
+* Host must name this server (loopback, the bound address or a configured name), so a page
+  whose domain was re-pointed at 127.0.0.1 (DNS rebinding) is refused (403).
+* A request a browser marks as coming from another origin (``Origin``, ``Sec-Fetch-Site``)
+  is refused (403): this API serves no pages, so no legitimate caller is cross-origin.
+* A bearer token (``Authorization: Bearer <token>``, generated into the state directory by
+  ``mmctl up``) is required, except for read-only /metrics and /health (401).
+* Every request that may change state (any method but GET/HEAD) must say
+  ``Content-Type: application/json``, body or not (415).  A browser cannot send that
+  cross-origin without a CORS preflight, which this API never approves; the form posts and
+  ``text/plain`` or body-less fetches it can send without one are refused.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import logging
+import os
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -16,6 +38,159 @@ from .errors import ControlPlaneError, InvalidInput
 from .manager import ModelManager
 
 log = logging.getLogger(__name__)
+
+TOKEN_FILE_NAME = "admin.token"  # in the state directory, mode 0600
+SAFE_METHODS = frozenset({"GET", "HEAD"})
+LOOPBACK_NAMES = frozenset({"localhost"})
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+TOKEN_HINT = ("mmctl sends it from MMCTL_TOKEN or its --token-file (default .state/admin.token, "
+              "which `mmctl up` writes into its --state-dir); other clients send "
+              "'Authorization: Bearer <token>'")
+
+
+class Unauthorized(ControlPlaneError):
+    """No or a wrong admin token -> 401."""
+
+    http_status = 401
+    code = "unauthorized"
+
+
+class Forbidden(ControlPlaneError):
+    """Host or Origin of a request that did not come from an admin client -> 403."""
+
+    http_status = 403
+    code = "forbidden"
+
+
+class UnsupportedMediaType(ControlPlaneError):
+    """A state-changing request that is not declared JSON -> 415."""
+
+    http_status = 415
+    code = "unsupported_media_type"
+
+
+@dataclass(frozen=True)
+class AdminAccess:
+    """Who may call the admin API.
+
+    ``token``: the bearer token every non-public request must carry; None turns the token
+    check off (in-process tests only; ``mmctl up`` always sets one).  ``bind_host``: the
+    address the API listens on; Host headers may name it, a loopback address, ``localhost``
+    or one of ``allowed_hosts``; when it is a wildcard (0.0.0.0, ::) any IP address and the
+    machine's own names are accepted as well.
+    """
+
+    token: str | None = None
+    bind_host: str = "127.0.0.1"
+    allowed_hosts: frozenset[str] = frozenset()
+
+    def host_allowed(self, host_header: str | None) -> bool:
+        if not host_header:
+            return False
+        try:
+            parts = urlsplit("//" + host_header)
+            parts.port  # noqa: B018  (raises ValueError on a malformed port)
+            name = (parts.hostname or "").rstrip(".")
+        except ValueError:
+            return False
+        if not name:
+            return False
+        bind = self.bind_host.strip("[]").lower()
+        try:
+            address = ipaddress.ip_address(name)
+        except ValueError:  # a name: only ours (a name an attacker controls may point here)
+            return name in LOOPBACK_NAMES or name == bind or name in self.allowed_hosts
+        # An address literal cannot be re-pointed by DNS, so it is no rebinding risk; still
+        # accept only the ones that reach this server.
+        return (address.is_loopback or bind in WILDCARD_HOSTS
+                or address == _address_or_none(bind) or name in self.allowed_hosts)
+
+    def token_ok(self, authorization: str | None) -> bool:
+        if self.token is None:
+            return True
+        scheme, _, given = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), self.token.encode())
+
+
+def _address_or_none(text: str):
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+def access_for(bind_host: str, token: str | None, extra_hosts: Iterable[str] = ()) -> AdminAccess:
+    """The AdminAccess of an API bound to ``bind_host``; a wildcard bind also answers to the
+    machine's host names (how other machines on a private network reach it)."""
+    names = {h.strip().strip("[]").rstrip(".").lower() for h in extra_hosts if h.strip()}
+    if bind_host in WILDCARD_HOSTS:
+        import socket
+
+        names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+    return AdminAccess(token=token, bind_host=bind_host, allowed_hosts=frozenset(names))
+
+
+def _public(request: web.Request) -> bool:
+    """Read-only endpoints a Prometheus scraper or a liveness probe calls without a token.
+    A health probe (``?probe=1``) runs an inference, so it needs the token."""
+    if request.method not in SAFE_METHODS:
+        return False
+    if request.path == "/metrics" or request.path == "/health":
+        return True
+    return request.path.startswith("/health/") and "probe" not in request.query
+
+
+def access_middleware(access: AdminAccess):
+    @web.middleware
+    async def check_access(request: web.Request, handler):
+        host = request.headers.get("Host")
+        if not access.host_allowed(host):
+            raise Forbidden(
+                f"the admin API does not answer to Host {host!r}; call it by a loopback address, "
+                f"'localhost' or its bound address ({access.bind_host}); add names with "
+                "mmctl up --admin-allowed-host")
+        origin = request.headers.get("Origin")
+        fetch_site = request.headers.get("Sec-Fetch-Site", "").lower()
+        if (origin is not None and origin.lower() != f"{request.scheme}://{host}".lower()) \
+                or fetch_site in ("cross-site", "same-site"):
+            raise Forbidden(f"cross-origin request from {origin or fetch_site!r} refused: the "
+                            "admin API takes no requests from web pages")
+        if not _public(request) and not access.token_ok(request.headers.get("Authorization")):
+            given = "a wrong token" if request.headers.get("Authorization") else "no token"
+            raise Unauthorized(f"the admin API needs its token and got {given}: {TOKEN_HINT}")
+        if request.method not in SAFE_METHODS and request.content_type != "application/json":
+            sent = request.headers.get("Content-Type")
+            raise UnsupportedMediaType(
+                f"{request.method} {request.path} must be sent with Content-Type: "
+                f"application/json (got {sent or 'none'}); send {{}} when there is nothing to say")
+        return await handler(request)
+
+    return check_access
+
+
+def ensure_token_file(path: Path, token: str | None = None) -> str:
+    """The admin token, kept in ``path`` with mode 0600 so mmctl on this machine finds it.
+
+    ``token`` given (``--admin-token`` / MMCTL_TOKEN): written there.  Otherwise the file's
+    token is reused, so clients keep working across restarts (delete the file to rotate it),
+    unless the file is empty or readable by others; then a new one is generated.
+    """
+    if token is None and path.is_file():
+        mode = path.stat().st_mode & 0o777
+        existing = path.read_text().strip()
+        if existing and not mode & 0o077:
+            return existing
+        if existing:
+            log.warning("%s was readable by other users (mode %o); generating a new admin token",
+                        path, mode)
+    token = token or secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # O_CREAT's mode does not apply to an existing file
+        f.write(token + "\n")
+    return token
 
 MANAGER_KEY = web.AppKey("manager", ModelManager)
 EXTRA_KEY = web.AppKey("extra", dict)
@@ -26,7 +201,10 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ControlPlaneError as exc:
-        return web.json_response(exc.to_dict(), status=exc.http_status)
+        resp = web.json_response(exc.to_dict(), status=exc.http_status)
+        if isinstance(exc, Unauthorized):
+            resp.headers["WWW-Authenticate"] = 'Bearer realm="mmctl"'
+        return resp
     except web.HTTPException:
         raise
     except Exception as exc:  # never crash the server on one bad request
@@ -128,8 +306,11 @@ async def not_found(request: web.Request) -> web.Response:
     raise InvalidInput(f"no admin endpoint {request.method} {request.path}")
 
 
-def make_app(manager: ModelManager, extra: dict | None = None) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=1 << 20)
+def make_app(manager: ModelManager, extra: dict | None = None,
+             access: AdminAccess | None = None) -> web.Application:
+    """The admin app.  ``access`` None: loopback Host/Origin/Content-Type checks, no token."""
+    app = web.Application(middlewares=[error_middleware, access_middleware(access or AdminAccess())],
+                          client_max_size=1 << 20)
     app[MANAGER_KEY] = manager
     app[EXTRA_KEY] = extra or {}
     app.add_routes([

@@ -19,6 +19,7 @@ import click
 import requests
 
 from .cli_common import (  # noqa: F401  (exit codes are part of this module's surface)
+    DEFAULT_TOKEN_FILE,
     DEFAULT_URL,
     EXIT_BY_ERROR,
     EXIT_ERROR,
@@ -42,10 +43,14 @@ from .cli_common import fmt_bytes as _bytes
               help="Admin API of the control plane (env MMCTL_URL).")
 @click.option("--timeout", "timeout_s", default=600.0, show_default=True,
               help="Seconds to wait for an answer (loads can take long).")
+@click.option("--token-file", type=click.Path(path_type=Path), envvar="MMCTL_TOKEN_FILE",
+              default=DEFAULT_TOKEN_FILE, show_default=True,
+              help="The admin token written by `mmctl up` into its --state-dir (env "
+                   "MMCTL_TOKEN_FILE); env MMCTL_TOKEN, if set, is used instead.")
 @click.pass_context
-def cli(ctx: click.Context, url: str, timeout_s: float):
+def cli(ctx: click.Context, url: str, timeout_s: float, token_file: Path):
     """Multi-model serving on Triton: load, pin and inspect models."""
-    ctx.obj = Api(url, timeout_s)
+    ctx.obj = Api(url, timeout_s, token_file)
 
 
 def _emit(body, as_json: bool, text: str) -> None:
@@ -188,8 +193,16 @@ def _size(value: str | None) -> int | None:
               help="Demo models cust001..custNNN to create if missing.")
 @click.option("--model-size-mb", type=float, default=None,
               help="Weight size of each demo model (the seed scenario uses 850).")
-@click.option("--admin-host", default="127.0.0.1", show_default=True)
+@click.option("--admin-host", default="127.0.0.1", show_default=True,
+              help="Address of the admin API (model control: keep it off public networks).")
 @click.option("--admin-port", type=int, default=8090, show_default=True)
+@click.option("--admin-token", envvar="MMCTL_TOKEN", default=None,
+              help="Bearer token the admin API requires (env MMCTL_TOKEN; prefer the env, argv "
+                   "is visible to other users). Default: reuse or generate "
+                   "<state-dir>/admin.token (mode 0600), where mmctl finds it.")
+@click.option("--admin-allowed-host", "admin_allowed_hosts", multiple=True,
+              help="Another Host name the admin API answers to besides loopback and "
+                   "--admin-host (repeatable); any other name is refused (DNS rebinding).")
 @click.option("--triton-servers", type=int, default=1, show_default=True,
               help="Local tritonserver processes to start (one per device).")
 @click.option("--triton-http-port", type=int, default=8100, show_default=True)
@@ -216,10 +229,10 @@ def _size(value: str | None) -> int | None:
 @click.option("--reconcile-interval", type=float, default=2.0, show_default=True)
 @click.option("--log-level", default="INFO", show_default=True)
 def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_mb, admin_host,
-       admin_port, triton_servers, triton_http_port, triton_grpc_port, triton_metrics_port,
-       attach, router, router_host, router_http_port, router_grpc_port, max_request_bytes,
-       warm_budget, cold_dir, auto_pin_top_k, prefetch_min_miss_rate, policy, reconcile_interval,
-       log_level):
+       admin_port, admin_token, admin_allowed_hosts, triton_servers, triton_http_port,
+       triton_grpc_port, triton_metrics_port, attach, router, router_host, router_http_port,
+       router_grpc_port, max_request_bytes, warm_budget, cold_dir, auto_pin_top_k,
+       prefetch_min_miss_rate, policy, reconcile_interval, log_level):
     """Start tritonserver(s) and the control plane in the foreground; Ctrl-C stops all."""
     from .cold_store import S3Config
     from .errors import ControlPlaneError
@@ -230,6 +243,7 @@ def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = ServiceConfig(
         state_dir=state_dir, repository=repository, admin_host=admin_host, admin_port=admin_port,
+        admin_token=admin_token or None, admin_allowed_hosts=list(admin_allowed_hosts),
         triton_servers=0 if attach and triton_servers == 1 else triton_servers,
         triton_http_port=triton_http_port, triton_grpc_port=triton_grpc_port,
         triton_metrics_port=triton_metrics_port, attach=list(attach), max_loaded=max_loaded,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .admin_api import make_app
+from .admin_api import TOKEN_FILE_NAME, access_for, ensure_token_file, make_app
 from .demo_fleet import (
     DEMO_VERSIONS,
     FleetSpec,
@@ -45,6 +45,8 @@ class ServiceConfig:
     prefetch_min_miss_rate: float | None = None
     admin_host: str = "127.0.0.1"
     admin_port: int = 8090
+    admin_token: str | None = None  # None: reuse or generate <state_dir>/admin.token
+    admin_allowed_hosts: list[str] = field(default_factory=list)  # extra Host names
     triton_host: str = "127.0.0.1"
     triton_servers: int = 1
     triton_http_port: int = 8100  # server i uses port + 10 * i; 0 = any free port
@@ -209,11 +211,14 @@ class Service:
                                  prefetch_min_miss_rate=cfg.prefetch_min_miss_rate)
         self._loop_task = loop.create_task(self._control_loop())
         self.admin_url = f"http://{cfg.admin_host}:{cfg.admin_port}"
+        token_file = (cfg.state_dir / TOKEN_FILE_NAME).resolve()
+        token = ensure_token_file(token_file, cfg.admin_token or None)
         endpoints = {"admin": self.admin_url, "state_dir": str(cfg.state_dir.resolve()),
-                     "repository": str(self.repository)}
+                     "repository": str(self.repository), "admin_token_file": str(token_file)}
         admin_app = make_app(self.manager, {"endpoints": endpoints,
                                             "locate": self.warm.locator(self.manager),
-                                            "resolve_name": self.registry.resolve_name})
+                                            "resolve_name": self.registry.resolve_name},
+                             access=access_for(cfg.admin_host, token, cfg.admin_allowed_hosts))
         from .admin_registry import add_registry_routes
 
         add_registry_routes(admin_app, self.registry, warm=self.warm,

@@ -41,7 +41,8 @@ class Product:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log_text()
             try:
-                if requests.get(self.url + "/v1/fleet", timeout=1).status_code == 200:
+                if requests.get(self.url + "/v1/fleet", headers=self.admin_headers(),
+                                timeout=1).status_code == 200:
                     return self
             except requests.RequestException:
                 pass
@@ -51,8 +52,27 @@ class Product:
     def log_text(self) -> str:
         return (self.state_dir.parent / f"mmctl-up-{self.admin_port}.log").read_text(errors="replace")
 
+    @property
+    def token_file(self) -> Path:
+        """Where `mmctl up` keeps the admin API's bearer token (mode 0600)."""
+        return self.state_dir / "admin.token"
+
+    def admin_headers(self) -> dict[str, str]:
+        """Headers for calling the admin API directly (the token, once `mmctl up` wrote it)."""
+        try:
+            return {"Authorization": f"Bearer {self.token_file.read_text().strip()}"}
+        except FileNotFoundError:
+            return {}
+
+    def client_env(self) -> dict[str, str]:
+        """What a shell needs to drive this product with mmctl: its admin API and token."""
+        env = {"MMCTL_URL": self.url, "MMCTL_TOKEN_FILE": str(self.token_file)}
+        if "MMCTL_TOKEN" in os.environ:  # would win over the token file
+            env["MMCTL_TOKEN"] = ""
+        return env
+
     def mmctl(self, *args: str) -> subprocess.CompletedProcess:
-        env = dict(os.environ, MMCTL_URL=self.url)
+        env = dict(os.environ, **self.client_env())
         return subprocess.run([*MMCTL, *args], capture_output=True, text=True, env=env, timeout=300)
 
     def json(self, *args: str):

@@ -212,7 +212,8 @@ def test_rate_limit_per_adapter(product):
                 generate(router, other, max_new_tokens=1)
     finally:
         assert p.mmctl("limit", "clear", "tinylm:acme").returncode == 0
-    assert "tinylm:acme" not in requests.get(p.url + "/v1/limits", timeout=10).json()
+    assert "tinylm:acme" not in requests.get(p.url + "/v1/limits", headers=p.admin_headers(),
+                                             timeout=10).json()
 
 
 def test_remove_then_requests_get_not_found(product):

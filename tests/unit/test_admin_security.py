@@ -1,0 +1,208 @@
+"""The admin API's access checks (token, Host, Origin, JSON content type) and mmctl's token
+lookup, without sockets: requests are built with aiohttp's mocked requests and go through the
+same middlewares the served app uses."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from control_plane.admin_api import (
+    AdminAccess,
+    access_for,
+    access_middleware,
+    ensure_token_file,
+    error_middleware,
+)
+from control_plane.cli_common import find_token
+
+TOKEN = "s3cret-token"
+ACCESS = AdminAccess(token=TOKEN, bind_host="127.0.0.1")
+GOOD = {"Host": "127.0.0.1:8090", "Authorization": f"Bearer {TOKEN}",
+        "Content-Type": "application/json"}
+
+
+async def _ok(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+def call(method: str, path: str, access: AdminAccess = ACCESS, drop=(), **headers) -> web.Response:
+    """One request through error_middleware -> access_middleware -> a handler that says ok,
+    the order make_app installs them in."""
+    sent = {k: v for k, v in {**GOOD, **{k.replace("_", "-"): v for k, v in headers.items()}}.items()
+            if k not in drop and v is not None}
+    request = make_mocked_request(method, path, headers=sent)
+    check = access_middleware(access)
+
+    async def inner(req):
+        return await check(req, _ok)
+
+    return asyncio.run(error_middleware(request, inner))
+
+
+def refused(resp: web.Response, status: int, code: str) -> bool:
+    import json
+
+    return resp.status == status and json.loads(resp.body)["error"] == code
+
+
+def test_state_change_with_token_and_json_is_served():
+    assert call("POST", "/v1/models/cust001/load").status == 200
+    assert call("DELETE", "/v1/shadows/cust001").status == 200
+    assert call("GET", "/v1/status", drop=("Content-Type",)).status == 200
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", None])
+def test_state_change_that_is_not_json_is_refused(content_type):
+    # What a web page can send cross-origin without a preflight: a form post, text/plain, or
+    # a fetch with no body and so no content type at all.
+    for method in ("POST", "PUT", "DELETE"):
+        resp = call(method, "/v1/models/cust001/load", Content_Type=content_type)
+        assert refused(resp, 415, "unsupported_media_type"), (method, content_type)
+
+
+def test_json_with_charset_is_json():
+    assert call("POST", "/v1/models/x/load", Content_Type="application/json; charset=utf-8").status == 200
+
+
+@pytest.mark.parametrize("host", ["evil.example:8090", "evil.example", "127.0.0.1.nip.io:8090",
+                                  "10.1.2.3:8090", "", "127.0.0.1:abc", None])
+def test_a_host_that_is_not_ours_is_refused(host):
+    # DNS rebinding: the page's own domain re-pointed at 127.0.0.1 arrives as Host: evil...
+    resp = call("GET", "/v1/status", Host=host, drop=() if host is not None else ("Host",))
+    assert refused(resp, 403, "forbidden")
+    assert refused(call("GET", "/metrics", Host=host, drop=() if host is not None else ("Host",)),
+                   403, "forbidden")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:8090", "localhost:8090", "LOCALHOST.", "[::1]:8090",
+                                  "127.0.0.2"])
+def test_loopback_hosts_are_ours(host):
+    assert call("POST", "/v1/models/x/load", Host=host).status == 200
+
+
+def test_configured_and_wildcard_hosts():
+    named = access_for("admin.internal", TOKEN, extra_hosts=["Ops.Example."])
+    assert call("GET", "/v1/status", named, Host="admin.internal:8090").status == 200
+    assert call("GET", "/v1/status", named, Host="ops.example:8090").status == 200
+    assert refused(call("GET", "/v1/status", named, Host="other.example"), 403, "forbidden")
+    wildcard = access_for("0.0.0.0", TOKEN)
+    assert call("GET", "/v1/status", wildcard, Host="10.1.2.3:8090").status == 200
+    assert refused(call("GET", "/v1/status", wildcard, Host="evil.example"), 403, "forbidden")
+
+
+@pytest.mark.parametrize("headers", [
+    {"Origin": "http://evil.example"},
+    {"Origin": "null"},  # sandboxed frames, file:// pages
+    {"Origin": "http://localhost:3000"},  # another local web app is another origin
+    {"Sec-Fetch-Site": "cross-site"},
+    {"Sec-Fetch-Site": "same-site"},
+])
+def test_cross_origin_requests_are_refused_even_with_a_token(headers):
+    resp = call("POST", "/v1/models/x/load", **{k.replace("-", "_"): v for k, v in headers.items()})
+    assert refused(resp, 403, "forbidden")
+
+
+def test_same_origin_is_not_cross_origin():
+    assert call("POST", "/v1/x", Origin="http://127.0.0.1:8090", Sec_Fetch_Site="same-origin").status == 200
+
+
+def test_missing_or_wrong_token_is_401_with_a_hint():
+    resp = call("POST", "/v1/models/x/load", drop=("Authorization",))
+    assert refused(resp, 401, "unauthorized")
+    assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+    assert b"MMCTL_TOKEN" in resp.body and b"admin.token" in resp.body
+    assert refused(call("GET", "/v1/status", Authorization="Bearer nope"), 401, "unauthorized")
+    assert refused(call("GET", "/v1/status", Authorization=TOKEN), 401, "unauthorized")  # no scheme
+    assert call("GET", "/v1/status", Authorization=f"bearer {TOKEN}").status == 200
+
+
+def test_metrics_and_health_are_public_but_a_probe_is_not():
+    # Prometheus and liveness probes scrape without a token; a probe runs an inference.
+    for path in ("/metrics", "/health", "/health/cust001"):
+        assert call("GET", path, drop=("Authorization",)).status == 200, path
+    assert refused(call("GET", "/health/cust001?probe=1", drop=("Authorization",)), 401, "unauthorized")
+    assert refused(call("POST", "/metrics", drop=("Authorization",)), 401, "unauthorized")
+
+
+def test_no_token_configured_still_checks_host_origin_and_content_type():
+    open_access = AdminAccess(token=None)
+    assert call("POST", "/v1/x", open_access, drop=("Authorization",)).status == 200
+    assert refused(call("POST", "/v1/x", open_access, Content_Type="text/plain"), 415,
+                   "unsupported_media_type")
+    assert refused(call("POST", "/v1/x", open_access, Origin="http://evil.example"), 403, "forbidden")
+
+
+def test_token_file_is_private_and_reused(tmp_path):
+    path = tmp_path / "state" / "admin.token"
+    first = ensure_token_file(path)
+    assert len(first) >= 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert ensure_token_file(path) == first  # a restart keeps clients working
+    assert ensure_token_file(path, "given") == "given" and path.read_text().strip() == "given"
+    os.chmod(path, 0o644)  # readable by others: not trusted any more
+    fresh = ensure_token_file(path)
+    assert fresh != "given" and stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_mmctl_finds_the_token_in_env_then_file(tmp_path, monkeypatch):
+    token_file = tmp_path / "admin.token"
+    monkeypatch.delenv("MMCTL_TOKEN", raising=False)
+    assert find_token(token_file)[0] is None and "no token file" in find_token(token_file)[1]
+    token_file.write_text("from-file\n")
+    assert find_token(token_file) == ("from-file", str(token_file))
+    monkeypatch.setenv("MMCTL_TOKEN", "from-env")
+    assert find_token(token_file) == ("from-env", "MMCTL_TOKEN")
+
+
+def test_mmctl_sends_json_and_the_token(monkeypatch, tmp_path):
+    import requests
+
+    from control_plane.cli_common import Api
+
+    sent = []
+
+    class Resp:
+        status_code = 200
+
+        def json(self):
+            return {}
+
+    def fake_request(method, url, **kwargs):
+        sent.append((method, kwargs))
+        return Resp()
+
+    monkeypatch.setattr(requests, "request", fake_request)
+    monkeypatch.setenv("MMCTL_TOKEN", "tok")
+    api = Api("http://127.0.0.1:1", 5.0, tmp_path / "none")
+    api.call("POST", "/v1/models/x/load")
+    api.call("GET", "/v1/status")
+    (_, post), (_, get) = sent
+    assert post["json"] == {} and post["headers"]["Authorization"] == "Bearer tok"
+    assert get["json"] is None and get["headers"]["Authorization"] == "Bearer tok"
+
+
+def test_compose_exposes_only_the_router():
+    """docker/compose.yaml: no other container reaches Triton's control ports or the admin API."""
+    yaml = pytest.importorskip("yaml")
+    from pathlib import Path
+
+    compose = yaml.safe_load((Path(__file__).resolve().parents[2] / "docker" / "compose.yaml").read_text())
+    services = compose["services"]
+    published = [str(p) for s in services.values() for p in s.get("ports", [])]
+    assert published and all(p.split(":")[-1] in ("8000", "8001") for p in published), published
+    triton = services["triton"]
+    assert "ports" not in triton and "expose" not in triton
+    # Triton shares only an internal network, with nobody but the control plane.
+    (net,) = triton["networks"]
+    assert compose["networks"][net].get("internal") is True
+    on_net = {name for name, s in services.items() if net in s.get("networks", [])}
+    assert on_net == {"triton", "control-plane"}
+    command = services["control-plane"]["command"]
+    assert command[command.index("--admin-host") + 1] == "127.0.0.1"
+    assert "MMCTL_TOKEN" in services["control-plane"]["environment"]
