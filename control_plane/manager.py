@@ -221,6 +221,8 @@ class ModelManager:
         self._background: set[asyncio.Task] = set()
         self._load_listeners: list[Callable[[str, ModelRecord], None]] = []
         self._unknown: dict[str, float] = {}  # name -> when it was last found unknown
+        self._pin_repairs: set[str] = set()  # pinned models the reconcile is loading
+        self._pin_retry_at: dict[str, float] = {}  # monotonic; after a failed pin repair
         pins = store.pins()
         for name, row in store.model_rows().items():
             rec = self._record(name)
@@ -557,13 +559,22 @@ class ModelManager:
         if load is not None:
             with contextlib.suppress(ControlPlaneError):
                 await asyncio.shield(load)
-        if rec.state not in (ModelState.READY, ModelState.FAILED, ModelState.UNLOADING) or rec.server is None:
-            return rec
-        server = self.servers[rec.server]
         async with self._lock:
+            # A pin that arrived while this unload waited for the load wins: the pinned
+            # model stays loaded instead of being unloaded under a pin.
+            if rec.pinned and not force:
+                raise InvalidInput(f"{name} was pinned while this unload waited for its load; "
+                                   f"unpin it first (mmctl unpin {name})")
+            if (rec.state not in (ModelState.READY, ModelState.FAILED, ModelState.UNLOADING)
+                    or rec.server is None):
+                return rec
+            server = self.servers[rec.server]
             resident = server.planner.residents.get(name)
             if resident is not None:
+                # On its way out it holds its slot as busy, not as a pin (a forced unload of
+                # a pinned model keeps the pin: the reconcile loads it again).
                 resident.evictable = False
+                resident.pinned = False
             if rec.state == ModelState.READY:
                 rec.state = ModelState.UNLOADING
         await self._unload_now(server, name, reason="requested")
@@ -611,32 +622,71 @@ class ModelManager:
 
     # ------------------------------------------------------------------ pins
     async def pin(self, name: str) -> ModelRecord:
-        """Pin and make resident.  If it cannot be loaded, the pin is not kept."""
+        """Pin and make resident.  If it cannot be loaded, the pin is not kept.
+
+        The pin counts from the start of the call: an unload still waiting for this model's
+        load gives way to it, and one already under way is awaited before loading again."""
         validate_model_name(name)
         await self._known(name)  # cold models (registry only) can be pinned too
         rec = self._record(name)
         was_pinned = rec.pinned
-        rec.pinned = True
-        if rec.server and rec.name in self.servers[rec.server].planner.residents:
-            self.servers[rec.server].planner.residents[name].pinned = True
+        self._set_pinned(rec, True)
         try:
             await self.ensure(name)
         except BaseException:
-            rec.pinned = was_pinned
-            if rec.server and name in self.servers[rec.server].planner.residents:
-                self.servers[rec.server].planner.residents[name].pinned = was_pinned
+            if not was_pinned and rec.pinned:  # an unpin meanwhile already undid it
+                self._set_pinned(rec, False)
             raise
-        self.servers[rec.server].planner.residents[name].pinned = True
-        self.store.set_pin(name, True)
+        if rec.pinned:  # not unpinned while the load ran
+            self._set_pinned(rec, True)
+            self.store.set_pin(name, True)
         return rec
 
     async def unpin(self, name: str) -> ModelRecord:
         rec = self.get(name)
-        rec.pinned = False
-        if rec.server and name in self.servers[rec.server].planner.residents:
-            self.servers[rec.server].planner.residents[name].pinned = False
+        self._set_pinned(rec, False)
         self.store.set_pin(name, False)
         return rec
+
+    def _set_pinned(self, rec: ModelRecord, pinned: bool) -> None:
+        """Set the pin on the record and on its resident, if it holds one."""
+        rec.pinned = pinned
+        server = self.servers.get(rec.server) if rec.server else None
+        resident = server.planner.residents.get(rec.name) if server else None
+        if resident is not None:
+            # A model on its way out (unloading, or stuck after a failure) holds its slot as
+            # busy, not as a pin: the pin takes its slot again when the model is reloaded.
+            resident.pinned = pinned and rec.state in (ModelState.READY, ModelState.LOADING)
+
+    def _repair_pins(self) -> None:
+        """Start a load of every pinned model that is not loaded: Triton dropped it, a
+        forced unload took it, or it lost a race with an unload.  Failures back off."""
+        now = time.monotonic()
+        for name, rec in self.records.items():
+            if (not rec.pinned or rec.state in (ModelState.READY, ModelState.LOADING, ModelState.UNLOADING)
+                    or name in self._loads or name in self._unloads or name in self._pin_repairs
+                    or now < self._pin_retry_at.get(name, 0.0)):
+                continue
+            if (rec.state == ModelState.FAILED and rec.failed_at is not None
+                    and now - rec.failed_at < self.config.failure_backoff_s):
+                continue
+            self._pin_repairs.add(name)
+            self._spawn(self._repair_pin(rec))
+
+    async def _repair_pin(self, rec: ModelRecord) -> None:
+        try:
+            await self.ensure(rec.name)
+        except ControlPlaneError as exc:
+            self._pin_retry_at[rec.name] = time.monotonic() + self.config.failure_backoff_s
+            failure = f"pinned but not loaded: {exc.message}"
+            if rec.failure != failure:  # once per distinct reason, not once per pass
+                log.error("pinned model %s could not be loaded: %s", rec.name, exc.message)
+            rec.failure = failure
+        else:
+            self._pin_retry_at.pop(rec.name, None)
+            log.info("loaded pinned model %s again", rec.name)
+        finally:
+            self._pin_repairs.discard(rec.name)
 
     # ------------------------------------------------------------------ health
     async def health(self, name: str, probe: bool = False) -> dict:
@@ -682,6 +732,7 @@ class ModelManager:
                 await self._reconcile_server(server)
             except Exception:  # one failing server never stops the loop
                 log.exception("reconcile of %s failed", server.name)
+        self._repair_pins()
 
     async def _reconcile_server(self, server: TritonServer) -> None:
         if server.process is not None and not server.process.alive():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -73,8 +74,8 @@ class FakeAdmin:
 MODELS = [f"m{i}" for i in range(1, 7)]
 
 
-def make(tmp_path, max_loaded=2, **cfg):
-    admin = FakeAdmin(MODELS)
+def make(tmp_path, max_loaded=2, free_delay_s=0.02, **cfg):
+    admin = FakeAdmin(MODELS, free_delay_s=free_delay_s)
     spec = ServerSpec("s0", "fake:1", "fake:2", max_loaded=max_loaded)
     server = ModelManager.make_server(spec, "lru", admin=admin)
     mgr = ModelManager([server], StateStore(tmp_path / "s.db"),
@@ -274,3 +275,86 @@ def test_failed_staging_backs_off(tmp_path):
 
     run(go())
 
+
+
+# --------------------------------------------------------------------------- pins vs unloads
+def test_pin_wins_over_an_unload_that_has_not_finished(tmp_path):
+    """load, unload, pin 0.03 s apart: the model ends loaded, pinned, in Triton too."""
+
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=2)
+        admin.load_delay_s = 0.1
+        await mgr.start()
+        load = asyncio.create_task(mgr.ensure("m1"))
+        await asyncio.sleep(0.03)
+        unload = asyncio.create_task(mgr.unload("m1"))
+        await asyncio.sleep(0.03)
+        pinned = await mgr.pin("m1")
+        await asyncio.gather(load, unload, return_exceptions=True)
+        assert pinned.state == ModelState.READY and pinned.pinned
+        await asyncio.sleep(0.1)  # anything still running would have finished by now
+        rec = mgr.get("m1")
+        assert (rec.state, rec.pinned) == (ModelState.READY, True)
+        assert admin.states["m1"] == TritonModelState.READY
+        assert mgr.servers["s0"].planner.residents["m1"].pinned
+
+    run(go())
+
+
+def test_pin_during_an_unload_in_progress_loads_again(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=2, free_delay_s=0.2)
+        await mgr.start()
+        await mgr.ensure("m1")
+        unload = asyncio.create_task(mgr.unload("m1"))
+        await asyncio.sleep(0.05)  # Triton is freeing it now
+        assert mgr.get("m1").state == ModelState.UNLOADING
+        rec = await mgr.pin("m1")
+        await unload
+        assert (rec.state, rec.pinned) == (ModelState.READY, True)
+        assert admin.states["m1"] == TritonModelState.READY
+
+    run(go())
+
+
+def test_reconcile_loads_a_pinned_model_that_is_not_loaded(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path)
+        await mgr.start()
+        await mgr.pin("m1")
+        admin.states["m1"] = TritonModelState.UNAVAILABLE  # dropped behind our back
+        await mgr.step()
+        for _ in range(100):
+            if mgr.get("m1").state == ModelState.READY:
+                break
+            await asyncio.sleep(0.01)
+        assert mgr.get("m1").state == ModelState.READY
+        assert admin.states["m1"] == TritonModelState.READY
+
+    run(go())
+
+
+def test_capacity_message_counts_only_models_really_pinned(tmp_path):
+    """A model pinned while it is being unloaded does not hold its slot as a pin."""
+
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=2, free_delay_s=0.2, capacity_wait_s=0.05)
+        await mgr.start()
+        await mgr.pin("m1")
+        await mgr.ensure("m2")
+        unload = asyncio.create_task(mgr.unload("m2"))
+        await asyncio.sleep(0.05)
+        pin = asyncio.create_task(mgr.pin("m2"))
+        await asyncio.sleep(0.01)
+        messages = []
+        try:
+            await mgr.ensure("m3")
+        except CapacityExhausted as exc:
+            messages.append(exc.message)
+        await asyncio.gather(unload, pin, return_exceptions=True)
+        for message in messages:
+            pinned = re.search(r"pinned: ([^;)]*)", message).group(1).split(", ")
+            assert len(pinned) <= 2, message
+            assert "m2" not in pinned, message  # it was unloading: busy, not a pinned slot
+
+    run(go())
