@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import signal
-import site
 import socket
 import subprocess
 import sys
@@ -43,7 +42,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def pytriton_root() -> Path:
     try:
-        import pytriton  # noqa: PLC0415  (optional until a local Triton is started)
+        import pytriton  # optional until a local Triton is started
     except ImportError as exc:  # pragma: no cover - install hint
         raise InvalidInput(
             "the local Triton launcher needs the nvidia-pytriton wheel: run `make setup` "
@@ -75,13 +74,25 @@ def build_backend_dir(dest: Path) -> Path:
     return dest
 
 
-def _python_path_for_stub() -> str:
-    """The stub embeds the system libpython; give it this environment's packages (torch...)."""
-    paths = [p for p in site.getsitepackages() if os.path.isdir(p)]
-    existing = os.environ.get("PYTHONPATH")
-    if existing:
-        paths.append(existing)
-    return os.pathsep.join(paths)
+def stub_environment() -> dict[str, str]:
+    """What the python-backend stubs need to import this environment's packages (numpy, torch).
+
+    The stub embeds libpython in isolated mode, so PYTHONPATH and PYTHONHOME are ignored.  It
+    still finds its prefix the way ``python3`` does: the first ``python3`` on PATH and a
+    ``pyvenv.cfg`` beside it.  So Triton runs with this interpreter's environment active, as
+    ``bin/activate`` would make it (the python backend uses "the libraries in the current
+    virtualenv or conda environment"), and a model written for Triton imports what the
+    product has without touching ``sys.path``.  The stub's Python minor version matches this
+    interpreter's (``build_backend_dir`` picks it), which is what the packages need.
+    """
+    bin_dir = Path(sys.executable).parent  # not resolved: a venv's bin holds symlinks
+    if not (bin_dir / "python3").exists():
+        log.warning("no python3 in %s: python-backend models will see the system Python's "
+                    "packages, not this environment's", bin_dir)
+    env = {"PATH": os.pathsep.join([str(bin_dir), os.environ.get("PATH") or os.defpath])}
+    if sys.prefix != sys.base_prefix:
+        env["VIRTUAL_ENV"] = sys.prefix
+    return env
 
 
 def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
@@ -179,7 +190,8 @@ class TritonProcess:
         binary = pytriton_root() / "bin" / "tritonserver"
         backend_dir = build_backend_dir(cfg.work_dir / "backends")
         env = dict(os.environ)
-        env["PYTHONPATH"] = _python_path_for_stub()
+        env.pop("PYTHONPATH", None)  # the stub ignores it; stub_environment() is what works
+        env.update(stub_environment())
         env.update(cfg.env)
         cmd = [str(binary), *triton_args(cfg, backend_dir, self.log_path)]
         log.info("starting tritonserver: %s", " ".join(cmd))

@@ -1,14 +1,6 @@
 """Identity model: returns its input.  No torch import, so it loads in ~0.1 s."""
 
-import os
-import sys
-
-# The python-backend stub ignores PYTHONPATH; add the launcher's environment (numpy).
-for _path in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    if _path and _path not in sys.path:
-        sys.path.append(_path)
-
-import triton_python_backend_utils as pb_utils  # noqa: E402
+import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:

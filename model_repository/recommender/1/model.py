@@ -8,19 +8,11 @@ bad request does not fail the rest of a dynamic batch.
 
 import json
 import os
-import sys
 
-# The python-backend stub embeds the system libpython and ignores PYTHONPATH, so the
-# launcher's environment (a virtualenv with torch) is added here.  A no-op in the NGC
-# container, where torch is installed system-wide.
-for _path in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    if _path and _path not in sys.path:
-        sys.path.append(_path)
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import triton_python_backend_utils as pb_utils  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+from safetensors.torch import load_file
 
 
 class RecommenderMLP(torch.nn.Module):
@@ -70,7 +62,7 @@ class TritonPythonModel:
 
             time.sleep(self.delay_s)
         feature_dim = self.model.feature_dim
-        batches, sizes, responses = [], [], [None] * len(requests)
+        batches, responses = [], [None] * len(requests)
         for i, request in enumerate(requests):
             self.requests_seen += 1
             if self.fail_fraction and (self.requests_seen * self.fail_fraction) % 1 < self.fail_fraction:

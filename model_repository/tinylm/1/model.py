@@ -8,21 +8,12 @@ runtime is the ``_lora`` package next to this file (a copy of ``control_plane/lo
 """
 
 import os
-import sys
 
-# The python-backend stub embeds the system libpython and ignores PYTHONPATH, so the
-# launcher's environment (a virtualenv with torch) is added here.  A no-op in the NGC
-# container, where torch is installed system-wide.
-for _path in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    if _path and _path not in sys.path:
-        sys.path.append(_path)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import numpy as np  # noqa: E402
-import triton_python_backend_utils as pb_utils  # noqa: E402
-from _lora.models import load_tinylm  # noqa: E402
-from _lora.runtime import parse_text_request, tinylm_runner  # noqa: E402
-from _lora.triton_glue import LoraTritonModel, input_array  # noqa: E402
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from _lora.models import load_tinylm
+from _lora.runtime import parse_text_request, tinylm_runner
+from _lora.triton_glue import LoraTritonModel, input_array
 
 WEIGHTS_FILE = "weights.safetensors"
 
