@@ -400,7 +400,9 @@ class ModelManager:
                 and rec.failed_at is not None
                 and time.monotonic() - rec.failed_at < self.config.failure_backoff_s):
             wait_s = self.config.failure_backoff_s - (time.monotonic() - rec.failed_at)
-            raise ModelLoadFailed(f"{name} failed to load: {rec.failure}; not retrying for "
+            what = (f"{name} may still be loaded on {rec.server}" if rec.server is not None
+                    else f"{name} failed to load")
+            raise ModelLoadFailed(f"{what}: {rec.failure}; not retrying for "
                                   f"{wait_s:.0f}s (mmctl load {name} retries now)")
         task = self._loads.get(name)
         if task is None:
@@ -431,6 +433,17 @@ class ModelManager:
         rec = self._record(name)
         if rec.state == ModelState.READY:
             return rec
+        if rec.state == ModelState.FAILED and rec.server is not None:
+            # Its unload failed: the server may still hold it.  Loading it elsewhere would
+            # serve it twice and leak that server's room, so unload it there first.
+            held_by = self.servers[rec.server]
+            try:
+                await self._unload_now(held_by, name, reason="retry_after_failure")
+            except ControlPlaneError as exc:
+                raise ModelLoadFailed(
+                    f"{name} may still be loaded on {held_by.name} ({exc.message}); it is not "
+                    f"loaded anywhere else until {held_by.name} confirms it gone; retrying "
+                    f"in {self.config.failure_backoff_s:.0f}s") from exc
         if self.stager is not None:
             # Cold -> warm before anything is reserved: a failed download holds no capacity.
             self.stager.set_busy(name, True)
@@ -606,8 +619,15 @@ class ModelManager:
             await server.admin.unload(name)
             await server.admin.wait_unavailable(name, self.config.unload_timeout_s)
         except ControlPlaneError as exc:
+            # Triton may still hold it: the server, and its room, stay counted until Triton
+            # confirms it gone (the reconcile retries after the backoff, as does a load).
             rec.state = ModelState.FAILED
             rec.failure = f"unload did not complete: {exc.message}"
+            rec.failed_at = time.monotonic()
+            resident = server.planner.residents.get(name)
+            if resident is not None:
+                resident.evictable = False
+                resident.pinned = False
             log.error("unload of %s on %s failed: %s", name, server.name, exc.message)
             raise
         freed_s = time.monotonic() - start
@@ -769,9 +789,11 @@ class ModelManager:
                     log.warning("adopted %s: Triton %s has it loaded", name, server.name)
                 elif (entry.state == TritonModelState.READY and rec.state == ModelState.FAILED
                         and rec.server == server.name):
-                    # Its unload (after a failure) did not complete: try again, so the
-                    # memory is freed and counted free once Triton confirms.
-                    self._spawn(self._retry_unload(server, name))
+                    # Its unload (after a failure) did not complete: try again after the
+                    # backoff, so the memory is freed and counted free once Triton confirms.
+                    if (rec.failed_at is None
+                            or time.monotonic() - rec.failed_at >= self.config.failure_backoff_s):
+                        self._spawn(self._retry_unload(server, name))
                 elif entry.state != TritonModelState.READY and ours:
                     if entry.state in (TritonModelState.LOADING, TritonModelState.UNLOADING):
                         continue

@@ -21,6 +21,7 @@ from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from .errors import (
     CapacityExhausted,
+    ControlPlaneError,
     InvalidInput,
     ModelLoadFailed,
     ModelNotFound,
@@ -117,32 +118,38 @@ class TritonAdmin:
             )
         return out
 
+    def _translate(self, exc: InferenceServerException, action: str, model: str,
+                   timeout_s: float) -> ControlPlaneError:
+        """The one mapping of a tritonclient error to the control plane's errors: a missed
+        deadline is a timeout, an unreachable server is unavailable, the rest is Triton
+        refusing ``action`` (``"load"``, ``"unload"``) for ``model``."""
+        status = str(exc.status() or "")
+        if "DEADLINE" in status:
+            return OperationTimeout(
+                f"Triton at {self.grpc_url} did not {action} {model} within {timeout_s:.0f}s")
+        if "UNAVAILABLE" in status:
+            return self._unavailable(exc)
+        msg = (exc.message() or str(exc)).strip()
+        return ModelLoadFailed(f"Triton failed to {action} {model}: {msg}")
+
     async def load(self, model: str) -> None:
         try:
             await self.client.load_model(model, client_timeout=self.timeouts.load_s)
         except InferenceServerException as exc:
-            if _is_unavailable(exc) and "DEADLINE" not in str(exc.status()):
-                raise self._unavailable(exc) from exc
-            if "DEADLINE" in str(exc.status()):
-                raise OperationTimeout(
-                    f"Triton did not finish loading {model} within {self.timeouts.load_s:.0f}s"
-                ) from exc
             msg = exc.message() or str(exc)
             if "failed to poll from model repository" in msg or "no version is available" in msg:
                 raise ModelNotFound(f"{model} is not in Triton's model repository: {msg}") from exc
-            raise ModelLoadFailed(f"Triton failed to load {model}: {msg.strip()}") from exc
+            raise self._translate(exc, "load", model, self.timeouts.load_s) from exc
 
     async def unload(self, model: str) -> None:
         """Ask Triton to unload; returns before memory is freed (see wait_unavailable)."""
         try:
             await self.client.unload_model(model, client_timeout=self.timeouts.unload_s)
         except InferenceServerException as exc:
-            if _is_unavailable(exc):
-                raise self._unavailable(exc) from exc
             msg = (exc.message() or str(exc)).lower()
             if "not loaded" in msg or "unknown model" in msg or "no model" in msg:
                 return  # already gone: the goal state holds
-            raise
+            raise self._translate(exc, "unload", model, self.timeouts.unload_s) from exc
 
     async def wait_unavailable(self, model: str, timeout_s: float | None = None) -> float:
         """Poll the index until ``model`` is UNAVAILABLE/absent; return seconds waited."""

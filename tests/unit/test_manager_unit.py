@@ -25,6 +25,7 @@ class FakeAdmin:
         self.fail_load: set[str] = set()
         self.fail_warmup: set[str] = set()
         self.stuck_unloading: set[str] = set()
+        self.fail_unload: set[str] = set()
 
     async def index(self):
         return {m: IndexEntry(m, s) for m, s in self.states.items()}
@@ -44,6 +45,8 @@ class FakeAdmin:
         return 1.0
 
     async def unload(self, model):
+        if model in self.fail_unload:
+            raise ModelLoadFailed(f"Triton failed to unload {model}: internal error")
         if self.states.get(model) != TritonModelState.READY:
             return
         self.states[model] = TritonModelState.UNLOADING
@@ -356,5 +359,84 @@ def test_capacity_message_counts_only_models_really_pinned(tmp_path):
             pinned = re.search(r"pinned: ([^;)]*)", message).group(1).split(", ")
             assert len(pinned) <= 2, message
             assert "m2" not in pinned, message  # it was unloading: busy, not a pinned slot
+
+    run(go())
+
+
+# --------------------------------------------------------------------------- failed unloads
+def make_two(tmp_path, **cfg):
+    """Two servers with one slot each and their own fake Triton."""
+    admins = {n: FakeAdmin(MODELS) for n in ("s0", "s1")}
+    servers = [ModelManager.make_server(ServerSpec(n, f"{n}:1", f"{n}:2", max_loaded=1), "lru",
+                                        admin=admins[n]) for n in ("s0", "s1")]
+    mgr = ModelManager(servers, StateStore(tmp_path / "s.db"),
+                       config=ManagerConfig(policy="lru", unload_timeout_s=0.3, **cfg))
+    return mgr, admins
+
+
+def test_failed_unload_never_loads_the_model_elsewhere_and_keeps_it_counted(tmp_path):
+    async def go():
+        mgr, admins = make_two(tmp_path, failure_backoff_s=0.2)
+        await mgr.start()
+        rec = await mgr.ensure("m1")
+        first = rec.server
+        other = "s1" if first == "s0" else "s0"
+        admins[first].fail_unload.add("m1")
+        with pytest.raises(ModelLoadFailed, match="unload"):
+            await mgr.unload("m1")
+        assert rec.state == ModelState.FAILED and rec.server == first
+        assert "m1" in mgr.servers[first].planner.residents  # still counted as used
+        # Right after the failure: backoff, and never a second copy on the other server.
+        with pytest.raises(ModelLoadFailed, match="not retrying"):
+            await mgr.ensure("m1")
+        assert admins[other].load_calls == []
+        # After the backoff, while the first server still fails to unload it: still refused.
+        await asyncio.sleep(0.25)
+        with pytest.raises(ModelLoadFailed):
+            await mgr.ensure("m1")
+        assert admins[other].load_calls == [] and admins[first].load_calls == ["m1"]
+        # Once the first server confirms it gone, the model loads again (once, somewhere).
+        admins[first].fail_unload.clear()
+        await asyncio.sleep(0.25)
+        rec = await mgr.ensure("m1")
+        assert rec.state == ModelState.READY
+        ready = [n for n, a in admins.items() if a.states["m1"] == TritonModelState.READY]
+        assert ready == [rec.server]
+        holders = [n for n, s in mgr.servers.items() if "m1" in s.planner.residents]
+        assert holders == [rec.server]
+
+    run(go())
+
+
+def test_reconcile_retries_a_failed_unload_with_backoff(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path, failure_backoff_s=0.3)
+        await mgr.start()
+        await mgr.ensure("m1")
+        admin.fail_unload.add("m1")
+        with pytest.raises(ModelLoadFailed):
+            await mgr.unload("m1")
+        calls = []
+        real_unload = admin.unload
+
+        async def counting_unload(model):
+            calls.append(model)
+            return await real_unload(model)
+
+        admin.unload = counting_unload
+        for _ in range(5):  # reconcile passes inside the backoff: no unload storm
+            await mgr.step()
+            await asyncio.sleep(0.01)
+        assert calls == []
+        admin.fail_unload.clear()
+        await asyncio.sleep(0.3)
+        await mgr.step()
+        for _ in range(100):
+            if "m1" not in mgr.servers["s0"].planner.residents:
+                break
+            await asyncio.sleep(0.01)
+        assert calls == ["m1"]
+        assert "m1" not in mgr.servers["s0"].planner.residents
+        assert mgr.get("m1").server is None
 
     run(go())
