@@ -8,11 +8,14 @@ from dataclasses import asdict
 
 from aiohttp import web
 
+from control_plane import errors as cp
 from control_plane.admin_api import json_body as _json
+from control_plane.names import validate_model_name
 
 from .canary import abort, promote
 from .core import Router
 from .errors import InvalidRequest, ModelNotFound, RouterError
+from .routes import split_adapter, validate_logical_name
 
 ROUTER_ADMIN_KEY = web.AppKey("router_admin", Router)
 
@@ -40,6 +43,35 @@ def _num(body: dict, key: str, default=None, cast=float):
         raise InvalidRequest(f"{key} must be a number, got {value!r}") from None
 
 
+async def require_model(router: Router, model: str) -> None:
+    """ModelNotFound (404, mmctl exit 4) unless ``model`` is a concrete model of a repository
+    or tier: an alias or a split pointing at nothing would fail every request later."""
+    try:
+        await router.manager._known(model)
+    except cp.ModelNotFound:
+        serves = router.table.target_of(model)
+        if serves != model:  # a logical name: its route or production version is the model
+            raise ModelNotFound(f"{model!r} is a logical name, not a model: point at the model "
+                                f"it serves ({serves}) or another version "
+                                f"(`mmctl registry list {model}`)") from None
+        raise ModelNotFound(f"unknown model {model!r}: it is in no model repository or tier; "
+                            "`mmctl status --all` lists the known models") from None
+
+
+async def require_servable(router: Router, name: str) -> None:
+    """ModelNotFound unless ``name`` (or the base of ``base:adapter``) is something clients
+    can ask for: a route, or a name whose target is a known model."""
+    validate_logical_name(name)
+    base, _adapter = split_adapter(name)
+    if base in router.table.routes:
+        return
+    try:
+        await router.manager._known(router.table.target_of(base))
+    except cp.ModelNotFound:
+        raise ModelNotFound(f"unknown model {base!r}: no route and no model of that name; "
+                            "`mmctl status --all` lists the known models") from None
+
+
 async def routes_list(request):
     return web.json_response(_r(request).table.to_dict())
 
@@ -48,6 +80,9 @@ async def alias_set(request):
     body = await _json(request)
     if not body.get("target"):
         raise InvalidRequest("give the concrete model as 'target'")
+    for name in (request.match_info["name"], body["target"]):
+        validate_model_name(name)  # a bad name is bad input (400), before "unknown" (404)
+    await require_model(_r(request), body["target"])
     route = _r(request).table.set_alias(request.match_info["name"], body["target"])
     return web.json_response(asdict(route))
 
@@ -166,6 +201,7 @@ async def shadow_report(request):
 
 async def limit_set(request):
     body = await _json(request)
+    await require_servable(_r(request), request.match_info["name"])
     _r(request).table.set_limit(request.match_info["name"], _num(body, "qps"), _num(body, "burst"))
     return web.json_response({"name": request.match_info["name"],
                               "limit": _r(request).table.limits.get(request.match_info["name"])})

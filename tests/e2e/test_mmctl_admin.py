@@ -1,5 +1,5 @@
-"""The admin API of a started product refuses what a web page could send, and mmctl still
-works: it finds the token `mmctl up` wrote into the state directory."""
+"""mmctl against a started product: the admin API refuses what a web page could send while
+mmctl works with the token `mmctl up` wrote; unknown names exit 4; the defaults show."""
 
 from __future__ import annotations
 
@@ -81,3 +81,16 @@ def test_mmctl_uses_the_token_and_says_when_it_is_wrong(product, tmp_path):
     out = subprocess.run([*MMCTL, "status"], capture_output=True, text=True, env=env, timeout=60,
                          check=False)
     assert out.returncode == 2 and "missing.token" in out.stderr
+
+
+def test_alias_and_limit_on_unknown_models_exit_4(product):
+    for args in (["alias", "foo", "nosuch"], ["limit", "set", "nosuch", "--qps", "5"]):
+        out = product.mmctl(*args)
+        assert out.returncode == 4, (args, out.stdout, out.stderr)
+        assert "unknown model 'nosuch'" in out.stderr and "mmctl status --all" in out.stderr
+    auth = product.admin_headers()
+    routes = requests.get(product.url + "/v1/routes", headers=auth, timeout=10).json()
+    assert "foo" not in {r["name"] for r in routes}
+    assert "nosuch" not in requests.get(product.url + "/v1/limits", headers=auth, timeout=10).json()
+    assert product.mmctl("alias", "foo", "cust002").returncode == 0
+    assert product.mmctl("limit", "set", "foo", "--qps", "5").returncode == 0
