@@ -7,7 +7,8 @@ The control plane and the benchmark replay (``bench/policy_replay.py``) run this
   Per-request work is O(1) amortized (``gdsf``: O(log n) in the number of residents).
 * ``CachePlanner`` adds what every policy must respect: pinned keys are never evicted,
   rollout stage priority (shadow before canary before production) comes before the
-  policy's own order, and capacity is a byte budget and/or a slot count.  ``plan`` returns
+  policy's own order, a shadow newcomer may evict only shadow (or retired) models
+  (``victim_priority_limit``), and capacity is a byte budget and/or a slot count.  ``plan`` returns
   the victims to free room for a new key, or raises CapacityExhausted naming the pinned
   keys and the budget; it changes nothing until the caller commits.
 
@@ -18,11 +19,12 @@ model to stay; GDSF gives it a low priority until it is requested again.
 
 Policies (``POLICIES``; ``make_policy(name, **options)``):
 
-* ``lru``           least recently used first.
+* ``lru``           least recently used first.  The default (``DEFAULT_POLICY``): the
+                    behaviour the product documents and operators expect.
 * ``wtinylfu``      W-TinyLFU: a window LRU for newcomers and a segmented-LRU main area,
                     admission between them decided by a count-min sketch with aging;
-                    scores weighted by the square root of the load cost.  The default: it
-                    wins the trace replays (bench/policy_replay.py, bench/results/).
+                    scores weighted by the square root of the load cost.  It beats LRU on
+                    the skewed trace replays (bench/policy_replay.py; table in README.md).
 * ``wtinylfu-hits`` the same ranked by frequency alone: most hits, more load seconds.
 * ``gdsf``          GreedyDual-Size-Frequency with sketch frequencies: priority
                     ``L + frequency * load_cost_s / size``, L inflating to each victim's.
@@ -51,6 +53,15 @@ from .eviction_sketch import FrequencySketch
 # Rollout stage -> eviction priority; lower is evicted first, pinned is never evicted.
 STAGE_PRIORITY = {"shadow": 0, "canary": 1, "registered": 2, "production": 2, "retired": 0}
 DEFAULT_PRIORITY = 2
+SHADOW_PRIORITY = STAGE_PRIORITY["shadow"]
+
+
+def victim_priority_limit(priority: int) -> int | None:
+    """The highest stage priority a newcomer of ``priority`` may evict; None: any.
+
+    A shadow (or a retired model) may evict only shadow or retired models: mirrored traffic
+    must never take the room of a model that serves clients (canary included)."""
+    return SHADOW_PRIORITY if priority <= SHADOW_PRIORITY else None
 
 
 class EvictionPolicy(ABC):
@@ -370,7 +381,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     WTinyLFUHitsPolicy.name: WTinyLFUHitsPolicy,
     GDSFPolicy.name: GDSFPolicy,
 }
-DEFAULT_POLICY = WTinyLFUPolicy.name
+DEFAULT_POLICY = LRUPolicy.name  # what the product promises; the others are --policy choices
 
 
 def make_policy(name: str, **options: Any) -> EvictionPolicy:
@@ -451,9 +462,12 @@ class CachePlanner:
     first key.
     """
 
-    def __init__(self, policy: EvictionPolicy, capacity: Capacity):
+    def __init__(self, policy: EvictionPolicy, capacity: Capacity,
+                 priority_of: Callable[[str], int] | None = None):
         self.policy = policy
         self.capacity = capacity
+        # Stage priority of a newcomer (registry.stage_priority): a shadow evicts shadows only.
+        self.priority_of = priority_of
         self.residents: dict[str, Resident] = {}
         self._used_bytes = 0
         self._evictable: dict[int, int] = {}  # priority -> residents neither pinned nor busy
@@ -547,21 +561,31 @@ class CachePlanner:
             need_slots = max(0, len(self.residents) + 1 - cap.max_slots)
         if need_bytes <= 0 and need_slots <= 0:
             return EvictionPlan()
-        if need_slots <= sum(self._evictable.values()):
-            plan = self._collect(key, need_bytes, need_slots)
+        limit = victim_priority_limit(
+            self.priority_of(key) if self.priority_of is not None else DEFAULT_PRIORITY)
+        evictable = sum(n for p, n in self._evictable.items() if limit is None or p <= limit)
+        if need_slots <= evictable:
+            plan = self._collect(key, need_bytes, need_slots, limit)
             if plan is not None:
                 return plan
+        if limit is not None:
+            raise self._exhausted_for_shadow(key, size_bytes, limit)
         raise self._exhausted(key, size_bytes)
 
-    def _collect(self, key: str, need_bytes: int, need_slots: int) -> EvictionPlan | None:
+    def _collect(self, key: str, need_bytes: int, need_slots: int,
+                 limit: int | None = None) -> EvictionPlan | None:
         residents = self.residents
-        levels = sorted(self._evictable)
+        levels = sorted(p for p in self._evictable if limit is None or p <= limit)
+        if not levels:
+            return None
         if len(levels) == 1:  # the usual case: one stage priority among evictable residents
             victims: list[str] = []
             freed = 0
             for candidate in self.policy.victim_order():
                 r = residents.get(candidate)
                 if r is None or r.pinned or not r.evictable or candidate == key:
+                    continue
+                if limit is not None and r.priority > limit:
                     continue
                 victims.append(candidate)
                 freed += r.size_bytes
@@ -597,7 +621,7 @@ class CachePlanner:
             if r is None or r.pinned or not r.evictable or candidate == key:
                 continue
             bucket = buckets.get(r.priority)
-            if bucket is None:  # priority changed mid-walk; cannot happen single-threaded
+            if bucket is None:  # above the limit, or priority changed mid-walk
                 continue
             bucket.append(r)
             if drain(final=False):
@@ -617,4 +641,15 @@ class CachePlanner:
             f"no room for {key} ({size_bytes} bytes): budget is {cap.describe()}, "
             f"{self.used_slots} loaded using {self.used_bytes} bytes, and nothing evictable is "
             f"left ({detail}); unpin a model (mmctl unpin NAME) or raise the budget"
+        )
+
+    def _exhausted_for_shadow(self, key: str, size_bytes: int, limit: int) -> CapacityExhausted:
+        serving = sorted(k for k, r in self.residents.items() if r.priority > limit)
+        cap = self.capacity
+        return CapacityExhausted(
+            f"no room for shadow {key} ({size_bytes} bytes): a shadow may evict only other "
+            f"shadow or retired models, and the budget ({cap.describe()}, {self.used_slots} "
+            f"loaded using {self.used_bytes} bytes) is held by models that serve traffic "
+            f"({', '.join(serving) or 'none'}) or by shadows that are busy or pinned; the "
+            "shadow is skipped until room frees up; raise the budget or add a device"
         )

@@ -42,6 +42,7 @@ from .eviction import (
     Capacity,
     Resident,
     make_policy,
+    victim_priority_limit,
 )
 from .metrics import ControlPlaneMetrics
 from .names import validate_model_name
@@ -212,6 +213,8 @@ class ModelManager:
         # Rollout-stage eviction priority of a model (registry.stage_priority); SLA/tenant
         # aware placement (placement.Placer).  Defaults: one priority, filters without labels.
         self.priority_of = priority_of or (lambda _name: DEFAULT_PRIORITY)
+        for s in servers:
+            s.planner.priority_of = self.priority_of  # a shadow never evicts serving models
         self.placer = placer or Placer()
         self.records: dict[str, ModelRecord] = {}
         self.catalog: set[str] = set()
@@ -473,7 +476,7 @@ class ModelManager:
                 except CapacityExhausted:
                     # Room held only by loads/unloads in progress frees up in seconds: wait
                     # for one of them instead of failing; room held by pins is final.
-                    busy = self._room_is_busy()
+                    busy = self._room_is_busy(name)
                     if not busy or time.monotonic() >= deadline:
                         self._release_warm(name)
                         raise
@@ -781,7 +784,8 @@ class ModelManager:
                     if rec.state == ModelState.READY and rec.server != server.name:
                         continue  # loaded on another server too; keep our placement
                     size = self.artifact_bytes(name)
-                    server.planner.admit(Resident(name, size, pinned=rec.pinned), self.clock())
+                    server.planner.admit(Resident(name, size, pinned=rec.pinned,
+                                                  priority=self.priority_of(name)), self.clock())
                     rec.state, rec.server, rec.memory_bytes = ModelState.READY, server.name, size
                     rec.warmup = rec.warmup or {"ok": True, "latency_ms": None,
                                                 "checked_at": self.clock(), "error": None,
@@ -883,12 +887,20 @@ class ModelManager:
             except ControlPlaneError:
                 return
 
-    def _room_is_busy(self) -> bool:
-        """Room held by loads/unloads in progress or by requests (not by pins or failures)."""
-        return any(not r.evictable and not r.pinned
-                   and self.records.get(r.key) is not None
-                   and self.records[r.key].state != ModelState.FAILED
-                   for server in self.servers.values() for r in server.planner.residents.values())
+    def _room_is_busy(self, name: str) -> bool:
+        """Room held by loads/unloads in progress or by requests (not by pins or failures)
+        that ``name`` could get once they end.  A shadow can only get room that an unload
+        frees or that a shadow holds: room of a serving model that is loading or in use
+        never becomes its."""
+        limit = victim_priority_limit(self.priority_of(name))
+        for server in self.servers.values():
+            for r in server.planner.residents.values():
+                rec = self.records.get(r.key)
+                if r.evictable or r.pinned or rec is None or rec.state == ModelState.FAILED:
+                    continue
+                if limit is None or rec.state == ModelState.UNLOADING or r.priority <= limit:
+                    return True
+        return False
 
     def _busy_tasks(self) -> set[asyncio.Task]:
         me = asyncio.current_task()

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from control_plane.errors import CapacityExhausted, ModelLoadFailed, OperationTimeout
+from control_plane.eviction import STAGE_PRIORITY
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.state_store import StateStore
 from control_plane.triton_admin import IndexEntry, TritonModelState
@@ -438,5 +439,61 @@ def test_reconcile_retries_a_failed_unload_with_backoff(tmp_path):
         assert calls == ["m1"]
         assert "m1" not in mgr.servers["s0"].planner.residents
         assert mgr.get("m1").server is None
+
+    run(go())
+
+
+# --------------------------------------------------------------------------- shadows
+def staged(tmp_path, stages, max_loaded=2, **cfg):
+    """A manager whose models have rollout stages (name -> stage)."""
+    admin = FakeAdmin(MODELS)
+    server = ModelManager.make_server(ServerSpec("s0", "f:1", "f:2", max_loaded=max_loaded), "lru",
+                                      admin=admin)
+    mgr = ModelManager([server], StateStore(tmp_path / "s.db"),
+                       config=ManagerConfig(policy="lru", unload_timeout_s=0.3, **cfg),
+                       priority_of=lambda n: STAGE_PRIORITY[stages.get(n, "production")])
+    return mgr, admin
+
+
+def test_a_shadow_load_never_evicts_a_model_serving_traffic(tmp_path):
+    async def go():
+        mgr, admin = staged(tmp_path, {"m3": "shadow", "m4": "shadow", "m2": "canary"})
+        await mgr.start()
+        await mgr.ensure("m1")  # production
+        await mgr.ensure("m2")  # canary: serves a share of production traffic
+        with pytest.raises(CapacityExhausted, match="shadow") as err:
+            await mgr.ensure("m3")
+        assert "m1" in err.value.message and "m2" in err.value.message
+        assert {m for m, s in admin.states.items() if s == TritonModelState.READY} == {"m1", "m2"}
+        assert "m3" not in admin.load_calls
+        assert mgr.get("m3").state == ModelState.WARM
+
+    run(go())
+
+
+def test_a_shadow_load_may_evict_another_shadow(tmp_path):
+    async def go():
+        mgr, admin = staged(tmp_path, {"m3": "shadow", "m4": "shadow"})
+        await mgr.start()
+        await mgr.ensure("m3")  # shadow, the least recently used
+        await mgr.ensure("m1")  # production
+        await mgr.ensure("m4")  # evicts the other shadow, not m1
+        assert {m for m, s in admin.states.items() if s == TritonModelState.READY} == {"m1", "m4"}
+
+    run(go())
+
+
+def test_a_shadow_does_not_wait_for_room_held_by_production_loads(tmp_path):
+    async def go():
+        mgr, admin = staged(tmp_path, {"m3": "shadow"}, max_loaded=1, capacity_wait_s=5)
+        admin.load_delay_s = 0.3
+        await mgr.start()
+        prod = asyncio.create_task(mgr.ensure("m1"))
+        await asyncio.sleep(0.05)  # m1 holds the only slot while it loads
+        start = asyncio.get_running_loop().time()
+        with pytest.raises(CapacityExhausted, match="shadow"):
+            await mgr.ensure("m3")
+        assert asyncio.get_running_loop().time() - start < 0.2
+        await prod
 
     run(go())
