@@ -85,18 +85,20 @@ def add(model, version, source_dir, artifact_uri, sha256, metrics, data_fingerpr
 @click.argument("model", required=False)
 @click.option("--json", "as_json", is_flag=True)
 def list_(model, as_json):
-    """Models, versions, stage, size and where they are (cold/warm/hot, server)."""
+    """Every model version: its concrete NAME (what Triton serves), MODEL and VERSION, stage,
+    size and where it is (cold/warm/hot, server).  A client asking for MODEL gets its
+    production version."""
     data = _call("GET", "/v1/registry", params={"model": model} if model else None)
     versions = data["versions"]
     if as_json:
         click.echo(json.dumps(versions, indent=2))
         return
-    rows = [[v["name"], v["stage"], v["sla"], _size(v["size_bytes"]), _size(v.get("memory_bytes")),
-             v.get("tier") or "-", v.get("server") or "-",
+    rows = [[v["name"], v["model"], v["version"], v["stage"], v["sla"], _size(v["size_bytes"]),
+             _size(v.get("memory_bytes")), v.get("tier") or "-", v.get("server") or "-",
              " ".join(f"{k}={val:g}" for k, val in sorted(v["metrics"].items())) or "-",
              f"{v['stage_changed_by']} {_when(v['stage_changed_at'])}"] for v in versions]
-    click.echo(_table(rows, ["NAME", "STAGE", "SLA", "SIZE", "MEASURED", "TIER", "SERVER",
-                             "METRICS", "STAGE SET BY"]))
+    click.echo(_table(rows, ["NAME", "MODEL", "VERSION", "STAGE", "SLA", "SIZE", "MEASURED", "TIER",
+                             "SERVER", "METRICS", "STAGE SET BY"]))
 
 
 @registry.command("promote")

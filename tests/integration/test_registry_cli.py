@@ -217,3 +217,24 @@ def test_stage_reports_a_corrupt_artifact(admin, fleet_template):
     code, out = mmctl(admin.url, "stage", "cust002", "--version", "1", "--poll-interval", "0.05")
     assert code == 6 and "failed verification" in out
     assert not (admin.warm.repository / "cust002.v1").exists()
+
+
+def test_the_demo_fleet_is_registered_at_first_start_and_only_once(tmp_path):
+    from control_plane.service import Service, ServiceConfig
+
+    store = StateStore(tmp_path / "state.db")
+    service = Service(ServiceConfig(state_dir=tmp_path / "state", fleet_size=3))
+    service.repository = tmp_path / "repository"
+    service.registry = Registry(store.db)
+    service.prepare_repository()  # what `mmctl up` writes with no --repository
+    asyncio.run(service.register_repository())
+    rows = {v.name: (v.model, v.version, v.stage) for v in service.registry.versions()}
+    assert rows["cust001"] == ("cust001", 1, "production")
+    assert rows["cust017-v2"] == ("cust017", 2, "registered")
+    assert rows["cust017-faulty"] == ("cust017", 4, "registered")
+    assert {"cust002", "cust003", "identity", "tinylm", "recommender_lora"} <= set(rows)
+    assert set(rows) == {p.name for p in service.repository.iterdir() if (p / "config.pbtxt").is_file()}
+    history = len(service.registry.history())
+    asyncio.run(service.register_repository())  # a restart registers nothing again
+    assert len(service.registry.history()) == history
+    store.close()
