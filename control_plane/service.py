@@ -150,9 +150,11 @@ class Service:
         cfg = self.cfg
         servers = []
         for i in range(cfg.triton_servers):
+            work_dir = (cfg.state_dir / "triton").resolve()
             proc = TritonProcess(TritonLaunchConfig(
                 repository=self.repository,
-                work_dir=(cfg.state_dir / "triton").resolve(),
+                work_dir=work_dir,
+                pid_file=work_dir / f"triton{i}.pid",  # a restart waits for this one to be gone
                 host=cfg.triton_host,
                 http_port=_port(cfg.triton_http_port, i),
                 grpc_port=_port(cfg.triton_grpc_port, i),

@@ -13,6 +13,7 @@ timeout.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import shutil
@@ -100,6 +101,30 @@ def _set_parent_death_signal() -> None:  # runs in the child between fork and ex
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), or None when no live
+    process has that pid.  A pid plus its start time names one process: a reused pid has
+    another start time.  A zombie counts as gone: it holds no ports."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])  # field 22 of proc(5), counted from "state" = field 3
+
+
+def _shm_regions_of(pid: int) -> set[str]:
+    """Python-backend shared-memory files that ``pid`` has mapped (freed by a clean exit only)."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return set()
+    return {line.split()[-1] for line in maps.splitlines()
+            if "/dev/shm/triton_python_backend_shm_region_" in line}
+
+
 @dataclass
 class TritonLaunchConfig:
     repository: Path
@@ -113,6 +138,13 @@ class TritonLaunchConfig:
     log_verbose: int = 0
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # Where this server's pid is kept, so that a start after a crash finds the Triton of the
+    # previous life (same state directory) and waits for it to let go of its ports.  One file
+    # per server: servers that share a work_dir need distinct files.  None: not tracked.
+    pid_file: Path | None = None
+    # How long a start waits for that previous Triton to finish its graceful shutdown (it got
+    # SIGTERM when its control plane died) before killing it.
+    previous_exit_grace_s: float = 5.0
 
 
 def triton_args(cfg: TritonLaunchConfig, backend_dir: Path, log_path: Path) -> list[str]:
@@ -167,6 +199,7 @@ class TritonProcess:
         A tritonserver that dies while starting is launched once more: its gRPC event
         engine occasionally aborts at start-up ("epoll_wait error: Bad file descriptor"),
         and a second start succeeds."""
+        self.end_previous()
         for attempt in range(1, attempts + 1):
             self.launch()
             try:
@@ -182,6 +215,70 @@ class TritonProcess:
             except BaseException:
                 self.stop()
                 raise
+
+    def end_previous(self) -> None:
+        """Wait until the tritonserver recorded in ``pid_file`` by a previous life is gone.
+
+        After a crash of the control plane its Triton gets SIGTERM (parent-death signal) and
+        shuts down gracefully, holding its ports meanwhile; a start that does not wait fails
+        to bind them.  That Triton serves nobody any more, so it gets ``previous_exit_grace_s``
+        to finish, then SIGKILL; the python-backend shared memory it would have freed on a
+        clean exit is removed for it.  The pid file names pid and start time, so a pid reused
+        by an unrelated process is never signalled."""
+        pid_file = self.cfg.pid_file
+        if pid_file is None:
+            return
+        try:
+            record = json.loads(pid_file.read_text())
+            pid, start_ticks = int(record["pid"]), int(record["start_ticks"])
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring unreadable Triton pid file %s: %s", pid_file, exc)
+            pid_file.unlink(missing_ok=True)
+            return
+        if process_start_ticks(pid) != start_ticks:  # gone already, or the pid was reused
+            pid_file.unlink(missing_ok=True)
+            return
+        log.warning("tritonserver %d of a previous run of this state directory is still "
+                    "running; waiting up to %.0fs for it to exit", pid, self.cfg.previous_exit_grace_s)
+        shm = _shm_regions_of(pid)
+        try:
+            os.kill(pid, signal.SIGTERM)  # a no-op for a Triton that is already stopping
+        except ProcessLookupError:
+            pass
+        if not self._wait_gone(pid, start_ticks, self.cfg.previous_exit_grace_s):
+            log.warning("tritonserver %d did not exit in %.0fs; killing it", pid,
+                        self.cfg.previous_exit_grace_s)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if not self._wait_gone(pid, start_ticks, 10.0):
+                raise TritonUnavailable(
+                    f"tritonserver {pid} from a previous run still holds this state directory "
+                    f"after SIGKILL; stop it (kill -9 {pid}) and start again")
+            for path in shm:  # a killed Triton leaves them behind; the stubs exit on their own
+                Path(path).unlink(missing_ok=True)
+        pid_file.unlink(missing_ok=True)
+
+    @staticmethod
+    def _wait_gone(pid: int, start_ticks: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while process_start_ticks(pid) == start_ticks:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _record_pid(self) -> None:
+        if self.cfg.pid_file is None or self.proc is None:
+            return
+        record = {"pid": self.proc.pid, "start_ticks": process_start_ticks(self.proc.pid),
+                  "grpc": self.grpc_url, "http": self.http_url}
+        tmp = self.cfg.pid_file.with_name(self.cfg.pid_file.name + ".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.cfg.pid_file)
 
     def launch(self) -> None:
         """Start the child process without waiting for it to be ready."""
@@ -207,6 +304,7 @@ class TritonProcess:
             )
         finally:
             stdout.close()
+        self._record_pid()
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -241,15 +339,29 @@ class TritonProcess:
 
     def stop(self) -> None:
         proc = self.proc
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        proc.send_signal(signal.SIGTERM)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=self.cfg.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("tritonserver %s ignored SIGTERM for %ss; killing", proc.pid,
+                            self.cfg.stop_timeout_s)
+                proc.kill()
+                proc.wait(timeout=10)
+        self._forget_pid(proc)
+
+    def _forget_pid(self, proc: subprocess.Popen) -> None:
+        """Remove the pid file if it still names ``proc`` (gone: nothing to wait for)."""
+        pid_file = self.cfg.pid_file
+        if pid_file is None:
+            return
         try:
-            proc.wait(timeout=self.cfg.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            log.warning("tritonserver %s ignored SIGTERM for %ss; killing", proc.pid, self.cfg.stop_timeout_s)
-            proc.kill()
-            proc.wait(timeout=10)
+            if json.loads(pid_file.read_text()).get("pid") == proc.pid:
+                pid_file.unlink(missing_ok=True)
+        except (OSError, ValueError, AttributeError):
+            pass
 
     def kill(self) -> None:
         """Simulate a crash (tests)."""
