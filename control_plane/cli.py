@@ -36,6 +36,7 @@ from .cli_common import (  # noqa: F401  (exit codes are part of this module's s
 )
 from .cli_common import fmt_ago as _ago
 from .cli_common import fmt_bytes as _bytes
+from .eviction import DEFAULT_POLICY, POLICIES
 
 
 @click.group()
@@ -97,7 +98,9 @@ def _model_command(name: str, help_text: str, method: str, path: str):
     return command
 
 
-_model_command("load", "Load MODEL (evicts the least recently used unpinned model if full).",
+_model_command("load", "Load MODEL; if its server is full, first evict unpinned models chosen "
+               "by the eviction policy (least recently used, unless `mmctl up --policy` says "
+               "otherwise).",
                "POST", "/v1/models/{model}/load")
 _model_command("pin", "Pin MODEL: loaded and never evicted, across restarts.",
                "POST", "/v1/models/{model}/pin")
@@ -225,7 +228,11 @@ def _size(value: str | None) -> int | None:
               help="Pin the K models with the most traffic automatically.")
 @click.option("--prefetch-min-miss-rate", type=float, default=None,
               help="Prefetch into warm the models missing more often than this per second.")
-@click.option("--policy", default=None, help="Eviction policy (default: the built-in default).")
+@click.option("--policy", type=click.Choice(sorted(POLICIES)), default=DEFAULT_POLICY,
+              show_default=True,
+              help="Which unpinned model to evict when a server is full: lru (least recently "
+                   "used), wtinylfu (frequency and load cost), wtinylfu-hits (frequency), gdsf "
+                   "(frequency, cost and size). README: replayed hit ratios of each.")
 @click.option("--reconcile-interval", type=float, default=2.0, show_default=True)
 @click.option("--log-level", default="INFO", show_default=True)
 def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_mb, admin_host,
@@ -236,7 +243,6 @@ def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_
     """Start tritonserver(s) and the control plane in the foreground; Ctrl-C stops all."""
     from .cold_store import S3Config
     from .errors import ControlPlaneError
-    from .eviction import DEFAULT_POLICY
     from .service import Service, ServiceConfig
 
     logging.basicConfig(level=log_level.upper(),
@@ -248,7 +254,7 @@ def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_
         triton_http_port=triton_http_port, triton_grpc_port=triton_grpc_port,
         triton_metrics_port=triton_metrics_port, attach=list(attach), max_loaded=max_loaded,
         memory_budget_bytes=_size(memory_budget), fleet_size=fleet_size,
-        model_size_mb=model_size_mb, policy=policy or DEFAULT_POLICY,
+        model_size_mb=model_size_mb, policy=policy,
         reconcile_interval_s=reconcile_interval, router=router, router_host=router_host,
         router_http_port=router_http_port, router_grpc_port=router_grpc_port,
         max_request_bytes=_size(max_request_bytes), warm_budget_bytes=_size(warm_budget),
