@@ -6,13 +6,13 @@ directory is assembled outside site-packages with symlinks and the stub built fo
 running interpreter.
 
 The child gets PR_SET_PDEATHSIG=SIGTERM: if the control plane dies, even by SIGKILL, Triton
-goes with it and no orphan keeps GPU memory.  ``stop`` sends SIGTERM, then SIGKILL after a
-timeout.
+goes with it and no orphan keeps GPU memory.  It runs in its own session, so a Ctrl-C in the
+terminal reaches only the control plane, which stops Triton after draining.  ``stop`` sends
+SIGTERM, then SIGKILL after a timeout.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -31,7 +31,24 @@ from .errors import InvalidInput, TritonUnavailable
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
+# Runs in a fresh interpreter between Popen and tritonserver: set the parent-death signal,
+# then exec (the pid, and so the signal, carry over).  Setting it in the forked child instead
+# (preexec_fn) can deadlock a parent that has threads, as the control plane does.  The kernel
+# sends the signal when the *thread* that forked exits, so Popen runs on a long-lived thread;
+# a parent that is gone before prctl would never signal, hence the getppid check.
+_PDEATHSIG_EXEC = """\
+import ctypes, os, signal, sys
+if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) != 0:  # 1 = PR_SET_PDEATHSIG
+    sys.exit("prctl(PR_SET_PDEATHSIG) failed: errno %d" % ctypes.get_errno())
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("the control plane exited before tritonserver started")
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def with_parent_death_signal(cmd: list[str]) -> list[str]:
+    """``cmd`` run so that it gets SIGTERM when this process (its forking thread) dies."""
+    return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_EXEC, str(os.getpid()), *cmd]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -94,11 +111,6 @@ def stub_environment() -> dict[str, str]:
     if sys.prefix != sys.base_prefix:
         env["VIRTUAL_ENV"] = sys.prefix
     return env
-
-
-def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -292,18 +304,15 @@ class TritonProcess:
         env.update(cfg.env)
         cmd = [str(binary), *triton_args(cfg, backend_dir, self.log_path)]
         log.info("starting tritonserver: %s", " ".join(cmd))
-        stdout = open(cfg.work_dir / f"tritonserver-{cfg.grpc_port}.out", "ab")
-        try:
+        with open(cfg.work_dir / f"tritonserver-{cfg.grpc_port}.out", "ab") as stdout:
             self.proc = subprocess.Popen(
-                cmd,
+                with_parent_death_signal(cmd),
                 stdout=stdout,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                preexec_fn=_set_parent_death_signal,
+                start_new_session=True,
             )
-        finally:
-            stdout.close()
         self._record_pid()
 
     def wait_ready(self, timeout_s: float) -> None:

@@ -125,3 +125,76 @@ def test_an_unreadable_pid_file_is_ignored(tmp_path):
     pid_file.write_text("not json")
     TritonProcess(TritonLaunchConfig(repository=tmp_path, work_dir=tmp_path, pid_file=pid_file)).end_previous()
     assert not pid_file.exists()
+
+
+def test_launch_forks_without_preexec_fn_in_its_own_session(tmp_path, monkeypatch):
+    """preexec_fn in a threaded process can deadlock; the parent-death signal is set by an
+    exec wrapper instead, and Triton gets its own session (Ctrl-C reaches the control plane)."""
+    import subprocess
+
+    from control_plane import triton_process
+    from control_plane.triton_process import TritonLaunchConfig, TritonProcess
+
+    seen = {}
+
+    class FakePopen:
+        pid = 4242
+
+        def __init__(self, cmd, **kwargs):
+            seen["cmd"], seen["kwargs"] = cmd, kwargs
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(triton_process, "build_backend_dir", lambda dest: dest)
+    TritonProcess(TritonLaunchConfig(repository=tmp_path, work_dir=tmp_path)).launch()
+    assert "preexec_fn" not in seen["kwargs"]
+    assert seen["kwargs"]["start_new_session"] is True
+    cmd = seen["cmd"]
+    assert cmd[cmd.index("-c") + 1] == triton_process._PDEATHSIG_EXEC
+    assert cmd[cmd.index("-c") + 3].endswith("/tritonserver")
+
+
+def test_child_of_the_exec_wrapper_dies_with_a_threaded_parent(tmp_path):
+    """The guarantee itself: SIGKILL a parent that has threads running, its child goes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import pid_alive
+
+    parent_code = (
+        "import subprocess, sys, threading, time\n"
+        "from control_plane.triton_process import with_parent_death_signal\n"
+        "for _ in range(4): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "child = subprocess.Popen(with_parent_death_signal(['/bin/sleep', '60']))\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
+    try:
+        child_pid = int(parent.stdout.readline())
+        deadline = time.monotonic() + 5
+        while "sleep" not in open(f"/proc/{child_pid}/cmdline").read() and time.monotonic() < deadline:
+            time.sleep(0.02)  # until the wrapper has exec'd
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while pid_alive(child_pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not pid_alive(child_pid), "the child outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+
+
+def test_exec_wrapper_refuses_to_start_when_its_parent_is_already_gone():
+    import subprocess
+    import sys
+
+    from control_plane.triton_process import _PDEATHSIG_EXEC
+
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", _PDEATHSIG_EXEC, "1", "/bin/echo", "started"],
+                         capture_output=True, text=True, timeout=10)
+    assert out.returncode == 1 and "started" not in out.stdout
+    assert "exited before tritonserver started" in out.stderr
