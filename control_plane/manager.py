@@ -200,6 +200,7 @@ class ModelManager:
         stager: Stager | None = None,
         priority_of: Callable[[str], int] | None = None,
         placer: Placer | None = None,
+        warmup_enabled: Callable[[str], bool] | None = None,
     ):
         if not servers:
             raise InvalidInput("the fleet needs at least one Triton server")
@@ -216,6 +217,9 @@ class ModelManager:
         for s in servers:
             s.planner.priority_of = self.priority_of  # a shadow never evicts serving models
         self.placer = placer or Placer()
+        # Whether the synthetic warm-up may run for a model (the registry's per-model setting);
+        # the model's own config can turn it off too (triton_admin.WARMUP_PARAMETER).
+        self.warmup_enabled = warmup_enabled or (lambda _name: True)
         self.records: dict[str, ModelRecord] = {}
         self.catalog: set[str] = set()
         self._lock = asyncio.Lock()
@@ -523,12 +527,12 @@ class ModelManager:
         rec.loads += 1
         try:
             await server.admin.load(name)
-            warmup_ms = await server.admin.warmup(name) if self.config.warmup else None
+            warmup = await self._warm_up(server, name)
         except BaseException as exc:
             await self._undo_failed_load(server, rec, exc)
             raise
         rec.load_time_s = time.monotonic() - start
-        rec.warmup = {"ok": True, "latency_ms": warmup_ms, "checked_at": self.clock(), "error": None}
+        rec.warmup = warmup
         rec.state = ModelState.READY
         self._sync_evictable(rec)
         rec.last_used = self.clock()
@@ -541,6 +545,30 @@ class ModelManager:
         for listener in self._load_listeners:
             listener(name, rec)
         return rec
+
+    async def _warm_up(self, server: TritonServer, name: str) -> dict:
+        """Warm ``name`` up as the model says; the result is what ``health`` shows.
+
+        ``model``: its config has ``model_warmup``, which Triton ran during the load;
+        ``off``: the config's ``mms_warmup`` parameter, the registry or the control plane's
+        configuration turned the synthetic warm-up off; ``synthetic``: one inference with
+        zeros shaped from the config (raises ModelLoadFailed saying what it sent)."""
+        result = {"ok": True, "latency_ms": None, "checked_at": self.clock(), "error": None}
+        if not self.config.warmup:
+            return {**result, "mode": "off", "note": "warm-up is off in the control plane's configuration"}
+        plan = await server.admin.warmup_plan(name)
+        if plan.model_samples:
+            return {**result, "mode": "model",
+                    "note": f"Triton ran the model's own model_warmup ({plan.model_samples} "
+                            "samples) during the load"}
+        if not plan.synthetic_enabled:
+            return {**result, "mode": "off",
+                    "note": "config.pbtxt parameter mms_warmup is false: no synthetic warm-up"}
+        if not self.warmup_enabled(name):
+            return {**result, "mode": "off",
+                    "note": "the registry turned the synthetic warm-up off for this model"}
+        ms = await server.admin.warmup(name, plan)
+        return {**result, "latency_ms": ms, "mode": "synthetic"}
 
     async def _undo_failed_load(self, server: TritonServer, rec: ModelRecord, exc: BaseException) -> None:
         """Unload whatever Triton kept and mark the model failed; memory freed once confirmed."""
@@ -717,11 +745,19 @@ class ModelManager:
         if probe and rec.state == ModelState.READY and rec.server:
             server = self.servers[rec.server]
             try:
-                ms = await server.admin.warmup(name)
-                rec.warmup = {"ok": True, "latency_ms": ms, "checked_at": self.clock(), "error": None}
+                # A probe sends the synthetic request only to a model warmed up that way;
+                # for the others it asks Triton whether the model is READY.
+                result = await self._warm_up(server, name)
+                if result["mode"] != "synthetic":
+                    entry = (await server.admin.index()).get(name)
+                    if entry is None or entry.state != TritonModelState.READY:
+                        state = entry.state.value if entry is not None else "absent"
+                        result = {**result, "ok": False,
+                                  "error": f"Triton reports {name} {state or 'not loaded'}"}
+                rec.warmup = result
             except ControlPlaneError as exc:
                 rec.warmup = {"ok": False, "latency_ms": None, "checked_at": self.clock(),
-                              "error": exc.message}
+                              "error": exc.message, "mode": "synthetic"}
         return {
             "model": name,
             "state": rec.state.value,

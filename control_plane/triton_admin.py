@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
-from tritonclient.grpc import InferInput
+from tritonclient.grpc import InferInput, model_config_pb2
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from .errors import (
@@ -71,6 +71,56 @@ class Timeouts:
 def _is_unavailable(exc: InferenceServerException) -> bool:
     status = str(exc.status() or "")
     return "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status
+
+
+# config.pbtxt parameter that turns the control plane's synthetic warm-up off for a model:
+#   parameters { key: "mms_warmup" value: { string_value: "false" } }
+WARMUP_PARAMETER = "mms_warmup"
+_OFF_VALUES = frozenset({"false", "0", "no", "off"})
+
+
+@dataclass(frozen=True)
+class WarmupInput:
+    """One input of the synthetic warm-up request."""
+
+    name: str
+    shape: tuple[int, ...]
+    datatype: str  # Triton's wire name: INT32, FP32, BYTES, ...
+
+    def describe(self) -> str:
+        fill = 'b"warmup"' if self.datatype == "BYTES" else "zeros"
+        return f"{self.name} shape {list(self.shape)} {self.datatype} ({fill})"
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    """How a model is warmed up after Triton loads it.
+
+    ``model_samples``: entries of the config's ``model_warmup``; Triton runs them itself
+    during the load, so the control plane sends nothing.  ``synthetic_enabled``: False when
+    the config's ``mms_warmup`` parameter turns the synthetic warm-up off.  ``inputs``: what
+    the synthetic warm-up sends (optional LoRA control inputs left out: the base model runs).
+    """
+
+    model_samples: int = 0
+    synthetic_enabled: bool = True
+    inputs: tuple[WarmupInput, ...] = ()
+
+
+def warmup_plan(config: model_config_pb2.ModelConfig) -> WarmupPlan:
+    """The warm-up a model asks for in its config (Triton's ModelConfig message)."""
+    param = config.parameters.get(WARMUP_PARAMETER)
+    enabled = param is None or param.string_value.strip().lower() not in _OFF_VALUES
+    batched = config.max_batch_size > 0
+    inputs = []
+    for spec in config.input:
+        if spec.name in (ADAPTER_INPUT, ADAPTER_CONTROL_INPUT) and spec.optional:
+            continue
+        dims = tuple(1 if d < 0 else int(d) for d in spec.dims)
+        datatype = model_config_pb2.DataType.Name(spec.data_type).removeprefix("TYPE_")
+        inputs.append(WarmupInput(spec.name, ((1,) if batched else ()) + dims,
+                                  "BYTES" if datatype == "STRING" else datatype))
+    return WarmupPlan(len(config.model_warmup), enabled, tuple(inputs))
 
 
 class TritonAdmin:
@@ -178,35 +228,44 @@ class TritonAdmin:
             raise self._unavailable(exc) from exc
         return {s["name"]: s for s in resp.get("model_stats", [])}
 
-    async def warmup(self, model: str) -> float:
-        """Run one inference with zero inputs shaped from the model's config; return ms."""
+    async def warmup_plan(self, model: str) -> WarmupPlan:
+        """How ``model`` is warmed up, from the config Triton loaded (see ``warmup_plan``)."""
         try:
-            cfg = (await self.client.get_model_config(model, as_json=True))["config"]
-            inputs = []
-            batched = int(cfg.get("max_batch_size", 0)) > 0
-            for spec in cfg.get("input", []):
-                if spec["name"] in (ADAPTER_INPUT, ADAPTER_CONTROL_INPUT) and spec.get("optional"):
-                    continue
-                dims = [1 if int(d) < 0 else int(d) for d in spec.get("dims", [])]
-                shape = ([1] if batched else []) + dims
-                triton_dtype = spec["data_type"].removeprefix("TYPE_")
-                if triton_dtype == "STRING":
-                    triton_dtype = "BYTES"
-                np_dtype = triton_to_np_dtype(triton_dtype)
-                if triton_dtype == "BYTES":
-                    data = np.full(shape, b"warmup", dtype=np.object_)
-                else:
-                    data = np.zeros(shape, dtype=np_dtype)
-                inp = InferInput(spec["name"], shape, triton_dtype)
-                inp.set_data_from_numpy(data)
-                inputs.append(inp)
-            start = time.perf_counter()
+            resp = await self.client.get_model_config(model, client_timeout=self.timeouts.health_s)
+        except InferenceServerException as exc:
+            raise self._translate(exc, "read the config of", model, self.timeouts.health_s) from exc
+        return warmup_plan(resp.config)
+
+    async def warmup(self, model: str, plan: WarmupPlan | None = None) -> float:
+        """Run the synthetic warm-up: one inference with ``plan.inputs`` (zeros, b"warmup"
+        for BYTES); return its milliseconds.  A refusal says what was sent and how to turn
+        the synthetic warm-up off."""
+        if plan is None:
+            plan = await self.warmup_plan(model)
+        inputs = []
+        for spec in plan.inputs:
+            if spec.datatype == "BYTES":
+                data = np.full(spec.shape, b"warmup", dtype=np.object_)
+            else:
+                data = np.zeros(spec.shape, dtype=triton_to_np_dtype(spec.datatype))
+            inp = InferInput(spec.name, list(spec.shape), spec.datatype)
+            inp.set_data_from_numpy(data)
+            inputs.append(inp)
+        start = time.perf_counter()
+        try:
             await self.client.infer(model, inputs, client_timeout=self.timeouts.infer_s)
-            return (time.perf_counter() - start) * 1000
         except InferenceServerException as exc:
             if _is_unavailable(exc):
                 raise self._unavailable(exc) from exc
-            raise ModelLoadFailed(f"warm-up inference of {model} failed: {exc.message() or exc}") from exc
+            sent = ", ".join(i.describe() for i in plan.inputs) or "no inputs"
+            raise ModelLoadFailed(
+                f"synthetic warm-up inference of {model} failed: "
+                f"{(exc.message() or str(exc)).strip()}; it sent {sent}.  Give the model its "
+                "own model_warmup in config.pbtxt (Triton runs it during the load), or turn the "
+                f"synthetic warm-up off with parameters {{ key: \"{WARMUP_PARAMETER}\" value: "
+                "{ string_value: \"false\" } } in config.pbtxt or with the registry's "
+                "warm-up setting") from exc
+        return (time.perf_counter() - start) * 1000
 
     async def adapter_control(self, model: str, command: dict, timeout_s: float | None = None) -> dict:
         """Send one LoRA control command (``{"op": "status" | "sync" | "load" | "unload", ...}``)

@@ -246,3 +246,110 @@ def test_restart_reconciles_with_triton_and_keeps_pins(triton, repository, tmp_p
 
     run(first())
     run(second())
+
+
+# --------------------------------------------------------------------------- warm-up
+PICKY_MODEL_PY = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """add_sub that refuses all-zero inputs, as a real model may refuse a synthetic request."""
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            a = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            b = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
+            if not a.any() and not b.any():
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("all-zero input is not a valid request")))
+                continue
+            responses.append(pb_utils.InferenceResponse(
+                [pb_utils.Tensor("OUTPUT0", a + b), pb_utils.Tensor("OUTPUT1", a - b)]))
+        return responses
+'''
+
+PICKY_CONFIG = '''
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+input [
+  {{ name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] }},
+  {{ name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] }}
+]
+output [
+  {{ name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] }},
+  {{ name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] }}
+]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+{extra}
+'''
+
+OWN_WARMUP = '''
+model_warmup [ {
+  name: "random"
+  batch_size: 1
+  inputs { key: "INPUT0" value { data_type: TYPE_INT32 dims: [ 16 ] random_data: true } }
+  inputs { key: "INPUT1" value { data_type: TYPE_INT32 dims: [ 16 ] random_data: true } }
+} ]
+'''
+
+SYNTHETIC_OFF = 'parameters { key: "mms_warmup" value: { string_value: "false" } }'
+
+
+def write_picky(repository, name: str, extra: str = "") -> None:
+    (repository / name / "1").mkdir(parents=True)
+    (repository / name / "1" / "model.py").write_text(PICKY_MODEL_PY)
+    (repository / name / "config.pbtxt").write_text(PICKY_CONFIG.format(name=name, extra=extra))
+
+
+def test_warmup_as_the_model_says(triton, repository, tmp_path):
+    write_picky(repository, "picky_own", OWN_WARMUP)
+    write_picky(repository, "picky_off", SYNTHETIC_OFF)
+    write_picky(repository, "picky")
+
+    async def scenario():
+        mgr = make_manager(triton, repository, tmp_path, max_loaded=4)
+        await mgr.start()
+        # Its own model_warmup ran inside Triton's load; zeros were never sent.
+        own = await mgr.ensure("picky_own")
+        assert own.state == ModelState.READY and own.warmup["mode"] == "model" and own.healthy
+        # Turned off in config.pbtxt: loads with no warm-up request.
+        off = await mgr.ensure("picky_off")
+        assert off.state == ModelState.READY and off.warmup["mode"] == "off"
+        # Neither: the synthetic request is refused; the error says what it sent and how
+        # to turn it off, and the model is unloaded again.
+        with pytest.raises(ModelLoadFailed) as err:
+            await mgr.ensure("picky")
+        for needle in ("all-zero input", "INPUT0 shape [16] INT32", "INPUT1 shape [16] INT32",
+                       "model_warmup", "mms_warmup"):
+            assert needle in err.value.message, (needle, err.value.message)
+        assert mgr.get("picky").state == ModelState.FAILED
+        assert triton_ready_set(triton) == {"picky_own", "picky_off"}
+        # A probe of a model that is not warmed up synthetically asks Triton, sends nothing.
+        health = await mgr.health("picky_own", probe=True)
+        assert health["healthy"] and health["warmup"]["mode"] == "model"
+        await mgr.close()
+
+    run(scenario())
+
+
+# --------------------------------------------------------------------------- pins vs unloads
+def test_load_unload_pin_a_moment_apart_ends_pinned_and_loaded(triton, repository, tmp_path):
+    async def scenario():
+        mgr = make_manager(triton, repository, tmp_path, max_loaded=3)
+        await mgr.start()
+        load = asyncio.create_task(mgr.ensure("cust003"))
+        await asyncio.sleep(0.3)
+        unload = asyncio.create_task(mgr.unload("cust003"))
+        await asyncio.sleep(0.3)
+        rec = await mgr.pin("cust003")
+        await asyncio.gather(load, unload, return_exceptions=True)
+        assert (rec.state, rec.pinned) == (ModelState.READY, True)
+        await asyncio.sleep(2.0)  # an unload that went on anyway would have finished
+        assert mgr.get("cust003").state == ModelState.READY
+        assert "cust003" in triton_ready_set(triton)
+        await mgr.close()
+
+    run(scenario())

@@ -27,6 +27,8 @@ class FakeAdmin:
         self.fail_warmup: set[str] = set()
         self.stuck_unloading: set[str] = set()
         self.fail_unload: set[str] = set()
+        self.plans: dict = {}  # model -> WarmupPlan; default: no own warm-up, synthetic on
+        self.warmup_calls: list[str] = []
 
     async def index(self):
         return {m: IndexEntry(m, s) for m, s in self.states.items()}
@@ -40,7 +42,13 @@ class FakeAdmin:
             raise ModelLoadFailed(f"Triton failed to load {model}: boom")
         self.states[model] = TritonModelState.READY
 
-    async def warmup(self, model):
+    async def warmup_plan(self, model):
+        from control_plane.triton_admin import WarmupPlan
+
+        return self.plans.get(model, WarmupPlan(model_samples=0, synthetic_enabled=True))
+
+    async def warmup(self, model, plan=None):
+        self.warmup_calls.append(model)
         if model in self.fail_warmup:
             raise ModelLoadFailed(f"warm-up inference of {model} failed: bad output")
         return 1.0
@@ -495,5 +503,40 @@ def test_a_shadow_does_not_wait_for_room_held_by_production_loads(tmp_path):
             await mgr.ensure("m3")
         assert asyncio.get_running_loop().time() - start < 0.2
         await prod
+
+    run(go())
+
+
+# --------------------------------------------------------------------------- warm-up
+def test_a_model_with_its_own_warmup_gets_no_synthetic_one(tmp_path):
+    from control_plane.triton_admin import WarmupPlan
+
+    async def go():
+        mgr, admin = make(tmp_path)
+        admin.plans["m1"] = WarmupPlan(model_samples=2, synthetic_enabled=True)
+        admin.plans["m2"] = WarmupPlan(model_samples=0, synthetic_enabled=False)
+        admin.fail_warmup.update({"m1", "m2"})  # the synthetic one would fail: never sent
+        await mgr.start()
+        rec1, rec2 = await mgr.ensure("m1"), await mgr.ensure("m2")
+        assert admin.warmup_calls == []
+        assert (rec1.warmup["mode"], rec2.warmup["mode"]) == ("model", "off")
+        assert "mms_warmup" in rec2.warmup["note"]
+        assert rec1.healthy and rec2.healthy
+
+    run(go())
+
+
+def test_the_registry_can_turn_the_synthetic_warmup_off(tmp_path):
+    async def go():
+        admin = FakeAdmin(MODELS)
+        server = ModelManager.make_server(ServerSpec("s0", "f:1", "f:2", max_loaded=2), "lru",
+                                          admin=admin)
+        mgr = ModelManager([server], StateStore(tmp_path / "s.db"),
+                           config=ManagerConfig(policy="lru"),
+                           warmup_enabled=lambda name: name != "m1")
+        await mgr.start()
+        assert (await mgr.ensure("m1")).warmup["mode"] == "off"
+        assert (await mgr.ensure("m2")).warmup["mode"] == "synthetic"
+        assert admin.warmup_calls == ["m2"]
 
     run(go())
