@@ -464,7 +464,7 @@ class ModelManager:
                         ModelState.FAILED, exc.message, time.monotonic())
                 raise
         else:
-            size_bytes = self.artifact_bytes(name)
+            size_bytes = await asyncio.to_thread(self.artifact_bytes, name)  # a file walk
         for server in self.servers.values():
             if server.up:
                 with contextlib.suppress(ControlPlaneError):
@@ -809,17 +809,28 @@ class ModelManager:
         server.up = True
         self.metrics.server_up.labels(server.name).set(1)
         self.catalog.update(index)
+
+        def ours(rec: ModelRecord | None) -> bool:
+            return (rec is not None and rec.server == server.name
+                    and rec.state in (ModelState.READY, ModelState.FAILED))
+
+        # Models to adopt are sized first, in a thread (a file walk), outside the lock.
+        to_adopt = [n for n, e in index.items()
+                    if e.state == TritonModelState.READY and not ours(self.records.get(n))]
+        sizes = (await asyncio.to_thread(lambda: {n: self.artifact_bytes(n) for n in to_adopt})
+                 if to_adopt else {})
         busy = set(self._loads) | set(self._unloads)
         async with self._lock:
             for name, entry in index.items():
                 if name in busy:
                     continue
                 rec = self._record(name)
-                ours = rec.server == server.name and rec.state in (ModelState.READY, ModelState.FAILED)
-                if entry.state == TritonModelState.READY and not ours:
+                if entry.state == TritonModelState.READY and not ours(rec):
                     if rec.state == ModelState.READY and rec.server != server.name:
                         continue  # loaded on another server too; keep our placement
-                    size = self.artifact_bytes(name)
+                    size = sizes.get(name)
+                    if size is None:
+                        continue  # it changed while the others were sized: the next pass
                     server.planner.admit(Resident(name, size, pinned=rec.pinned,
                                                   priority=self.priority_of(name)), self.clock())
                     rec.state, rec.server, rec.memory_bytes = ModelState.READY, server.name, size
@@ -834,7 +845,7 @@ class ModelManager:
                     if (rec.failed_at is None
                             or time.monotonic() - rec.failed_at >= self.config.failure_backoff_s):
                         self._spawn(self._retry_unload(server, name))
-                elif entry.state != TritonModelState.READY and ours:
+                elif entry.state != TritonModelState.READY and ours(rec):
                     if entry.state in (TritonModelState.LOADING, TritonModelState.UNLOADING):
                         continue
                     server.planner.remove(name)

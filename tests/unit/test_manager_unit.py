@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import pytest
 
@@ -538,5 +539,37 @@ def test_the_registry_can_turn_the_synthetic_warmup_off(tmp_path):
         assert (await mgr.ensure("m1")).warmup["mode"] == "off"
         assert (await mgr.ensure("m2")).warmup["mode"] == "synthetic"
         assert admin.warmup_calls == ["m2"]
+
+    run(go())
+
+
+# --------------------------------------------------------------------------- event loop
+def test_artifact_size_walk_does_not_block_the_event_loop(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=3)
+
+        def slow_walk(name):  # a large repository on a slow disk
+            time.sleep(0.3)
+            return 10
+
+        mgr.artifact_bytes = slow_walk
+        await mgr.start()
+        loop = asyncio.get_running_loop()
+        gaps = []
+
+        async def ticker():
+            last = loop.time()
+            while True:
+                await asyncio.sleep(0.01)
+                gaps.append(loop.time() - last)
+                last = loop.time()
+
+        ticks = asyncio.create_task(ticker())
+        await mgr.ensure("m1")
+        admin.states["m2"] = TritonModelState.READY  # adopted by the reconcile: sized too
+        await mgr.step()
+        ticks.cancel()
+        assert max(gaps) < 0.2, f"the loop stalled for {max(gaps):.2f}s"
+        assert mgr.get("m1").memory_bytes == mgr.get("m2").memory_bytes == 10
 
     run(go())
