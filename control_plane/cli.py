@@ -191,7 +191,10 @@ def _size(value: str | None) -> int | None:
 @click.option("--repository", type=click.Path(path_type=Path), default=None,
               help="Triton model repository (default: <state-dir>/repository with the demo fleet).")
 @click.option("--max-loaded", type=int, default=None, help="Most models loaded per Triton server.")
-@click.option("--memory-budget", default=None, help="Bytes of model memory per server (e.g. 2GiB).")
+@click.option("--memory-budget", default=None,
+              help="Bytes of model memory per server (e.g. 2GiB), or 'unlimited'. Default: "
+                   "the GPU's memory less 10% (at least 1 GiB), else 50% of host RAM, "
+                   "shared by the local servers (mmctl fleet shows it).")
 @click.option("--fleet-size", type=int, default=50, show_default=True,
               help="Demo models cust001..custNNN to create if missing.")
 @click.option("--model-size-mb", type=float, default=None,
@@ -247,13 +250,15 @@ def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    unlimited = (memory_budget or "").strip().lower() == "unlimited"
     cfg = ServiceConfig(
         state_dir=state_dir, repository=repository, admin_host=admin_host, admin_port=admin_port,
         admin_token=admin_token or None, admin_allowed_hosts=list(admin_allowed_hosts),
         triton_servers=0 if attach and triton_servers == 1 else triton_servers,
         triton_http_port=triton_http_port, triton_grpc_port=triton_grpc_port,
         triton_metrics_port=triton_metrics_port, attach=list(attach), max_loaded=max_loaded,
-        memory_budget_bytes=_size(memory_budget), fleet_size=fleet_size,
+        memory_budget_bytes=None if unlimited else _size(memory_budget),
+        derive_memory_budget=not unlimited, fleet_size=fleet_size,
         model_size_mb=model_size_mb, policy=policy,
         reconcile_interval_s=reconcile_interval, router=router, router_host=router_host,
         router_http_port=router_http_port, router_grpc_port=router_grpc_port,

@@ -295,3 +295,67 @@ class MemoryReconciler:
                             "to no model (leak or another process); accounted %d, device reports "
                             "%d used", server_name, unaccounted - baseline, accounted, device_used)
         return corrections
+
+
+# --------------------------------------------------------------------------- default budget
+# With no --memory-budget, each local Triton gets a share of what the machine has, so a
+# burst of loads cannot take all of the host's RAM (CPU) or run a GPU out of memory.
+HOST_MEMORY_FRACTION = 0.5  # of host RAM, for models on CPU; the rest for the OS, stubs, tiers
+GPU_RESERVE_FRACTION = 0.10  # of a GPU's memory, for Triton's CUDA context and allocator caches
+GPU_RESERVE_MIN_BYTES = 1 << 30
+
+
+def host_memory_bytes(meminfo: str | None = None, cgroup_max: str | None = None) -> int | None:
+    """RAM this process may use: MemTotal of /proc/meminfo, capped by the cgroup v2 limit
+    (``memory.max``) when running in a container with one.  None when neither is readable."""
+    if meminfo is None:
+        meminfo = _read_text("/proc/meminfo")
+    if cgroup_max is None:
+        cgroup_max = _read_text("/sys/fs/cgroup/memory.max")
+    total = None
+    for line in (meminfo or "").splitlines():
+        key, _, rest = line.partition(":")
+        if key == "MemTotal":
+            parts = rest.split()
+            try:
+                total = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+            except (IndexError, ValueError):
+                total = None
+            break
+    limit = (cgroup_max or "").strip()
+    if limit.isdigit():
+        total = min(total, int(limit)) if total is not None else int(limit)
+    return total
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def default_memory_budget(devices: Iterable[Device], servers: int,
+                          host_bytes: int | None) -> tuple[int | None, str]:
+    """The per-server model-memory budget when the operator gave none, and how it was derived.
+
+    GPUs (or MIG slices) found: the smallest one's memory less a reserve
+    (``GPU_RESERVE_FRACTION``, at least ``GPU_RESERVE_MIN_BYTES``), shared by the ``servers``
+    local Tritons (a Triton not bound to one device may place models on any of them).
+    Otherwise ``HOST_MEMORY_FRACTION`` of host RAM shared by the ``servers``.  (None, why)
+    when nothing is known."""
+    servers = max(1, servers)
+    gpus = [d for d in devices if d.kind in ("gpu", "mig") and d.memory_bytes]
+    if gpus:
+        smallest = min(gpus, key=lambda d: d.memory_bytes or 0)
+        total = smallest.memory_bytes or 0
+        usable = total - max(GPU_RESERVE_MIN_BYTES, int(total * GPU_RESERVE_FRACTION))
+        if usable > 0:
+            return usable // servers, (
+                f"{smallest.id} ({smallest.name or smallest.kind}) memory {total} bytes less a "
+                f"{GPU_RESERVE_FRACTION:.0%} reserve, shared by {servers} server(s)")
+    if host_bytes:
+        return int(host_bytes * HOST_MEMORY_FRACTION) // servers, (
+            f"{HOST_MEMORY_FRACTION:.0%} of host RAM ({host_bytes} bytes), shared by "
+            f"{servers} server(s)")
+    return None, "neither GPU memory nor host RAM could be read"

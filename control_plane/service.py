@@ -54,7 +54,8 @@ class ServiceConfig:
     triton_metrics_port: int = 8102
     attach: list[str] = field(default_factory=list)  # gRPC URLs of running Tritons
     max_loaded: int | None = None
-    memory_budget_bytes: int | None = None
+    memory_budget_bytes: int | None = None  # None: derived from the device (local servers)
+    derive_memory_budget: bool = True  # False (--memory-budget unlimited): no byte budget
     fleet_size: int = 50
     model_size_mb: float | None = None
     policy: str = DEFAULT_POLICY
@@ -149,6 +150,7 @@ class Service:
     def _start_tritons(self) -> list[TritonServer]:
         cfg = self.cfg
         servers = []
+        local_budget_bytes = self.local_memory_budget_bytes()
         for i in range(cfg.triton_servers):
             work_dir = (cfg.state_dir / "triton").resolve()
             proc = TritonProcess(TritonLaunchConfig(
@@ -164,7 +166,7 @@ class Service:
             proc.start()
             self.processes.append(proc)
             spec = ServerSpec(f"triton{i}", proc.grpc_url, proc.http_url, proc.metrics_url,
-                              device="cpu", memory_budget_bytes=cfg.memory_budget_bytes,
+                              device="cpu", memory_budget_bytes=local_budget_bytes,
                               max_loaded=cfg.max_loaded)
             servers.append(ModelManager.make_server(spec, cfg.policy, process=proc))
         for j, urls in enumerate(cfg.attach):
@@ -173,6 +175,24 @@ class Service:
                               memory_budget_bytes=cfg.memory_budget_bytes, max_loaded=cfg.max_loaded)
             servers.append(ModelManager.make_server(spec, cfg.policy))
         return servers
+
+    def local_memory_budget_bytes(self, devices=None, host_bytes: int | None = None) -> int | None:
+        """Each local Triton's byte budget: --memory-budget, else derived from the machine
+        (devices.default_memory_budget: GPU memory less a reserve, or a share of host RAM)."""
+        cfg = self.cfg
+        if cfg.memory_budget_bytes is not None or not cfg.derive_memory_budget:
+            return cfg.memory_budget_bytes
+        from .devices import default_memory_budget, discover_or_config, host_memory_bytes
+
+        budget, how = default_memory_budget(
+            discover_or_config() if devices is None else devices, cfg.triton_servers,
+            host_memory_bytes() if host_bytes is None else host_bytes)
+        log.info("memory budget per Triton server: %s bytes (%s); --memory-budget overrides",
+                 budget, how)
+        if cfg.attach:
+            log.info("attached Tritons get no byte budget unless --memory-budget is given: their "
+                     "device is not visible from here")
+        return budget
 
     async def start(self) -> None:
         from .cold_store import ColdStores, LocalDirStore, S3Store

@@ -94,3 +94,15 @@ def test_alias_and_limit_on_unknown_models_exit_4(product):
     assert "nosuch" not in requests.get(product.url + "/v1/limits", headers=auth, timeout=10).json()
     assert product.mmctl("alias", "foo", "cust002").returncode == 0
     assert product.mmctl("limit", "set", "foo", "--qps", "5").returncode == 0
+
+
+def test_fleet_shows_the_budget_derived_from_the_machine(product):
+    from control_plane.devices import default_memory_budget, discover_or_config, host_memory_bytes
+
+    (server,) = product.json("fleet")
+    assert server["max_loaded"] == 4  # given
+    expected, _how = default_memory_budget(discover_or_config(), 1, host_memory_bytes())
+    assert expected and server["memory_budget_bytes"] == expected
+    table = product.mmctl("fleet").stdout.splitlines()
+    budget_col = table[0].index("BUDGET")
+    assert table[1][budget_col:].split()[0] != "-" and "GiB" in table[1]
