@@ -54,6 +54,9 @@ _CONCRETE_RE = re.compile(r"^(?P<model>.+)\.v(?P<version>[0-9]+)$")
 REPOSITORY_SCHEME = "repository"
 # warm_tier.WARM_MANIFEST (that module imports this one): marks a folder the warm tier staged.
 _WARM_MANIFEST = ".mms-warm.json"
+# The top-level name line of config.pbtxt, where the warm tier writes the concrete name into
+# a staged copy (Triton serves a model only under the name its config gives).
+CONFIG_NAME_RE = re.compile(r"""^name\s*:\s*(?:"(?P<dq>[^"\n]*)"|'(?P<sq>[^'\n]*)')""", re.MULTILINE)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS registry_versions (
@@ -487,6 +490,15 @@ def check_model_config(text: str, where: str, names: Iterable[str]) -> None:
     except text_format.ParseError as exc:
         raise InvalidInput(f"{where} is not a valid Triton model configuration: {exc}") from None
     allowed = sorted(set(names))
+    line = CONFIG_NAME_RE.search(text)
+    written = None if line is None else (line.group("dq") if line.group("dq") is not None else line.group("sq"))
+    if written != (config.name or None):
+        # Staging rewrites the first column-0 name line; here that is not the model's name
+        # (indented, or a nested input's name), so the copy would be served under a wrong one.
+        raise InvalidInput(
+            f"{where}: put the model's name on a line of its own at the top of the file, "
+            f'name: "{config.name or allowed[0]}", or leave it out; the copy Triton loads gets '
+            "its concrete name written on that line")
     if config.name and config.name not in allowed:
         raise InvalidInput(
             f'{where} says name: "{config.name}" but the model is added as '

@@ -35,7 +35,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
 import uuid
@@ -47,13 +46,12 @@ from pathlib import Path
 from .cold_store import ColdStore, ColdStores, download_verified
 from .errors import CapacityExhausted, InvalidInput, ModelNotFound
 from .names import validate_model_name
-from .registry import ModelVersion, Registry
+from .registry import CONFIG_NAME_RE, ModelVersion, Registry
 
 log = logging.getLogger(__name__)
 
 WARM_MANIFEST = ".mms-warm.json"
 LARGE_DOWNLOAD_BYTES = 64 << 20
-_CONFIG_NAME_RE = re.compile(r'^name\s*:\s*"[^"]*"', re.MULTILINE)
 
 
 def default_warm_repository(state_dir: Path, budget_bytes: int | None = None,
@@ -441,6 +439,6 @@ def _set_config_name(folder: Path, name: str) -> None:
     if not config.is_file():
         return
     text = config.read_text()
-    new, count = _CONFIG_NAME_RE.subn(f'name: "{name}"', text, count=1)
+    new, count = CONFIG_NAME_RE.subn(f'name: "{name}"', text, count=1)
     if count and new != text:
         config.write_text(new)

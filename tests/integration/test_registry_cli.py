@@ -238,3 +238,21 @@ def test_the_demo_fleet_is_registered_at_first_start_and_only_once(tmp_path):
     asyncio.run(service.register_repository())  # a restart registers nothing again
     assert len(service.registry.history()) == history
     store.close()
+
+
+@pytest.mark.parametrize("config_name, refused", [
+    ("name: 'simple'", None),  # single quotes: Triton accepts them, so does staging
+    ("  name: \"simple\"", "on a line of its own"),  # staging could not rewrite it
+])
+def test_the_staged_copy_carries_the_concrete_name(admin, tmp_path, config_name, refused):
+    folder = simple_folder(tmp_path, config_name=config_name)
+    code, out = mmctl(admin.url, "add", "simple", "--from-dir", str(folder))
+    if refused:
+        assert code == 2 and refused in out, out
+        return
+    assert code == 0, out
+    code, out = mmctl(admin.url, "stage", "simple", "--poll-interval", "0.05")
+    assert code == 0 and "simple.v1: warm" in out, out
+    staged = (admin.warm.repository / "simple.v1" / "config.pbtxt").read_text()
+    assert staged.startswith('name: "simple.v1"\n') and "name: 'simple'" not in staged
+    assert (folder / "config.pbtxt").read_text().startswith("name: 'simple'")  # the user's folder is untouched
