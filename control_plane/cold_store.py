@@ -35,7 +35,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -260,6 +260,14 @@ class S3Config:
     session_token: str | None = None
     addressing_style: str = "auto"  # "path" for MinIO and most S3-compatible servers
     max_attempts: int = 3  # botocore's own retries of one request
+
+    def __repr__(self) -> str:
+        # Configs end up in logs and tracebacks: the secret and the session token never do.
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("secret_access_key", "session_token"):
+            if shown[name] is not None:
+                shown[name] = "***"
+        return f"S3Config({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> S3Config:

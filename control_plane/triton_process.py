@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,33 @@ if os.getppid() != int(sys.argv[1]):
     sys.exit("the control plane exited before tritonserver started")
 os.execv(sys.argv[2], sys.argv[2:])
 """
+
+
+# What reaches tritonserver, and through it every model's python stub (tenant code): only
+# what Triton, CUDA, the allocators and torch read.  Never S3 keys, AWS_*, MMS_S3_*, admin
+# tokens or anything else the control plane holds; a model that needs a setting gets it
+# through TritonLaunchConfig.env.
+TRITON_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "HOSTNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR",
+    "LD_LIBRARY_PATH", "LD_PRELOAD", "MALLOC_CONF", "MALLOC_ARENA_MAX",
+})
+TRITON_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "OMP_", "MKL_", "OPENBLAS_",
+                       "PYTORCH_", "TORCH_", "TCMALLOC_", "JE_MALLOC_")
+# Refused even under an allowed prefix: a name that says it holds a secret.
+_SECRET_MARKERS = ("SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "PRIVATE", "API_KEY",
+                   "ACCESS_KEY", "AUTH")
+
+
+def triton_environment(source: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The allow-listed part of ``source``, the stub environment, then ``extra`` (explicit)."""
+    env = {
+        name: value for name, value in source.items()
+        if (name in TRITON_ENV_NAMES or name.startswith(TRITON_ENV_PREFIXES))
+        and not any(marker in name.upper() for marker in _SECRET_MARKERS)
+    }
+    env.update(stub_environment())
+    env.update(extra or {})
+    return env
 
 
 def with_parent_death_signal(cmd: list[str]) -> list[str]:
@@ -298,10 +326,7 @@ class TritonProcess:
         cfg.work_dir.mkdir(parents=True, exist_ok=True)
         binary = pytriton_root() / "bin" / "tritonserver"
         backend_dir = build_backend_dir(cfg.work_dir / "backends")
-        env = dict(os.environ)
-        env.pop("PYTHONPATH", None)  # the stub ignores it; stub_environment() is what works
-        env.update(stub_environment())
-        env.update(cfg.env)
+        env = triton_environment(os.environ, cfg.env)
         cmd = [str(binary), *triton_args(cfg, backend_dir, self.log_path)]
         log.info("starting tritonserver: %s", " ".join(cmd))
         with open(cfg.work_dir / f"tritonserver-{cfg.grpc_port}.out", "ab") as stdout:

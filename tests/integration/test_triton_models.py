@@ -66,3 +66,43 @@ def test_plain_numpy_model_loads_unchanged_and_answers(simple_triton):
     result = http.infer("simple", _inputs(tritonclient_http, a, b))
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
     np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def test_no_secret_reaches_triton_or_the_model_stubs(tmp_path, monkeypatch):
+    secrets = {"AWS_SECRET_ACCESS_KEY": "aws-secret-value", "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE",
+               "MMS_S3_SECRET_ACCESS_KEY": "mms-secret-value", "MMCTL_TOKEN": "admin-token-value"}
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    repository = tmp_path / "repository"
+    shutil.copytree(FIXTURES / "simple", repository / "simple", ignore=shutil.ignore_patterns("README.md"))
+    triton = TritonProcess(TritonLaunchConfig(repository=repository, work_dir=tmp_path / "work"))
+    triton.start()
+    try:
+        tritonclient_grpc.InferenceServerClient(triton.grpc_url).load_model("simple")
+        stubs = [pid for pid in _children(triton.proc.pid)
+                 if b"triton_python_backend_stub" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert stubs, "the model's stub process was not found"
+        for pid in [triton.proc.pid, *stubs]:
+            env = _environ(pid)
+            assert not set(secrets) & set(env), (pid, sorted(set(secrets) & set(env)))
+            assert not any(value in env.values() for value in secrets.values())
+    finally:
+        triton.stop()

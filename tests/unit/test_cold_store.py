@@ -171,3 +171,16 @@ def test_manifest_with_escaping_path_is_refused(tmp_path):
         {"files": [{"path": "../../etc/passwd", "sha256": "a" * 64, "size_bytes": 1}]}).encode())
     with pytest.raises(ModelLoadFailed, match="unsafe path"):
         download_verified(store, uri, "a" * 64, tmp_path / "s", "m.v1")
+
+
+def test_s3_config_repr_never_shows_the_secret():
+    from control_plane.cold_store import S3Config
+
+    config = S3Config.from_env({"MMS_S3_BUCKET": "models", "MMS_S3_ACCESS_KEY_ID": "AKIAEXAMPLE",
+                                "MMS_S3_SECRET_ACCESS_KEY": "wJalrXUtnFEMI-very-secret"})
+    config.session_token = "session-token-value"
+    for text in (repr(config), str(config), f"{config}", repr([config])):
+        assert "wJalrXUtnFEMI-very-secret" not in text
+        assert "session-token-value" not in text
+        assert "bucket='models'" in text and "secret_access_key='***'" in text
+    assert "secret_access_key=None" in repr(S3Config(bucket="models"))

@@ -159,6 +159,7 @@ def test_child_of_the_exec_wrapper_dies_with_a_threaded_parent(tmp_path):
     import subprocess
     import sys
     import time
+    from pathlib import Path
 
     from tests.conftest import pid_alive
 
@@ -174,7 +175,8 @@ def test_child_of_the_exec_wrapper_dies_with_a_threaded_parent(tmp_path):
     try:
         child_pid = int(parent.stdout.readline())
         deadline = time.monotonic() + 5
-        while "sleep" not in open(f"/proc/{child_pid}/cmdline").read() and time.monotonic() < deadline:
+        cmdline = Path(f"/proc/{child_pid}/cmdline")
+        while b"sleep" not in cmdline.read_bytes() and time.monotonic() < deadline:
             time.sleep(0.02)  # until the wrapper has exec'd
         parent.send_signal(signal.SIGKILL)
         parent.wait(timeout=5)
@@ -195,6 +197,47 @@ def test_exec_wrapper_refuses_to_start_when_its_parent_is_already_gone():
     from control_plane.triton_process import _PDEATHSIG_EXEC
 
     out = subprocess.run([sys.executable, "-I", "-S", "-c", _PDEATHSIG_EXEC, "1", "/bin/echo", "started"],
-                         capture_output=True, text=True, timeout=10)
+                         check=False, capture_output=True, text=True, timeout=10)
     assert out.returncode == 1 and "started" not in out.stdout
     assert "exited before tritonserver started" in out.stderr
+
+
+def test_triton_gets_an_allow_listed_environment_without_secrets(tmp_path, monkeypatch):
+    """Every tenant's python stub inherits Triton's environment: no S3 keys, no AWS_*, no
+    MMS_S3_*, no tokens; what Triton and torch need (PATH, LD_*, CUDA_*, locale) passes."""
+    import subprocess
+
+    from control_plane import triton_process
+    from control_plane.triton_process import TritonLaunchConfig, TritonProcess
+
+    secrets = {
+        "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE", "AWS_SECRET_ACCESS_KEY": "aws-secret",
+        "AWS_SESSION_TOKEN": "aws-token", "MMS_S3_SECRET_ACCESS_KEY": "mms-secret",
+        "MMS_S3_ACCESS_KEY_ID": "mms-key", "MMCTL_TOKEN": "admin-token",
+        "GITHUB_TOKEN": "gh", "DATABASE_PASSWORD": "pw", "HF_TOKEN": "hf",
+        "CUDA_SECRET_KEY": "sneaky",  # an allowed prefix does not let a secret through
+    }
+    needed = {"LD_LIBRARY_PATH": "/opt/lib", "CUDA_VISIBLE_DEVICES": "0", "LANG": "C.UTF-8",
+              "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "2", "LD_PRELOAD": "/usr/lib/libjemalloc.so.2",
+              "HOME": "/root", "NVIDIA_VISIBLE_DEVICES": "all", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for name, value in {**secrets, **needed}.items():
+        monkeypatch.setenv(name, value)
+    seen = {}
+
+    class FakePopen:
+        pid = 4242
+
+        def __init__(self, cmd, **kwargs):
+            seen["env"] = kwargs["env"]
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    monkeypatch.setattr(triton_process, "build_backend_dir", lambda dest: dest)
+    TritonProcess(TritonLaunchConfig(repository=tmp_path, work_dir=tmp_path,
+                                     env={"MY_MODEL_SETTING": "1"})).launch()
+    env = seen["env"]
+    assert not set(secrets) & set(env), sorted(set(secrets) & set(env))
+    assert not any(value in env.values() for value in secrets.values())
+    for name, value in needed.items():
+        assert env[name] == value, name
+    assert env["MY_MODEL_SETTING"] == "1"  # what the operator passes explicitly
+    assert env["PATH"].split(":")[0] == triton_process.stub_environment()["PATH"].split(":")[0]
