@@ -96,8 +96,9 @@ def _serves(model: str, mv, previous, stage_given: bool) -> str:
                 f"`mmctl load {model}` loads it now")
     current = f"{model} keeps serving {previous.name}" if previous is not None else \
         f"{model} has no production version"
-    return (f"{current}; try {mv.name} by its name, then make it the default: "
-            f"mmctl registry promote {model} --version {mv.version} --stage production")
+    return (f"{current}; {mv.name} gets its traffic once promoted (mmctl registry promote "
+            f"{model} --version {mv.version} --stage production) or a share of it through a "
+            f"canary (mmctl canary start {model} --to {mv.name})")
 
 
 async def promote(request: web.Request) -> web.Response:
