@@ -39,7 +39,7 @@ from .cli_common import fmt_bytes as _bytes
 from .eviction import DEFAULT_POLICY, POLICIES
 
 
-@click.group()
+@click.group(context_settings={"max_content_width": 100})
 @click.option("--url", envvar="MMCTL_URL", default=DEFAULT_URL, show_default=True,
               help="Admin API of the control plane (env MMCTL_URL).")
 @click.option("--timeout", "timeout_s", default=600.0, show_default=True,
@@ -111,7 +111,7 @@ _model_command("unpin", "Unpin MODEL (it stays loaded until evicted).",
 @cli.command()
 @click.argument("model")
 @click.option("--force", is_flag=True, help="Unload even if pinned (the pin stays).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_api
 def unload(api: Api, model: str, force: bool, as_json: bool):
     """Unload MODEL (waits for in-flight requests and for the memory to be freed)."""
@@ -123,7 +123,7 @@ def unload(api: Api, model: str, force: bool, as_json: bool):
 @cli.command()
 @click.argument("model")
 @click.option("--probe", is_flag=True, help="Run a fresh warm-up inference now.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_api
 def health(api: Api, model: str, probe: bool, as_json: bool):
     """Per-model health: state and the result of the warm-up inference (exit 8 if unhealthy)."""
@@ -144,7 +144,7 @@ def health(api: Api, model: str, probe: bool, as_json: bool):
 
 
 @cli.command()
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_api
 def fleet(api: Api, as_json: bool):
     """Triton servers: device, capacity, used, models."""
@@ -157,7 +157,7 @@ def fleet(api: Api, as_json: bool):
 
 
 @cli.command()
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_api
 def endpoints(api: Api, as_json: bool):
     """Where the admin API and each Triton's gRPC/HTTP endpoints listen."""
@@ -187,7 +187,8 @@ def _size(value: str | None) -> int | None:
 
 
 @cli.command()
-@click.option("--state-dir", type=click.Path(path_type=Path), default=Path(".state"), show_default=True)
+@click.option("--state-dir", type=click.Path(path_type=Path), default=Path(".state"), show_default=True,
+              help="Pins, routes, registry (SQLite), admin token, endpoints.json, Triton logs.")
 @click.option("--repository", type=click.Path(path_type=Path), default=None,
               help="Triton model repository (default: <state-dir>/repository with the demo fleet).")
 @click.option("--max-loaded", type=int, default=None, help="Most models loaded per Triton server.")
@@ -201,7 +202,8 @@ def _size(value: str | None) -> int | None:
               help="Weight size of each demo model (the seed scenario uses 850).")
 @click.option("--admin-host", default="127.0.0.1", show_default=True,
               help="Address of the admin API (model control: keep it off public networks).")
-@click.option("--admin-port", type=int, default=8090, show_default=True)
+@click.option("--admin-port", type=int, default=8090, show_default=True,
+              help="Port of the admin API (0 = any free port; endpoints.json says which).")
 @click.option("--admin-token", envvar="MMCTL_TOKEN", default=None,
               help="Bearer token the admin API requires (env MMCTL_TOKEN; prefer the env, argv "
                    "is visible to other users). Default: reuse or generate "
@@ -211,16 +213,22 @@ def _size(value: str | None) -> int | None:
                    "--admin-host (repeatable); any other name is refused (DNS rebinding).")
 @click.option("--triton-servers", type=int, default=1, show_default=True,
               help="Local tritonserver processes to start (one per device).")
-@click.option("--triton-http-port", type=int, default=8100, show_default=True)
-@click.option("--triton-grpc-port", type=int, default=8101, show_default=True)
-@click.option("--triton-metrics-port", type=int, default=8102, show_default=True)
+@click.option("--triton-http-port", type=int, default=8100, show_default=True,
+              help="Triton's internal HTTP port (server i: port + 10*i; 0 = any free port).")
+@click.option("--triton-grpc-port", type=int, default=8101, show_default=True,
+              help="Triton's internal gRPC port (server i: port + 10*i; 0 = any free port).")
+@click.option("--triton-metrics-port", type=int, default=8102, show_default=True,
+              help="Triton's metrics port (server i: port + 10*i; 0 = any free port).")
 @click.option("--attach", multiple=True,
               help="Already running Triton: GRPC_URL[,HTTP_URL] (repeatable).")
 @click.option("--router/--no-router", default=True, show_default=True,
               help="Serve the public Triton-compatible endpoint.")
-@click.option("--router-host", default="127.0.0.1", show_default=True)
-@click.option("--router-http-port", type=int, default=8000, show_default=True)
-@click.option("--router-grpc-port", type=int, default=8001, show_default=True)
+@click.option("--router-host", default="127.0.0.1", show_default=True,
+              help="Address of the public endpoint (0.0.0.0 to serve other machines).")
+@click.option("--router-http-port", type=int, default=8000, show_default=True,
+              help="Public KServe v2 HTTP port.")
+@click.option("--router-grpc-port", type=int, default=8001, show_default=True,
+              help="Public Triton gRPC port.")
 @click.option("--max-request-bytes", default="16MiB", show_default=True,
               help="Largest inference request the router accepts.")
 @click.option("--warm-budget", default=None,
@@ -236,8 +244,10 @@ def _size(value: str | None) -> int | None:
               help="Which unpinned model to evict when a server is full: lru (least recently "
                    "used), wtinylfu (frequency and load cost), wtinylfu-hits (frequency), gdsf "
                    "(frequency, cost and size). README: replayed hit ratios of each.")
-@click.option("--reconcile-interval", type=float, default=2.0, show_default=True)
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option("--reconcile-interval", type=float, default=2.0, show_default=True,
+              help="Seconds between passes that compare with each Triton and repair.")
+@click.option("--log-level", default="INFO", show_default=True,
+              help="DEBUG, INFO, WARNING or ERROR.")
 def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_mb, admin_host,
        admin_port, admin_token, admin_allowed_hosts, triton_servers, triton_http_port,
        triton_grpc_port, triton_metrics_port, attach, router, router_host, router_http_port,
@@ -274,10 +284,11 @@ def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_
 
 
 @cli.command("demo-fleet")
-@click.option("--out", type=click.Path(path_type=Path), required=True)
-@click.option("--count", type=int, default=50, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="Model repository to write into.")
+@click.option("--count", type=int, default=50, show_default=True, help="Number of customers.")
 @click.option("--size-mb", type=float, default=None, help="Weight size per model.")
-@click.option("--overwrite", is_flag=True)
+@click.option("--overwrite", is_flag=True, help="Rewrite models that are already there.")
 def demo_fleet(out: Path, count: int, size_mb: float | None, overwrite: bool):
     """Write the demo fleet cust001..custNNN into a model repository."""
     from .demo_fleet import FleetSpec, default_instance_kind, generate_fleet, hidden_dim_for_size

@@ -71,7 +71,7 @@ def adapter():
                    "cold-store URI: s3://bucket/prefix/ or file:///path/.")
 @click.option("--replace", is_flag=True, help="Replace an existing adapter of that name.")
 @click.option("--who", default=_who, help="Recorded as who added it.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_api
 def add(api: Api, name: str, base: str, source: str, replace: bool, who: str, as_json: bool):
     """Add adapter NAME to --base, validated against the base's layers.
@@ -88,7 +88,7 @@ def add(api: Api, name: str, base: str, source: str, replace: bool, who: str, as
 
 @adapter.command("list")
 @click.argument("base")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_api
 def list_(api: Api, base: str, as_json: bool):
     """Adapters of BASE: tier (gpu/device, host, cold), pinned, last used, rank, bytes, traffic."""
@@ -113,7 +113,7 @@ def _action(name: str, help_text: str, method: str = "POST"):
     @adapter.command(name=name, help=help_text)
     @click.argument("base")
     @click.argument("adapter_name", metavar="NAME")
-    @click.option("--json", "as_json", is_flag=True)
+    @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     @pass_api
     def command(api: Api, base: str, adapter_name: str, as_json: bool):
         if name == "remove":

@@ -30,13 +30,16 @@ def register(cli: click.Group) -> None:
 
     @experiment.command("create")
     @click.argument("experiment_id")
-    @click.option("--control", required=True)
-    @click.option("--treatment", required=True)
-    @click.option("--treatment-percent", type=float, default=50.0, show_default=True)
-    @click.option("--sticky/--no-sticky", default=True, show_default=True)
+    @click.option("--control", required=True, help="Model that serves the control group.")
+    @click.option("--treatment", required=True, help="Model that serves the treatment group.")
+    @click.option("--treatment-percent", type=float, default=50.0, show_default=True,
+                  help="Share of users (or requests) sent to the treatment.")
+    @click.option("--sticky/--no-sticky", default=True, show_default=True,
+                  help="Same user id -> same variant (hash of experiment and user id).")
     @click.option("--route", default=None, help="Logical name (default: the control model).")
     @pass_api
     def create(api, experiment_id, control, treatment, treatment_percent, sticky, route):
+        """Split a logical name's traffic between --control and --treatment."""
         body = _send(api, "POST", "/v1/experiments", {
             "id": experiment_id, "control": control, "treatment": treatment,
             "treatment_percent": treatment_percent, "sticky": sticky, "route": route})
@@ -44,9 +47,10 @@ def register(cli: click.Group) -> None:
                    f"rest -> {body['control']} ({'sticky' if body['sticky'] else 'random'})")
 
     @experiment.command("list")
-    @click.option("--json", "as_json", is_flag=True)
+    @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     @pass_api
     def list_(api, as_json):
+        """Experiments: route, control, treatment, split, sticky, enabled."""
         body = _send(api, "GET", "/v1/experiments")
         if as_json:
             click.echo(json.dumps(body, indent=2))
@@ -57,9 +61,10 @@ def register(cli: click.Group) -> None:
 
     @experiment.command("stats")
     @click.argument("experiment_id")
-    @click.option("--json", "as_json", is_flag=True)
+    @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     @pass_api
     def stats(api, experiment_id, as_json):
+        """Per variant: requests, errors, p50/p99 latency, requests without a user id."""
         body = _send(api, "GET", f"/v1/experiments/{_q(experiment_id)}")
         if as_json:
             click.echo(json.dumps(body, indent=2))
@@ -71,7 +76,10 @@ def register(cli: click.Group) -> None:
 
     for action in ("enable", "disable"):
         def make(action=action):
-            @experiment.command(action, help=f"{action.title()} the experiment (disabled -> control).")
+            @experiment.command(action, help={
+                "enable": "Enable the experiment: its traffic is split again.",
+                "disable": "Disable the experiment: all its traffic goes to the control model.",
+            }[action])
             @click.argument("experiment_id")
             @pass_api
             def cmd(api, experiment_id):
@@ -83,6 +91,7 @@ def register(cli: click.Group) -> None:
     @click.argument("experiment_id")
     @pass_api
     def delete(api, experiment_id):
+        """Delete the experiment; its route serves the control model again."""
         _send(api, "DELETE", f"/v1/experiments/{_q(experiment_id)}")
         click.echo(f"experiment {experiment_id} deleted")
 
@@ -93,19 +102,26 @@ def register(cli: click.Group) -> None:
     @canary.command("start")
     @click.argument("name")
     @click.option("--to", "to", required=True, help="Candidate model.")
-    @click.option("--stages", default="1,5,10,25,50,100", show_default=True)
-    @click.option("--stage-seconds", type=float, default=1800, show_default=True)
+    @click.option("--stages", default="1,5,10,25,50,100", show_default=True,
+                  help="Percentages of NAME's traffic the candidate gets, stage by stage.")
+    @click.option("--stage-seconds", type=float, default=1800, show_default=True,
+                  help="Time at each stage before moving to the next.")
     @click.option("--check-interval", type=float, default=None, help="Seconds between checks.")
-    @click.option("--max-error-rate", type=float, default=0.05, show_default=True)
-    @click.option("--max-p99-ms", type=float, default=None)
+    @click.option("--max-error-rate", type=float, default=0.05, show_default=True,
+                  help="A check fails above this canary error rate.")
+    @click.option("--max-p99-ms", type=float, default=None,
+                  help="A check fails above this canary p99 latency.")
     @click.option("--max-error-ratio", type=float, default=2.0, show_default=True,
                   help="Canary error rate vs baseline.")
     @click.option("--max-p99-ratio", type=float, default=None, help="Canary p99 vs baseline.")
-    @click.option("--min-requests", type=int, default=50, show_default=True)
-    @click.option("--max-failed-checks", type=int, default=3, show_default=True)
+    @click.option("--min-requests", type=int, default=50, show_default=True,
+                  help="Fewer canary requests in a check is inconclusive: hold, no verdict.")
+    @click.option("--max-failed-checks", type=int, default=3, show_default=True,
+                  help="Consecutive failed checks that roll the canary back to 0%.")
     @pass_api
     def start(api, name, to, stages, stage_seconds, check_interval, max_error_rate, max_p99_ms,
               max_error_ratio, max_p99_ratio, min_requests, max_failed_checks):
+        """Shift NAME's traffic to --to in stages; roll back when checks fail."""
         try:
             stage_list = [float(s) for s in stages.split(",") if s.strip()]
         except ValueError:
@@ -121,9 +137,10 @@ def register(cli: click.Group) -> None:
 
     @canary.command("status")
     @click.argument("name")
-    @click.option("--json", "as_json", is_flag=True)
+    @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     @pass_api
     def status(api, name, as_json):
+        """Stage, per-variant health and the last decisions of NAME's canary."""
         body = _send(api, "GET", f"/v1/canaries/{_q(name)}")
         if as_json:
             click.echo(json.dumps(body, indent=2))
@@ -155,9 +172,11 @@ def register(cli: click.Group) -> None:
     @shadow.command("start")
     @click.argument("name")
     @click.option("--model", required=True, help="Shadow model.")
-    @click.option("--percent", type=float, default=100.0, show_default=True)
+    @click.option("--percent", type=float, default=100.0, show_default=True,
+                  help="Share of NAME's requests mirrored to the shadow.")
     @pass_api
     def shadow_start(api, name, model, percent):
+        """Mirror NAME's requests to --model and compare its answers (clients never see them)."""
         _send(api, "POST", f"/v1/shadows/{_q(name)}", {"model": model, "percent": percent})
         click.echo(f"shadowing {percent:g}% of {name} to {model}")
 
@@ -165,14 +184,16 @@ def register(cli: click.Group) -> None:
     @click.argument("name")
     @pass_api
     def shadow_stop(api, name):
+        """Stop mirroring NAME's requests (the report stays)."""
         _send(api, "DELETE", f"/v1/shadows/{_q(name)}")
         click.echo(f"shadow of {name} stopped")
 
     @shadow.command("report")
     @click.argument("name")
-    @click.option("--json", "as_json", is_flag=True)
+    @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     @pass_api
     def shadow_report(api, name, as_json):
+        """Mirrored, compared and dropped counts, divergence rate and latency delta."""
         body = _send(api, "GET", f"/v1/shadows/{_q(name)}")
         if as_json:
             click.echo(json.dumps(body, indent=2))
@@ -189,10 +210,12 @@ def register(cli: click.Group) -> None:
 
     @limit.command("set")
     @click.argument("name")
-    @click.option("--qps", type=float, required=True)
-    @click.option("--burst", type=float, default=None)
+    @click.option("--qps", type=float, required=True, help="Requests per second allowed.")
+    @click.option("--burst", type=float, default=None,
+                  help="Requests allowed at once above the rate (default: max(1, qps)).")
     @pass_api
     def limit_set(api, name, qps, burst):
+        """Rate-limit NAME: a model, a logical name or BASE:ADAPTER (exit 4 if unknown)."""
         body = _send(api, "PUT", f"/v1/limits/{_q(name)}", {"qps": qps, "burst": burst})
         click.echo(f"{name}: {body['limit']['qps']:g} requests/s, burst {body['limit']['burst']:g}")
 
@@ -200,12 +223,14 @@ def register(cli: click.Group) -> None:
     @click.argument("name")
     @pass_api
     def limit_clear(api, name):
+        """Remove NAME's rate limit."""
         _send(api, "DELETE", f"/v1/limits/{_q(name)}")
         click.echo(f"{name}: no limit")
 
     @limit.command("list")
     @pass_api
     def limit_list(api):
+        """Every rate limit: name, requests per second, burst."""
         body = _send(api, "GET", "/v1/limits")
         click.echo(_table([[n, f"{v['qps']:g}", f"{v['burst']:g}"] for n, v in sorted(body.items())],
                           ["NAME", "QPS", "BURST"]))
@@ -215,6 +240,6 @@ def register(cli: click.Group) -> None:
     @click.argument("target")
     @pass_api
     def alias(api, name, target):
-        """Point logical NAME at concrete model TARGET."""
+        """Point logical NAME at concrete model TARGET (exit 4 if TARGET is unknown)."""
         _send(api, "PUT", f"/v1/routes/{_q(name)}", {"target": target})
         click.echo(f"{name} -> {target}")

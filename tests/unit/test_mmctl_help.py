@@ -27,3 +27,22 @@ def test_up_offers_every_policy_and_shows_the_default():
     assert f"[default: {DEFAULT_POLICY}]" in text
     for name in POLICIES:
         assert name in text
+
+
+def _commands(group: click.Group, prefix: str = "mmctl"):
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
+        yield f"{prefix} {name}", cmd
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, f"{prefix} {name}")
+
+
+def test_every_command_and_group_has_a_help_line():
+    missing = [path for path, cmd in _commands(cli) if not cmd.get_short_help_str(limit=200).strip()]
+    assert not missing, f"commands without a help line: {missing}"
+    listing = _help()
+    for path, cmd in _commands(cli):
+        if path.count(" ") == 1:  # top-level: `mmctl --help` lists it with its line
+            assert path.split()[1] in listing
+
