@@ -12,10 +12,11 @@ LRU order.  ``WarmTier`` implements the manager's ``Stager`` protocol:
   were never marked busy).
 * ``known()`` lists every name that can be staged.
 
-Why nothing half-written is ever visible to Triton: downloads land in a sibling staging
-directory (``<repository>.staging``, same filesystem), are verified against the registry's
-sha256, and only then renamed into the repository in one ``rename``.  Evictions rename the
-folder out first and delete it afterwards.  A crash leaves debris only in the staging
+Why nothing half-written is ever visible to Triton: downloads land in a staging directory
+on the repository's filesystem (``<repository>.staging``, or ``<repository>/.mms-staging``
+when the repository is a mount point such as a docker volume), are verified against the
+registry's sha256, and only then renamed into the repository in one ``rename``.  Evictions
+rename the folder out first and delete it afterwards.  A crash leaves debris only in the staging
 directory, which ``recover()`` empties at start; folders in the repository are re-checked
 against the small manifest written next to the files (``.mms-warm.json``).
 
@@ -44,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .cold_store import ColdStore, ColdStores, download_verified
-from .errors import CapacityExhausted, InvalidInput, ModelNotFound
+from .errors import CapacityExhausted, InvalidInput, ModelLoadFailed, ModelNotFound
 from .names import validate_model_name
 from .registry import CONFIG_NAME_RE, ModelVersion, Registry
 
@@ -72,6 +73,33 @@ def default_warm_repository(state_dir: Path, budget_bytes: int | None = None,
         key = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
         return shm / f"mms-{os.getuid()}-{key}" / "repository"
     return state_dir.resolve() / "warm" / "repository"
+
+
+STAGING_DIR_NAME = ".mms-staging"  # hidden: never a model name (those start alphanumeric)
+
+
+def _device(path: Path) -> int:
+    return os.stat(path).st_dev
+
+
+def staging_dir_for(repository: Path) -> Path:
+    """Where downloads wait for their one ``rename`` into ``repository``: on its filesystem,
+    or the rename fails with EXDEV.  A sibling folder when that is the same filesystem (it
+    stays out of Triton's repository index); when the repository is a mount point of its own
+    (a docker volume), a hidden folder inside it."""
+    sibling = repository.with_name(repository.name + ".staging")
+    try:
+        sibling.mkdir(parents=True, exist_ok=True)
+        if _device(sibling) == _device(repository):
+            return sibling
+        with contextlib.suppress(OSError):
+            sibling.rmdir()  # only if empty: it is not ours to clear
+    except OSError:  # e.g. the repository's parent is read-only
+        pass
+    inside = repository / STAGING_DIR_NAME
+    inside.mkdir(exist_ok=True)
+    log.info("staging downloads in %s: %s is on another filesystem than %s", inside, sibling, repository)
+    return inside
 
 
 def folder_bytes(root: Path) -> int:
@@ -120,7 +148,6 @@ class WarmTier:
         if attempts < 1:
             raise InvalidInput(f"download attempts ({attempts}) must be >= 1")
         self.repository = repository.resolve()
-        self.staging_dir = self.repository.with_name(self.repository.name + ".staging")
         self.registry = registry
         self.stores = stores or ColdStores()
         self.budget_bytes = budget_bytes
@@ -134,7 +161,7 @@ class WarmTier:
         self._reserved: dict[str, int] = {}
         self._staging: dict[str, asyncio.Task] = {}
         self.repository.mkdir(parents=True, exist_ok=True)
-        self.staging_dir.mkdir(parents=True, exist_ok=True)
+        self.staging_dir = staging_dir_for(self.repository)
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -227,6 +254,14 @@ class WarmTier:
         try:
             size = await asyncio.get_running_loop().run_in_executor(
                 None, self._fetch_into_place, name, mv, store, download)
+        except OSError as exc:
+            # A full tmpfs, a read-only or cross-device repository...: a staging failure like
+            # any other (the manager backs off), not a crash that retries on every request.
+            log.warning("staging %s into %s failed: %s", name, self.repository, exc)
+            raise ModelLoadFailed(
+                f"staging {name} into the warm tier {self.repository} failed: "
+                f"{exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}; check its "
+                "free space and permissions") from exc
         finally:
             self._reserved.pop(name, None)
             self.downloads.pop(name, None)
@@ -344,6 +379,8 @@ class WarmTier:
         found = []
         for child in self.repository.iterdir():
             if not child.is_dir():
+                continue
+            if child == self.staging_dir:
                 continue
             if child.name.startswith("."):
                 self._move_out(child)

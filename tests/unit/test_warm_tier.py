@@ -236,3 +236,84 @@ def test_default_repository_prefers_tmpfs(tmp_path):
         (tmp_path / "state").resolve() / "warm" / "repository"
     huge = default_warm_repository(tmp_path / "state", budget_bytes=1 << 60, shm=shm)
     assert huge == (tmp_path / "state").resolve() / "warm" / "repository"
+
+
+# --------------------------------------------------------------------------- filesystems
+def _repository_on_its_own_mount(monkeypatch, repository: Path):
+    """Pretend ``repository`` is a mount point (a docker volume): a rename between it and
+    anywhere outside fails with EXDEV, as the kernel does."""
+    import errno
+    import os
+
+    from control_plane import warm_tier
+
+    def device(path) -> int:
+        path = Path(path).resolve()
+        return 2 if path == repository or repository in path.parents else 1
+
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if device(src) != device(dst):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(src), None, str(dst))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(warm_tier, "_device", device)
+    monkeypatch.setattr(os, "rename", rename)
+
+
+def test_staging_stays_on_the_repositorys_filesystem_when_it_is_a_mount(tmp_path, monkeypatch):
+    env = Env(tmp_path)
+    repository = (tmp_path / "volume" / "models").resolve()
+    repository.mkdir(parents=True)
+    _repository_on_its_own_mount(monkeypatch, repository)
+    warm = WarmTier(repository, env.registry, ColdStores([env.cold]))
+    assert repository in warm.staging_dir.parents  # same filesystem: the rename cannot EXDEV
+    assert not (repository.parent / "models.staging").exists()
+
+    size = run(warm.stage("m1.v1"))  # raised OSError(EXDEV) before: staging sat beside the mount
+    assert size == folder_bytes(repository / "m1.v1")
+    assert list(warm.staging_dir.iterdir()) == []
+    # A restart keeps the staging folder and never mistakes it for a model.
+    report = WarmTier(repository, env.registry, ColdStores([env.cold])).recover()
+    assert report["warm"] == ["m1.v1"] and report["local"] == [] and report["removed_partial"] == []
+
+
+def test_a_staging_os_error_backs_off_instead_of_downloading_again(tmp_path, monkeypatch):
+    """An OSError while staging (full tmpfs, read-only or cross-device repository) is a
+    staging failure: the manager backs off rather than downloading on every request."""
+    import errno
+    import os
+
+    from control_plane import warm_tier
+    from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
+    from tests.unit.test_manager_unit import FakeAdmin
+
+    env = Env(tmp_path)
+    downloads = []
+    real_download = warm_tier.download_verified
+
+    def counting_download(*args, **kwargs):
+        downloads.append(args[1])
+        return real_download(*args, **kwargs)
+
+    def full_disk(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+
+    monkeypatch.setattr(warm_tier, "download_verified", counting_download)
+    monkeypatch.setattr(os, "rename", full_disk)
+
+    async def go():
+        server = ModelManager.make_server(ServerSpec("s0", "fake:1", "fake:2", max_loaded=2), "lru",
+                                          admin=FakeAdmin(["m1.v1"]))
+        mgr = ModelManager([server], env.store, config=ManagerConfig(policy="lru"), stager=env.warm)
+        await mgr.start()
+        with pytest.raises(ModelLoadFailed, match="No space left on device"):
+            await mgr.ensure("m1.v1")
+        with pytest.raises(ModelLoadFailed, match="not retrying"):
+            await mgr.ensure("m1.v1")
+        await mgr.close()
+
+    run(go())
+    assert len(downloads) == 1
+    assert "m1.v1" not in env.warm.entries and list(env.warm.staging_dir.iterdir()) == []
