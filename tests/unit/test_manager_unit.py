@@ -183,7 +183,7 @@ def test_all_pinned_refuses_without_evicting(tmp_path):
 
 def test_pin_that_cannot_load_is_not_kept(tmp_path):
     async def go():
-        mgr, admin = make(tmp_path, max_loaded=1)
+        mgr, _admin = make(tmp_path, max_loaded=1)
         await mgr.start()
         await mgr.pin("m1")
         with pytest.raises(CapacityExhausted):
@@ -227,7 +227,7 @@ def test_a_load_waits_for_room_held_by_a_load_in_progress(tmp_path):
         mgr, admin = make(tmp_path, max_loaded=1)
         await mgr.start()
         # m2 finds the only slot reserved by m1's load: it waits, then evicts m1.
-        r1, r2 = await asyncio.gather(mgr.ensure("m1"), mgr.ensure("m2"))
+        await asyncio.gather(mgr.ensure("m1"), mgr.ensure("m2"))
         assert admin.load_calls == ["m1", "m2"]
         assert mgr.get("m2").state == ModelState.READY
         assert mgr.get("m1").state == ModelState.WARM
@@ -237,7 +237,7 @@ def test_a_load_waits_for_room_held_by_a_load_in_progress(tmp_path):
 
 def test_room_held_by_pins_fails_at_once(tmp_path):
     async def go():
-        mgr, admin = make(tmp_path, max_loaded=1)
+        mgr, _admin = make(tmp_path, max_loaded=1)
         await mgr.start()
         await mgr.pin("m1")
         start = asyncio.get_running_loop().time()
@@ -250,7 +250,7 @@ def test_room_held_by_pins_fails_at_once(tmp_path):
 
 def test_unload_is_not_blocked_by_requests_waiting_for_the_same_model(tmp_path):
     async def go():
-        mgr, admin = make(tmp_path, max_loaded=2, drain_timeout_s=5)
+        mgr, _admin = make(tmp_path, max_loaded=2, drain_timeout_s=5)
         await mgr.start()
         await mgr.ensure("m1")
         waiting = await mgr.acquire("m1")  # a request that has not reached Triton yet
@@ -264,7 +264,7 @@ def test_unload_is_not_blocked_by_requests_waiting_for_the_same_model(tmp_path):
 
 def test_failed_staging_backs_off(tmp_path):
     async def go():
-        mgr, admin = make(tmp_path)
+        mgr, _admin = make(tmp_path)
         calls = []
 
         class BadStager:
@@ -351,7 +351,7 @@ def test_capacity_message_counts_only_models_really_pinned(tmp_path):
     """A model pinned while it is being unloaded does not hold its slot as a pin."""
 
     async def go():
-        mgr, admin = make(tmp_path, max_loaded=2, free_delay_s=0.2, capacity_wait_s=0.05)
+        mgr, _admin = make(tmp_path, max_loaded=2, free_delay_s=0.2, capacity_wait_s=0.05)
         await mgr.start()
         await mgr.pin("m1")
         await mgr.ensure("m2")

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from control_plane.errors import ControlPlaneError, ModelLoadFailed, OperationTimeout, TritonUnavailable
+from control_plane.errors import (
+    ControlPlaneError,
+    ModelLoadFailed,
+    OperationTimeout,
+    TritonUnavailable,
+)
 from control_plane.triton_admin import TritonAdmin
 from tests.conftest import run
 
