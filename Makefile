@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 UP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup up test test-unit bench bench-gpu check up-docker clean
+.PHONY: setup up test test-unit bench bench-gpu check up-docker clean clean-warm
 
 setup: $(VENV)/.installed
 
@@ -41,5 +41,13 @@ check: setup
 up-docker:
 	docker compose -f docker/compose.yaml up --build
 
-clean:
-	rm -rf .state bench/results
+# The default warm tier of a state directory lives in tmpfs (host RAM) under
+# /dev/shm/mms-<uid>-<first 12 hex of sha256(resolved state dir)> (warm_tier.tmpfs_warm_root);
+# a clean stop removes it, a crash leaves it for a warm restart.
+STATE_DIR ?= .state
+
+clean-warm:
+	rm -rf "/dev/shm/mms-$$(id -u)-$$(printf %s "$$(realpath -m $(STATE_DIR))" | sha256sum | cut -c1-12)"
+
+clean: clean-warm
+	rm -rf $(STATE_DIR) bench/results

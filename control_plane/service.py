@@ -325,6 +325,12 @@ class Service:
         loop = asyncio.get_running_loop()
         for proc in self.processes:
             await loop.run_in_executor(None, proc.stop)
+        if self.cfg.repository is None and not self.cfg.attach and self.warm is not None:
+            # The default warm tier in tmpfs is host RAM; only Tritons launched here read it,
+            # and they are stopped.  A crash keeps it for a warm restart.
+            from .warm_tier import remove_tmpfs_warm_tier
+
+            await asyncio.to_thread(remove_tmpfs_warm_tier, self.cfg.state_dir, self.warm.repository)
 
     async def serve_forever(self) -> None:
         stop = asyncio.Event()

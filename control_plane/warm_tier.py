@@ -70,9 +70,30 @@ def default_warm_repository(state_dir: Path, budget_bytes: int | None = None,
     except OSError:
         usable = False
     if usable:
-        key = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
-        return shm / f"mms-{os.getuid()}-{key}" / "repository"
+        return tmpfs_warm_root(state_dir, shm) / "repository"
     return state_dir.resolve() / "warm" / "repository"
+
+
+def tmpfs_warm_root(state_dir: Path, shm: Path = Path("/dev/shm")) -> Path:
+    """The tmpfs folder of ``state_dir``'s default warm tier (repository + staging).  The
+    Makefile's ``clean-warm`` computes the same name: sha256 of the resolved path, 12 hex."""
+    key = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
+    return shm / f"mms-{os.getuid()}-{key}"
+
+
+def remove_tmpfs_warm_tier(state_dir: Path, repository: Path, shm: Path = Path("/dev/shm")) -> bool:
+    """Delete ``repository`` and its staging folder if they are ``state_dir``'s default warm
+    tier in tmpfs; a repository anywhere else (the user's --repository, the on-disk
+    fallback) is never touched.  tmpfs is host RAM that nothing frees: with 850 MB models a
+    stopped control plane would hold gigabytes.  Everything in it comes back on the next
+    start (staged copies from the cold store, demo models from their generator).  Blocking:
+    call it off the event loop."""
+    root = tmpfs_warm_root(state_dir, shm)
+    if repository.resolve().parent != root or not root.is_dir():
+        return False
+    shutil.rmtree(root, ignore_errors=True)
+    log.info("removed the warm tier %s (host RAM)", root)
+    return not root.exists()
 
 
 STAGING_DIR_NAME = ".mms-staging"  # hidden: never a model name (those start alphanumeric)

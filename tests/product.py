@@ -21,7 +21,7 @@ MMCTL = [sys.executable, "-m", "control_plane.cli"]
 class Product:
     """One `mmctl up` process on free ports, with its own state directory."""
 
-    def __init__(self, state_dir: Path, repository: Path, *extra: str):
+    def __init__(self, state_dir: Path, repository: Path | None, *extra: str):
         self.state_dir = state_dir
         self.repository = repository
         self.extra = list(extra)
@@ -32,7 +32,9 @@ class Product:
     def start(self) -> "Product":
         args = [*MMCTL, "up", "--state-dir", str(self.state_dir), "--admin-port", str(self.admin_port),
                 "--triton-http-port", "0", "--triton-grpc-port", "0", "--triton-metrics-port", "0",
-                "--reconcile-interval", "0.5", "--repository", str(self.repository),
+                "--reconcile-interval", "0.5",
+                # None: no --repository, the product's default warm tier (tmpfs when it can)
+                *(["--repository", str(self.repository)] if self.repository is not None else []),
                 "--router-http-port", "0", "--router-grpc-port", "0", *self.extra]
         log = open(self.state_dir.parent / f"mmctl-up-{self.admin_port}.log", "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)

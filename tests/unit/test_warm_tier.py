@@ -317,3 +317,45 @@ def test_a_staging_os_error_backs_off_instead_of_downloading_again(tmp_path, mon
     run(go())
     assert len(downloads) == 1
     assert "m1.v1" not in env.warm.entries and list(env.warm.staging_dir.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- clean-up
+def test_only_the_default_tmpfs_warm_tier_is_ever_removed(tmp_path):
+    from control_plane.warm_tier import remove_tmpfs_warm_tier, tmpfs_warm_root
+
+    shm, state = tmp_path / "shm", tmp_path / "state"
+    shm.mkdir()
+    users = tmp_path / "my-models"
+    (users / "m1").mkdir(parents=True)
+    assert not remove_tmpfs_warm_tier(state, users, shm=shm)  # a --repository: never touched
+    assert (users / "m1").is_dir()
+
+    repository = default_warm_repository(state, shm=shm)
+    warm = WarmTier(repository)
+    (repository / "m1" / "1").mkdir(parents=True)
+    assert warm.staging_dir.parent == repository.parent == tmpfs_warm_root(state, shm)
+    assert remove_tmpfs_warm_tier(state, repository, shm=shm)
+    assert not tmpfs_warm_root(state, shm).exists() and list(shm.iterdir()) == []
+
+
+def test_make_clean_warm_removes_the_leftover_of_that_state_dir_only(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    repository = default_warm_repository(tmp_path / "state")
+    other = default_warm_repository(tmp_path / "other-state")
+    if not str(repository).startswith("/dev/shm/"):
+        pytest.skip("no writable /dev/shm")
+    try:
+        for repo in (repository, other):
+            (repo / "m1" / "1").mkdir(parents=True)
+        root = Path(__file__).resolve().parents[2]
+        subprocess.run(["make", "-s", "-C", str(root), "clean-warm", f"STATE_DIR={tmp_path / 'state'}"],
+                       check=True, capture_output=True, timeout=30)
+        assert not repository.parent.exists()  # a crash's leftover, gone
+        assert (other / "m1").is_dir()  # another state directory's warm tier is not ours
+    finally:
+        shutil.rmtree(repository.parent, ignore_errors=True)
+        shutil.rmtree(other.parent, ignore_errors=True)
