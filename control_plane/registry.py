@@ -615,6 +615,7 @@ def collect_repository(registry: Registry, repository: Path,
 
     versions = versions or {}
     known = registry.concrete_names(include_retired=True)
+    started = time.monotonic()
     found = []
     for child in sorted(repository.iterdir()) if repository.is_dir() else []:
         name = child.name
@@ -632,6 +633,10 @@ def collect_repository(registry: Registry, repository: Path,
         found.append(FoundFolder(name, model, version,
                                  manifest_digest({e.path: e.sha256 for e in entries}),
                                  sum(e.size_bytes for e in entries)))
+    elapsed_s = time.monotonic() - started
+    if elapsed_s > 5:  # big fleets (--model-size-mb): say where the first start's time went
+        log.info("hashed %d new model folders of %s (%d bytes) in %.1fs", len(found), repository,
+                 sum(f.size_bytes for f in found), elapsed_s)
     return found
 
 
@@ -653,6 +658,6 @@ def add_repository_versions(registry: Registry, found: Iterable[FoundFolder], *,
             log.warning("not registering repository folder %s as %s version %d: %s",
                         f.folder, f.model, version, exc.message)
     if added:
-        log.info("registered %d model folders of the repository: %s", len(added),
-                 ", ".join(mv.name for mv in added))
+        log.info("registered %d model folders of the repository (%d bytes): %s", len(added),
+                 sum(mv.size_bytes for mv in added), ", ".join(mv.name for mv in added))
     return added
