@@ -13,6 +13,14 @@ Concurrency model (plain asyncio, one event loop):
   UNAVAILABLE (unload returns before the stub exits and frees its memory).
 * Every failure undoes exactly what was reserved before it; a model whose load or warm-up
   failed is unloaded again and left ``failed`` with the reason.
+* A model whose unload failed keeps its server and its room (``failed``, ``server`` set):
+  it is never loaded on another server until the first one confirms it gone, and the
+  retries back off.
+* A pin wins over an unload that has not started; one under way is awaited, then the
+  model is loaded again.  Each reconcile pass (``step``) loads pinned models that are
+  not loaded.
+* Warm-up follows the model: Triton runs a config's ``model_warmup`` during the load;
+  otherwise one synthetic request, unless the model or the registry turned it off.
 """
 
 from __future__ import annotations
