@@ -242,29 +242,33 @@ class TritonAdmin:
         the synthetic warm-up off."""
         if plan is None:
             plan = await self.warmup_plan(model)
-        inputs = []
-        for spec in plan.inputs:
-            if spec.datatype == "BYTES":
-                data = np.full(spec.shape, b"warmup", dtype=np.object_)
-            else:
-                data = np.zeros(spec.shape, dtype=triton_to_np_dtype(spec.datatype))
-            inp = InferInput(spec.name, list(spec.shape), spec.datatype)
-            inp.set_data_from_numpy(data)
-            inputs.append(inp)
-        start = time.perf_counter()
         try:
+            inputs = []
+            for spec in plan.inputs:
+                if spec.datatype == "BYTES":
+                    data = np.full(spec.shape, b"warmup", dtype=np.object_)
+                else:  # a refused datatype is translated below, with the same advice
+                    data = np.zeros(spec.shape, dtype=triton_to_np_dtype(spec.datatype))
+                inp = InferInput(spec.name, list(spec.shape), spec.datatype)
+                inp.set_data_from_numpy(data)
+                inputs.append(inp)
+            start = time.perf_counter()
             await self.client.infer(model, inputs, client_timeout=self.timeouts.infer_s)
         except InferenceServerException as exc:
-            if _is_unavailable(exc):
+            status = str(exc.status() or "")
+            if "UNAVAILABLE" in status:
                 raise self._unavailable(exc) from exc
             sent = ", ".join(i.describe() for i in plan.inputs) or "no inputs"
-            raise ModelLoadFailed(
-                f"synthetic warm-up inference of {model} failed: "
-                f"{(exc.message() or str(exc)).strip()}; it sent {sent}.  Give the model its "
-                "own model_warmup in config.pbtxt (Triton runs it during the load), or turn the "
-                f"synthetic warm-up off with parameters {{ key: \"{WARMUP_PARAMETER}\" value: "
-                "{ string_value: \"false\" } } in config.pbtxt or with the registry's "
-                "warm-up setting") from exc
+            advice = (f"it sent {sent}.  Give the model its own model_warmup in config.pbtxt "
+                      "(Triton runs it during the load), or turn the synthetic warm-up off "
+                      f"with parameters {{ key: \"{WARMUP_PARAMETER}\" value: {{ string_value: "
+                      "\"false\" } } in config.pbtxt or with the registry's warm-up setting")
+            if "DEADLINE" in status:
+                raise OperationTimeout(
+                    f"synthetic warm-up inference of {model} did not answer within "
+                    f"{self.timeouts.infer_s:.0f}s; {advice}") from exc
+            raise ModelLoadFailed(f"synthetic warm-up inference of {model} failed: "
+                                  f"{(exc.message() or str(exc)).strip()}; {advice}") from exc
         return (time.perf_counter() - start) * 1000
 
     async def adapter_control(self, model: str, command: dict, timeout_s: float | None = None) -> dict:
