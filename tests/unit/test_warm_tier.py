@@ -359,3 +359,53 @@ def test_make_clean_warm_removes_the_leftover_of_that_state_dir_only(tmp_path):
     finally:
         shutil.rmtree(repository.parent, ignore_errors=True)
         shutil.rmtree(other.parent, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- event loop
+def test_evictions_and_size_walks_run_off_the_event_loop(tmp_path, monkeypatch):
+    """Deleting an evicted model (~0.2 s for 400 MB in tmpfs) and walking a folder's files
+    must not stall the loop that serves requests."""
+    import shutil
+    import threading
+
+    from control_plane import warm_tier
+
+    env = Env(tmp_path, budget_models=2.5)
+    make_folder(env.warm.repository.parent / "src", "handmade")
+    shutil.move(str(env.warm.repository.parent / "src" / "handmade"), str(env.warm.repository / "handmade"))
+    calls: list[tuple[str, bool]] = []
+    real_rmtree, real_folder_bytes = shutil.rmtree, warm_tier.folder_bytes
+
+    def on_loop_thread() -> bool:
+        try:
+            asyncio.get_running_loop()
+            return True
+        except RuntimeError:
+            return False
+
+    def rmtree(path, *args, **kwargs):
+        calls.append(("rmtree", on_loop_thread()))
+        return real_rmtree(path, *args, **kwargs)
+
+    def folder_bytes_(root):
+        calls.append(("folder_bytes", on_loop_thread()))
+        return real_folder_bytes(root)
+
+    monkeypatch.setattr(warm_tier.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(warm_tier, "folder_bytes", folder_bytes_)
+
+    async def go():
+        loop_thread = threading.current_thread()
+        await env.warm.stage("m1.v1")
+        await env.warm.stage("m2.v1")
+        await env.warm.stage("m3.v1")  # evicts m1
+        env.warm.evict("m2.v1")  # an operator's eviction, from an admin handler on the loop
+        await env.warm.stage("handmade")  # a repository folder: its size is a file walk
+        await env.warm.deletions_done()
+        assert threading.current_thread() is loop_thread
+
+    run(go())
+    assert ("rmtree", False) in calls and ("folder_bytes", False) in calls
+    assert [c for c in calls if c[1]] == [], calls  # nothing blocking ran on the loop thread
+    assert env.names() == {"m3.v1", "handmade"}
+    assert [p for p in env.warm.staging_dir.iterdir()] == []  # every evicted folder deleted
