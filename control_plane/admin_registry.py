@@ -6,6 +6,7 @@ the app's error middleware like every other admin route):
     GET  /v1/registry[?model=M]                              versions, stage, size, where
     POST /v1/registry/models/{model}/versions                register (publish if source_dir)
     POST /v1/registry/models/{model}/versions/{version}/stage   promote / retire
+    POST /v1/registry/models/{model}/versions/{version}/warmup  synthetic warm-up on/off
     GET  /v1/registry/models/{model}/history[?version=N]     stage changes, who and when
     GET  /v1/warm                                            warm tier: models, downloads
     POST /v1/warm/{name}/stage[?wait=1]                      prefetch into warm (202 or 200)
@@ -81,7 +82,8 @@ async def add_version(request: web.Request) -> web.Response:
         source_dir=body.get("source_dir"), sla=body.get("sla") or DEFAULT_SLA,
         metrics=parse_metrics(str(m) for m in metrics),
         data_fingerprint=body.get("data_fingerprint"), tenant=body.get("tenant"),
-        stage=body.get("stage") or None)
+        stage=body.get("stage") or None,
+        synthetic_warmup=_flag(body.get("synthetic_warmup", True), "synthetic_warmup"))
     out = mv.to_dict()
     out["serves"] = _serves(model, mv, previous, stage_given=bool(body.get("stage")))
     return web.json_response(out, status=201)
@@ -108,6 +110,23 @@ async def promote(request: web.Request) -> web.Response:
         raise InvalidInput("say which stage: {\"stage\": \"canary\"}")
     mv = registry.promote(request.match_info["model"], _version(request.match_info["version"]),
                           str(body["stage"]), who=_who(request, body), note=body.get("note"))
+    return web.json_response(mv.to_dict())
+
+
+def _flag(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{what} must be true or false, got {value!r}")
+    return value
+
+
+async def set_warmup(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY_KEY]
+    body = await _json(request)
+    if "synthetic_warmup" not in body:
+        raise InvalidInput('say whether to send it: {"synthetic_warmup": false}')
+    mv = registry.set_synthetic_warmup(request.match_info["model"],
+                                       _version(request.match_info["version"]),
+                                       _flag(body["synthetic_warmup"], "synthetic_warmup"))
     return web.json_response(mv.to_dict())
 
 
@@ -175,6 +194,7 @@ def add_registry_routes(app: web.Application, registry: Registry, warm=None,
         web.get("/v1/registry", list_versions),
         web.post("/v1/registry/models/{model}/versions", add_version),
         web.post("/v1/registry/models/{model}/versions/{version}/stage", promote),
+        web.post("/v1/registry/models/{model}/versions/{version}/warmup", set_warmup),
         web.get("/v1/registry/models/{model}/history", history),
         web.get("/v1/warm", warm_status),
         web.post("/v1/warm/{name}/stage", warm_stage),

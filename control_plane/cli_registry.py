@@ -57,10 +57,13 @@ def registry():
 @click.option("--stage", type=click.Choice(STAGES[:-1]),
               help="Default: production for a model's first version (its logical name serves it "
               "at once), else registered.")
+@click.option("--synthetic-warmup/--no-synthetic-warmup", default=True, show_default=True,
+              help="After a load of a model with no model_warmup in its config, send one request "
+              "of zeros to check it; turn off for a model whose inputs reject zeros.")
 @click.option("--who", default=who_am_i, help="Recorded as the author of the change.")
 @click.option("--json", "as_json", is_flag=True)
 def add(model, version, source_dir, artifact_uri, sha256, metrics, data_fingerprint, sla, tenant,
-        stage, who, as_json):
+        stage, synthetic_warmup, who, as_json):
     """Add a version of MODEL from a model folder (--from-dir) or an artifact (--artifact).
 
     \b
@@ -70,7 +73,7 @@ def add(model, version, source_dir, artifact_uri, sha256, metrics, data_fingerpr
     body = {"version": version, "artifact_uri": artifact_uri, "sha256": sha256,
             "source_dir": str(Path(source_dir).resolve()) if source_dir else None,
             "metrics": list(metrics), "data_fingerprint": data_fingerprint, "sla": sla,
-            "tenant": tenant, "stage": stage, "who": who}
+            "tenant": tenant, "stage": stage, "who": who, "synthetic_warmup": synthetic_warmup}
     mv = _call("POST", f"/v1/registry/models/{model}/versions", body)
     if as_json:
         click.echo(json.dumps(mv, indent=2))
@@ -115,6 +118,19 @@ def promote(model, version, stage, note, who, as_json):
                {"stage": stage, "note": note, "who": who})
     click.echo(json.dumps(mv, indent=2) if as_json else
                f"{mv['name']}: {mv['stage']} (by {mv['stage_changed_by']} at {_when(mv['stage_changed_at'])})")
+
+
+@registry.command("warmup")
+@click.argument("model")
+@click.option("--version", "version", type=int, required=True)
+@click.argument("setting", type=click.Choice(["on", "off"]))
+@click.option("--json", "as_json", is_flag=True)
+def warmup(model, version, setting, as_json):
+    """Turn MODEL --version N's synthetic warm-up request on or off (from its next load)."""
+    mv = _call("POST", f"/v1/registry/models/{model}/versions/{version}/warmup",
+               {"synthetic_warmup": setting == "on"})
+    click.echo(json.dumps(mv, indent=2) if as_json else
+               f"{mv['name']}: synthetic warm-up {'on' if mv['synthetic_warmup'] else 'off'}")
 
 
 @registry.command("history")

@@ -76,6 +76,7 @@ CREATE TABLE IF NOT EXISTS registry_versions (
     stage_changed_at REAL NOT NULL,
     stage_changed_by TEXT NOT NULL,
     triton_name TEXT,
+    synthetic_warmup INTEGER NOT NULL DEFAULT 1,
     PRIMARY KEY (model, version)
 );
 CREATE TABLE IF NOT EXISTS registry_history (
@@ -133,6 +134,9 @@ class ModelVersion:
     stage_changed_at: float = 0.0
     stage_changed_by: str = ""
     triton_name: str | None = None  # None: the default <model>.v<version>
+    # False: the control plane sends no synthetic warm-up request after a load (a model
+    # whose own inputs reject zeros); Triton still runs the config's model_warmup.
+    synthetic_warmup: bool = True
 
     @property
     def name(self) -> str:
@@ -201,6 +205,9 @@ class Registry:
         with self._transaction():
             if "triton_name" not in columns:
                 self.db.execute("ALTER TABLE registry_versions ADD COLUMN triton_name TEXT")
+            if "synthetic_warmup" not in columns:
+                self.db.execute("ALTER TABLE registry_versions "
+                                "ADD COLUMN synthetic_warmup INTEGER NOT NULL DEFAULT 1")
             for statement in MIGRATIONS.strip().split(";\n"):
                 self.db.execute(statement)
 
@@ -222,7 +229,8 @@ class Registry:
     # -- reads --------------------------------------------------------------------------
     _COLUMNS = ("model", "version", "artifact_uri", "sha256", "size_bytes", "memory_bytes",
                 "data_fingerprint", "metrics", "sla", "tenant", "stage", "created_at",
-                "created_by", "stage_changed_at", "stage_changed_by", "triton_name")
+                "created_by", "stage_changed_at", "stage_changed_by", "triton_name",
+                "synthetic_warmup")
 
     def _rows(self, where: str = "", args: tuple = ()) -> list[ModelVersion]:
         cur = self.db.execute(
@@ -232,6 +240,7 @@ class Registry:
         for row in cur:
             d = dict(zip(self._COLUMNS, row))
             d["metrics"] = json.loads(d["metrics"] or "{}")
+            d["synthetic_warmup"] = bool(d["synthetic_warmup"])
             out.append(ModelVersion(**d))
         return out
 
@@ -320,7 +329,8 @@ class Registry:
     def add(self, model: str, version: int, artifact_uri: str, sha256: str, size_bytes: int, *,
             who: str, sla: str = DEFAULT_SLA, metrics: dict[str, float] | None = None,
             data_fingerprint: str | None = None, tenant: str | None = None,
-            stage: str = "registered", triton_name: str | None = None) -> ModelVersion:
+            stage: str = "registered", triton_name: str | None = None,
+            synthetic_warmup: bool = True) -> ModelVersion:
         """Register one version.  Re-adding an existing version is refused (versions are
         immutable: a different artifact is a new version).  ``triton_name`` is the
         concrete name when it is not ``<model>.v<version>`` (a repository folder's name)."""
@@ -361,10 +371,11 @@ class Registry:
             self.db.execute(
                 "INSERT INTO registry_versions (model, version, artifact_uri, sha256, size_bytes, "
                 "memory_bytes, data_fingerprint, metrics, sla, tenant, stage, created_at, created_by, "
-                "stage_changed_at, stage_changed_by, triton_name) "
-                "VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "stage_changed_at, stage_changed_by, triton_name, synthetic_warmup) "
+                "VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (model, version, artifact_uri, sha256, int(size_bytes), data_fingerprint,
-                 json.dumps(metrics or {}), sla, tenant, stage, now, who, now, who, name))
+                 json.dumps(metrics or {}), sla, tenant, stage, now, who, now, who, name,
+                 int(bool(synthetic_warmup))))
             self.db.execute(
                 "INSERT INTO registry_history (model, version, from_stage, to_stage, who, at, note) "
                 "VALUES (?, ?, NULL, ?, ?, ?, ?)", (model, version, stage, who, now, "registered"))
@@ -428,6 +439,20 @@ class Registry:
             self._notify(name, "retired")
         self._notify(mv.name, stage)
         return self.get(model, mv.version)
+
+    def warmup_enabled(self, name: str) -> bool:
+        """Whether the control plane may send ``name`` (a concrete name) a synthetic warm-up
+        after a load; models the registry does not know get one."""
+        row = self.db.execute("SELECT synthetic_warmup FROM registry_versions WHERE triton_name = ?",
+                              (name,)).fetchone()
+        return row is None or bool(row[0])
+
+    def set_synthetic_warmup(self, model: str, version: int, enabled: bool) -> ModelVersion:
+        mv = self.get(model, version)
+        self.db.execute("UPDATE registry_versions SET synthetic_warmup = ? WHERE model = ? AND version = ?",
+                        (int(bool(enabled)), model, int(version)))
+        log.info("registry: %s v%d synthetic warm-up %s", model, int(version), "on" if enabled else "off")
+        return self.get(mv.model, mv.version)
 
     def record_memory(self, name: str, memory_bytes: int) -> None:
         """Store a measured footprint for a concrete name (ignored for unregistered names)."""
@@ -533,7 +558,8 @@ async def register_version(registry: Registry, model: str, version: int | None =
                            source_dir: str | None = None, sla: str = DEFAULT_SLA,
                            metrics: dict[str, float] | None = None,
                            data_fingerprint: str | None = None, tenant: str | None = None,
-                           stage: str | None = None) -> ModelVersion:
+                           stage: str | None = None,
+                           synthetic_warmup: bool = True) -> ModelVersion:
     """Register a version whose artifact is in the cold store, publishing it first when
     ``source_dir`` is given.  The sha256 recorded is the artifact's (from its manifest, or
     by hashing it); a ``sha256`` given by the caller must match it.
@@ -575,7 +601,7 @@ async def register_version(registry: Registry, model: str, version: int | None =
                            f"{normalize_sha256(sha256)} you gave; check the upload")
     return registry.add(model, int(version), info.uri, info.sha256, info.size_bytes, who=who,
                         sla=sla, metrics=metrics, data_fingerprint=data_fingerprint,
-                        tenant=tenant, stage=stage)
+                        tenant=tenant, stage=stage, synthetic_warmup=synthetic_warmup)
 
 
 def register_repository(registry: Registry, repository: Path, *, who: str = "mmctl up",

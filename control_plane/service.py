@@ -223,7 +223,8 @@ class Service:
             config=ManagerConfig(drain_timeout_s=cfg.drain_timeout_s,
                                  unload_timeout_s=cfg.unload_timeout_s, policy=cfg.policy),
             stager=self.warm, priority_of=self.registry.stage_priority,
-            placer=Placer(facts=registry_facts(self.registry)))
+            placer=Placer(facts=registry_facts(self.registry)),
+            warmup_enabled=self.registry.warmup_enabled)
         manager = self.manager
         self.warm.in_use = lambda n: (r := manager.records.get(n)) is not None and r.server is not None
         self.registry.on_stage_change(resident_priority_updater(manager))

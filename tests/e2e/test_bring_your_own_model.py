@@ -117,3 +117,38 @@ def test_unknown_and_unserved_logical_names_say_what_to_do(product, tmp_path):
     assert out.returncode == 4 and "simple has no production version" in out.stderr
     assert "simple.v1 (registered)" in out.stderr
     assert product.mmctl("load", "simple.v1").returncode == 0  # the concrete name always works
+
+
+def test_a_model_that_refuses_zeros_loads_once_its_synthetic_warmup_is_off(product, tmp_path):
+    """No model_warmup in its config: the control plane checks it with one request of zeros,
+    which this model refuses.  The registry's switch turns that request off."""
+    src = tmp_path / "picky"
+    shutil.copytree(FIXTURE, src, ignore=shutil.ignore_patterns("__pycache__"))
+    config = (src / "config.pbtxt").read_text()
+    (src / "config.pbtxt").write_text(config[:config.index("model_warmup")].replace('"simple"', '"picky"'))
+    code = (src / "1" / "model.py").read_text()
+    (src / "1" / "model.py").write_text(code.replace(
+        "            out0 = np.add(in0, in1)",
+        "            if not in1.any():\n"
+        "                responses.append(pb_utils.InferenceResponse(\n"
+        "                    error=pb_utils.TritonError('INPUT1 must not be all zeros')))\n"
+        "                continue\n"
+        "            out0 = np.add(in0, in1)"))
+
+    assert product.mmctl("registry", "add", "picky", "--from-dir", str(src)).returncode == 0
+    failed = product.mmctl("load", "picky")
+    assert failed.returncode == 6, failed.stdout + failed.stderr
+    assert "INPUT0" in failed.stderr and "mms_warmup" in failed.stderr, failed.stderr
+
+    off = product.mmctl("registry", "warmup", "picky", "--version", "1", "off")
+    assert off.returncode == 0 and "synthetic warm-up off" in off.stdout, off.stdout + off.stderr
+    load = product.mmctl("load", "picky")
+    assert load.returncode == 0 and load.stdout.startswith("picky.v1: ready"), load.stdout + load.stderr
+    _client, in0, in1, result = add_sub(grpcclient, product.json("endpoints")["router_grpc"], "picky")
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), in0 + in1)
+
+    # Registered with the switch off from the start: loads at once.
+    (src / "config.pbtxt").write_text((src / "config.pbtxt").read_text().replace('"picky"', '"picky2"'))
+    assert product.mmctl("registry", "add", "picky2", "--from-dir", str(src),
+                         "--no-synthetic-warmup").returncode == 0
+    assert product.mmctl("load", "picky2").returncode == 0

@@ -324,3 +324,35 @@ def test_demo_versions_name_the_demo_variants():
 
     assert {name for name, _params in DEMO_VARIANTS} == set(DEMO_VERSIONS)
     assert _WARM_MANIFEST == WARM_MANIFEST
+
+
+def test_synthetic_warmup_is_a_per_version_switch(reg):
+    add(reg, version=1)
+    add(reg, version=2, synthetic_warmup=False)
+    assert reg.warmup_enabled("cust017.v1") is True
+    assert reg.warmup_enabled("cust017.v2") is False
+    assert reg.warmup_enabled("not-registered") is True  # the manager's default
+    assert reg.set_synthetic_warmup("cust017", 1, False).synthetic_warmup is False
+    assert reg.warmup_enabled("cust017.v1") is False
+    reg.set_synthetic_warmup("cust017", 2, True)
+    assert reg.warmup_enabled("cust017.v2") is True
+    with pytest.raises(ModelNotFound):
+        reg.set_synthetic_warmup("cust017", 9, False)
+
+
+def test_a_state_file_from_before_the_warmup_switch_is_migrated(tmp_path):
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
+    old_schema = SCHEMA.replace("    synthetic_warmup INTEGER NOT NULL DEFAULT 1,\n", "")
+    assert "synthetic_warmup" not in old_schema
+    db.executescript(old_schema)
+    db.execute("INSERT INTO registry_versions (model, version, artifact_uri, sha256, size_bytes, sla, "
+               "stage, created_at, created_by, stage_changed_at, stage_changed_by, triton_name) VALUES "
+               "('cust017', 3, 's3://m/cust017/3/', ?, 10, 'silver', 'production', 1, 'a', 1, 'a', "
+               "'cust017.v3')", (SHA,))
+    db.close()
+    store = StateStore(tmp_path / "state.db")
+    reg = Registry(store.db)
+    assert reg.get("cust017", 3).synthetic_warmup is True and reg.warmup_enabled("cust017.v3")
+    store.close()
