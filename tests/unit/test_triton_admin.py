@@ -125,3 +125,14 @@ def test_failed_synthetic_warmup_says_what_it_sent_and_how_to_turn_it_off():
     for needle in ("all-zero input", "INPUT0", "[16]", "INT32", "INPUT1", "BYTES",
                    "model_warmup", 'key: "mms_warmup"', 'string_value: "false"'):
         assert needle in message, (needle, message)
+
+
+def test_hidden_folders_in_the_repository_are_not_models():
+    class IndexClient:
+        async def get_model_repository_index(self, **_kwargs):
+            return {"models": [{"name": "cust001", "state": "READY"},
+                               {"name": ".mms-staging"}, {"name": ".cust002.tmp"}]}
+
+    admin = TritonAdmin("127.0.0.1:1")
+    admin._client = IndexClient()
+    assert set(run(admin.index())) == {"cust001"}
