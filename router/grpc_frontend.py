@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from .core import GRPC_MESSAGE_LIMIT_BYTES, Router
@@ -147,6 +148,37 @@ def _servicer_handlers(servicer) -> dict:
     return capture.handlers
 
 
+def _decoding_in_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The handler with its request decoded inside the RPC: gRPC answers a message that its
+    deserializer cannot parse with UNKNOWN; a malformed request is INVALID_ARGUMENT."""
+    decode = handler.request_deserializer
+
+    async def request(raw: bytes, context):
+        try:
+            return decode(raw)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {exc}")
+
+    if handler.unary_unary is not None:
+        behavior = handler.unary_unary
+
+        async def unary_unary(raw: bytes, context):
+            return await behavior(await request(raw, context), context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)
+    stream = handler.stream_stream
+
+    async def stream_stream(raw_requests, context):
+        async def requests():
+            async for raw in raw_requests:
+                yield await request(raw, context)
+
+        async for response in stream(requests(), context):
+            yield response
+
+    return grpc.stream_stream_rpc_method_handler(stream_stream, None, handler.response_serializer)
+
+
 async def start_grpc(router: Router, host: str, port: int, max_request_bytes: int) -> tuple[grpc.aio.Server, int]:
     """Serve on host:port (0 = any free port); returns the server and the bound port.
 
@@ -163,7 +195,7 @@ async def start_grpc(router: Router, host: str, port: int, max_request_bytes: in
         except grpc.aio.AioRpcError as exc:  # Triton's own answer (shape, dtype, ...)
             await context.abort(exc.code(), exc.details())
 
-    handlers = _servicer_handlers(InferenceServicer(router))
+    handlers = {name: _decoding_in_handler(h) for name, h in _servicer_handlers(InferenceServicer(router)).items()}
     handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(model_infer_raw)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_request_bytes),

@@ -14,6 +14,7 @@ import logging
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from control_plane.errors import ControlPlaneError
@@ -29,12 +30,12 @@ from .errors import (
     from_control_plane,
 )
 from .grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
+from .http_request import HEADER_LENGTH, read_infer_request, with_adapter
 
 log = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("router", Router)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
-HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
 def _error(exc: RouterError) -> web.Response:
@@ -42,6 +43,22 @@ def _error(exc: RouterError) -> web.Response:
     if isinstance(exc, RateLimited):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s + 0.499)))
     return web.json_response({"error": exc.message}, status=exc.http_status, headers=headers)
+
+
+class _MalformedHttpAsInfo(logging.Filter):
+    """aiohttp logs a malformed HTTP request (request line, headers, body framing) as an
+    ERROR with a traceback.  It is the client's mistake and is answered 400: one INFO line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and (exc.code or 400) < 500:
+            record.msg, record.args = "%s: malformed HTTP request (%s)", (record.getMessage(), exc.message)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+MALFORMED_HTTP_AS_INFO = _MalformedHttpAsInfo()
 
 
 @web.middleware
@@ -56,6 +73,18 @@ async def error_middleware(request: web.Request, handler):
         return _error(PayloadTooLarge(f"request body is larger than the router's limit: {exc.text}"))
     except web.HTTPException:
         raise
+    except web.RequestPayloadError as exc:  # e.g. a gzip body that does not decompress
+        # The rest of the body cannot be read: mark it ended so aiohttp does not drain it
+        # (and log the same error again), and close the connection after this answer.
+        request.content.feed_eof()
+        resp = _error(InvalidRequest(f"request body could not be read ({exc.args[0] if exc.args else exc}); "
+                                     "check its Content-Encoding and Content-Length"))
+        resp.force_close()
+        return resp
+    except ConnectionResetError:
+        # The client went away while sending its body: nothing to answer, nothing broken.
+        log.info("HTTP %s %s: the client closed the connection mid-request", request.method, request.path)
+        return _error(InvalidRequest("the client closed the connection before the body was read"))
     except aiohttp.ClientError as exc:
         return web.json_response({"error": f"Triton is unavailable: {exc}"}, status=503)
     except Exception as exc:
@@ -122,29 +151,6 @@ async def model_stats(request):
     return await _forward_get(request, "/stats")
 
 
-def _with_adapter(doc: dict, body: bytes, header_len: str | None, headers: dict,
-                  decision) -> tuple[bytes, dict]:
-    """The body with ``parameters.adapter`` set for a ``base:adapter`` name: the JSON header
-    is re-serialized, binary tensors after it are passed through untouched."""
-    params = doc.get("parameters")
-    if params is None:
-        params = doc["parameters"] = {}
-    if not isinstance(params, dict):
-        raise InvalidRequest("'parameters' must be a JSON object")
-    given = params.get("adapter")
-    if given not in (None, "", decision.adapter):
-        raise InvalidRequest(
-            f"model name {decision.logical!r} selects adapter {decision.adapter!r} but the request "
-            f"parameter adapter is {given!r}; send one of them")
-    params["adapter"] = decision.adapter
-    header = json.dumps(doc, separators=(",", ":")).encode()
-    if not header_len:
-        return header, headers
-    headers = {k: v for k, v in headers.items() if k.lower() != HEADER_LENGTH.lower()}
-    headers[HEADER_LENGTH] = str(len(header))
-    return header + body[int(header_len):], headers
-
-
 async def infer(request: web.Request) -> web.Response:
     router = _router(request)
     limit = router.config.max_request_bytes
@@ -152,31 +158,26 @@ async def infer(request: web.Request) -> web.Response:
         # Refused from the header, before the body is read into memory.
         raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the router's "
                               f"limit of {limit} bytes; send smaller batches")
-    body = await request.read()
-    header_len = request.headers.get(HEADER_LENGTH)
-    json_part = body[: int(header_len)] if header_len else body
-    try:
-        doc = json.loads(json_part or b"{}")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    params = doc.get("parameters") if isinstance(doc.get("parameters"), dict) else {}
+    # A gzip/deflate body is forwarded decompressed and without its Content-Encoding, so
+    # Inference-Header-Content-Length (a size in the decompressed body) stays right.
+    parsed = await read_infer_request(await request.read(), request.headers.get("Content-Encoding"),
+                                      request.headers.get(HEADER_LENGTH), limit)
+    params = parsed.parameters
     user_id = request.headers.get("x-user-id") or params.get("user_id")
-    adapter = params.get("adapter")
-    logical = router.public_name(
-        request.match_info["model"],
-        (i.get("name") for i in doc.get("inputs") or () if isinstance(i, dict)),
-        adapter if isinstance(adapter, str) and adapter else None)
+    logical = router.public_name(request.match_info["model"], parsed.input_names,
+                                 params.get("adapter") or None)
     async with router.serving(logical, str(user_id) if user_id is not None else None) as call:
         decision, server = call.decision, call.server
         version = _version(request)
         path = f"/v2/models/{decision.model}" + (f"/versions/{version}" if version else "") + "/infer"
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() in ("content-type", HEADER_LENGTH.lower(), "content-encoding",
-                                    "accept-encoding")}
+        body, header_length = parsed.body, parsed.header_length
         if decision.adapter is not None:
-            body, headers = _with_adapter(doc, body, header_len, headers, decision)
+            body, header_length = with_adapter(parsed, decision.adapter, decision.logical)
+        # Accept-Encoding is not passed on: Triton would compress on loopback and the
+        # session would decompress again.
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        if header_length is not None:
+            headers[HEADER_LENGTH] = str(header_length)
         try:
             async with request.app[SESSION_KEY].post(f"http://{server.spec.http_url}{path}", data=body,
                                                      headers=headers) as resp:
@@ -231,7 +232,10 @@ async def refused(request: web.Request) -> web.Response:
 
 
 def make_http_app(router: Router) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=router.config.max_request_bytes)
+    # The infer handler decompresses request bodies itself (router/http_request.py).
+    app = web.Application(middlewares=[error_middleware], client_max_size=router.config.max_request_bytes,
+                          handler_args={"auto_decompress": False})
+    logging.getLogger("aiohttp.server").addFilter(MALFORMED_HTTP_AS_INFO)
     app[ROUTER_KEY] = router
 
     async def session_ctx(app):
