@@ -110,7 +110,9 @@ _model_command("unpin", "Unpin MODEL (it stays loaded until evicted).",
 
 @cli.command()
 @click.argument("model")
-@click.option("--force", is_flag=True, help="Unload even if pinned (the pin stays).")
+@click.option("--force", is_flag=True,
+              help="Unload even if pinned: the pin stays, so the reconcile loads it again "
+              "within seconds (a restart of the model); unpin it to keep it unloaded.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_api
 def unload(api: Api, model: str, force: bool, as_json: bool):
