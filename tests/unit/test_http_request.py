@@ -93,6 +93,9 @@ def test_brackets_inside_strings_do_not_count_as_nesting():
     (b"  ", None, "request body is empty"),
     (b"[1]", None, "must be a JSON object, got an array"),
     (b'"x"', None, "must be a JSON object"),
+    (b"null", None, "must be a JSON object, got null"),
+    (b"5", None, "must be a JSON object, got number 5"),
+    (b"1e400", None, "too big to be stored in a double"),
     (b"{not json", None, "not valid JSON"),
     (body().decode().encode("utf-16"), None, "not valid UTF-8"),
     (b"\xef\xbb\xbf" + body(), None, "not valid JSON"),  # a BOM: rapidjson refuses it too
