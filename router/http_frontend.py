@@ -52,7 +52,8 @@ class _MalformedHttpAsInfo(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError) and (exc.code or 400) < 500:
-            record.msg, record.args = "%s: malformed HTTP request (%s)", (record.getMessage(), exc.message)
+            reason = " ".join(str(exc.message).split())[:300]
+            record.msg, record.args = "%s: malformed HTTP request (%s)", (record.getMessage(), reason)
             record.levelno, record.levelname = logging.INFO, "INFO"
             record.exc_info = record.exc_text = None
         return True

@@ -302,9 +302,24 @@ def _infer_request(rng: random.Random) -> service_pb2.ModelInferRequest:
     return req
 
 
-def grpc_case(rng: random.Random) -> tuple[str, bytes, object]:
-    """(method, serialized request, response deserializer) of one malformed gRPC call."""
+def _stream_message(rng: random.Random) -> bytes:
+    kind = rng.randrange(3)
+    if kind == 0:
+        return rng.randbytes(rng.randint(0, 300))
+    if kind == 1:
+        return _infer_request(rng).SerializeToString()
+    while True:
+        method, payload, _ = grpc_case(rng)
+        if method == "ModelInfer":
+            return payload
+
+
+def grpc_case(rng: random.Random) -> tuple[str, bytes | list[bytes], object]:
+    """(method, serialized request(s), response deserializer) of one malformed gRPC call;
+    ModelStreamInfer gets a list of messages."""
     roll = rng.random()
+    if roll < 0.05:
+        return "ModelStreamInfer", [_stream_message(rng) for _ in range(rng.randint(1, 3))], None
     if roll < 0.12:
         method = rng.choice(["ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics"])
         cls = getattr(service_pb2, method + "Request")
@@ -564,13 +579,19 @@ def test_fuzzed_grpc_requests_are_client_errors(product):
         method, payload, _ = case
         call = calls.get(method)
         if call is None:
-            call = calls[method] = channel.unary_unary(f"/inference.GRPCInferenceService/{method}",
-                                                       request_serializer=None, response_deserializer=None)
+            kind = channel.stream_stream if method == "ModelStreamInfer" else channel.unary_unary
+            call = calls[method] = kind(f"/inference.GRPCInferenceService/{method}",
+                                        request_serializer=None, response_deserializer=None)
         start = time.monotonic()
+        code, details = grpc.StatusCode.OK, ""
         try:
-            call(payload, timeout=HANG_S)
-            code = grpc.StatusCode.OK
-            details = ""
+            if isinstance(payload, list):  # a stream: errors of single requests come in-band
+                for raw in call(iter(payload), timeout=HANG_S):
+                    error = service_pb2.ModelStreamInferResponse.FromString(raw).error_message
+                    if "internal error" in error.lower() or "Traceback" in error:
+                        code, details = grpc.StatusCode.INTERNAL, error
+            else:
+                call(payload, timeout=HANG_S)
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details()
         return method, payload, code, details, time.monotonic() - start
@@ -580,9 +601,9 @@ def test_fuzzed_grpc_requests_are_client_errors(product):
             for method, payload, code, details, elapsed in pool.map(run, cases):
                 codes[code.name] = codes.get(code.name, 0) + 1
                 if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE):
-                    bad.append((method, payload[:60], code.name, details[:200]))
+                    bad.append((method, payload[:3], code.name, details[:200]))
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED or elapsed > HANG_S:
-                    slow.append((method, payload[:60], elapsed))
+                    slow.append((method, payload[:3], elapsed))
     finally:
         channel.close()
     assert not bad, f"{len(bad)} of {len(cases)} answered INTERNAL/UNKNOWN/UNAVAILABLE: {bad[:5]}"
