@@ -1,9 +1,9 @@
 """Parse and check one KServe v2 HTTP inference request before it is forwarded to Triton.
 
 Why the router checks what Triton checks again: Triton's HTTP front end answers most
-malformed JSON requests with HTTP 500 (its JSON accessors report INTERNAL errors), some
-make it hang, and a ``shape`` whose element count disagrees with ``data`` makes it allocate
-the shape's size before reading the data, which aborts the whole server (std::bad_alloc).
+malformed JSON requests with HTTP 500 (its JSON accessors report INTERNAL errors), and a
+``shape`` whose element count disagrees with ``data`` makes it allocate the shape's size
+before reading the data, which aborts the whole server (std::bad_alloc, std::length_error).
 So every request is refused here with a 400 and a message that says what is wrong, using
 Triton's wording where Triton has one ("Unable to parse 'shape'", ...).
 
@@ -15,8 +15,8 @@ UTF-8.  JSON nested deeper than ``MAX_JSON_DEPTH`` is refused by a scan before p
 so no parser recursion limit is ever reached.
 
 Everything here is pure (bytes and header values in, an ``InferRequest`` or
-``InvalidRequest`` out) except ``read_infer_request``, which moves large bodies off the
-event loop.
+``InvalidRequest`` out) except ``read_infer_request``, which moves large or compressed
+bodies off the event loop.
 """
 
 from __future__ import annotations

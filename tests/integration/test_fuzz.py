@@ -2,10 +2,12 @@
 
 About 2,000 HTTP and 2,000 gRPC requests, generated from one seed: random paths and names,
 valid requests with one part broken (wrong types, missing fields, duplicate keys, deep
-nesting, huge shapes, numbers out of range, bad header lengths, broken compression), and
-random bytes.  Asserted: no 5xx (HTTP), no INTERNAL/UNKNOWN (gRPC), no call slower than
-10 s; afterwards a valid request works, ``mmctl status`` works and the product's log has
-no traceback.
+nesting, huge shapes, numbers out of range, bad header lengths, broken compression), raw
+bytes on the HTTP socket (broken request lines, headers and framing), random bytes as
+protobuf, streams of bad messages.  Asserted: no 5xx (HTTP), no INTERNAL/UNKNOWN/UNAVAILABLE
+(gRPC), no call slower than 10 s, Triton never restarted; afterwards a valid request works,
+``mmctl status`` works and the product's log has no traceback.  The named cases below pin
+the refusals found this way, each with its message.
 """
 
 from __future__ import annotations
