@@ -233,6 +233,10 @@ def _size(value: str | None) -> int | None:
               help="Public Triton gRPC port.")
 @click.option("--max-request-bytes", default="16MiB", show_default=True,
               help="Largest inference request the router accepts.")
+@click.option("--expose-versions", is_flag=True, default=False,
+              help="Let clients call concrete Triton names (cust017.v3, cust017-faulty) "
+                   "directly. Off: only logical names and their registry versions are "
+                   "public, so A/B, canaries and limits on a name cannot be skipped.")
 @click.option("--warm-budget", default=None,
               help="Bytes of host DRAM for the warm tier (Triton's repository), e.g. 16GiB.")
 @click.option("--cold-dir", type=click.Path(path_type=Path), default=None,
@@ -253,7 +257,7 @@ def _size(value: str | None) -> int | None:
 def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_mb, admin_host,
        admin_port, admin_token, admin_allowed_hosts, triton_servers, triton_http_port,
        triton_grpc_port, triton_metrics_port, attach, router, router_host, router_http_port,
-       router_grpc_port, max_request_bytes, warm_budget, cold_dir, auto_pin_top_k,
+       router_grpc_port, max_request_bytes, expose_versions, warm_budget, cold_dir, auto_pin_top_k,
        prefetch_min_miss_rate, policy, reconcile_interval, log_level):
     """Start tritonserver(s) and the control plane in the foreground; Ctrl-C stops all."""
     from .cold_store import S3Config
@@ -274,7 +278,8 @@ def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_
         model_size_mb=model_size_mb, policy=policy,
         reconcile_interval_s=reconcile_interval, router=router, router_host=router_host,
         router_http_port=router_http_port, router_grpc_port=router_grpc_port,
-        max_request_bytes=_size(max_request_bytes), warm_budget_bytes=_size(warm_budget),
+        max_request_bytes=_size(max_request_bytes), expose_versions=expose_versions,
+        warm_budget_bytes=_size(warm_budget),
         cold_dir=cold_dir, s3=S3Config.from_env(), auto_pin_top_k=auto_pin_top_k,
         prefetch_min_miss_rate=prefetch_min_miss_rate)
     try:

@@ -68,6 +68,7 @@ class ServiceConfig:
     router_http_port: int = 8000
     router_grpc_port: int = 8001
     max_request_bytes: int = 16 * 1024 * 1024
+    expose_versions: bool = False  # concrete Triton names callable on the public port
     load_wait_timeout_s: float = 120.0
 
     def validate(self) -> None:
@@ -280,23 +281,19 @@ class Service:
         from router.core import Router, RouterConfig
         from router.grpc_frontend import start_grpc
         from router.http_frontend import make_http_app
+        from router.public_names import PublicNames
         from router.routes import RouteTable
 
         cfg = self.cfg
         registry = self.registry
-        production: dict[str, str] = {}
-
-        def refresh_production(*_args) -> None:
-            # The hot path reads this dict; SQLite is read only when a stage changes.
-            production.clear()
-            production.update({v.model: v.name for v in registry.versions() if v.stage == "production"})
-
-        refresh_production()
-        registry.on_stage_change(refresh_production)
-        table = RouteTable(self.manager.store, default_target=production.get)
+        # The hot path reads its dicts; SQLite is read only when the registry changes.
+        names = PublicNames(registry.versions, expose_concrete=cfg.expose_versions)
+        registry.on_stage_change(names.refresh)
+        table = RouteTable(self.manager.store, default_target=names.production.get,
+                           unrouted=names.unrouted)
         self.router = Router(self.manager, table, RouterConfig(
             load_timeout_s=cfg.load_wait_timeout_s, max_request_bytes=cfg.max_request_bytes,
-            shadow_log_dir=(cfg.state_dir / "shadow").resolve()))
+            shadow_log_dir=(cfg.state_dir / "shadow").resolve()), names=names)
         await self.router.start()
         add_router_routes(admin_app, self.router)
         self.grpc_server, grpc_port = await start_grpc(

@@ -2,12 +2,19 @@
 
     RouterError                 INTERNAL / 500
     +-- ModelNotFound           NOT_FOUND / 404
+    |   +-- UnknownModel        NOT_FOUND / 404, in Triton's words for the name the client asked
     +-- InvalidRequest          INVALID_ARGUMENT / 400
+    |   +-- InvalidVersion      INVALID_ARGUMENT / 400, Triton's words for a non-numeric version
+    |   +-- ModelUnavailable    INVALID_ARGUMENT / 400, Triton's statistics answer for a model
+    |                           that is not loaded
     +-- PayloadTooLarge         RESOURCE_EXHAUSTED / 413
     +-- RateLimited             RESOURCE_EXHAUSTED / 429 (+ Retry-After)
     +-- PermissionDenied        PERMISSION_DENIED / 403
     +-- BackendUnavailable      UNAVAILABLE / 503
     +-- RequestTimeout          DEADLINE_EXCEEDED / 504
+    +-- NoSuchPath              NOT_FOUND / 404, Triton's answer for a URL it does not route
+    +-- UpstreamError           Triton's own code and message (shape, datatype, ...), passed on
+                                with the name the client asked for
 """
 
 from __future__ import annotations
@@ -34,6 +41,64 @@ class ModelNotFound(RouterError):
 class InvalidRequest(RouterError):
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
     http_status = 400
+
+
+# Triton's own texts (measured on tritonserver 2.51): clients match on them (the official
+# examples check for "Request for unknown model"), so the router answers with the same words.
+class UnknownModel(ModelNotFound):
+    """No model of that name (or version) is served, worded as Triton words it."""
+
+    def __init__(self, name: str, version: str = "", no_versions: bool = False):
+        if version:
+            message = f"Request for unknown model: '{name}' version {version} is not found"
+        elif no_versions:
+            message = f"Request for unknown model: '{name}' has no available versions"
+        else:
+            message = f"Request for unknown model: '{name}' is not found"
+        super().__init__(message)
+        self.name = name
+        self.version = version
+
+    def for_statistics(self) -> ModelUnavailable:
+        """Triton's statistics API words the same case differently (and as INVALID_ARGUMENT)."""
+        return ModelUnavailable(self.name, self.version)
+
+
+class ModelUnavailable(InvalidRequest):
+    """Statistics of a model (version) that is not loaded."""
+
+    def __init__(self, name: str, version: str = ""):
+        if version:
+            super().__init__(f"requested model version is not available for model '{name}'")
+        else:
+            super().__init__(f"requested model '{name}' is not available")
+
+
+class InvalidVersion(InvalidRequest):
+    """A model version that is not a whole number >= 0 (Triton parses it with std::stol)."""
+
+    def __init__(self, version: str):
+        if version.startswith("-") and version[1:].isdigit():
+            super().__init__(f"invalid model version specified '{version}' , version should be an "
+                             "integral value > 0")
+        else:
+            super().__init__(f"failed to get model version from specified version string '{version}' "
+                             "(details: stol), version should be an integral value > 0")
+        self.version = version
+
+
+MAX_VERSION = 2**63 - 1  # std::stol's range on Triton's 64-bit builds
+
+
+def parse_version(version: str) -> str:
+    """The client's model version: "" (none) or ASCII digits within int64, as a canonical
+    number string ("01" -> "1", as Triton reads it).  Anything else is refused with Triton's
+    words: it is looked up and spliced into URLs, so only digits pass."""
+    if not version:
+        return ""
+    if version.isascii() and version.isdigit() and int(version) <= MAX_VERSION:
+        return str(int(version))
+    raise InvalidVersion(version)
 
 
 class PayloadTooLarge(RouterError):
@@ -63,6 +128,23 @@ class BackendUnavailable(RouterError):
 class RequestTimeout(RouterError):
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
     http_status = 504
+
+
+class NoSuchPath(RouterError):
+    """Triton answers a URL it has no route for (``/versions/abc/ready``) with this."""
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+
+    def __init__(self):
+        super().__init__("Not Found")
+
+
+class UpstreamError(RouterError):
+    """Triton's answer to a forwarded call, its status code kept."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.grpc_code = code
 
 
 def from_control_plane(exc: cp.ControlPlaneError) -> RouterError:

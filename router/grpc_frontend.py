@@ -70,8 +70,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         try:
-            return service_pb2.ModelReadyResponse(ready=self.router.model_ready(request.name))
-        except RouterError as exc:
+            return service_pb2.ModelReadyResponse(ready=self.router.model_ready(request.name, request.version))
+        except RouterError as exc:  # a version that is not a number
             await _abort(context, exc)
 
     async def _model_call(self, context, name, method, version):
@@ -89,18 +89,15 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._model_call(context, request.name, "config", request.version)
 
     async def ModelStatistics(self, request, context):
-        if not request.name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "name a model: statistics are served per model on the public port")
+        if not request.name:  # every model (Triton ignores the version then)
+            return await self.router.all_statistics()
         return await self._model_call(context, request.name, "statistics", request.version)
 
     async def ModelInfer(self, request, context):
         try:
             return await self.router.infer(request, _user_id(request, context), context.time_remaining())
-        except RouterError as exc:
+        except RouterError as exc:  # Triton's own answers (shape, dtype, ...) included
             await _abort(context, exc)
-        except grpc.aio.AioRpcError as exc:  # Triton's own answer (shape, dtype, ...)
-            await context.abort(exc.code(), exc.details())
 
     async def ModelStreamInfer(self, request_iterator, context):
         async for request in request_iterator:
@@ -109,8 +106,6 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 yield service_pb2.ModelStreamInferResponse(infer_response=response)
             except RouterError as exc:
                 yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
-            except grpc.aio.AioRpcError as exc:
-                yield service_pb2.ModelStreamInferResponse(error_message=exc.details())
 
     RepositoryIndex = _refuse("RepositoryIndex")
     RepositoryModelLoad = _refuse("RepositoryModelLoad")
@@ -190,10 +185,8 @@ async def start_grpc(router: Router, host: str, port: int, max_request_bytes: in
         try:
             return await router.infer_raw(raw, lambda: _metadata_user_id(context),
                                           context.time_remaining())
-        except RouterError as exc:
+        except RouterError as exc:  # Triton's own answers (shape, dtype, ...) included
             await _abort(context, exc)
-        except grpc.aio.AioRpcError as exc:  # Triton's own answer (shape, dtype, ...)
-            await context.abort(exc.code(), exc.details())
 
     handlers = {name: _decoding_in_handler(h) for name, h in _servicer_handlers(InferenceServicer(router)).items()}
     handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(model_infer_raw)

@@ -23,14 +23,18 @@ from .core import Router
 from .errors import (
     BackendUnavailable,
     InvalidRequest,
+    ModelUnavailable,
+    NoSuchPath,
     PayloadTooLarge,
     PermissionDenied,
     RateLimited,
     RouterError,
     from_control_plane,
+    parse_version,
 )
 from .grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
 from .http_request import HEADER_LENGTH, read_infer_request, with_adapter
+from .repository_config import triton_json
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +101,25 @@ def _router(request: web.Request) -> Router:
     return request.app[ROUTER_KEY]
 
 
-def _version(request: web.Request) -> str | None:
-    """The URL's model version: digits only (it is spliced into the URL sent to Triton)."""
+def _version(request: web.Request) -> str:
+    """The URL's model version ("" when none): digits only, as Triton routes it.  Triton has
+    no route for ``/versions/abc/...`` and answers 404 Not Found; a number beyond int64 is
+    its 400 (``parse_version``)."""
     version = request.match_info.get("version")
-    if version is not None and not version.isdigit():
-        raise InvalidRequest(f"model version must be a number, got {version!r}")
-    return version
+    if version is None:
+        return ""
+    if not (version.isascii() and version.isdigit()):
+        raise NoSuchPath()
+    return parse_version(version)
+
+
+def _json(doc) -> web.Response:
+    """JSON written compactly, as Triton writes it."""
+    return web.json_response(doc, dumps=_compact)
+
+
+def _compact(doc) -> str:
+    return json.dumps(doc, separators=(",", ":"))
 
 
 async def live(request):
@@ -119,41 +136,74 @@ async def server_metadata(request):
 
 
 async def model_ready(request):
-    ok = _router(request).model_ready(request.match_info["model"])
-    return web.Response(status=200 if ok else 400)
-
-
-async def _forward_get(request: web.Request, suffix: str) -> web.Response:
-    router = _router(request)
-    logical = request.match_info["model"]
-    decision = router.decide_without_limits(logical)
-    server = await router.server_for(decision.model)
     version = _version(request)
-    path = f"/v2/models/{decision.model}" + (f"/versions/{version}" if version else "") + suffix
+    if _router(request).model_ready(request.match_info["model"], version):
+        return web.Response(status=200)
+    return web.Response(status=400, text=_compact({"error": "Model version not ready"}))
+
+
+_SUFFIXES = {"metadata": "", "config": "/config", "statistics": "/stats"}
+
+
+async def _forward_get(request: web.Request, method: str) -> web.Response:
+    """Metadata, config or statistics: Triton's answer for a loaded model, renamed to the
+    name and version asked for; for a model that is not loaded, never a load (see
+    ``Router.model_call``)."""
+    router = _router(request)
+    asked = request.match_info["model"]
+    version = _version(request)
+    target = router.describe(asked, version, statistics=method == "statistics")
+    server = router.manager.ready_server_of(target.model)
+    if server is None:
+        if method == "statistics":
+            raise ModelUnavailable(asked)
+        answer = await router.cold_answer(asked, method, target)
+        # Triton's HTTP config is the ModelConfig itself (gRPC wraps it in a response).
+        return _json(triton_json(answer.config if method == "config" else answer))
+    path = (f"/v2/models/{target.model}" + (f"/versions/{target.version}" if target.version else "")
+            + _SUFFIXES[method])
     async with request.app[SESSION_KEY].get(f"http://{server.spec.http_url}{path}") as resp:
         body = await resp.read()
-        if resp.status == 200 and resp.content_type == "application/json":
-            doc = json.loads(body)
-            if suffix == "" and "name" in doc:
-                doc["name"] = logical
-            return web.json_response(doc)
-        return web.Response(body=body, status=resp.status, content_type=resp.content_type)
+        status, content_type = resp.status, resp.content_type
+    if status != 200 or content_type != "application/json":
+        text = router.public_text(body.decode(errors="replace"), target.model, asked)
+        return web.Response(text=text, status=status, content_type=content_type)
+    doc = json.loads(body)
+    _model, public_version = router.public_identity(target)
+    if method == "metadata":
+        doc["name"] = asked
+        if public_version is not None:
+            doc["versions"] = [public_version]
+    elif method == "config":
+        doc["name"] = asked
+    else:
+        for stats in doc.get("model_stats", ()):
+            stats["name"] = asked
+            if public_version is not None:
+                stats["version"] = public_version
+    return _json(doc)
 
 
 async def model_metadata(request):
-    return await _forward_get(request, "")
+    return await _forward_get(request, "metadata")
 
 
 async def model_config(request):
-    return await _forward_get(request, "/config")
+    return await _forward_get(request, "config")
 
 
 async def model_stats(request):
-    return await _forward_get(request, "/stats")
+    return await _forward_get(request, "statistics")
+
+
+async def all_stats(request):
+    """Every loaded public model (Triton's GET /v2/models/stats)."""
+    return _json(triton_json(await _router(request).all_statistics()))
 
 
 async def infer(request: web.Request) -> web.Response:
     router = _router(request)
+    version = _version(request)  # Triton routes no other URL: refused before the body is read
     limit = router.config.max_request_bytes
     if request.content_length is not None and request.content_length > limit:
         # Refused from the header, before the body is read into memory.
@@ -167,10 +217,10 @@ async def infer(request: web.Request) -> web.Response:
     user_id = request.headers.get("x-user-id") or params.get("user_id")
     logical = router.public_name(request.match_info["model"], parsed.input_names,
                                  params.get("adapter") or None)
-    async with router.serving(logical, str(user_id) if user_id is not None else None) as call:
+    async with router.serving(logical, str(user_id) if user_id is not None else None, version) as call:
         decision, server = call.decision, call.server
-        version = _version(request)
-        path = f"/v2/models/{decision.model}" + (f"/versions/{version}" if version else "") + "/infer"
+        path = (f"/v2/models/{decision.model}" + (f"/versions/{decision.version}" if decision.version else "")
+                + "/infer")
         body, header_length = parsed.body, parsed.header_length
         if decision.adapter is not None:
             body, header_length = with_adapter(parsed, decision.adapter, decision.logical)
@@ -191,18 +241,24 @@ async def infer(request: web.Request) -> web.Response:
             raise BackendUnavailable(
                 f"Triton {server.name} at {server.spec.http_url} is unavailable ({exc}); "
                 "the control plane restarts it, retry shortly") from exc
+        asked = request.match_info["model"]
         if status != 200:
             call.code = "INVALID_ARGUMENT" if status == 400 else f"HTTP_{status}"
+            # Triton's message about the concrete model, about the one the client asked for.
+            payload = router.public_text(payload.decode(errors="replace"), decision.model, asked).encode()
             return web.Response(body=payload, status=status, content_type="application/json")
         n = int(resp_header_len) if resp_header_len else len(payload)
         out = json.loads(payload[:n])
+        public_model, public_version = router.public_identity(decision)
         params = out.setdefault("parameters", {})
-        params.update(model=decision.model, variant=decision.variant)
+        params.update(model=public_model, variant=decision.variant)
         if decision.experiment:
             params["experiment"] = decision.experiment
         if decision.adapter is not None:
             params["adapter"] = decision.adapter
-        out["model_name"] = decision.model
+        out["model_name"] = asked
+        if public_version is not None:
+            out["model_version"] = public_version
         header = json.dumps(out, separators=(",", ":")).encode()
         resp_headers = {}
         if resp_header_len:
@@ -213,7 +269,7 @@ async def infer(request: web.Request) -> web.Response:
 
 async def model_health(request: web.Request) -> web.Response:
     router = _router(request)
-    decision = router.decide_without_limits(request.match_info["model"])
+    decision = router.describe(request.match_info["model"])
     body = await router.manager.health(decision.model)
     body["route"] = request.match_info["model"]
     return web.json_response(body, status=200 if body["healthy"] else 503)
@@ -253,6 +309,7 @@ def make_http_app(router: Router) -> web.Application:
         web.get("/v2/health/live", live),
         web.get("/v2/health/ready", ready),
         web.get("/v2", server_metadata),
+        web.get("/v2/models/stats", all_stats),  # before {model}: Triton's every-model statistics
         web.get(m, model_metadata), web.get(mv, model_metadata),
         web.get(m + "/ready", model_ready), web.get(mv + "/ready", model_ready),
         web.get(m + "/config", model_config), web.get(mv + "/config", model_config),

@@ -128,7 +128,9 @@ class Route:
         )
 
 
-@dataclass(frozen=True)
+# Read-only by convention, not frozen: a frozen dataclass sets each field through
+# object.__setattr__, which costs ~0.1 us per field on every request here.
+@dataclass(slots=True)
 class Decision:
     logical: str
     model: str
@@ -138,16 +140,23 @@ class Decision:
     shadow: str | None = None
     scope: str = ""  # statistics scope: "exp:<id>", "canary:<name>" or "model:<name>"
     adapter: str | None = None  # LoRA adapter the request must carry (``base:adapter`` names)
+    # The version to ask Triton for.  Empty for logical names, whose registry version picks
+    # the concrete model instead; only a concrete name (--expose-versions) passes one on.
+    version: str = ""
 
 
 class RouteTable:
     def __init__(self, store: StateStore | None = None, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.time,
-                 default_target: Callable[[str], str | None] | None = None):
+                 default_target: Callable[[str], str | None] | None = None,
+                 unrouted: Callable[[str], str] | None = None):
         """``default_target(name)``: the concrete model a name without a route serves (the
-        registry's production version, e.g. cust017 -> cust017.v3), or None."""
+        registry's production version, e.g. cust017 -> cust017.v3), or None.
+        ``unrouted(name)``: what a name with neither serves, or raises when it serves nothing
+        (``PublicNames.unrouted``); by default the model of that name."""
         self.store = store
         self.default_target = default_target
+        self.unrouted = unrouted
         self.rng = rng or random.Random()
         self.clock = clock
         self.routes: dict[str, Route] = {}
@@ -174,6 +183,29 @@ class RouteTable:
         target = self.default_target(name) if self.default_target is not None else None
         return target or name
 
+    def _unrouted_target(self, name: str) -> str:
+        """A name without a route: its production version, else ``unrouted``'s answer."""
+        validate_model_name(name)
+        target = self.default_target(name) if self.default_target is not None else None
+        if target is not None:
+            return target
+        return self.unrouted(name) if self.unrouted is not None else name
+
+    def primary(self, name: str) -> str:
+        """The concrete model that answers for ``name`` when no request picks a variant:
+        an experiment's control, a canary's baseline, else what the name serves.  Readiness,
+        metadata and configuration describe this one (deterministic, no random draw)."""
+        if ADAPTER_SEPARATOR in name:
+            name = split_adapter(name)[0]
+        route = self.routes.get(name)
+        if route is None:
+            return self._unrouted_target(name)
+        if route.experiment is not None and route.experiment.enabled:
+            return route.experiment.control
+        if route.canary is not None and route.canary.status == "running":
+            return route.canary.baseline
+        return self.target_of(name)
+
     def route(self, name: str, create: bool = False) -> Route | None:
         route = self.routes.get(name)
         if route is None and create:
@@ -195,7 +227,9 @@ class RouteTable:
         if route is None:
             validate_model_name(name)
             target = self.default_target(name) if self.default_target is not None else None
-            return Decision(name, target or name, "default", scope=f"model:{name}")
+            if target is None:
+                target = self.unrouted(name) if self.unrouted is not None else name
+            return Decision(name, target, "default", scope=f"model:{name}")
         shadow = None
         if route.shadow and route.shadow.percent > 0 and self.rng.random() * 100 < route.shadow.percent:
             shadow = route.shadow.model

@@ -1,0 +1,224 @@
+"""The router answers as Triton does, under the names clients use (unit tier: a fake Triton,
+no sockets).  tests/integration/test_fidelity.py compares against a real tritonserver."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from tritonclient.grpc import model_config_pb2, service_pb2
+
+from control_plane.manager import ModelManager, ServerSpec
+from control_plane.registry import ModelVersion
+from control_plane.state_store import StateStore
+from router.core import Router
+from router.errors import (
+    InvalidVersion,
+    ModelUnavailable,
+    RateLimited,
+    RouterError,
+    UnknownModel,
+    parse_version,
+)
+from router.public_names import PublicNames
+from router.repository_config import metadata_from_config, read_folder, triton_json
+from router.routes import RouteTable
+from tests.conftest import run
+from tests.unit.test_manager_unit import FakeAdmin
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "simple"
+
+
+def version(model, number, stage, name=None):
+    return ModelVersion(model, number, f"file:///cold/{model}/{number}/", "sha256:x", 1, stage=stage,
+                        triton_name=name)
+
+
+VERSIONS = [
+    version("simple", 1, "retired", name="simple"),
+    version("simple", 2, "production"),
+    version("simple", 3, "registered"),
+    version("draft", 1, "registered"),  # a model with no production version
+    version("cust017", 1, "production", name="cust017"),
+    version("cust017", 4, "registered", name="cust017-faulty"),
+]
+
+
+def make_router(tmp_path, expose=False, registry=True):
+    concrete = [v.name for v in VERSIONS]
+    admin = FakeAdmin(concrete)
+    server = ModelManager.make_server(ServerSpec("s0", "fake:1", "fake:2", max_loaded=4), "lru",
+                                      admin=admin)
+    repository = tmp_path / "repository"
+    repository.mkdir(parents=True)
+    manager = ModelManager([server], StateStore(tmp_path / "state.db"), repository=repository)
+    if not registry:
+        return Router(manager, RouteTable()), admin
+    names = PublicNames(lambda: VERSIONS, expose_concrete=expose)
+    table = RouteTable(default_target=names.production.get, unrouted=names.unrouted)
+    return Router(manager, table, names=names), admin
+
+
+def add_folder(router, concrete):
+    shutil.copytree(FIXTURE, router.manager.repository / concrete, ignore=shutil.ignore_patterns("README.md"))
+
+
+# --------------------------------------------------------------------------- names
+def test_registry_versions_are_reachable_by_number_and_answer_with_it(tmp_path):
+    router, _ = make_router(tmp_path)
+    assert router.decide("simple", None).model == "simple.v2"
+    assert router.decide("simple", None, "3").model == "simple.v3"
+    assert router.decide("cust017", None, "4").model == "cust017-faulty"
+    for name, number, text in (
+            ("simple", "1", "Request for unknown model: 'simple' version 1 is not found"),  # retired
+            ("simple", "7", "Request for unknown model: 'simple' version 7 is not found"),
+            ("nosuch", "1", "Request for unknown model: 'nosuch' is not found")):
+        with pytest.raises(UnknownModel) as info:
+            router.decide(name, None, number)
+        assert info.value.message == text
+    # Responses carry the asked name and the registry version, never simple.v3.
+    decision = router.decide("simple", None, "3")
+    assert router.public_identity(decision) == ("simple", "3")
+    triton = service_pb2.ModelInferResponse(model_name="simple.v3", model_version="1", id="r1")
+    merged = service_pb2.ModelInferResponse.FromString(
+        triton.SerializeToString() + router._response_suffix("simple", decision))
+    assert (merged.model_name, merged.model_version, merged.id) == ("simple", "3", "r1")
+    assert merged.parameters["model"].string_param == "simple"
+
+
+def test_concrete_names_answer_like_unknown_models_unless_exposed(tmp_path):
+    router, _ = make_router(tmp_path)
+    for name in ("simple.v2", "cust017-faulty", "../x"):
+        with pytest.raises(UnknownModel, match=r"^Request for unknown model: '.*' is not found$"):
+            router.decide(name, None)
+        assert router.model_ready(name) is False
+    with pytest.raises(UnknownModel, match="^Request for unknown model: 'draft' has no available versions$"):
+        router.decide("draft", None)
+    # A route (alias) is a logical name; its version is the version of what it serves.
+    router.table.set_alias("rec", "simple.v3")
+    assert router.decide("rec", None).model == "simple.v3"
+    assert router.decide("rec", None, "3").model == "simple.v3"
+    with pytest.raises(UnknownModel, match="'rec' version 2 is not found"):
+        router.decide("rec", None, "2")
+
+    exposed, _ = make_router(tmp_path / "exposed", expose=True)
+    decision = exposed.decide("cust017-faulty", None, "1")
+    assert (decision.model, decision.version) == ("cust017-faulty", "1")  # Triton's own version
+    assert exposed.public_identity(decision) == ("cust017-faulty", None)
+
+
+def test_a_version_request_counts_against_the_limit_of_its_name(tmp_path):
+    router, _ = make_router(tmp_path)
+    router.table.set_limit("simple", 1, 1)
+    router.decide("simple", None, "3")
+    with pytest.raises(RateLimited):
+        router.decide("simple", None, "2")
+
+
+STOL = ("failed to get model version from specified version string '{}' (details: stol), "
+        "version should be an integral value > 0")
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ("", ""), ("3", "3"), ("01", "1"),
+    ("abc", STOL.format("abc")), ("1a", STOL.format("1a")), ("\u00b2", STOL.format("\u00b2")),
+    ("99999999999999999999", STOL.format("99999999999999999999")),
+    ("-1", "invalid model version specified '-1' , version should be an integral value > 0"),
+])
+def test_versions_are_digits_only_in_tritons_words(given, expected):
+    try:
+        assert parse_version(given) == expected
+    except InvalidVersion as exc:
+        assert exc.message == expected
+
+
+def test_triton_messages_name_the_model_the_client_asked_for():
+    text = ("[request id: <id_unknown>] unexpected shape for input 'INPUT1' for model 'simple.v2'. "
+            "Expected [16], got [15].")
+    assert Router.public_text(text, "simple.v2", "simple") == text.replace("'simple.v2'", "'simple'")
+    # Only the quoted model name: another model whose name contains it is left alone.
+    assert Router.public_text("'cust017-v2' and 'cust017'", "cust017", "rec") == "'cust017-v2' and 'rec'"
+
+
+# --------------------------------------------------------------------------- never loads
+def test_readiness_of_unknown_and_cold_models_is_false_and_loads_nothing(tmp_path):
+    async def go():
+        router, admin = make_router(tmp_path, registry=False)
+        await router.manager.start()
+        assert router.model_ready("nosuch") is False  # Triton: ready false, not an error
+        assert router.model_ready("simple.v2") is False  # cold
+        assert admin.load_calls == []
+        await router.manager.ensure("simple.v2")
+        assert router.model_ready("simple.v2") is True
+        with pytest.raises(RouterError, match="'abc'"):
+            router.model_ready("simple.v2", "abc")
+
+    run(go())
+
+
+def test_cold_metadata_and_config_come_from_config_pbtxt_without_a_load(tmp_path):
+    async def go():
+        router, admin = make_router(tmp_path)
+        add_folder(router, "simple.v2")
+        meta = await router.model_call("simple", "metadata")
+        assert (meta.name, list(meta.versions), meta.platform) == ("simple", ["2"], "python")
+        assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] == [
+            ("INPUT0", "INT32", [16]), ("INPUT1", "INT32", [16])]
+        config = await router.model_call("simple", "config")
+        assert (config.config.name, config.config.backend) == ("simple", "python")
+        assert [w.name for w in config.config.model_warmup] == ["random_sample"]
+        with pytest.raises(ModelUnavailable, match=r"^requested model 'simple' is not available$"):
+            await router.model_call("simple", "statistics")
+        with pytest.raises(ModelUnavailable, match="^requested model version is not available for model 'simple'$"):
+            await router.model_call("simple", "statistics", "7")
+        # Registered, but its folder is not in the repository (not staged): Triton's answer
+        # for a model it has not loaded.
+        with pytest.raises(UnknownModel, match=r"^Request for unknown model: 'simple' is not found$"):
+            await router.model_call("simple", "config", "3")
+        assert admin.load_calls == []
+
+    run(go())
+
+
+def test_unknown_names_create_no_metric_series(tmp_path):
+    async def go():
+        router, _admin = make_router(tmp_path, registry=False)
+        await router.manager.start()
+        names = [f"probe{uuid.uuid4().hex[:10]}" for _ in range(4)]
+        for name, method in zip(names, ("metadata", "config", "statistics", "metadata")):
+            with pytest.raises(RouterError):
+                await router.model_call(name, method)
+            router.model_ready(name)
+        return names, (generate_latest(router.metrics.registry)
+                       + generate_latest(router.manager.metrics.registry)).decode()
+
+    names, text = run(go())
+    assert not [n for n in names if n in text]
+
+
+# --------------------------------------------------------------------------- shapes
+def test_metadata_from_a_batching_config_has_the_batch_dimension():
+    config = model_config_pb2.ModelConfig(name="m", platform="onnxruntime_onnx", max_batch_size=8)
+    config.input.add(name="TEXT", data_type=model_config_pb2.TYPE_STRING, dims=[-1])
+    config.output.add(name="SCORE", data_type=model_config_pb2.TYPE_FP32, dims=[3, 2])
+    meta = triton_json(metadata_from_config(config, "asked", ["4"]))
+    assert meta == {"name": "asked", "versions": ["4"], "platform": "onnxruntime_onnx",
+                    "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [-1, -1]}],
+                    "outputs": [{"name": "SCORE", "datatype": "FP32", "shape": [-1, 3, 2]}]}
+
+
+def test_config_json_is_written_as_triton_writes_it(tmp_path):
+    found = read_folder(FIXTURE)
+    assert found is not None and found.versions == ("1",)
+    doc = triton_json(found.config)
+    # Numbers stay numbers (protobuf's JSON mapping would write dims as strings), enums by
+    # name, defaults present, unset sub-messages absent.
+    assert doc["input"][0]["dims"] == [16] and doc["input"][0]["data_type"] == "TYPE_INT32"
+    assert doc["max_batch_size"] == 0 and doc["platform"] == ""
+    assert "dynamic_batching" not in doc and doc["instance_group"][0]["kind"] == "KIND_CPU"
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.pbtxt").write_text("input { nonsense")
+    assert read_folder(tmp_path / "bad") is None and read_folder(tmp_path / "missing") is None
