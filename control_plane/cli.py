@@ -151,7 +151,8 @@ def health(api: Api, model: str, probe: bool, as_json: bool):
 def fleet(api: Api, as_json: bool):
     """Triton servers: device, capacity, used, models."""
     _, servers = api.call("GET", "/v1/fleet")
-    rows = [[s["server"], s["device"], s["grpc_url"], "up" if s["up"] else "DOWN",
+    rows = [[s["server"], s["device"] + (" (isolated)" if s.get("isolated") else ""),
+             s["grpc_url"], "up" if s["up"] else "DOWN",
              str(s["max_loaded"] or "-"), _bytes(s["memory_budget_bytes"]), _bytes(s["used_bytes"]),
              ",".join(s["loaded"]) or "-"] for s in servers]
     _emit(servers, as_json, _table(rows, ["SERVER", "DEVICE", "GRPC", "STATUS", "MAX MODELS",
@@ -188,6 +189,18 @@ def _size(value: str | None) -> int | None:
         raise click.BadParameter(f"{value!r} is not a size (examples: 500000000, 500MB, 2GiB)")
 
 
+def _device_budgets(entries: tuple[str, ...]) -> dict[str, int]:
+    """``("gpu0=60GiB", "gpu1/mig2=8GiB")`` -> bytes per device."""
+    out = {}
+    for entry in entries:
+        device, sep, size = entry.partition("=")
+        if not sep or not device.strip() or not size.strip():
+            raise click.BadParameter(f"{entry!r} is not DEVICE=SIZE (example: gpu0=60GiB)",
+                                     param_hint="--device-budget")
+        out[device.strip()] = _size(size)
+    return out
+
+
 @cli.command()
 @click.option("--state-dir", type=click.Path(path_type=Path), default=Path(".state"), show_default=True,
               help="Pins, routes, registry (SQLite), admin token, endpoints.json, Triton logs.")
@@ -196,8 +209,8 @@ def _size(value: str | None) -> int | None:
 @click.option("--max-loaded", type=int, default=None, help="Most models loaded per Triton server.")
 @click.option("--memory-budget", default=None,
               help="Bytes of model memory per server (e.g. 2GiB), or 'unlimited'. Default: "
-                   "the GPU's memory less 10% (at least 1 GiB), else 50% of host RAM, "
-                   "shared by the local servers (mmctl fleet shows it).")
+                   "each GPU's or MIG slice's memory less 10% (at least 1 GiB), else 50% of "
+                   "host RAM shared by the local servers (mmctl fleet shows it).")
 @click.option("--fleet-size", type=int, default=50, show_default=True,
               help="Demo models cust001..custNNN to create if missing.")
 @click.option("--model-size-mb", type=float, default=None,
@@ -214,7 +227,16 @@ def _size(value: str | None) -> int | None:
               help="Another Host name the admin API answers to besides loopback and "
                    "--admin-host (repeatable); any other name is refused (DNS rebinding).")
 @click.option("--triton-servers", type=int, default=1, show_default=True,
-              help="Local tritonserver processes to start (one per device).")
+              help="Local tritonserver processes to start on a machine without GPUs (with "
+                   "GPUs: one per GPU or MIG slice).")
+@click.option("--devices", default=None,
+              help="Only these GPUs / MIG slices, comma-separated: ids as `mmctl fleet` shows "
+                   "them (gpu0, gpu1/mig2; a GPU's id selects all its slices) or UUIDs. "
+                   "Default: every one NVML finds.")
+@click.option("--device-budget", "device_budgets", multiple=True, metavar="DEVICE=SIZE",
+              help="Model memory of one device, e.g. gpu0=60GiB (repeatable). Default: the "
+                   "device's memory less a reserve of 10% (at least 1 GiB) for Triton's CUDA "
+                   "context, memory pool and fragmentation.")
 @click.option("--triton-http-port", type=int, default=8100, show_default=True,
               help="Triton's internal HTTP port (server i: port + 10*i; 0 = any free port).")
 @click.option("--triton-grpc-port", type=int, default=8101, show_default=True,
@@ -255,7 +277,8 @@ def _size(value: str | None) -> int | None:
 @click.option("--log-level", default="INFO", show_default=True,
               help="DEBUG, INFO, WARNING or ERROR.")
 def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_mb, admin_host,
-       admin_port, admin_token, admin_allowed_hosts, triton_servers, triton_http_port,
+       admin_port, admin_token, admin_allowed_hosts, triton_servers, devices, device_budgets,
+       triton_http_port,
        triton_grpc_port, triton_metrics_port, attach, router, router_host, router_http_port,
        router_grpc_port, max_request_bytes, expose_versions, warm_budget, cold_dir, auto_pin_top_k,
        prefetch_min_miss_rate, policy, reconcile_interval, log_level):
@@ -267,10 +290,22 @@ def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     unlimited = (memory_budget or "").strip().lower() == "unlimited"
+    # TEST HOOK: MMS_TEST_FAKE_NVML names a fake-device spec (control_plane/fake_nvml.py) so
+    # that integration tests drive the GPU/MIG paths with CPU Tritons standing in.  Only tests
+    # set it; production finds devices through the real NVML.
+    from .fake_nvml import TEST_HOOK_ENV, from_test_hook
+
+    fake_nvml = from_test_hook()
+    if fake_nvml is not None:
+        logging.getLogger(__name__).warning(
+            "TEST HOOK %s is set: devices come from a fake NVML, not from this machine",
+            TEST_HOOK_ENV)
     cfg = ServiceConfig(
         state_dir=state_dir, repository=repository, admin_host=admin_host, admin_port=admin_port,
         admin_token=admin_token or None, admin_allowed_hosts=list(admin_allowed_hosts),
         triton_servers=0 if attach and triton_servers == 1 else triton_servers,
+        devices=[d.strip() for d in devices.split(",") if d.strip()] if devices else None,
+        device_budgets=_device_budgets(device_budgets), nvml=fake_nvml,
         triton_http_port=triton_http_port, triton_grpc_port=triton_grpc_port,
         triton_metrics_port=triton_metrics_port, attach=list(attach), max_loaded=max_loaded,
         memory_budget_bytes=None if unlimited else _size(memory_budget),

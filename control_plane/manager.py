@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Protocol
 
+from .devices import NoMemoryMeter
 from .errors import (
     CapacityExhausted,
     ControlPlaneError,
@@ -54,7 +55,7 @@ from .eviction import (
 )
 from .metrics import ControlPlaneMetrics
 from .names import validate_model_name
-from .placement import Placer
+from .placement import Placer, plan_measured
 from .state_store import StateStore
 from .triton_admin import TritonAdmin, TritonModelState
 from .triton_process import TritonProcess
@@ -209,6 +210,7 @@ class ModelManager:
         priority_of: Callable[[str], int] | None = None,
         placer: Placer | None = None,
         warmup_enabled: Callable[[str], bool] | None = None,
+        memory=None,
     ):
         if not servers:
             raise InvalidInput("the fleet needs at least one Triton server")
@@ -228,6 +230,9 @@ class ModelManager:
         # Whether the synthetic warm-up may run for a model (the registry's per-model setting);
         # the model's own config can turn it off too (triton_admin.WARMUP_PARAMETER).
         self.warmup_enabled = warmup_enabled or (lambda _name: True)
+        # Measures each load on a GPU and says when an unload's memory is back
+        # (devices.GpuMemoryMeter); CPU servers: artifact sizes, nothing measured.
+        self.memory = memory or NoMemoryMeter()
         self.records: dict[str, ModelRecord] = {}
         self.catalog: set[str] = set()
         self._lock = asyncio.Lock()
@@ -273,7 +278,7 @@ class ModelManager:
         return [self._record(n).to_dict() for n in names]
 
     def fleet(self) -> list[dict]:
-        return [s.to_dict() for s in self.servers.values()]
+        return [{**s.to_dict(), **self.memory.describe(s)} for s in self.servers.values()]
 
     def ready_server_of(self, name: str) -> TritonServer | None:
         """The server on which ``name`` is READY, or None.  No I/O: the router's hit path."""
@@ -534,8 +539,11 @@ class ModelManager:
         start = time.monotonic()
         rec.loads += 1
         try:
-            await server.admin.load(name)
-            warmup = await self._warm_up(server, name)
+            async with self.memory.measuring(server, name) as measured:
+                await server.admin.load(name)
+                warmup = await self._warm_up(server, name)
+            if measured.bytes is not None:
+                await self._fit_measured(server, rec, measured.bytes)
         except BaseException as exc:
             await self._undo_failed_load(server, rec, exc)
             raise
@@ -553,6 +561,25 @@ class ModelManager:
         for listener in self._load_listeners:
             listener(name, rec)
         return rec
+
+    async def _fit_measured(self, server: TritonServer, rec: ModelRecord, measured_bytes: int) -> None:
+        """Account the size NVML measured; evict more when the model no longer fits, or
+        raise CapacityExhausted (the caller unloads it) when nothing can make room."""
+        async with self._lock:
+            victims = plan_measured(server.planner, rec.name, measured_bytes)
+            for v in victims:
+                server.planner.residents[v].evictable = False
+                self.records[v].state = ModelState.UNLOADING
+            resident = server.planner.residents.get(rec.name)
+            if resident is not None:
+                resident.size_bytes = measured_bytes
+            rec.memory_bytes = measured_bytes
+        if victims:
+            log.info("%s measured %d bytes on %s: evicting %s", rec.name, measured_bytes,
+                     server.name, victims)
+            await asyncio.gather(*(self._unload_now(server, v, reason="evicted") for v in victims),
+                                 return_exceptions=True)  # a failed one stays counted
+        self._update_gauges(server)
 
     async def _warm_up(self, server: TritonServer, name: str) -> dict:
         """Warm ``name`` up as the model says; the result is what ``health`` shows.
@@ -588,6 +615,7 @@ class ModelManager:
         try:
             await server.admin.unload(rec.name)
             await server.admin.wait_unavailable(rec.name, self.config.unload_timeout_s)
+            await self.memory.released(server, rec.name)
         except ControlPlaneError as cleanup_exc:
             # Triton may still hold it: keep the bytes counted, the reconcile loop retries.
             log.error("%s failed (%s) and could not be unloaded: %s", rec.name, reason, cleanup_exc)
@@ -669,6 +697,8 @@ class ModelManager:
                 resident.pinned = False
             log.error("unload of %s on %s failed: %s", name, server.name, exc.message)
             raise
+        # Free only once NVML shows the memory back (on a GPU; what is not back stays counted).
+        await self.memory.released(server, name)
         freed_s = time.monotonic() - start
         self.metrics.unload_free_seconds.labels(server.name).observe(freed_s)
         self.metrics.unloads.labels(server.name, reason).inc()

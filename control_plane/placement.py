@@ -175,6 +175,14 @@ def choose(req: PlacementRequest, candidates: Sequence[Candidate],
 def _no_server_error(req: PlacementRequest, candidates: Sequence[Candidate],
                      rejected: dict[str, tuple[str, str]]) -> ControlPlaneError:
     by_filter = {fname for fname, _ in rejected.values()}
+    if req.sla == GOLD and not any(c.isolated for c in candidates):
+        # Nothing the operator does at run time helps: the fleet itself lacks the device.
+        shared = ", ".join(f"{c.server} ({c.device})" for c in candidates)
+        return CapacityExhausted(
+            f"{req.model} has SLA {GOLD}, which runs only on an isolated device (a MIG slice), "
+            f"and this fleet has none: {shared} are shared; split a GPU into MIG slices "
+            "(nvidia-smi mig -cgi PROFILE -C) and restart mmctl up, or register the model with "
+            "another SLA class (mmctl registry add ... --sla silver)")
     if len(candidates) == 1:
         c = candidates[0]
         fname, why = rejected[c.server]
@@ -289,3 +297,95 @@ def registry_facts(registry) -> Callable[[str], ModelFacts]:
         return ModelFacts(mv.sla, mv.tenant) if mv is not None else ModelFacts()
 
     return facts
+
+
+# --------------------------------------------------------------------------- measured size
+def plan_measured(planner, name: str, measured_bytes: int) -> list[str]:
+    """Victims to evict so that ``name``, already resident in ``planner`` with the size that
+    was reserved for it, fits at ``measured_bytes`` (what NVML measured once it was loaded).
+
+    Pure: changes nothing.  Empty when it fits as measured (or the server has no byte budget);
+    raises CapacityExhausted when nothing evictable makes room, so the caller unloads it
+    rather than let the device run out of memory."""
+    resident = planner.residents.get(name)
+    cap = planner.capacity
+    if resident is None or cap.max_bytes is None:
+        return []
+    extra = measured_bytes - resident.size_bytes
+    if planner.used_bytes + extra <= cap.max_bytes:
+        return []
+    if measured_bytes > cap.max_bytes:
+        raise CapacityExhausted(
+            f"{name} measured {measured_bytes} bytes on the device once loaded (NVML), more than "
+            f"the whole budget of its server ({cap.max_bytes} bytes; {resident.size_bytes} were "
+            "reserved from its files); it was unloaded: give it a larger device or MIG slice "
+            "(mmctl up --device-budget), or shrink the model")
+    # The model already holds its slot: it needs bytes only.  Synchronous, so no other task
+    # sees the slot limit lifted.
+    max_slots, cap.max_slots = cap.max_slots, None
+    try:
+        return list(planner.plan(name, extra).victims)
+    except CapacityExhausted as exc:
+        raise CapacityExhausted(
+            f"{name} measured {measured_bytes} bytes on the device once loaded (NVML), "
+            f"{extra} more than the {resident.size_bytes} reserved, and nothing evictable "
+            f"makes room ({exc.message}); it was unloaded") from exc
+    finally:
+        cap.max_slots = max_slots
+
+
+# --------------------------------------------------------------------------- instance kind
+KIND_CPU = "KIND_CPU"
+KIND_GPU = "KIND_GPU"
+_RETARGETED_KINDS = (KIND_CPU, KIND_GPU, "KIND_AUTO")  # KIND_MODEL: the model places itself
+
+
+def instance_kind_config(config_text: str, kind: str) -> str | None:
+    """The load API's config override that runs a model's instances as ``kind``
+    (``KIND_GPU`` on a GPU or MIG server, ``KIND_CPU`` on a CPU one), as JSON; None when its
+    config.pbtxt already says so (loaded as it is) or Triton should report the config's
+    own error.
+
+    The one config.pbtxt stays the only copy: the override is derived from it at each load,
+    so an edit of the file is what the next load sees."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = model_config_pb2.ModelConfig()
+    try:
+        text_format.Parse(config_text, config)
+    except text_format.ParseError:
+        return None  # Triton's own load error names the problem better
+    target = model_config_pb2.ModelInstanceGroup.Kind.Value(kind)
+    changed = False
+    # No instance_group (and ensembles, which have none): Triton's default already follows
+    # the server, one instance per visible GPU, else on CPU.
+    for group in config.instance_group:
+        if model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind) not in _RETARGETED_KINDS:
+            continue
+        if group.kind != target:
+            group.kind = target
+            changed = True
+        if kind == KIND_CPU and group.gpus:
+            del group.gpus[:]  # GPU ids mean nothing on a CPU server
+            changed = True
+    if not changed:
+        return None
+    return json_format.MessageToJson(config, preserving_proto_field_name=True)
+
+
+def instance_kind_override(repository, kind: str) -> Callable[[str], str | None]:
+    """``load_config`` for TritonAdmin: the override for ``model`` read from its config.pbtxt
+    in ``repository`` (Triton's repository, the warm tier), or None (load it as it is)."""
+    from pathlib import Path
+
+    root = Path(repository)
+
+    def load_config(model: str) -> str | None:
+        try:
+            text = (root / model / "config.pbtxt").read_text()
+        except OSError:
+            return None  # Triton says what is missing
+        return instance_kind_config(text, kind)
+
+    return load_config

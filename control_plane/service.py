@@ -48,7 +48,13 @@ class ServiceConfig:
     admin_token: str | None = None  # None: reuse or generate <state_dir>/admin.token
     admin_allowed_hosts: list[str] = field(default_factory=list)  # extra Host names
     triton_host: str = "127.0.0.1"
-    triton_servers: int = 1
+    triton_servers: int = 1  # CPU Tritons to start where no GPU is found
+    # GPUs / MIG slices: one Triton each, found by NVML.  ``devices``: only these (ids such as
+    # gpu0 or gpu1/mig2, server names, UUIDs); ``device_budgets``: bytes per device id.
+    devices: list[str] | None = None
+    device_budgets: dict[str, int] = field(default_factory=dict)
+    nvml: object | None = None  # an NVML module (pynvml's surface); None: pynvml if usable
+    use_nvml: bool = True
     triton_http_port: int = 8100  # server i uses port + 10 * i; 0 = any free port
     triton_grpc_port: int = 8101
     triton_metrics_port: int = 8102
@@ -120,6 +126,11 @@ class Service:
         self.router = None
         self.grpc_server = None
         self.router_runner: web.AppRunner | None = None
+        self.devices: list = []  # devices.Device: the GPUs / MIG slices with a Triton each
+        self.nvml = None
+        self.labels: dict = {}  # server name -> placement.ServerLabels
+        self.memory = None  # devices.GpuMemoryMeter on a GPU fleet
+        self.reconciler = None  # devices.MemoryReconciler on a GPU fleet
 
     def prepare_repository(self) -> None:
         repo = self.repository
@@ -148,8 +159,63 @@ class Service:
             None, collect_repository, self.registry, self.repository, DEMO_VERSIONS)
         add_repository_versions(self.registry, found)
 
+    def discover_devices(self) -> list:
+        """The GPUs and MIG slices that get a Triton each ([] without NVML or GPUs)."""
+        from .devices import discover, load_nvml, select_devices
+
+        cfg = self.cfg
+        self.nvml = cfg.nvml if cfg.nvml is not None else (load_nvml() if cfg.use_nvml else None)
+        found = discover(self.nvml) if self.nvml is not None else []
+        if cfg.devices and not found:
+            raise InvalidInput(f"--devices {','.join(cfg.devices)} was given but NVML finds no "
+                               "GPU on this machine (is nvidia-ml-py installed and the driver "
+                               "loaded?); leave --devices out to run on CPU")
+        if cfg.device_budgets and not found:
+            raise InvalidInput("--device-budget was given but NVML finds no GPU on this machine; "
+                               "use --memory-budget for CPU servers")
+        return select_devices(found, cfg.devices)
+
+    def _start_device_tritons(self) -> list[TritonServer]:
+        """One Triton per GPU or MIG slice, bound to it by CUDA_VISIBLE_DEVICES=<its UUID>,
+        named after it, its instances run there (KIND_GPU through the load API's override)."""
+        from .devices import device_servers
+        from .placement import KIND_GPU, ServerLabels, instance_kind_override
+        from .triton_admin import TritonAdmin
+
+        cfg = self.cfg
+        if cfg.triton_servers not in (0, 1):
+            log.warning("--triton-servers %d is ignored: one Triton runs per GPU or MIG slice "
+                        "(%d); --devices picks which", cfg.triton_servers, len(self.devices))
+        # Test hook only (fake_nvml): CPU Tritons standing in for devices run on CPU.
+        kind = getattr(self.nvml, "stand_in_instance_kind", None) or KIND_GPU
+        servers = []
+        work_dir = (cfg.state_dir / "triton").resolve()
+        planned = device_servers(self.devices, cfg.memory_budget_bytes, cfg.derive_memory_budget,
+                                 cfg.device_budgets)
+        for i, plan in enumerate(planned):
+            proc = TritonProcess(TritonLaunchConfig(
+                repository=self.repository, work_dir=work_dir,
+                pid_file=work_dir / f"{plan.name}.pid",  # a restart waits for this one to be gone
+                host=cfg.triton_host, http_port=_port(cfg.triton_http_port, i),
+                grpc_port=_port(cfg.triton_grpc_port, i),
+                metrics_port=_port(cfg.triton_metrics_port, i),
+                ready_timeout_s=cfg.triton_ready_timeout_s, env=plan.launch_env()))
+            log.info("%s: %s %s (%s), budget %s bytes (%s)", plan.name, plan.device.kind,
+                     plan.device.name, plan.device.uuid, plan.budget_bytes, plan.budget_source)
+            proc.start()
+            self.processes.append(proc)
+            spec = ServerSpec(plan.name, proc.grpc_url, proc.http_url, proc.metrics_url,
+                              device=plan.device.id, memory_budget_bytes=plan.budget_bytes,
+                              max_loaded=cfg.max_loaded)
+            admin = TritonAdmin(proc.grpc_url, load_config=instance_kind_override(self.repository, kind))
+            servers.append(ModelManager.make_server(spec, cfg.policy, process=proc, admin=admin))
+            self.labels[plan.name] = ServerLabels.from_device(plan.device)
+        return servers
+
     def _start_tritons(self) -> list[TritonServer]:
         cfg = self.cfg
+        if self.devices:
+            return self._start_device_tritons() + self._attached_servers()
         servers = []
         local_budget_bytes = self.local_memory_budget_bytes()
         for i in range(cfg.triton_servers):
@@ -170,6 +236,11 @@ class Service:
                               device="cpu", memory_budget_bytes=local_budget_bytes,
                               max_loaded=cfg.max_loaded)
             servers.append(ModelManager.make_server(spec, cfg.policy, process=proc))
+        return servers + self._attached_servers()
+
+    def _attached_servers(self) -> list[TritonServer]:
+        cfg = self.cfg
+        servers = []
         for j, urls in enumerate(cfg.attach):
             grpc_url, _, http_url = urls.partition(",")
             spec = ServerSpec(f"attached{j}", grpc_url, http_url, None, device="external",
@@ -183,10 +254,10 @@ class Service:
         cfg = self.cfg
         if cfg.memory_budget_bytes is not None or not cfg.derive_memory_budget:
             return cfg.memory_budget_bytes
-        from .devices import default_memory_budget, discover_or_config, host_memory_bytes
+        from .devices import Device, default_memory_budget, host_memory_bytes
 
         budget, how = default_memory_budget(
-            discover_or_config() if devices is None else devices, cfg.triton_servers,
+            (self.devices or [Device("cpu")]) if devices is None else devices, cfg.triton_servers,
             host_memory_bytes() if host_bytes is None else host_bytes)
         log.info("memory budget per Triton server: %s bytes (%s); --memory-budget overrides",
                  budget, how)
@@ -216,17 +287,29 @@ class Service:
         await loop.run_in_executor(None, self.prepare_repository)
         self.warm.recover()  # partial downloads from a crash never reach Triton
         await self.register_repository()
+        self.devices = self.discover_devices()
         # Popen runs on the loop thread: PR_SET_PDEATHSIG fires when the *thread* that
         # forked exits, and executor threads can exit while Triton should live on.
         servers = self._start_tritons()
+        stager = self.warm
+        if self.devices:
+            from .devices import GpuMemoryMeter, reserve_measured, server_name
+
+            self.memory = GpuMemoryMeter(self.nvml, {server_name(d): d for d in self.devices},
+                                         self.repository, registry=self.registry)
+            stager = reserve_measured(self.warm, self.registry)  # a load reserves what it took
         self.manager = ModelManager(
             servers, store, repository=self.repository,
             config=ManagerConfig(drain_timeout_s=cfg.drain_timeout_s,
                                  unload_timeout_s=cfg.unload_timeout_s, policy=cfg.policy),
-            stager=self.warm, priority_of=self.registry.stage_priority,
-            placer=Placer(facts=registry_facts(self.registry)),
-            warmup_enabled=self.registry.warmup_enabled)
+            stager=stager, priority_of=self.registry.stage_priority,
+            placer=Placer(facts=registry_facts(self.registry), labels=self.labels),
+            warmup_enabled=self.registry.warmup_enabled, memory=self.memory)
         manager = self.manager
+        if self.memory is not None:
+            from .devices import MemoryReconciler
+
+            self.reconciler = MemoryReconciler(manager, self.memory.probes, self.registry)
         self.warm.in_use = lambda n: (r := manager.records.get(n)) is not None and r.server is not None
         self.registry.on_stage_change(resident_priority_updater(manager))
         await manager.start()
@@ -270,6 +353,12 @@ class Service:
         while True:
             await asyncio.sleep(self.cfg.reconcile_interval_s)
             await self.manager.step()
+            if self.memory is not None:
+                try:  # unreturned GPU memory back in the budget; measured sizes that drifted
+                    self.memory.step(self.manager.servers.values())
+                    self.reconciler.step()
+                except Exception:  # one failing subsystem never stops the loop
+                    log.exception("GPU memory pass failed")
             if self.cfg.auto_pin_top_k or self.cfg.prefetch_min_miss_rate:
                 try:
                     await self.promoter.step()

@@ -12,6 +12,7 @@ import enum
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,9 +127,13 @@ def warmup_plan(config: model_config_pb2.ModelConfig) -> WarmupPlan:
 class TritonAdmin:
     """Model control for one Triton server, addressed by its gRPC URL."""
 
-    def __init__(self, grpc_url: str, timeouts: Timeouts = Timeouts()):
+    def __init__(self, grpc_url: str, timeouts: Timeouts = Timeouts(),
+                 load_config: Callable[[str], str | None] | None = None):
         self.grpc_url = grpc_url
         self.timeouts = timeouts
+        # The load API's config override for a model on this server, or None to load its
+        # config.pbtxt as it is (placement.instance_kind_override: run where placed).
+        self.load_config = load_config
         self._client: grpcclient.InferenceServerClient | None = None
 
     @property
@@ -187,8 +192,10 @@ class TritonAdmin:
         return ModelLoadFailed(f"Triton failed to {action} {model}: {msg}")
 
     async def load(self, model: str) -> None:
+        config = (await asyncio.to_thread(self.load_config, model)
+                  if self.load_config is not None else None)
         try:
-            await self.client.load_model(model, client_timeout=self.timeouts.load_s)
+            await self.client.load_model(model, config=config, client_timeout=self.timeouts.load_s)
         except InferenceServerException as exc:
             msg = exc.message() or str(exc)
             if "failed to poll from model repository" in msg or "no version is available" in msg:

@@ -187,3 +187,100 @@ def test_manager_uses_the_placer_and_counts_capacity_errors(tmp_path):
     with pytest.raises(CapacityExhausted, match="fits on no device"):
         mgr._place("x", 50)
     assert mgr.metrics.capacity_errors._value.get() == 1
+
+
+# --------------------------------------------------------------------------- run where placed
+SIMPLE = '''name: "m"
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]
+'''
+
+
+@pytest.mark.parametrize("groups, kind, expected", [
+    pytest.param("instance_group [ { count: 2 kind: KIND_CPU } ]", "KIND_GPU", ["KIND_GPU"],
+                 id="cpu config on a GPU server"),
+    pytest.param("instance_group [ { kind: KIND_GPU gpus: [ 0 ] } ]", "KIND_CPU", ["KIND_CPU"],
+                 id="gpu config on a CPU server"),
+    pytest.param("instance_group [ { kind: KIND_AUTO } ]", "KIND_GPU", ["KIND_GPU"], id="auto"),
+    pytest.param("instance_group [ { kind: KIND_CPU } ]", "KIND_CPU", None, id="already right"),
+    pytest.param("instance_group [ { kind: KIND_MODEL } ]", "KIND_GPU", None,
+                 id="the model places itself"),
+    pytest.param("", "KIND_GPU", None, id="no instance_group: Triton's default follows the server"),
+])
+def test_instance_kind_override(groups, kind, expected):
+    import json
+
+    from control_plane.placement import instance_kind_config
+
+    out = instance_kind_config(SIMPLE + groups, kind)
+    if expected is None:
+        assert out is None
+        return
+    config = json.loads(out)
+    assert [g["kind"] for g in config["instance_group"]] == expected
+    assert config["name"] == "m" and config["backend"] == "python"
+    assert config["input"][0]["dims"] == ["4"]  # the rest of the config is carried over
+    assert all("gpus" not in g for g in config["instance_group"]) or kind == "KIND_GPU"
+    if "count: 2" in groups:
+        assert config["instance_group"][0]["count"] == 2
+
+
+def test_instance_kind_override_reads_the_repository_and_leaves_bad_configs_to_triton(tmp_path):
+    from control_plane.placement import instance_kind_override
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.pbtxt").write_text(SIMPLE + "instance_group [ { kind: KIND_CPU } ]")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.pbtxt").write_text("name: 'bad' this is { not a config")
+    load_config = instance_kind_override(tmp_path, "KIND_GPU")
+    assert '"KIND_GPU"' in load_config("m")
+    assert load_config("bad") is None and load_config("missing") is None
+
+
+# --------------------------------------------------------------------------- measured size
+def planner_with(budget, slots=None, **residents):
+    planner = CachePlanner(make_policy("lru"), Capacity(budget, slots))
+    for i, (name, (size, pinned)) in enumerate(residents.items()):
+        planner.admit(Resident(name, size, pinned=pinned), i)
+    return planner
+
+
+@pytest.mark.parametrize("budget, slots, residents, measured, expected", [
+    pytest.param(100, None, {"a": (30, False), "new": (10, False)}, 60, [], id="fits as measured"),
+    pytest.param(100, None, {"a": (30, False), "b": (30, False), "new": (10, False)}, 60, ["a"],
+                 id="evicts the least recently used"),
+    pytest.param(100, 3, {"a": (30, False), "b": (30, False), "new": (10, False)}, 40, [],
+                 id="a full slot count evicts nothing: the model already holds its slot"),
+    pytest.param(None, None, {"new": (10, False)}, 10**12, [], id="no byte budget"),
+])
+def test_plan_measured(budget, slots, residents, measured, expected):
+    from control_plane.placement import plan_measured
+
+    planner = planner_with(budget, slots, **residents)
+    planner.residents["new"].evictable = False  # loading
+    assert plan_measured(planner, "new", measured) == expected
+    assert planner.capacity.max_slots == slots and planner.residents["new"].size_bytes == 10
+
+
+@pytest.mark.parametrize("residents, measured, message", [
+    pytest.param({"p": (60, True), "new": (10, False)}, 50, "nothing evictable makes room",
+                 id="pinned models hold the rest"),
+    pytest.param({"new": (10, False)}, 150, "more than the whole budget", id="larger than the device"),
+])
+def test_plan_measured_refuses(residents, measured, message):
+    from control_plane.placement import plan_measured
+
+    planner = planner_with(100, None, **residents)
+    planner.residents["new"].evictable = False
+    with pytest.raises(CapacityExhausted, match=message):
+        plan_measured(planner, "new", measured)
+
+
+def test_gold_on_a_fleet_without_isolated_devices_names_the_fix():
+    with pytest.raises(CapacityExhausted) as err:
+        choose(req(sla="gold"), [cand(server="gpu0", device="gpu0"), cand(server="gpu1", device="gpu1")])
+    msg = str(err.value)
+    assert "only on an isolated device (a MIG slice), and this fleet has none" in msg
+    assert "gpu0 (gpu0), gpu1 (gpu1) are shared" in msg and "--sla silver" in msg
