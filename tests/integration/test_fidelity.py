@@ -336,3 +336,28 @@ def test_official_example_client_expectations(sides):
         with pytest.raises(InferenceServerException) as info:
             client.infer("wrong_model_name", inputs(CLIENTS[protocol]))
         assert info.value.message().startswith("Request for unknown model")
+
+
+def test_expose_versions_makes_concrete_names_callable_as_triton_names_them(tmp_path):
+    """`mmctl up --expose-versions`: concrete names answer as Triton names them (its own
+    version), beside the logical names."""
+    repository = tmp_path / "repository"
+    copy_model(repository, "simple")
+    product = Product(tmp_path / "state", repository, "--expose-versions").start()
+    try:
+        out = product.mmctl("registry", "add", "simple", "--from-dir", str(copy_model(tmp_path / "src", "simple")))
+        assert out.returncode == 0 and "simple version 2, registered" in out.stdout, out.stdout + out.stderr
+        endpoints = product.json("endpoints")
+        routed = Side(endpoints["router_grpc"], endpoints["router_http"])
+        for protocol in ("grpc", "http"):
+            status, result = infer(routed, protocol, "simple.v2")
+            assert status == "OK", result
+            response = result.get_response()
+            name, version = ((response.model_name, response.model_version) if protocol == "grpc"
+                             else (response["model_name"], response["model_version"]))
+            assert (name, version) == ("simple.v2", "1")  # Triton's own version of that model
+            status, result = infer(routed, protocol, "simple.v2", "1")
+            assert status == "OK", result
+            assert infer(routed, protocol, "simple", "2")[0] == "OK"  # logical names as ever
+    finally:
+        product.stop()
