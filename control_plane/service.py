@@ -164,6 +164,8 @@ class Service:
         from .devices import discover, load_nvml, select_devices
 
         cfg = self.cfg
+        if cfg.triton_servers == 0 and not cfg.devices:
+            return []  # --attach only: no local Triton, whatever this machine has
         self.nvml = cfg.nvml if cfg.nvml is not None else (load_nvml() if cfg.use_nvml else None)
         found = discover(self.nvml) if self.nvml is not None else []
         if cfg.devices and not found:

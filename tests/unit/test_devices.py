@@ -186,3 +186,38 @@ def test_probe_for_looks_gpu_and_mig_devices_up_by_uuid(tmp_path):
     assert probe.handle == ("by-uuid", "MIG-s0") and probe.repository == tmp_path
     assert probe_for(Device("cpu"), nvml, tmp_path) is None
     assert probe_for(mig, None, tmp_path) is None
+
+
+# --------------------------------------------------------------------------- mmctl up options
+def test_service_discovers_through_the_injected_nvml_and_checks_devices(tmp_path):
+    from control_plane.fake_nvml import FakeGpu, FakeNVML
+    from control_plane.service import Service, ServiceConfig
+
+    fake = FakeNVML([FakeGpu("GPU-0", "H100", 80 * GiB), FakeGpu("GPU-1", "H100", 80 * GiB)])
+    assert [d.id for d in Service(ServiceConfig(state_dir=tmp_path, nvml=fake)).discover_devices()] == [
+        "gpu0", "gpu1"]
+    picked = Service(ServiceConfig(state_dir=tmp_path, nvml=fake, devices=["GPU-1"])).discover_devices()
+    assert [d.id for d in picked] == ["gpu1"]
+    with pytest.raises(InvalidInput, match="'gpu7', which is not a device of this machine"):
+        Service(ServiceConfig(state_dir=tmp_path, nvml=fake, devices=["gpu7"])).discover_devices()
+    attach_only = ServiceConfig(state_dir=tmp_path, nvml=fake, triton_servers=0, attach=["h:1"])
+    assert Service(attach_only).discover_devices() == []  # no local Triton at all
+    # Without GPUs: CPU as before, and GPU options are refused instead of ignored.
+    cpu = ServiceConfig(state_dir=tmp_path, use_nvml=False)
+    assert Service(cpu).discover_devices() == []
+    with pytest.raises(InvalidInput, match="NVML finds no GPU"):
+        Service(ServiceConfig(state_dir=tmp_path, use_nvml=False, devices=["gpu0"])).discover_devices()
+    with pytest.raises(InvalidInput, match="use --memory-budget for CPU servers"):
+        Service(ServiceConfig(state_dir=tmp_path, use_nvml=False,
+                              device_budgets={"gpu0": GiB})).discover_devices()
+
+
+def test_device_budget_option_parsing():
+    import click
+
+    from control_plane.cli import _device_budgets
+
+    assert _device_budgets(("gpu0=60GiB", "gpu1/mig2 = 8GiB")) == {"gpu0": 60 * GiB, "gpu1/mig2": 8 * GiB}
+    for bad in ("gpu0", "=5GiB", "gpu0=", "gpu0=lots"):
+        with pytest.raises(click.BadParameter):
+            _device_budgets((bad,))
