@@ -168,15 +168,15 @@ class TritonAdmin:
             raise self._unavailable(exc) from exc
         out = {}
         for m in resp.get("models", []):
+            # Triton lists every folder, the warm tier's hidden staging and temporary ones
+            # too; a name starting with "." is never a model (names.py refuses it).
+            if m["name"].startswith("."):
+                continue
             out[m["name"]] = IndexEntry(
                 m["name"], TritonModelState.parse(m.get("state")), m.get("reason", "")
             )
         return out
 
-            # Triton lists every folder, the warm tier's hidden staging and temporary ones
-            # too; a name starting with "." is never a model (names.py refuses it).
-            if m["name"].startswith("."):
-                continue
     def _translate(self, exc: InferenceServerException, action: str, model: str,
                    timeout_s: float) -> ControlPlaneError:
         """The one mapping of a tritonclient error to the control plane's errors: a missed
