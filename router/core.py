@@ -182,8 +182,8 @@ class Router:
         else:  # the common case, inline: no version, route by name
             try:
                 decision = self.table.resolve(logical, user_id)
-            except cp.InvalidModelName:
-                raise UnknownModel(logical) from None
+            except cp.InvalidModelName as exc:
+                raise self._invalid_name(logical, exc) from None
             except ControlPlaneError as exc:
                 raise from_control_plane(exc) from exc
         if decision.model == logical:
@@ -588,10 +588,18 @@ class Router:
             if primary:
                 return Decision(name, self.table.primary(name), "default", scope=f"model:{name}")
             return self.table.resolve(name, user_id)
-        except cp.InvalidModelName:
-            raise UnknownModel(name) from None
+        except cp.InvalidModelName as exc:
+            raise self._invalid_name(name, exc) from None
         except ControlPlaneError as exc:
             raise from_control_plane(exc) from exc
+
+    @staticmethod
+    def _invalid_name(name: str, exc: cp.InvalidModelName) -> RouterError:
+        """A name that cannot be a model: Triton's unknown model.  A malformed ``base:adapter``
+        (the router's own syntax, no Triton answer to copy) says how to write it."""
+        if ADAPTER_SEPARATOR in name:
+            return from_control_plane(exc)
+        return UnknownModel(name)
 
     def _versioned(self, name: str, version: str) -> Decision:
         """``name`` at registry version ``version``: that version's concrete model, outside

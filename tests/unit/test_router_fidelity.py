@@ -222,3 +222,10 @@ def test_config_json_is_written_as_triton_writes_it(tmp_path):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.pbtxt").write_text("input { nonsense")
     assert read_folder(tmp_path / "bad") is None and read_folder(tmp_path / "missing") is None
+
+
+def test_a_malformed_adapter_name_says_how_to_write_one(tmp_path):
+    router, _ = make_router(tmp_path)
+    with pytest.raises(RouterError, match="write BASE:ADAPTER") as info:
+        router.decide("simple:a:b", None)
+    assert info.value.grpc_code.name == "INVALID_ARGUMENT"
