@@ -6,6 +6,7 @@ Each benchmark is its own module and can run alone with its own options:
     python -m bench.policy_replay    eviction policies vs Belady on request traces
     python -m bench.router_latency   what the router adds (vs direct Triton and a plain proxy)
     python -m bench.seed_scenario    50 customers, top 12 pinned, on the real stack
+    python -m bench.shadow_overhead  the primary's latency with and without a shadow, same run
     python bench/lora_bench.py       LoRA: 1 vs 100 adapters per batch, swap-in, memory
 
 This runner uses shorter settings (`--full` uses each benchmark's defaults), writes
@@ -34,6 +35,7 @@ QUICK = {
     "router_latency": ["-m", "bench.router_latency", "--requests", "2000", "--seconds", "5"],
     "seed_scenario": ["-m", "bench.seed_scenario", "--rate", "3", "--seconds", "40",
                       "--hot-seconds", "10"],
+    "shadow_overhead": ["-m", "bench.shadow_overhead", "--rounds", "8"],
     "lora": ["bench/lora_bench.py", "--quick", "--no-wide"],
 }
 FULL = {
@@ -41,6 +43,7 @@ FULL = {
     "policy_replay": ["-m", "bench.policy_replay"],
     "router_latency": ["-m", "bench.router_latency"],
     "seed_scenario": ["-m", "bench.seed_scenario"],
+    "shadow_overhead": ["-m", "bench.shadow_overhead"],
     "lora": ["bench/lora_bench.py"],
 }
 
@@ -142,6 +145,14 @@ def summary_rows() -> list[tuple[str, str, str]]:
         rows.append(("seed scenario: cache", "end to end",
                      f"hit ratio {seed['hit_ratio']:.3f}, {seed['loads_per_minute']:.1f} loads/min, "
                      f"{seed['errors']} errors"))
+    shadow = load("shadow_overhead.json")
+    if shadow:
+        p, cpu = shadow["primary"], shadow["cpu_ms_per_primary_request"]
+        for c, ratio in shadow["p99_vs_no_shadow_median_of_rounds"].items():
+            rows.append((f"primary with a {c} shadow (100%)", "router",
+                         f"p99 {p[c]['p99_ms']:.1f}ms vs {p['none']['p99_ms']:.1f}ms without "
+                         f"({(ratio or 1) * 100 - 100:+.0f}% median of rounds); serving loop "
+                         f"+{cpu[c]['loop'] - cpu['none']['loop']:.2f}ms CPU per mirror"))
     lora = load("lora.json")
     if lora:
         for size, ratios in lora["throughput_ratio_many_vs_one"].items():

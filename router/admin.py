@@ -177,8 +177,12 @@ async def shadow_start(request):
     body = await _json(request)
     if not body.get("model"):
         raise InvalidRequest("give the shadow model as 'model'")
-    route = _r(request).table.set_shadow(request.match_info["name"], body["model"],
-                                         _num(body, "percent", 100.0))
+    router, model = _r(request), body["model"]
+    for name in (request.match_info["name"], model):
+        validate_model_name(name)  # a bad name is bad input (400), before "unknown" (404)
+    # A shadow that could never answer is refused, not mirrored to and failed forever.
+    await require_model(router, model)
+    route = router.table.set_shadow(request.match_info["name"], model, _num(body, "percent", 100.0))
     return web.json_response(asdict(route))
 
 

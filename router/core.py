@@ -119,9 +119,11 @@ class Router:
         self._configs: dict[str, tuple[float, FolderConfig | None]] = {}  # concrete -> (read at, config)
         self._name_overrides: dict[str, bytes] = {}
         self._metric_children: dict[tuple, tuple] = {}
+        self.inflight = 0  # requests in serving(): shadows are shed first when it is high
         self.shadow = ShadowMirror(self._send_shadow, self.config.shadow_log_dir,
                                    self.config.shadow_queue_size, self.config.shadow_workers,
-                                   self.config.shadow_timeout_s, self.metrics)
+                                   self.config.shadow_timeout_s, self.metrics,
+                                   primary_inflight=lambda: self.inflight)
         self._canary_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -264,6 +266,7 @@ class Router:
         rec = None
         sent = False
         self.metrics.inflight.inc()
+        self.inflight += 1
         try:
             # The lease is taken before any wait for a load: the model a request waits for
             # is not evictable until that request has been served.
@@ -295,6 +298,7 @@ class Router:
             if rec is not None:
                 self.manager.release(rec)
             self.metrics.inflight.dec()
+            self.inflight -= 1
             # Names that turned out unknown get no series of their own (label cardinality).
             self.record(decision, time.perf_counter() - start, call.code, known=rec is not None)
 
@@ -340,7 +344,7 @@ class Router:
             if decision.shadow:
                 shadow_request = service_pb2.ModelInferRequest()
                 shadow_request.CopyFrom(request)
-                shadow_request.model_name = decision.shadow
+                shadow_request.model_name, shadow_request.model_version = decision.shadow, ""
             request.model_name = decision.model
             request.model_version = decision.version
             try:
@@ -361,7 +365,7 @@ class Router:
                 params["adapter"].string_param = decision.adapter
             if shadow_request is not None:
                 self.shadow.offer(ShadowItem(decision.logical.split(":", 1)[0], decision.shadow,
-                                             shadow_request,
+                                             shadow_request.SerializeToString(),
                                              outputs_of(response),
                                              (time.perf_counter() - call.start) * 1000))
             return response
@@ -468,18 +472,23 @@ class Router:
             except grpc.aio.AioRpcError as exc:
                 self._reraise(call, server, exc, asked)
             if decision.shadow:
-                request.model_name = decision.shadow
-                if decision.adapter is not None:
-                    request.parameters["adapter"].string_param = decision.adapter
-                self.shadow.offer(ShadowItem(
-                    decision.logical.split(":", 1)[0], decision.shadow, request,
-                    outputs_of(service_pb2.ModelInferResponse.FromString(response)),
-                    (time.perf_counter() - call.start) * 1000))
+                # Bytes as they are (re-addressed by an appended override): the shadow's
+                # analysis thread parses the responses, the loop only sends.
+                if version:  # the version asked of the primary means nothing to the shadow
+                    request.model_name, request.model_version = decision.shadow, ""
+                    if decision.adapter is not None:
+                        request.parameters["adapter"].string_param = decision.adapter
+                    shadow_body = request.SerializeToString()
+                else:
+                    shadow_body = raw + self._model_override(decision.shadow, decision.adapter)
+                self.shadow.offer(ShadowItem(decision.logical.split(":", 1)[0], decision.shadow,
+                                             shadow_body, response,
+                                             (time.perf_counter() - call.start) * 1000))
             return response + self._response_suffix(asked, decision)
 
-    async def _send_shadow(self, model: str, request, timeout_s: float):
+    async def _send_shadow(self, model: str, request: bytes, timeout_s: float) -> bytes:
         server = await self.server_for(model)
-        return await self.stub(server).ModelInfer(request, timeout=timeout_s)
+        return await self.raw_infer(server)(request, timeout=timeout_s)
 
     # ------------------------------------------------------------------ describe (never loads)
     def describe(self, asked: str, version: str = "", statistics: bool = False) -> Decision:

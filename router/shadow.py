@@ -1,9 +1,20 @@
 """Shadow traffic: mirror a fraction of a route's requests to a shadow model.
 
-Mirrors are offered *after* the primary response is ready and go through a bounded queue:
-when the shadow falls behind the mirror is dropped and counted, never queued without bound.
+A shadow must never slow the primary, so only the send itself runs on the serving event
+loop; everything else is off it or shed:
+
+* mirrors are offered *after* the primary response is ready, as the bytes already at hand
+  (no parse or re-serialization on the loop), into a bounded queue per route: when the
+  shadow falls behind the mirror is dropped and counted, never queued without bound;
+* when the serving path is busy (primaries in flight at or above ``shed_inflight``, or the
+  event loop running ``shed_lag_ms`` late) mirrors are shed first, at the offer and again
+  just before the send, and counted;
+* parsing both responses, comparing the outputs (numpy) and logging run in one analysis
+  thread behind a bounded queue; the per-route JSONL log is rotated
+  (``logging.handlers.RotatingFileHandler``: ``log_max_bytes`` x ``log_backups`` files).
+
 Shadow results, errors and timeouts never reach a client.  Each comparison (diverged or
-not, max absolute difference, latency delta) is appended to a JSONL log and to metrics.
+not, max absolute difference, latency delta) goes to the log and to metrics.
 """
 
 from __future__ import annotations
@@ -11,24 +22,40 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import logging.handlers
+import queue
+import threading
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import numpy as np
+from prometheus_client import Counter
+from tritonclient.grpc import service_pb2
 from tritonclient.utils import triton_to_np_dtype
 
 log = logging.getLogger(__name__)
+
+Outputs = list[tuple[str, str, bytes]]  # (name, datatype, raw bytes)
+
+LOG_MAX_BYTES = 16 * 1024 * 1024
+LOG_BACKUPS = 3
+ANALYSIS_QUEUE_SIZE = 1024
+# Busy: the current primary plus 3 others in flight (Triton queues them), or timers firing
+# 10 ms late (the loop, or the whole machine, is short of CPU).
+SHED_INFLIGHT = 4
+SHED_LAG_MS = 10.0
+LAG_PROBE_S = 0.05
 
 
 @dataclass
 class ShadowItem:
     route: str
     shadow_model: str
-    request: object  # ModelInferRequest, already re-addressed to the shadow model
-    primary_outputs: list[tuple[str, str, bytes]]  # (name, datatype, raw bytes)
+    request: object  # serialized ModelInferRequest (bytes) already addressed to the shadow
+    primary: object  # the primary's response: serialized bytes, a ModelInferResponse or Outputs
     primary_latency_ms: float
 
 
@@ -36,6 +63,7 @@ class ShadowItem:
 class ShadowReport:
     mirrored: int = 0
     dropped: int = 0
+    shed: int = 0
     errors: int = 0
     timeouts: int = 0
     compared: int = 0
@@ -45,15 +73,21 @@ class ShadowReport:
 
     def to_dict(self) -> dict:
         return {
-            "mirrored": self.mirrored, "dropped": self.dropped, "errors": self.errors,
-            "timeouts": self.timeouts, "compared": self.compared, "diverged": self.diverged,
+            "mirrored": self.mirrored, "dropped": self.dropped, "shed": self.shed,
+            "errors": self.errors, "timeouts": self.timeouts, "compared": self.compared,
+            "diverged": self.diverged,
             "divergence_rate": round(self.diverged / self.compared, 6) if self.compared else None,
             "mean_latency_delta_ms": round(self.latency_delta_ms_sum / self.compared, 3)
             if self.compared else None,
         }
 
 
-def outputs_of(response) -> list[tuple[str, str, bytes]]:
+def outputs_of(response) -> Outputs:
+    """Outputs of a ModelInferResponse, its serialized bytes, or Outputs as they are."""
+    if isinstance(response, (bytes, bytearray, memoryview)):
+        response = service_pb2.ModelInferResponse.FromString(bytes(response))
+    elif isinstance(response, list):
+        return response
     return [(o.name, o.datatype, raw) for o, raw in zip(response.outputs, response.raw_output_contents)]
 
 
@@ -76,9 +110,26 @@ def compare_outputs(primary, shadow, rtol=1e-3, atol=1e-5) -> tuple[bool, float 
     return diverged, max_diff
 
 
+@dataclass
+class _Outcome:
+    """What the loop hands to the analysis thread for one mirror."""
+    item: ShadowItem
+    result: str  # "response" | "error" | "timeout"
+    response: object = None
+    error: str = ""
+    latency_ms: float = 0.0
+    at: float = 0.0
+
+
 class ShadowMirror:
     def __init__(self, send: Callable[[str, object, float], Awaitable[object]], log_dir: Path | None,
-                 queue_size: int = 64, workers: int = 2, timeout_s: float = 5.0, metrics=None):
+                 queue_size: int = 64, workers: int = 2, timeout_s: float = 5.0, metrics=None, *,
+                 primary_inflight: Callable[[], int] | None = None,
+                 shed_inflight: int = SHED_INFLIGHT, shed_lag_ms: float = SHED_LAG_MS,
+                 log_max_bytes: int = LOG_MAX_BYTES, log_backups: int = LOG_BACKUPS,
+                 analysis_queue_size: int = ANALYSIS_QUEUE_SIZE):
+        """``send(model, request, timeout_s)`` returns the shadow's response (bytes or a
+        ModelInferResponse).  ``primary_inflight()``: primaries in flight now."""
         self.send = send
         self.log_dir = log_dir
         self.queue_size = queue_size
@@ -88,19 +139,39 @@ class ShadowMirror:
         self.workers = workers
         self.timeout_s = timeout_s
         self.metrics = metrics
+        self.primary_inflight = primary_inflight
+        self.shed_inflight = shed_inflight
+        self.shed_lag_ms = shed_lag_ms
+        self.log_max_bytes = log_max_bytes
+        self.log_backups = log_backups
+        self.loop_lag_ms = 0.0  # the latest probe's lateness
         self.reports: dict[str, ShadowReport] = defaultdict(ShadowReport)
+        self._shed_metric = None
+        if metrics is not None:
+            self._shed_metric = Counter("mmr_shadow_shed_total",
+                                        "Mirrors shed because the serving path was busy",
+                                        ["route"], registry=metrics.registry)
         self._tasks: list[asyncio.Task] = []
+        self._analysis: queue.Queue[_Outcome | None] = queue.Queue(maxsize=analysis_queue_size)
+        self._thread: threading.Thread | None = None
+        self._logs: dict[str, logging.Handler] = {}  # analysis thread only
 
     def start(self) -> None:
         """Workers start lazily, per route, on the first mirror."""
 
     def _queue(self, route: str) -> asyncio.Queue:
-        queue = self.queues.get(route)
-        if queue is None:
-            queue = self.queues[route] = asyncio.Queue(maxsize=self.queue_size)
+        queue_ = self.queues.get(route)
+        if queue_ is None:
+            queue_ = self.queues[route] = asyncio.Queue(maxsize=self.queue_size)
             loop = asyncio.get_running_loop()
-            self._tasks += [loop.create_task(self._worker(queue)) for _ in range(self.workers)]
-        return queue
+            if not self._tasks:
+                self._tasks.append(loop.create_task(self._probe_lag()))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._analyze_forever, name="shadow-analysis",
+                                                daemon=True)
+                self._thread.start()
+            self._tasks += [loop.create_task(self._worker(queue_)) for _ in range(self.workers)]
+        return queue_
 
     async def stop(self) -> None:
         # Cancel until done: a cancel that lands as a send completes can be absorbed.
@@ -109,10 +180,42 @@ class ShadowMirror:
             for t in pending:
                 t.cancel()
             _, pending = await asyncio.wait(pending, timeout=0.1)
+        self._tasks.clear()
+        if self._thread is not None:
+            thread, self._thread = self._thread, None
+            await asyncio.to_thread(self._analysis.put, None)
+            await asyncio.to_thread(thread.join, 10)
+
+    async def drain(self, timeout_s: float = 10.0) -> None:
+        """Until every mirror offered so far is sent and analysed (tests, benchmarks)."""
+        async with asyncio.timeout(timeout_s):
+            for queue_ in list(self.queues.values()):
+                await queue_.join()
+            await asyncio.to_thread(self._analysis.join)
+
+    # ------------------------------------------------------------------ loop side
+    def busy(self) -> str | None:
+        """Why the serving path is too busy for mirrors now, or None."""
+        if self.primary_inflight is not None:
+            inflight = self.primary_inflight()
+            if inflight >= self.shed_inflight:
+                return f"{inflight} primaries in flight"
+        if self.loop_lag_ms >= self.shed_lag_ms:
+            return f"event loop {self.loop_lag_ms:.1f} ms late"
+        return None
+
+    def _shed(self, route: str) -> None:
+        self.reports[route].shed += 1
+        if self._shed_metric is not None:
+            self._shed_metric.labels(route).inc()
 
     def offer(self, item: ShadowItem) -> bool:
-        """Queue a mirror; drop (and count) it if the shadow is behind.  Never blocks."""
+        """Queue a mirror; shed it if the serving path is busy, drop it if the shadow is
+        behind (both counted).  Never blocks."""
         report = self.reports[item.route]
+        if self.busy() is not None:
+            self._shed(item.route)
+            return False
         try:
             self._queue(item.route).put_nowait(item)
         except asyncio.QueueFull:
@@ -123,40 +226,88 @@ class ShadowMirror:
         report.mirrored += 1
         return True
 
-    async def _worker(self, queue: asyncio.Queue) -> None:
+    async def _probe_lag(self) -> None:
+        """Measure how late the loop runs a timer: the loop's own measure of being busy."""
+        loop = asyncio.get_running_loop()
         while True:
-            item = await queue.get()
+            due = loop.time() + LAG_PROBE_S
+            await asyncio.sleep(LAG_PROBE_S)
+            self.loop_lag_ms = max(0.0, (loop.time() - due) * 1000)
+
+    async def _worker(self, queue_: asyncio.Queue) -> None:
+        while True:
+            item = await queue_.get()
             try:
+                if self.busy() is not None:  # it got busy while the mirror waited
+                    self._shed(item.route)
+                    continue
                 await self._mirror(item)
             except Exception:  # a shadow never takes the worker down
                 log.exception("shadow mirror of %s failed", item.route)
             finally:
-                queue.task_done()
+                queue_.task_done()
 
     async def _mirror(self, item: ShadowItem) -> None:
-        report = self.reports[item.route]
         start = time.perf_counter()
-        record = {"at": time.time(), "route": item.route, "shadow": item.shadow_model}
+        at = time.time()
         try:
             async with asyncio.timeout(self.timeout_s):
                 response = await self.send(item.shadow_model, item.request, self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
+            outcome = _Outcome(item, "timeout", at=at)
+        except Exception as exc:
+            outcome = _Outcome(item, "error", error=str(exc)[:300], at=at)
+        else:
+            outcome = _Outcome(item, "response", response,
+                               latency_ms=(time.perf_counter() - start) * 1000, at=at)
+        try:
+            self._analysis.put_nowait(outcome)
+        except queue.Full:  # the analysis thread is behind: drop, never queue without bound
+            self.reports[item.route].dropped += 1
+            if self.metrics:
+                self.metrics.shadow_dropped.labels(item.route).inc()
+
+    # ------------------------------------------------------------------ analysis thread
+    def _analyze_forever(self) -> None:
+        try:
+            while True:
+                outcome = self._analysis.get()
+                try:
+                    if outcome is None:
+                        return
+                    self._analyze(outcome)
+                except Exception:  # one bad response never stops the analysis
+                    log.exception("shadow analysis failed")
+                finally:
+                    self._analysis.task_done()
+                # Hand the GIL over between items: the serving loop never waits behind a
+                # backlog of comparisons (CPython would let this thread keep it for 5 ms).
+                time.sleep(0)
+        finally:
+            for handler in self._logs.values():
+                handler.close()
+            self._logs.clear()
+
+    def _analyze(self, o: _Outcome) -> None:
+        item = o.item
+        report = self.reports[item.route]
+        record = {"at": o.at, "route": item.route, "shadow": item.shadow_model}
+        if o.result == "timeout":
             report.timeouts += 1
             record["result"] = "timeout"
             self._count("timeout", item.route)
-        except Exception as exc:
+        elif o.result == "error":
             report.errors += 1
-            record.update(result="error", error=str(exc)[:300])
+            record.update(result="error", error=o.error)
             self._count("error", item.route)
         else:
-            latency_ms = (time.perf_counter() - start) * 1000
-            diverged, max_diff = compare_outputs(item.primary_outputs, outputs_of(response))
+            diverged, max_diff = compare_outputs(outputs_of(item.primary), outputs_of(o.response))
             report.compared += 1
             report.diverged += int(diverged)
-            delta = latency_ms - item.primary_latency_ms
+            delta = o.latency_ms - item.primary_latency_ms
             report.latency_delta_ms_sum += delta
             record.update(result="diverged" if diverged else "match", max_abs_diff=max_diff,
-                          latency_ms=round(latency_ms, 3), latency_delta_ms=round(delta, 3))
+                          latency_ms=round(o.latency_ms, 3), latency_delta_ms=round(delta, 3))
             self._count("diverged" if diverged else "match", item.route)
         self._write(item.route, record)
 
@@ -164,18 +315,28 @@ class ShadowMirror:
         if self.metrics:
             self.metrics.shadow_results.labels(route, result).inc()
 
+    def _log_path(self, route: str) -> Path:
+        return self.log_dir / f"{route}.jsonl"
+
     def _write(self, route: str, record: dict) -> None:
         if self.log_dir is None:
             return
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_dir / f"{route}.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        handler = self._logs.get(route)
+        if handler is None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            handler = self._logs[route] = logging.handlers.RotatingFileHandler(
+                self._log_path(route), maxBytes=self.log_max_bytes, backupCount=self.log_backups,
+                encoding="utf-8")
+            handler.setFormatter(logging.Formatter("%(message)s"))
+        # No args: the message is written as it is, '%' included.
+        handler.handle(logging.makeLogRecord({"msg": json.dumps(record), "levelno": logging.INFO}))
 
     def report(self, route: str) -> dict:
         body = self.reports[route].to_dict()
-        queue = self.queues.get(route)
-        body["queue_depth"] = queue.qsize() if queue is not None else 0
+        queue_ = self.queues.get(route)
+        body["queue_depth"] = queue_.qsize() if queue_ is not None else 0
         body["queue_size"] = self.queue_size
+        body["loop_lag_ms"] = round(self.loop_lag_ms, 3)
         if self.log_dir is not None:
-            body["log"] = str(self.log_dir / f"{route}.jsonl")
+            body["log"] = str(self._log_path(route))
         return body

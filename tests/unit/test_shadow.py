@@ -1,0 +1,210 @@
+"""Shadow mirrors never slow the primary: analysis and logging off the serving loop, bounded
+and rotated logs, shed first when the serving path is busy; unknown shadows are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+from tritonclient.grpc import service_pb2
+
+import router.admin as router_admin
+from control_plane.admin_api import error_middleware
+from control_plane.errors import ModelNotFound as CpModelNotFound
+from router import shadow
+from router.admin import ROUTER_ADMIN_KEY, router_errors, shadow_start
+from router.routes import RouteTable
+from router.shadow import ShadowItem, ShadowMirror
+from tests.conftest import run
+
+
+def response(values) -> service_pb2.ModelInferResponse:
+    r = service_pb2.ModelInferResponse(model_name="m")
+    out = r.outputs.add()
+    out.name, out.datatype = "SCORES", "FP32"
+    out.shape.extend([len(values)])
+    r.raw_output_contents.append(np.array(values, np.float32).tobytes())
+    return r
+
+
+def outputs(values):
+    return [("SCORES", "FP32", np.array(values, np.float32).tobytes())]
+
+
+async def eventually(check, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_comparison_and_log_writes_run_off_the_serving_loop(tmp_path, monkeypatch):
+    compared_on, written_on = [], []
+    real_compare = shadow.compare_outputs
+    monkeypatch.setattr(shadow, "compare_outputs", lambda a, b, **kw: (
+        compared_on.append(threading.get_ident()), real_compare(a, b, **kw))[1])
+    real_open = open
+
+    def spy_open(path, *args, **kwargs):
+        if str(path).endswith(".jsonl"):
+            written_on.append(threading.get_ident())
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", spy_open)
+
+    async def go():
+        async def send(model, request, timeout_s):
+            return response([0.5, 0.75])
+
+        mirror = ShadowMirror(send, tmp_path)
+        for _ in range(3):
+            assert mirror.offer(ShadowItem("r", "s", b"", outputs([0.5, 0.25]), 1.0))
+        await eventually(lambda: mirror.reports["r"].diverged == 3)
+        await eventually(lambda: (tmp_path / "r.jsonl").exists()
+                         and len((tmp_path / "r.jsonl").read_text().splitlines()) == 3)
+        await mirror.stop()
+        return threading.get_ident()
+
+    loop_thread = run(go())
+    assert compared_on and loop_thread not in compared_on
+    assert written_on and loop_thread not in written_on
+    lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [x["result"] for x in lines] == ["diverged"] * 3
+    assert lines[0]["max_abs_diff"] == 0.5
+
+
+def test_shadow_log_is_rotated_and_bounded(tmp_path):
+    async def go():
+        async def send(model, request, timeout_s):
+            raise RuntimeError("shadow down " + "x" * 200)
+
+        mirror = ShadowMirror(send, tmp_path, queue_size=1000, log_max_bytes=4000, log_backups=2)
+        for _ in range(200):
+            mirror.offer(ShadowItem("r", "s", b"", [], 1.0))
+            await asyncio.sleep(0)
+        await eventually(lambda: mirror.reports["r"].errors == 200)
+        await mirror.stop()
+
+    run(go())
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["r.jsonl", "r.jsonl.1", "r.jsonl.2"]
+    assert all((tmp_path / f).stat().st_size <= 4000 for f in files)
+    last = json.loads((tmp_path / "r.jsonl").read_text().splitlines()[-1])
+    assert last["result"] == "error" and "shadow down" in last["error"]
+
+
+def test_mirrors_are_shed_while_primaries_are_busy():
+    sent = []
+
+    async def go():
+        inflight = [10]
+
+        async def send(model, request, timeout_s):
+            sent.append(model)
+            return response([1.0]).SerializeToString()
+
+        mirror = ShadowMirror(send, None, primary_inflight=lambda: inflight[0], shed_inflight=4)
+        item = ShadowItem("r", "s", b"", outputs([1.0]), 1.0)
+        assert [mirror.offer(item) for _ in range(5)] == [False] * 5
+        inflight[0] = 1
+        assert mirror.offer(item)
+        await eventually(lambda: mirror.reports["r"].compared == 1)
+        report = mirror.report("r")
+        await mirror.stop()
+        return report
+
+    report = run(go())
+    assert report["shed"] == 5 and report["mirrored"] == 1 and report["dropped"] == 0
+    assert sent == ["s"]
+
+
+def test_mirrors_are_shed_while_the_event_loop_runs_late():
+    async def go():
+        async def send(model, request, timeout_s):
+            return response([1.0]).SerializeToString()
+
+        mirror = ShadowMirror(send, None, shed_lag_ms=20)
+        item = ShadowItem("r", "s", b"", outputs([1.0]), 1.0)
+        assert mirror.offer(item)  # starts the lag probe
+        await asyncio.sleep(0.01)
+        time.sleep(0.15)  # noqa: ASYNC251 - the serving loop is stuck: the probe's timer fires late
+        await asyncio.sleep(0.001)
+        assert mirror.loop_lag_ms >= 20
+        shed = mirror.offer(item)
+        await asyncio.sleep(0.2)  # a quiet loop again
+        after = mirror.offer(item)
+        report = mirror.report("r")
+        await mirror.stop()
+        return shed, after, report
+
+    shed, after, report = run(go())
+    assert shed is False and after is True and report["shed"] == 1
+
+
+def test_analysis_queue_is_bounded(monkeypatch):
+    """A slow analysis (a huge comparison) drops mirrors instead of queueing them."""
+    gate = threading.Event()
+    real_compare = shadow.compare_outputs
+    monkeypatch.setattr(shadow, "compare_outputs",
+                        lambda a, b, **kw: (gate.wait(5), real_compare(a, b, **kw))[1])
+
+    async def go():
+        async def send(model, request, timeout_s):
+            return response([1.0]).SerializeToString()
+
+        mirror = ShadowMirror(send, None, queue_size=100, analysis_queue_size=3)
+        for _ in range(20):
+            mirror.offer(ShadowItem("r", "s", b"", outputs([1.0]), 1.0))
+        await eventually(lambda: mirror.reports["r"].dropped >= 16)
+        gate.set()
+        await mirror.drain()
+        report = mirror.report("r")
+        await mirror.stop()
+        return report
+
+    report = run(go())
+    assert report["mirrored"] == 20 and report["compared"] + report["dropped"] == 20
+
+
+# --------------------------------------------------------------------------- admin
+class FakeManager:
+    def __init__(self, known):
+        self.known = set(known)
+
+    async def _known(self, name):
+        if name not in self.known:
+            raise CpModelNotFound(f"unknown model {name!r}")
+
+
+def _post_shadow(monkeypatch, router, name, body):
+    app = web.Application()
+    app[ROUTER_ADMIN_KEY] = router
+
+    async def parsed(_request):
+        return body
+
+    monkeypatch.setattr(router_admin, "_json", parsed)
+    request = make_mocked_request("POST", f"/v1/shadows/{name}", app=app, match_info={"name": name})
+
+    async def inner(req):
+        return await router_errors(req, shadow_start)
+
+    resp = asyncio.run(error_middleware(request, inner))
+    return resp.status, json.loads(resp.body)
+
+
+def test_shadow_start_with_an_unknown_model_is_refused(monkeypatch):
+    router = SimpleNamespace(table=RouteTable(), manager=FakeManager({"cust001", "cust002"}))
+    status, body = _post_shadow(monkeypatch, router, "cust001", {"model": "nosuch", "percent": 100})
+    assert status == 404 and body["error"] == "model_not_found" and "nosuch" in body["message"]
+    assert "cust001" not in router.table.routes  # nothing stored
+    status, body = _post_shadow(monkeypatch, router, "cust001", {"model": "../x"})
+    assert status == 400
+    status, body = _post_shadow(monkeypatch, router, "cust001", {"model": "cust002", "percent": 10})
+    assert status == 200 and body["shadow"] == {"model": "cust002", "percent": 10.0}
