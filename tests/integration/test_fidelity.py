@@ -246,6 +246,16 @@ def test_responses_carry_the_asked_name_and_registry_version(sides):
     assert "simple.v2" not in routed.get("/v2/models/simple/stats").text
 
 
+def test_every_model_statistics_list_public_names_only(sides):
+    """Statistics with no model named (Triton: every loaded model)."""
+    _direct, routed = sides
+    assert infer(routed, "grpc", "simple")[0] == "OK"
+    grpc_stats = {(s.name, s.version) for s in routed.grpc.get_inference_statistics("").model_stats}
+    http_stats = {(s["name"], s["version"]) for s in routed.http.get_inference_statistics("")["model_stats"]}
+    assert ("simple", "2") in grpc_stats and grpc_stats == http_stats
+    assert not [name for name, _ in grpc_stats if name.startswith("simple.")]
+
+
 def test_error_texts_name_the_asked_model_not_the_internal_one(sides):
     _direct, routed = sides
     for protocol in ("grpc", "http"):
