@@ -369,6 +369,7 @@ class Service:
 
     async def _start_router(self, admin_app: web.Application, endpoints: dict) -> None:
         from router.admin import add_router_routes
+        from router.canary import registry_promoter
         from router.core import Router, RouterConfig
         from router.grpc_frontend import start_grpc
         from router.http_frontend import make_http_app
@@ -385,6 +386,7 @@ class Service:
         self.router = Router(self.manager, table, RouterConfig(
             load_timeout_s=cfg.load_wait_timeout_s, max_request_bytes=cfg.max_request_bytes,
             shadow_log_dir=(cfg.state_dir / "shadow").resolve()), names=names)
+        self.router.canaries.on_promote = registry_promoter(registry)  # one source of truth
         await self.router.start()
         add_router_routes(admin_app, self.router)
         self.grpc_server, grpc_port = await start_grpc(

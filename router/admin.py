@@ -12,7 +12,7 @@ from control_plane import errors as cp
 from control_plane.admin_api import json_body as _json
 from control_plane.names import validate_model_name
 
-from .canary import abort, promote
+from .canary import abort
 from .core import Router
 from .errors import InvalidRequest, ModelNotFound, RouterError
 from .routes import split_adapter, validate_logical_name
@@ -169,7 +169,7 @@ async def canary_action(request):
     if request.match_info["action"] == "abort":
         abort(router.table, route, time.time())
     else:
-        promote(router.table, route, time.time(), "promote_by_hand")
+        router.canaries.promote_by_hand(route, time.time())
     return web.json_response(asdict(route.canary))
 
 

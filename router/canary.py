@@ -4,15 +4,25 @@ Each check compares the canary's window (since its stage began) with the baselin
 too few canary requests is inconclusive and holds (never promote or roll back on no data);
 a failed gate counts toward ``max_failed_checks`` consecutive failures, then rolls back to
 0%; a passed check after the stage's duration advances the stage, and passing the last
-stage promotes (the logical name now points at the candidate).  Every decision is logged
-and persisted with the numbers that caused it, so a restart resumes where it was.
+stage promotes (the logical name now serves the candidate).  Every decision is logged and
+kept in the canary's history with the numbers that caused it.
+
+The checks run on the serving event loop, so they stay cheap: the statistics windows are
+bounded (``stats``), and the route table is saved only when a check changes the canary's
+progress (stage, status, failed-check count), not on every "hold" or "pass"; the store the
+service gives the route table writes in its own thread.  A restart resumes from the last
+change (the holds since then are only in the log).
+
+Promotion has one source of truth: when the candidate is a registry version of the route's
+model, ``on_promote(route, candidate)`` makes it the registry's production version and the
+route keeps no alias of its own; otherwise the route gets an alias to the candidate.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .routes import Canary, Route, RouteTable
 from .stats import StatsBook, WindowSummary
@@ -43,11 +53,23 @@ def gate_failures(c: Canary, cand: WindowSummary, base: WindowSummary) -> list[s
     return failures
 
 
+# on_promote(route name, candidate) -> True when the registry now serves the candidate as
+# the route's production version (then the route needs no alias).
+OnPromote = Callable[[str, str], bool]
+
+
+def _progress(c: Canary) -> tuple:
+    """What a restart must not lose; a check that leaves it as it was writes nothing."""
+    return c.status, c.stage_index, c.stage_started_at, c.failed_checks
+
+
 class CanaryController:
-    def __init__(self, table: RouteTable, stats: StatsBook, clock: Callable[[], float] = time.time):
+    def __init__(self, table: RouteTable, stats: StatsBook, clock: Callable[[], float] = time.time,
+                 on_promote: OnPromote | None = None):
         self.table = table
         self.stats = stats
         self.clock = clock
+        self.on_promote = on_promote
 
     def step(self) -> None:
         now = self.clock()
@@ -66,10 +88,15 @@ class CanaryController:
         c.history.append(entry)
         del c.history[:-500]  # bounded
         c.last_check_at = now
-        self.table.save()
         log.info("canary %s -> %s: %s %s", route.name, c.candidate, decision, numbers)
 
     def _check(self, route: Route, c: Canary, now: float) -> None:
+        before = _progress(c)
+        self._judge(route, c, now)
+        if c.status != "promoted" and _progress(c) != before:
+            self.table.save()  # promote() has saved already
+
+    def _judge(self, route: Route, c: Canary, now: float) -> None:
         scope = f"canary:{route.name}"
         cand = self.stats.get(scope, "canary").window(c.stage_started_at)
         base = self.stats.get(scope, "baseline").window(c.stage_started_at)
@@ -98,18 +125,57 @@ class CanaryController:
             c.stage_started_at = now
             self._decide(route, c, now, "advance", **numbers)
             return
-        promote(self.table, route, now, "promote", numbers)
+        promote(self.table, route, now, "promote", numbers, on_promote=self.on_promote)
+
+    def promote_by_hand(self, route: Route, now: float) -> None:
+        promote(self.table, route, now, "promote_by_hand", on_promote=self.on_promote)
 
 
-def promote(table: RouteTable, route: Route, now: float, decision: str, numbers: dict | None = None) -> None:
+def promote(table: RouteTable, route: Route, now: float, decision: str, numbers: dict | None = None,
+            on_promote: OnPromote | None = None) -> None:
+    """Make the candidate what the route serves: through the registry when ``on_promote``
+    takes it (no alias, one source of truth), else with an alias.  A failing callback
+    falls back to the alias: the verdict stands either way."""
     c = route.canary
-    route.target = c.candidate
+    in_registry = False
+    if on_promote is not None:
+        try:
+            in_registry = bool(on_promote(route.name, c.candidate))
+        except Exception:
+            log.exception("canary %s: promoting %s in the registry failed; aliasing the route "
+                          "to it instead", route.name, c.candidate)
+    route.target = None if in_registry else c.candidate
+    if in_registry and table.target_of(route.name) != c.candidate:
+        # The registry took the promotion but the table does not see it (no production
+        # lookup wired): the alias keeps the verdict in force.
+        log.warning("canary %s: the registry promoted %s but the route still serves %s; "
+                    "aliasing the route", route.name, c.candidate, table.target_of(route.name))
+        route.target = c.candidate
     c.status = "promoted"
     c.history.append({"at": now, "decision": decision, "stage": c.stage_index, "percent": 100.0,
-                      **(numbers or {})})
+                      "via": "registry" if route.target is None else "alias", **(numbers or {})})
     c.last_check_at = now
     table.save()
-    log.info("canary %s promoted: %s now serves %s", route.name, route.name, c.candidate)
+    log.info("canary %s promoted: %s now serves %s (%s)", route.name, route.name, c.candidate,
+             "registry production version" if route.target is None else "route alias")
+
+
+def registry_promoter(registry, who: str = "canary") -> OnPromote:
+    """``on_promote`` for a registry: when the candidate is a version of the route's own
+    model (``cust017`` -> ``cust017.v4``), make it that model's production version and
+    answer True.  Any other candidate (another model, a name the registry does not know)
+    answers False and the route aliases it: promoting it in the registry would change
+    what *its* model name serves, not this route."""
+
+    def on_promote(route_name: str, candidate: str) -> bool:
+        version = registry.by_name(candidate)
+        if version is None or version.model != route_name:
+            return False
+        registry.promote(version.model, version.version, "production", who=who,
+                         note=f"canary of {route_name} passed every stage")
+        return True
+
+    return on_promote
 
 
 def abort(table: RouteTable, route: Route, now: float) -> None:

@@ -73,6 +73,7 @@ class Call:
     start: float
     server: TritonServer | None = None
     code: str = "OK"
+    ready_at: float | None = None  # perf_counter when the model was ready (after any load)
 
 
 class RouterMetrics:
@@ -236,8 +237,9 @@ class Router:
                                       "for it; retry later")
         return from_control_plane(exc)
 
-    def record(self, decision: Decision, latency_s: float, code: str, known: bool = True) -> None:
-        ok = code == "OK"
+    def record(self, decision: Decision, latency_s: float, code: str, known: bool = True,
+               served_s: float | None = None) -> None:
+        """``served_s``: latency from when the model was ready (None: it never was)."""
         # Adapters share their base's series: adapter names are chosen by clients.
         route = decision.logical.split(":", 1)[0] if known else "unknown"
         key = (route, decision.model if known else "unknown", decision.variant, code)
@@ -250,8 +252,10 @@ class Router:
         children[1].observe(latency_s)
         if not decision.scope.startswith(("exp:", "canary:")):
             return  # per-variant windows feed experiments and canaries only
-        self.stats.record(decision.scope, decision.variant, latency_s * 1000, ok,
-                          decision.randomly_assigned)
+        # Judge the model, not its load or the client: latency from ready, client errors apart.
+        self.stats.record_outcome(decision.scope, decision.variant, code,
+                                  None if served_s is None else served_s * 1000,
+                                  decision.randomly_assigned)
 
     # ------------------------------------------------------------------ inference
     @contextlib.asynccontextmanager
@@ -281,12 +285,16 @@ class Router:
                 except ControlPlaneError as exc:
                     raise self._serving_error(exc, decision.logical) from exc
             call.server = await self.server_for(decision.model, decision.logical)
+            call.ready_at = time.perf_counter()
             self.manager.touch(decision.model)
             rec.active += 1  # sent to Triton: an unload drains these
             sent = True
             yield call
         except RouterError as exc:
             call.code = exc.grpc_code.name
+            raise
+        except asyncio.CancelledError:  # the client went away or its deadline passed
+            call.code = "CANCELLED"
             raise
         except BaseException:
             if call.code == "OK":
@@ -299,8 +307,10 @@ class Router:
                 self.manager.release(rec)
             self.metrics.inflight.dec()
             self.inflight -= 1
+            end = time.perf_counter()
             # Names that turned out unknown get no series of their own (label cardinality).
-            self.record(decision, time.perf_counter() - start, call.code, known=rec is not None)
+            self.record(decision, end - start, call.code, known=rec is not None,
+                        served_s=None if call.ready_at is None else end - call.ready_at)
 
     @staticmethod
     def public_name(model_name: str, input_names, adapter_param: str | None) -> str:

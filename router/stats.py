@@ -1,20 +1,71 @@
-"""Per-variant request statistics: totals plus a time-bounded window for percentiles."""
+"""Per-variant request statistics: totals plus a time-bounded window for percentiles.
+
+Feeds A/B experiments and canary verdicts, so what it counts is what judges a model:
+
+* latency counts from when the model was ready to serve the request, not from arrival: a
+  candidate that starts cold is judged on its inference latency, not on its load time;
+* client mistakes (bad input, a name or adapter the model does not have, limits) and
+  cancellations by the client are not the model's errors: they are counted apart and left
+  out of the window (``classify``).
+
+Samples live in fixed-size numpy ring buffers, so recording is a few array stores and a
+window summary is a vectorized mask plus a percentile over a bounded sample: it never sorts
+tens of thousands of Python tuples on the serving event loop.
+"""
 
 from __future__ import annotations
 
+import enum
+import math
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
 
 WINDOW_MAX_SAMPLES = 50_000
+# Percentiles are computed over at most this many of the window's samples (evenly spaced
+# in time): p99 of 8192 samples has ~80 samples above it, plenty for a gate, and the
+# partition costs ~0.1 ms instead of a full sort of 50k values.
+PERCENTILE_MAX_SAMPLES = 8192
+
+# Status codes (grpc.StatusCode names) that say the client, not the model, was at fault.
+CLIENT_ERROR_CODES = frozenset({
+    "INVALID_ARGUMENT", "NOT_FOUND", "OUT_OF_RANGE", "RESOURCE_EXHAUSTED", "PERMISSION_DENIED",
+    "UNAUTHENTICATED", "ALREADY_EXISTS",
+})
 
 
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    index = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
-    return sorted_values[index]
+class Outcome(enum.Enum):
+    OK = "ok"
+    ERROR = "error"  # the model's (or its load's) fault: counts against it
+    CLIENT = "client"  # a client mistake or cancellation: counted apart, never judged
+
+
+def classify(code: str, reached_model: bool) -> Outcome:
+    """Whose fault a request's outcome is.
+
+    ``reached_model``: the model was ready and the request went to it.  Before that point
+    NOT_FOUND or INVALID_ARGUMENT come from the model itself (a candidate that is not in
+    the repository, a load that was refused) and count as its errors; after it they answer
+    the request's content (bad shape, unknown adapter).  A cancellation is the client
+    giving up (its deadline passed or it went away), also while waiting for a cold load."""
+    if code == "OK":
+        return Outcome.OK
+    if code == "CANCELLED":
+        return Outcome.CLIENT
+    if reached_model and code in CLIENT_ERROR_CODES:
+        return Outcome.CLIENT
+    return Outcome.ERROR
+
+
+def percentiles(values: np.ndarray, qs: tuple[float, ...]) -> list[float | None]:
+    """Nearest-rank percentiles (0..1) of ``values`` (not sorted); None for no values."""
+    if values.size == 0:
+        return [None] * len(qs)
+    if values.size > PERCENTILE_MAX_SAMPLES:
+        values = values[:: math.ceil(values.size / PERCENTILE_MAX_SAMPLES)]
+    return [float(v) for v in np.percentile(values, [q * 100 for q in qs], method="nearest")]
 
 
 @dataclass
@@ -33,29 +84,61 @@ class WindowSummary:
                 "error_rate": round(self.error_rate, 6), "p50_ms": self.p50_ms, "p99_ms": self.p99_ms}
 
 
-@dataclass
 class VariantStats:
-    requests: int = 0
-    errors: int = 0
-    random_assignments: int = 0
-    samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW_MAX_SAMPLES))
+    """Totals since start plus the last ``max_samples`` judged requests (time, latency, ok).
 
-    def record(self, now: float, latency_ms: float, ok: bool, randomly_assigned: bool = False) -> None:
+    Requests the client is to blame for are only counted (``client_errors``).  A request
+    that never reached a ready model has no latency (NaN): it counts in the window's
+    requests and errors but not in its percentiles."""
+
+    def __init__(self, max_samples: int = WINDOW_MAX_SAMPLES):
+        self.requests = 0
+        self.errors = 0
+        self.client_errors = 0
+        self.random_assignments = 0
+        self.max_samples = max_samples
+        self._at = np.empty(max_samples, np.float64)
+        self._latency_ms = np.empty(max_samples, np.float64)
+        self._ok = np.empty(max_samples, np.bool_)
+        self._next = 0  # ring index of the next sample
+        self._count = 0  # samples held, <= max_samples
+
+    def record(self, now: float, latency_ms: float | None, ok: bool,
+               randomly_assigned: bool = False) -> None:
         self.requests += 1
         self.errors += 0 if ok else 1
         self.random_assignments += 1 if randomly_assigned else 0
-        self.samples.append((now, latency_ms, ok))
+        i = self._next
+        self._at[i] = now
+        self._latency_ms[i] = math.nan if latency_ms is None else latency_ms
+        self._ok[i] = ok
+        self._next = (i + 1) % self.max_samples
+        if self._count < self.max_samples:
+            self._count += 1
+
+    def record_client_error(self, randomly_assigned: bool = False) -> None:
+        self.client_errors += 1
+        self.random_assignments += 1 if randomly_assigned else 0
 
     def window(self, since: float) -> WindowSummary:
-        picked = [(lat, ok) for t, lat, ok in self.samples if t >= since]
-        latencies = sorted(lat for lat, _ in picked)
-        errors = sum(1 for _, ok in picked if not ok)
-        return WindowSummary(len(picked), errors, percentile(latencies, 0.5), percentile(latencies, 0.99))
+        """Requests at or after ``since`` among the last ``max_samples``."""
+        n = self._count
+        picked = self._at[:n] >= since
+        requests = int(np.count_nonzero(picked))
+        if requests == 0:
+            return WindowSummary(0, 0, None, None)
+        errors = requests - int(np.count_nonzero(self._ok[:n][picked]))
+        # Ring order, not time order: a stride over it still picks every k-th request.
+        latencies = self._latency_ms[:n][picked]
+        latencies = latencies[~np.isnan(latencies)]
+        p50, p99 = percentiles(latencies, (0.5, 0.99))
+        return WindowSummary(requests, errors, p50, p99)
 
     def to_dict(self) -> dict:
-        summary = self.window(0.0)
+        summary = self.window(-math.inf)
         return {"requests": self.requests, "errors": self.errors,
                 "error_rate": round(self.errors / self.requests, 6) if self.requests else 0.0,
+                "client_errors": self.client_errors,
                 "random_assignments": self.random_assignments,
                 "p50_ms": summary.p50_ms, "p99_ms": summary.p99_ms}
 
@@ -63,19 +146,33 @@ class VariantStats:
 class StatsBook:
     """Statistics keyed by (scope, variant), e.g. ("exp:rec-ab", "treatment")."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 max_samples: int = WINDOW_MAX_SAMPLES):
         self.clock = clock
+        self.max_samples = max_samples
         self._stats: dict[tuple[str, str], VariantStats] = {}
 
     def get(self, scope: str, variant: str) -> VariantStats:
         key = (scope, variant)
         stats = self._stats.get(key)
         if stats is None:
-            stats = self._stats[key] = VariantStats()
+            stats = self._stats[key] = VariantStats(self.max_samples)
         return stats
 
-    def record(self, scope: str, variant: str, latency_ms: float, ok: bool, randomly_assigned=False):
+    def record(self, scope: str, variant: str, latency_ms: float | None, ok: bool,
+               randomly_assigned=False):
         self.get(scope, variant).record(self.clock(), latency_ms, ok, randomly_assigned)
+
+    def record_outcome(self, scope: str, variant: str, code: str, served_ms: float | None,
+                       randomly_assigned: bool = False) -> Outcome:
+        """Record one request by its status code.  ``served_ms``: latency from when the
+        model was ready (None if it never was); see ``classify``."""
+        outcome = classify(code, served_ms is not None)
+        if outcome is Outcome.CLIENT:
+            self.get(scope, variant).record_client_error(randomly_assigned)
+        else:
+            self.record(scope, variant, served_ms, outcome is Outcome.OK, randomly_assigned)
+        return outcome
 
     def scope(self, scope: str) -> dict[str, dict]:
         return {v: s.to_dict() for (sc, v), s in self._stats.items() if sc == scope}
