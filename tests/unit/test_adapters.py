@@ -3,7 +3,6 @@ table, metrics, ``base:adapter`` routing and the AdapterManager against a fake m
 
 from __future__ import annotations
 
-import json
 import shutil
 import sqlite3
 from types import SimpleNamespace
@@ -34,7 +33,6 @@ from control_plane.lora.manifest import read_manifest
 from control_plane.lora.models import TinyLMConfig
 from router.core import Router
 from router.errors import InvalidRequest
-from router.http_frontend import HEADER_LENGTH, _with_adapter
 from router.routes import RouteTable, split_adapter
 from tests.conftest import run
 
@@ -195,21 +193,6 @@ def test_appended_request_bytes_set_model_and_adapter_parameter():
     request.parameters["adapter"].string_param = "other"
     with pytest.raises(InvalidRequest, match="selects adapter 'acme'"):
         Router._check_adapter_parameter(request, decision)
-
-
-def test_http_body_gets_the_adapter_parameter_and_keeps_binary_tensors():
-    decision = RouteTable().resolve("tinylm:acme", None)
-    doc = {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
-                       "parameters": {"binary_data_size": 9}}]}
-    header = json.dumps(doc).encode()
-    body = header + b"\x05\x00\x00\x00hello"
-    new_body, headers = _with_adapter(json.loads(header), body, str(len(header)),
-                                      {HEADER_LENGTH: str(len(header)), "Content-Type": "x"}, decision)
-    n = int(headers[HEADER_LENGTH])
-    assert json.loads(new_body[:n])["parameters"] == {"adapter": "acme"}
-    assert new_body[n:] == b"\x05\x00\x00\x00hello" and headers["Content-Type"] == "x"
-    with pytest.raises(InvalidRequest, match="parameter adapter is 'other'"):
-        _with_adapter({"parameters": {"adapter": "other"}}, b"{}", None, {}, decision)
 
 
 # --------------------------------------------------------------------------- manager
