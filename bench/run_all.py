@@ -7,6 +7,7 @@ Each benchmark is its own module and can run alone with its own options:
     python -m bench.router_latency   what the router adds (vs direct Triton and a plain proxy)
     python -m bench.seed_scenario    50 customers, top 12 pinned, on the real stack
     python -m bench.shadow_overhead  the primary's latency with and without a shadow, same run
+    python -m bench.canary_overhead  request latency and serving-loop CPU while a canary runs
     python bench/lora_bench.py       LoRA: 1 vs 100 adapters per batch, swap-in, memory
 
 This runner uses shorter settings (`--full` uses each benchmark's defaults), writes
@@ -36,6 +37,7 @@ QUICK = {
     "seed_scenario": ["-m", "bench.seed_scenario", "--rate", "3", "--seconds", "40",
                       "--hot-seconds", "10"],
     "shadow_overhead": ["-m", "bench.shadow_overhead", "--rounds", "8"],
+    "canary_overhead": ["-m", "bench.canary_overhead", "--seconds", "10", "--fill", "20000"],
     "lora": ["bench/lora_bench.py", "--quick", "--no-wide"],
 }
 FULL = {
@@ -44,6 +46,7 @@ FULL = {
     "router_latency": ["-m", "bench.router_latency"],
     "seed_scenario": ["-m", "bench.seed_scenario"],
     "shadow_overhead": ["-m", "bench.shadow_overhead"],
+    "canary_overhead": ["-m", "bench.canary_overhead"],
     "lora": ["bench/lora_bench.py"],
 }
 
@@ -153,6 +156,14 @@ def summary_rows() -> list[tuple[str, str, str]]:
                          f"p99 {p[c]['p99_ms']:.1f}ms vs {p['none']['p99_ms']:.1f}ms without "
                          f"({(ratio or 1) * 100 - 100:+.0f}% median of rounds); serving loop "
                          f"+{cpu[c]['loop'] - cpu['none']['loop']:.2f}ms CPU per mirror"))
+    canary = load("canary_overhead.json")
+    if canary:
+        ph = canary["phases"]
+        rows.append(("requests while a canary is checked", "router",
+                     f"p99 {ph['canary']['p99_ms']:.1f}ms vs {ph['none']['p99_ms']:.1f}ms without; "
+                     f"serving loop +{ph['canary']['loop_cpu_ms_per_s'] - ph['none']['loop_cpu_ms_per_s']:.1f}"
+                     f"ms CPU per second ({sum(canary['conditions']['canary_window_requests'].values())} "
+                     "requests in the window)"))
     lora = load("lora.json")
     if lora:
         for size, ratios in lora["throughput_ratio_many_vs_one"].items():

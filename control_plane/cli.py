@@ -272,6 +272,14 @@ def _device_budgets(entries: tuple[str, ...]) -> dict[str, int]:
               help="Which unpinned model to evict when a server is full: lru (least recently "
                    "used), wtinylfu (frequency and load cost), wtinylfu-hits (frequency), gdsf "
                    "(frequency, cost and size). README: replayed hit ratios of each.")
+@click.option("--headroom-models", type=click.IntRange(min=0), default=None,
+              help="Models' worth of room each server keeps free, so that a miss loads at "
+                   "once instead of waiting for an unload; the policy's next victim leaves "
+                   "in the background. Default: 1 on servers that hold at least 8 models, "
+                   "else 0. 0 turns it off.")
+@click.option("--headroom-bytes", default=None,
+              help="Bytes each server with a byte budget keeps free instead (e.g. 2GiB); "
+                   "default: --headroom-models times the median loaded model's size.")
 @click.option("--reconcile-interval", type=float, default=2.0, show_default=True,
               help="Seconds between passes that compare with each Triton and repair.")
 @click.option("--log-level", default="INFO", show_default=True,
@@ -281,7 +289,8 @@ def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_
        triton_http_port,
        triton_grpc_port, triton_metrics_port, attach, router, router_host, router_http_port,
        router_grpc_port, max_request_bytes, expose_versions, warm_budget, cold_dir, auto_pin_top_k,
-       prefetch_min_miss_rate, policy, reconcile_interval, log_level):
+       prefetch_min_miss_rate, policy, headroom_models, headroom_bytes, reconcile_interval,
+       log_level):
     """Start tritonserver(s) and the control plane in the foreground; Ctrl-C stops all."""
     from .cold_store import S3Config
     from .errors import ControlPlaneError
@@ -316,7 +325,8 @@ def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_
         max_request_bytes=_size(max_request_bytes), expose_versions=expose_versions,
         warm_budget_bytes=_size(warm_budget),
         cold_dir=cold_dir, s3=S3Config.from_env(), auto_pin_top_k=auto_pin_top_k,
-        prefetch_min_miss_rate=prefetch_min_miss_rate)
+        prefetch_min_miss_rate=prefetch_min_miss_rate, headroom_models=headroom_models,
+        headroom_bytes=_size(headroom_bytes))
     try:
         service = Service(cfg)
         asyncio.run(service.serve_forever())

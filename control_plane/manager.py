@@ -21,6 +21,31 @@ Concurrency model (plain asyncio, one event loop):
   not loaded.
 * Warm-up follows the model: Triton runs a config's ``model_warmup`` during the load;
   otherwise one synthetic request, unless the model or the registry turned it off.
+
+Eviction off the critical path (a miss should cost one load, not an unload and a load):
+
+* Headroom.  Each server keeps room for the next miss free (``ManagerConfig.headroom_models``
+  / ``headroom_bytes``; by default one model's room where at least 8 fit, see
+  ``eviction.HeadroomSpec``).  When a load takes it, the policy's next victim is unloaded
+  in the background at once (``reason="headroom"``), with the usual rules: never a pinned
+  model, never one a request holds or that is loading, lowest rollout stage first.  A
+  serving model's miss may use the headroom; a shadow may not.
+* Two counts per server.  *Committed* room leaves out the models being unloaded (their room
+  is promised): placement plans victims on it, so two misses close together never evict
+  two models for the room of one.  *Held* room is what Triton holds: loaded, loading, and
+  unloading until its index shows the model UNAVAILABLE.  A load is sent to Triton only
+  when held room plus the newcomer fits the budget: the budget is enforced on what
+  Triton confirms.
+* One exception, overlap: when the measured free memory of the server's device
+  (``free_memory(server)``: MemAvailable on CPU, a GPU's free memory where a hook gives
+  it) holds the newcomer plus ``overlap_margin_bytes``, on top of every load already sent
+  and not finished on that device (each counted at its size plus the margin), the load
+  starts while its victims are still shutting down.  What is measured is never
+  over-committed, and the counts stay honest: the victims stay counted until Triton
+  confirms them gone (``mmctl fleet`` may show the server over its budget meanwhile), and
+  no other load can count on that room.  A victim whose unload then fails keeps its room
+  (``failed``); the newcomer stays loaded and the reconcile evicts down to the budget.
+  Without a probe (unit tests, attached Tritons) nothing overlaps.
 """
 
 from __future__ import annotations
@@ -49,6 +74,7 @@ from .eviction import (
     DEFAULT_PRIORITY,
     CachePlanner,
     Capacity,
+    HeadroomSpec,
     Resident,
     make_policy,
     victim_priority_limit,
@@ -65,6 +91,45 @@ log = logging.getLogger(__name__)
 
 UNKNOWN_NAME_TTL_S = 5.0
 UNKNOWN_NAMES_MAX = 10_000
+# How often a load waiting for room re-reads the measured free memory (an unload finishing
+# wakes it at once).
+ROOM_POLL_S = 0.05
+
+
+def host_available_bytes(meminfo: str | None = None, cgroup_max: str | None = None,
+                         cgroup_current: str | None = None) -> int | None:
+    """Host memory free for new processes now: ``MemAvailable`` of /proc/meminfo, capped by
+    what a cgroup v2 limit leaves (a container sees the host's meminfo).  None when it
+    cannot be read.  The ``free_memory`` probe of CPU servers (a /proc read, microseconds)."""
+    def read(path: str) -> str | None:
+        try:
+            with open(path) as f:
+                return f.read()
+        except OSError:
+            return None
+
+    meminfo = read("/proc/meminfo") if meminfo is None else meminfo
+    available = None
+    for line in (meminfo or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            parts = line.split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                available = int(parts[1]) * 1024  # kB
+            break
+    if available is None:
+        return None
+    limit = (read("/sys/fs/cgroup/memory.max") if cgroup_max is None else cgroup_max) or ""
+    current = (read("/sys/fs/cgroup/memory.current") if cgroup_current is None
+               else cgroup_current) or ""
+    if limit.strip().isdigit() and current.strip().isdigit():
+        available = min(available, max(0, int(limit) - int(current)))
+    return available
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Done callback of an unload nobody awaits: its failure is logged where it happens."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 class ModelState(str, enum.Enum):
@@ -158,6 +223,7 @@ class TritonServer:
             "memory_budget_bytes": self.spec.memory_budget_bytes,
             "max_loaded": self.spec.max_loaded,
             "used_bytes": self.planner.used_bytes,
+            "headroom": vars(self.planner.headroom_target()),
             "loaded": sorted(self.planner.residents),
         }
 
@@ -173,6 +239,21 @@ class ManagerConfig:
     failure_backoff_s: float = 10.0
     # How long a load waits for room held by other loads/unloads in progress.
     capacity_wait_s: float = 120.0
+    # Room each server keeps free for the next miss (eviction.HeadroomSpec): None = the
+    # default (one model where at least 8 fit), 0 = off.  headroom_bytes: explicit bytes
+    # under a byte budget instead of models x the median resident's size.
+    headroom_models: int | None = None
+    headroom_bytes: int | None = None
+    # Overlap: memory beyond a model's own size that a load may take while it starts (a
+    # python stub with torch: about 0.3 GB of RAM; on a GPU its CUDA context), kept free for
+    # each load in flight before a load may start ahead of its victims' unloads.
+    overlap_margin_bytes: int = 1 << 30
+
+    def __post_init__(self):
+        for name in ("headroom_models", "headroom_bytes", "overlap_margin_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise InvalidInput(f"{name} ({value}) must be >= 0")
 
 
 @dataclass
@@ -211,6 +292,7 @@ class ModelManager:
         placer: Placer | None = None,
         warmup_enabled: Callable[[str], bool] | None = None,
         memory=None,
+        free_memory: Callable[[TritonServer], int | None] | None = None,
     ):
         if not servers:
             raise InvalidInput("the fleet needs at least one Triton server")
@@ -224,8 +306,14 @@ class ModelManager:
         # Rollout-stage eviction priority of a model (registry.stage_priority); SLA/tenant
         # aware placement (placement.Placer).  Defaults: one priority, filters without labels.
         self.priority_of = priority_of or (lambda _name: DEFAULT_PRIORITY)
+        headroom = HeadroomSpec(self.config.headroom_models, self.config.headroom_bytes)
         for s in servers:
             s.planner.priority_of = self.priority_of  # a shadow never evicts serving models
+            s.planner.headroom = headroom
+        # Measured free bytes of a server's device now, or None: the overlap rule (see the
+        # module docstring); host_available_bytes on CPU.  None: nothing overlaps.
+        self.free_memory = free_memory
+        self._probe_failed: set[str] = set()  # servers whose probe raised (logged once)
         self.placer = placer or Placer()
         # Whether the synthetic warm-up may run for a model (the registry's per-model setting);
         # the model's own config can turn it off too (triton_admin.WARMUP_PARAMETER).
@@ -243,6 +331,10 @@ class ModelManager:
         self._unknown: dict[str, float] = {}  # name -> when it was last found unknown
         self._pin_repairs: set[str] = set()  # pinned models the reconcile is loading
         self._pin_retry_at: dict[str, float] = {}  # monotonic; after a failed pin repair
+        # Loads reserved and not sent to Triton yet (server -> model -> bytes), and loads
+        # sent and not finished (model -> (device, bytes)): held room and the overlap rule.
+        self._queued: dict[str, dict[str, int]] = {}
+        self._sent: dict[str, tuple[str, int]] = {}
         pins = store.pins()
         for name, row in store.model_rows().items():
             rec = self._record(name)
@@ -502,6 +594,7 @@ class ModelManager:
                     now = self.clock()
                     for v in victims:
                         server.planner.residents[v].evictable = False
+                        server.planner.residents[v].leaving = True
                         self.records[v].state = ModelState.UNLOADING
                     server.planner.admit(
                         Resident(name, size_bytes, pinned=rec.pinned, evictable=False,
@@ -511,6 +604,8 @@ class ModelManager:
                     previous_state = rec.state
                     rec.state, rec.server, rec.memory_bytes, rec.failure = (
                         ModelState.LOADING, server.name, size_bytes, None)
+                    self._queued.setdefault(server.name, {})[name] = size_bytes
+                    self._maintain_headroom(server)  # the next miss finds room again
                     break
             # Room comes back when a load/unload task ends or a request releases a model.
             timeout_s = min(0.05, max(0.0, deadline - time.monotonic()))
@@ -520,18 +615,35 @@ class ModelManager:
                 await asyncio.sleep(timeout_s)
         log.info("loading %s on %s (%d bytes), evicting %s", name, server.name, size_bytes, victims or "nothing")
 
-        # 1. Make room.  A victim that does not free in time keeps its memory counted.
-        results = await asyncio.gather(
-            *(self._unload_now(server, v, reason="evicted") for v in victims), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
+        # 1. Room.  The victims' unloads run; the load is sent once Triton confirms room for
+        # it, or at once where measured free memory holds it (overlap, module docstring).  A
+        # victim that does not free in time keeps its memory counted.
+        evictions = [self._unload_now(server, v, reason="evicted") for v in victims]
+        for fut in evictions:
+            fut.add_done_callback(_retrieve)  # failures are raised below or logged
+        try:
+            overlapped = await self._wait_for_room(
+                server, name, size_bytes, evictions,
+                # The longest an unload in progress takes before it fails on its own.
+                time.monotonic() + self.config.drain_timeout_s + self.config.unload_timeout_s)
+        except BaseException as exc:
+            self._queued.get(server.name, {}).pop(name, None)
             self._release_warm(name)
             server.planner.remove(name)
             rec.state = previous_state if previous_state != ModelState.LOADING else ModelState.WARM
             rec.server = None
             self.metrics.loads.labels(server.name, "evict_failed").inc()
-            raise OperationTimeout(
-                f"could not free room for {name} on {server.name}: {errors[0]}") from errors[0]
+            if isinstance(exc, ControlPlaneError):
+                raise OperationTimeout(
+                    f"could not free room for {name} on {server.name}: {exc}") from exc
+            raise
+        # No await between the room check and this: the next waiter sees this load as held.
+        self._queued[server.name].pop(name, None)
+        self._sent[name] = (server.spec.device, size_bytes)
+        if overlapped:
+            log.info("loading %s on %s while %s still shut down: measured free memory holds it",
+                     name, server.name, ", ".join(v for v, f in zip(victims, evictions) if not f.done())
+                     or "models of other loads")
         for _ in victims:
             self.metrics.evictions.labels(server.name).inc()
 
@@ -545,12 +657,15 @@ class ModelManager:
             if measured.bytes is not None:
                 await self._fit_measured(server, rec, measured.bytes)
         except BaseException as exc:
+            self._sent.pop(name, None)
             await self._undo_failed_load(server, rec, exc)
             raise
+        self._sent.pop(name, None)
         rec.load_time_s = time.monotonic() - start
         rec.warmup = warmup
         rec.state = ModelState.READY
         self._sync_evictable(rec)
+        self._maintain_headroom(server)
         rec.last_used = self.clock()
         self.metrics.loads.labels(server.name, "ok").inc()
         self.metrics.load_seconds.labels(server.name).observe(rec.load_time_s)
@@ -580,6 +695,80 @@ class ModelManager:
             await asyncio.gather(*(self._unload_now(server, v, reason="evicted") for v in victims),
                                  return_exceptions=True)  # a failed one stays counted
         self._update_gauges(server)
+
+    def _fits_held(self, server: TritonServer, size_bytes: int) -> bool:
+        """Whether one more model of ``size_bytes`` fits next to what Triton holds: loaded,
+        loading, and unloading until confirmed gone (loads not sent yet left out)."""
+        planner, cap = server.planner, server.planner.capacity
+        queued = self._queued.get(server.name, {})
+        if cap.max_slots is not None and planner.used_slots - len(queued) + 1 > cap.max_slots:
+            return False
+        return (cap.max_bytes is None
+                or planner.used_bytes - sum(queued.values()) + size_bytes <= cap.max_bytes)
+
+    def _fits_measured(self, server: TritonServer, size_bytes: int) -> bool:
+        """The overlap rule: the device's measured free memory holds this load and every
+        load in flight on it, each with ``overlap_margin_bytes`` (see the module docstring)."""
+        if self.free_memory is None:
+            return False
+        try:
+            free_bytes = self.free_memory(server)
+        except Exception:  # a failing probe means no overlap, never a failed load
+            if server.name not in self._probe_failed:
+                self._probe_failed.add(server.name)
+                log.exception("measuring free memory for %s failed; loads there wait for "
+                              "Triton to confirm room", server.name)
+            return False
+        if free_bytes is None:
+            return False
+        margin = self.config.overlap_margin_bytes
+        in_flight = sum(b + margin for device, b in self._sent.values() if device == server.spec.device)
+        return free_bytes - in_flight >= size_bytes + margin
+
+    async def _wait_for_room(self, server: TritonServer, name: str, size_bytes: int,
+                             evictions: list[asyncio.Future], deadline: float) -> bool:
+        """Wait until the load of ``name`` may be sent to Triton.  False: Triton's held room
+        fits it; True: it starts before its victims are confirmed gone (overlap).
+
+        Raises the first failed eviction of its own, or OperationTimeout when the room is
+        held by models no unload is freeing (an unload failed: its room stays counted) or
+        is not freed by ``deadline``."""
+        while True:
+            for fut in evictions:
+                if fut.done() and not fut.cancelled() and fut.exception() is not None:
+                    raise fut.exception()
+            if self._fits_held(server, size_bytes):
+                return False
+            if self._fits_measured(server, size_bytes):
+                return True
+            freeing = [t for n, t in self._unloads.items()
+                       if not t.done() and (r := self.records.get(n)) is not None and r.server == server.name]
+            if not freeing:
+                raise OperationTimeout(
+                    f"its room on {server.name} is held by models whose unload did not complete; "
+                    "they stay counted until Triton confirms them gone (mmctl status)")
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise OperationTimeout(f"Triton did not confirm room for {name} in time")
+            await asyncio.wait(freeing, return_when=asyncio.FIRST_COMPLETED,
+                               timeout=min(remaining_s, ROOM_POLL_S) if self.free_memory else remaining_s)
+
+    def _maintain_headroom(self, server: TritonServer) -> None:
+        """Start unloading the policy's next victims when the server's free room is below its
+        headroom (eviction.CachePlanner.headroom_victims); returns at once, the unloads run
+        in the background.  Synchronous: the choice and the marking see the same state."""
+        if not server.up:
+            return
+        victims = server.planner.headroom_victims()
+        for v in victims:
+            resident = server.planner.residents[v]
+            resident.evictable = False
+            resident.leaving = True
+            self.records[v].state = ModelState.UNLOADING
+        if victims:
+            log.info("%s: unloading %s to keep room for the next miss", server.name, ", ".join(victims))
+        for v in victims:
+            self._unload_now(server, v, reason="headroom").add_done_callback(_retrieve)
 
     async def _warm_up(self, server: TritonServer, name: str) -> dict:
         """Warm ``name`` up as the model says; the result is what ``health`` shows.
@@ -652,9 +841,11 @@ class ModelManager:
             resident = server.planner.residents.get(name)
             if resident is not None:
                 # On its way out it holds its slot as busy, not as a pin (a forced unload of
-                # a pinned model keeps the pin: the reconcile loads it again).
+                # a pinned model keeps the pin: the reconcile loads it again).  A failed
+                # model retried here is not leaving: its room stays held until confirmed.
                 resident.evictable = False
                 resident.pinned = False
+                resident.leaving = rec.state == ModelState.READY
             if rec.state == ModelState.READY:
                 rec.state = ModelState.UNLOADING
         await self._unload_now(server, name, reason="requested")
@@ -695,6 +886,7 @@ class ModelManager:
             if resident is not None:
                 resident.evictable = False
                 resident.pinned = False
+                resident.leaving = False  # it holds its room again
             log.error("unload of %s on %s failed: %s", name, server.name, exc.message)
             raise
         # Free only once NVML shows the memory back (on a GPU; what is not back stays counted).
@@ -829,6 +1021,7 @@ class ModelManager:
                 await self._reconcile_server(server)
             except Exception:  # one failing server never stops the loop
                 log.exception("reconcile of %s failed", server.name)
+            self._maintain_headroom(server)
         self._repair_pins()
 
     async def _reconcile_server(self, server: TritonServer) -> None:
@@ -967,6 +1160,7 @@ class ModelManager:
                           cap.describe())
                 return
             server.planner.residents[victim].evictable = False
+            server.planner.residents[victim].leaving = True
             try:
                 await self._unload_now(server, victim, reason="over_budget")
             except ControlPlaneError:

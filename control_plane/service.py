@@ -124,6 +124,7 @@ class Service:
         self.promoter = None
         self.admin_url = ""
         self.router = None
+        self.route_store = None  # router.state_writer.BackgroundStore
         self.grpc_server = None
         self.router_runner: web.AppRunner | None = None
         self.devices: list = []  # devices.Device: the GPUs / MIG slices with a Triton each
@@ -375,13 +376,15 @@ class Service:
         from router.http_frontend import make_http_app
         from router.public_names import PublicNames
         from router.routes import RouteTable
+        from router.state_writer import BackgroundStore
 
         cfg = self.cfg
         registry = self.registry
         # The hot path reads its dicts; SQLite is read only when the registry changes.
         names = PublicNames(registry.versions, expose_concrete=cfg.expose_versions)
         registry.on_stage_change(names.refresh)
-        table = RouteTable(self.manager.store, default_target=names.production.get,
+        self.route_store = BackgroundStore(self.manager.store)  # route-table writes off the loop
+        table = RouteTable(self.route_store, default_target=names.production.get,
                            unrouted=names.unrouted)
         self.router = Router(self.manager, table, RouterConfig(
             load_timeout_s=cfg.load_wait_timeout_s, max_request_bytes=cfg.max_request_bytes,
@@ -406,6 +409,8 @@ class Service:
             await self.router_runner.cleanup()
         if self.router is not None:
             await self.router.stop()
+        if self.route_store is not None:
+            await asyncio.to_thread(self.route_store.close)
         if self._loop_task is not None:
             self._loop_task.cancel()
         if self.runner is not None:
