@@ -76,6 +76,10 @@ class ServiceConfig:
     max_request_bytes: int = 16 * 1024 * 1024
     expose_versions: bool = False  # concrete Triton names callable on the public port
     load_wait_timeout_s: float = 120.0
+    # Room each server keeps free for the next miss (ManagerConfig): None = one model where
+    # at least 8 fit, 0 = off; headroom_bytes: explicit bytes under a byte budget.
+    headroom_models: int | None = None
+    headroom_bytes: int | None = None
 
     def validate(self) -> None:
         if self.max_loaded is not None and self.max_loaded < 1:
@@ -85,6 +89,12 @@ class ServiceConfig:
         if self.triton_servers < 0 or (self.triton_servers == 0 and not self.attach):
             raise InvalidInput(
                 f"triton_servers ({self.triton_servers}) must be >= 1 unless --attach is given")
+        if self.headroom_models is not None and self.headroom_models < 0:
+            raise InvalidInput(f"--headroom-models ({self.headroom_models}) must be >= 0 (0 turns "
+                               "the headroom off)")
+        if self.headroom_bytes is not None and self.headroom_bytes < 0:
+            raise InvalidInput(f"--headroom-bytes ({self.headroom_bytes}) must be >= 0 (0 turns "
+                               "the byte headroom off)")
         if self.fleet_size < 0:
             raise InvalidInput(f"fleet_size ({self.fleet_size}) must be >= 0")
         if self.policy not in POLICIES:
@@ -104,6 +114,24 @@ class ServiceConfig:
 
         need = (self.warm_budget_bytes or 0) + int(self.fleet_size * (self.model_size_mb or 1) * 1e6)
         return default_warm_repository(self.state_dir, need)
+
+
+def free_memory_probe(memory=None):
+    """The manager's measured-free-memory probe (a load may overlap its victims' unloads
+    where it holds the newcomer): MemAvailable for local CPU servers, NVML's free memory for
+    a GPU server that ``memory`` (devices.GpuMemoryMeter) measures; None elsewhere (attached
+    Tritons: their machine is not this one), so nothing overlaps there."""
+    from .manager import host_available_bytes
+
+    def free_memory(server) -> int | None:
+        probe = getattr(memory, "probes", {}).get(server.name) if memory is not None else None
+        if probe is not None:
+            return int(probe.nvml.nvmlDeviceGetMemoryInfo(probe.handle).free)
+        if server.spec.device == "cpu" and server.process is not None:
+            return host_available_bytes()
+        return None
+
+    return free_memory
 
 
 def _port(base: int, i: int) -> int:
@@ -304,7 +332,10 @@ class Service:
         self.manager = ModelManager(
             servers, store, repository=self.repository,
             config=ManagerConfig(drain_timeout_s=cfg.drain_timeout_s,
-                                 unload_timeout_s=cfg.unload_timeout_s, policy=cfg.policy),
+                                 unload_timeout_s=cfg.unload_timeout_s, policy=cfg.policy,
+                                 headroom_models=cfg.headroom_models,
+                                 headroom_bytes=cfg.headroom_bytes),
+            free_memory=free_memory_probe(self.memory),
             stager=stager, priority_of=self.registry.stage_priority,
             placer=Placer(facts=registry_facts(self.registry), labels=self.labels),
             warmup_enabled=self.registry.warmup_enabled, memory=self.memory)
