@@ -15,9 +15,18 @@ i.e. as an operator would know them at deploy time) marked pinned when they are 
     python -m bench.policy_replay                      # the standard set (a few minutes)
     python -m bench.policy_replay --quick              # 100k requests per trace
     python -m bench.policy_replay --traces zipf-1.0 --policies lru,wtinylfu --requests 200000
+    python -m bench.policy_replay --quick --headroom 1   # + the cost of keeping headroom
 
 Writes ``bench/results/policy.json`` (a list of rows), ``policy_meta.json`` (machine,
 versions, conditions) and, with matplotlib installed, ``policy_hit_ratio.png``.
+
+``--headroom N`` also replays every trace and policy with the control plane's headroom
+(``CachePlanner.headroom_victims`` after each miss: N slots kept free, the policy's next
+victims leaving in the background) and writes ``policy_headroom.json``: hit ratio with and
+without it on the same trace, and the seconds a request waits on misses on average: a miss
+that must evict first waits for the victim's unload (``--unload-s``, measured 1.1-1.7 s
+with the python backend) and then its load; with headroom a miss only loads, as long as the
+background unload finished since the previous miss.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from control_plane.eviction import (
     POLICIES,
     CachePlanner,
     Capacity,
+    HeadroomSpec,
     Resident,
     make_policy,
 )
@@ -53,6 +63,7 @@ QUICK_REQUESTS = 100_000
 PLOT_TRACE = "zipf-1.0"
 PLOT_SLOTS = (10, 25, 50, 100, 200, 400)
 PLOT_REQUESTS = 200_000
+UNLOAD_S = 1.4  # unload until memory is free, python backend (DESIGN.md: 1.1-1.7 s)
 
 
 @dataclass
@@ -63,6 +74,8 @@ class ReplayResult:
     cost_weighted_miss_s: float
     loads_per_min: float
     replay_s: float
+    evicting_misses: int = 0  # misses that had to evict before loading
+    headroom_evictions: int = 0
 
     @property
     def hit_ratio(self) -> float:
@@ -95,22 +108,27 @@ def parse_policy(spec: str) -> tuple[str, bool, dict[str, Any]]:
     return name, pinned, options
 
 
-def replay(trace: Trace, policy: str, slots: int | None = None) -> ReplayResult:
-    """Run ``trace`` through a CachePlanner with ``policy`` (see ``parse_policy``)."""
+def replay(trace: Trace, policy: str, slots: int | None = None, headroom: int = 0) -> ReplayResult:
+    """Run ``trace`` through a CachePlanner with ``policy`` (see ``parse_policy``).
+
+    ``headroom``: slots kept free as the control plane keeps them (``headroom_victims``
+    after each admission); its evictions cost no load and are counted apart."""
     name, pinned, options = parse_policy(policy)
     slots = trace.slots if slots is None else slots
     pin_keys: set[str] = set()
     if pinned:
         pin_count = min(trace.pin_top, slots - 1)
         pin_keys = {trace.models[i] for i in trace.popularity[:pin_count]}
-    planner = CachePlanner(make_policy(name, **options), Capacity(max_slots=slots))
+    planner = CachePlanner(make_policy(name, **options), Capacity(max_slots=slots),
+                           headroom=HeadroomSpec(models=headroom))
+    restore = planner.headroom_victims if headroom else None
     size_of = dict(zip(trace.models, trace.sizes_bytes))
     cost_of = dict(zip(trace.models, trace.load_costs_s))
     keys = trace.keys()
     times = trace.times_s.tolist()
     residents = planner.residents
     touch, plan, remove, admit = planner.touch, planner.plan, planner.remove, planner.admit
-    misses = 0
+    misses = evicting = headroom_evictions = 0
     miss_cost_s = 0.0
     gc.disable()  # the loop allocates few cycles; a collection mid-run only adds noise
     try:
@@ -123,9 +141,16 @@ def replay(trace: Trace, policy: str, slots: int | None = None) -> ReplayResult:
             cost_s = cost_of[key]
             miss_cost_s += cost_s
             size = size_of[key]
-            for victim in plan(key, size).victims:
+            victims = plan(key, size).victims
+            if victims:
+                evicting += 1
+            for victim in victims:
                 remove(victim)
             admit(Resident(key, size, pinned=key in pin_keys), now, cost_s)
+            if restore is not None:
+                for victim in restore():
+                    headroom_evictions += 1
+                    remove(victim)
         elapsed_s = time.perf_counter() - start
     finally:
         gc.enable()
@@ -137,6 +162,8 @@ def replay(trace: Trace, policy: str, slots: int | None = None) -> ReplayResult:
         cost_weighted_miss_s=round(miss_cost_s, 3),
         loads_per_min=round(misses / minutes, 3) if minutes > 0 else 0.0,
         replay_s=elapsed_s,
+        evicting_misses=evicting,
+        headroom_evictions=headroom_evictions,
     )
 
 
@@ -185,6 +212,52 @@ def run_trace(trace: Trace, policies: Sequence[str], slots: int | None = None,
         row["cost_vs_lru"] = (round(row["cost_weighted_miss_s"] / lru_cost_s, 4)
                               if lru_cost_s else None)
     return rows
+
+
+def headroom_rows(trace: Trace, policies: Sequence[str], headroom: int, unload_s: float,
+                  log: Any = None) -> list[dict[str, Any]]:
+    """Per policy: the same trace without and with ``headroom`` slots kept free."""
+    rows = []
+    for policy in policies:
+        base = replay(trace, policy)
+        kept = replay(trace, policy, headroom=headroom)
+
+        def wait_s(r: ReplayResult) -> float:  # per request: loads of misses + unloads waited
+            return (r.cost_weighted_miss_s + r.evicting_misses * unload_s) / max(1, r.requests)
+
+        rows.append({
+            "trace": trace.name, "models": trace.n_models, "slots": trace.slots,
+            "requests": trace.n_requests, "policy": policy, "headroom": headroom,
+            "unload_s": unload_s,
+            "hit_ratio": round(base.hit_ratio, 5),
+            "hit_ratio_with_headroom": round(kept.hit_ratio, 5),
+            "hit_ratio_cost": round(base.hit_ratio - kept.hit_ratio, 5),
+            "evicting_misses": base.evicting_misses,
+            "evicting_misses_with_headroom": kept.evicting_misses,
+            "headroom_evictions": kept.headroom_evictions,
+            "miss_wait_s_per_request": round(wait_s(base), 5),
+            "miss_wait_s_per_request_with_headroom": round(wait_s(kept), 5),
+        })
+        if log:
+            log(f"  {trace.name:<9} {trace.n_models:>5} models {policy:<10} headroom {headroom}: "
+                f"hit {base.hit_ratio:.4f} -> {kept.hit_ratio:.4f}")
+    return rows
+
+
+def headroom_table(rows: list[dict[str, Any]]) -> str:
+    header = (f"{'trace':<9} {'models':>6} {'slots':>5} {'policy':<10} {'hit':>6} {'hit+hr':>6} "
+              f"{'cost':>6} {'wait/req ms':>11} {'+hr ms':>7} {'evicting misses':>15} {'+hr':>6}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r['trace']:<9} {r['models']:>6} {r['slots']:>5} {r['policy']:<10} "
+            f"{r['hit_ratio']:>6.4f} {r['hit_ratio_with_headroom']:>6.4f} "
+            f"{r['hit_ratio_cost']:>6.4f} {r['miss_wait_s_per_request'] * 1000:>11.1f} "
+            f"{r['miss_wait_s_per_request_with_headroom'] * 1000:>7.1f} "
+            f"{r['evicting_misses']:>15} {r['evicting_misses_with_headroom']:>6}")
+    lines.append("hit+hr = with the headroom; cost = hit ratio lost; wait/req = load seconds of misses "
+                 "plus --unload-s for each miss that had to evict first, per request")
+    return "\n".join(lines)
 
 
 def conditions(args: argparse.Namespace, started_s: float, started_at: str) -> dict[str, Any]:
@@ -293,7 +366,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="only the variants of the traces with this many models")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--headroom", type=int, default=0,
+                        help="also replay with this many slots kept free (the control plane's "
+                             "headroom) and write policy_headroom.json")
+    parser.add_argument("--unload-s", type=float, default=UNLOAD_S,
+                        help="seconds a miss waits for its victim's unload without headroom")
     args = parser.parse_args(argv)
+    if args.headroom < 0:
+        parser.error(f"--headroom ({args.headroom}) must be >= 0")
     started_s = time.perf_counter()
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
@@ -314,10 +394,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     rows: list[dict[str, Any]] = []
+    kept_rows: list[dict[str, Any]] = []
     for spec in specs:
         n = args.requests or (QUICK_REQUESTS if args.quick else spec.default_requests)
         trace = spec.build(n, args.seed)
         rows.extend(run_trace(trace, policies, log=log))
+        if args.headroom:
+            kept_rows.extend(headroom_rows(trace, policies, args.headroom, args.unload_s, log=log))
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "policy.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -341,6 +424,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"policy replay: {meta['processor']} x{meta['cpu_count']}, Python {meta['python']}, "
           f"numpy {meta['numpy']}, seed {args.seed}, wall {meta['wall_s']}s")
     print(summary_table(rows))
+    if kept_rows:
+        (args.out / "policy_headroom.json").write_text(json.dumps(kept_rows, indent=1) + "\n")
+        print(f"\nheadroom of {args.headroom} slot(s), unload {args.unload_s:g}s:")
+        print(headroom_table(kept_rows))
+        print(f"wrote {args.out / 'policy_headroom.json'}")
     print(f"wrote {args.out / 'policy.json'}" + (", policy_hit_ratio.png" if plotted else ""))
     return 0
 
