@@ -10,7 +10,8 @@ loop; everything else is off it or shed:
   event loop running ``shed_lag_ms`` late) mirrors are shed first, at the offer and again
   just before the send, and counted;
 * parsing both responses, comparing the outputs (numpy) and logging run in one analysis
-  thread behind a bounded queue; the per-route JSONL log is rotated
+  thread, handed over in batches (one wake-up per ``LAG_PROBE_S``, not one per mirror) with
+  a bounded backlog; the per-route JSONL log is rotated
   (``logging.handlers.RotatingFileHandler``: ``log_max_bytes`` x ``log_backups`` files).
 
 Shadow results, errors and timeouts never reach a client.  Each comparison (diverged or
@@ -152,7 +153,11 @@ class ShadowMirror:
                                         "Mirrors shed because the serving path was busy",
                                         ["route"], registry=metrics.registry)
         self._tasks: list[asyncio.Task] = []
-        self._analysis: queue.Queue[_Outcome | None] = queue.Queue(maxsize=analysis_queue_size)
+        self.analysis_queue_size = analysis_queue_size
+        self._batch: list[_Outcome] = []  # loop side, handed over by the lag probe
+        self._handed = 0  # outcomes handed to the thread (written by the loop only)
+        self._analysed = 0  # outcomes the thread finished (written by the thread only)
+        self._analysis: queue.Queue[list[_Outcome] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._logs: dict[str, logging.Handler] = {}  # analysis thread only
 
@@ -183,7 +188,8 @@ class ShadowMirror:
         self._tasks.clear()
         if self._thread is not None:
             thread, self._thread = self._thread, None
-            await asyncio.to_thread(self._analysis.put, None)
+            self._hand_over()
+            self._analysis.put(None)
             await asyncio.to_thread(thread.join, 10)
 
     async def drain(self, timeout_s: float = 10.0) -> None:
@@ -191,6 +197,7 @@ class ShadowMirror:
         async with asyncio.timeout(timeout_s):
             for queue_ in list(self.queues.values()):
                 await queue_.join()
+            self._hand_over()
             await asyncio.to_thread(self._analysis.join)
 
     # ------------------------------------------------------------------ loop side
@@ -233,6 +240,13 @@ class ShadowMirror:
             due = loop.time() + LAG_PROBE_S
             await asyncio.sleep(LAG_PROBE_S)
             self.loop_lag_ms = max(0.0, (loop.time() - due) * 1000)
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self._batch:
+            batch, self._batch = self._batch, []
+            self._handed += len(batch)
+            self._analysis.put_nowait(batch)
 
     async def _worker(self, queue_: asyncio.Queue) -> None:
         while True:
@@ -260,29 +274,33 @@ class ShadowMirror:
         else:
             outcome = _Outcome(item, "response", response,
                                latency_ms=(time.perf_counter() - start) * 1000, at=at)
-        try:
-            self._analysis.put_nowait(outcome)
-        except queue.Full:  # the analysis thread is behind: drop, never queue without bound
+        if self._handed - self._analysed + len(self._batch) >= self.analysis_queue_size:
+            # The analysis thread is behind: drop, never queue without bound.
             self.reports[item.route].dropped += 1
             if self.metrics:
                 self.metrics.shadow_dropped.labels(item.route).inc()
+            return
+        self._batch.append(outcome)
 
     # ------------------------------------------------------------------ analysis thread
     def _analyze_forever(self) -> None:
         try:
             while True:
-                outcome = self._analysis.get()
+                batch = self._analysis.get()
                 try:
-                    if outcome is None:
+                    if batch is None:
                         return
-                    self._analyze(outcome)
-                except Exception:  # one bad response never stops the analysis
-                    log.exception("shadow analysis failed")
+                    for outcome in batch:
+                        try:
+                            self._analyze(outcome)
+                        except Exception:  # one bad response never stops the analysis
+                            log.exception("shadow analysis failed")
+                        self._analysed += 1
+                        # Hand the GIL over between items: the serving loop never waits
+                        # behind a batch (CPython would let this thread keep it for 5 ms).
+                        time.sleep(0)
                 finally:
                     self._analysis.task_done()
-                # Hand the GIL over between items: the serving loop never waits behind a
-                # backlog of comparisons (CPython would let this thread keep it for 5 ms).
-                time.sleep(0)
         finally:
             for handler in self._logs.values():
                 handler.close()
