@@ -193,14 +193,14 @@ def register(cli: click.Group) -> None:
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     @pass_api
     def shadow_report(api, name, as_json):
-        """Mirrored, compared and dropped counts, divergence rate and latency delta."""
+        """Mirrored, compared, dropped and shed counts, divergence rate and latency delta."""
         body = _send(api, "GET", f"/v1/shadows/{_q(name)}")
         if as_json:
             click.echo(json.dumps(body, indent=2))
             return
         rate = body["divergence_rate"]
         click.echo(f"{name}: mirrored {body['mirrored']}, compared {body['compared']}, dropped "
-                   f"{body['dropped']}, errors {body['errors']}, timeouts {body['timeouts']}, "
+                   f"{body['dropped']}, shed {body.get('shed', 0)}, errors {body['errors']}, timeouts {body['timeouts']}, "
                    f"divergence {'-' if rate is None else f'{rate:.3f}'}, latency delta "
                    f"{_ms(body['mean_latency_delta_ms'])} ms  (log: {body.get('log', '-')})")
 
