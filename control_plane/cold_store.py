@@ -19,7 +19,11 @@ Folder sha256 (what the registry records)
 
 Downloads (``download_verified``) stream each object into a fresh folder in a staging
 directory, hashing on the way; nothing is renamed into Triton's repository here (the warm
-tier does that, atomically, after verification).  A mismatch or a broken transfer is retried
+tier does that, atomically, after verification).  From S3 a large object comes as parallel
+ranged GETs (boto3's transfer manager, ``S3Config.max_concurrency`` parts of
+``part_size_bytes`` at a time); the parts are written and hashed in order as they arrive, so
+verification costs no second pass, and an object larger than its listed size fails as
+soon as the extra bytes arrive (the transfer is cancelled).  A mismatch or a broken transfer is retried
 once from scratch, then fails with ModelLoadFailed saying what differed.  Blocking: call it
 from an executor thread.
 """
@@ -180,6 +184,13 @@ class ColdStore(ABC):
     def stream(self, uri: str, relpath: str) -> Iterator[bytes]:
         """The object's bytes in chunks of about CHUNK_BYTES."""
 
+    def copy_into(self, uri: str, relpath: str, sink: Callable[[bytes], None]) -> None:
+        """Pass the object's bytes to ``sink`` in order, as they arrive (a store that can
+        fetch parts in parallel does; the default streams one GET).  An exception from
+        ``sink`` stops the transfer and is raised here."""
+        for chunk in self.stream(uri, relpath):
+            sink(chunk)
+
     @abstractmethod
     def put_file(self, uri: str, relpath: str, source: Path) -> None: ...
 
@@ -260,6 +271,11 @@ class S3Config:
     session_token: str | None = None
     addressing_style: str = "auto"  # "path" for MinIO and most S3-compatible servers
     max_attempts: int = 3  # botocore's own retries of one request
+    # Downloads: ranged GETs in flight per object, and their size.  One GET stream gets a
+    # fraction of what S3 serves a client; AWS's guidance is concurrent ranges of 8-16 MB.
+    # Objects up to one part come in one GET.  (MMS_S3_MAX_CONCURRENCY, MMS_S3_PART_BYTES)
+    max_concurrency: int = 8
+    part_size_bytes: int = 8 << 20
 
     def __repr__(self) -> str:
         # Configs end up in logs and tracebacks: the secret and the session token never do.
@@ -282,6 +298,8 @@ class S3Config:
             access_key_id=env.get("MMS_S3_ACCESS_KEY_ID") or None,
             secret_access_key=env.get("MMS_S3_SECRET_ACCESS_KEY") or None,
             addressing_style=env.get("MMS_S3_ADDRESSING_STYLE", "path" if endpoint else "auto"),
+            max_concurrency=_int_env(env, "MMS_S3_MAX_CONCURRENCY", cls.max_concurrency),
+            part_size_bytes=_int_env(env, "MMS_S3_PART_BYTES", cls.part_size_bytes),
         )
 
     def validate(self) -> None:
@@ -290,6 +308,22 @@ class S3Config:
                 f"S3 addressing style {self.addressing_style!r} must be auto, path or virtual")
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise InvalidInput("give both the S3 access key id and the secret access key, or neither")
+        if self.max_concurrency < 1:
+            raise InvalidInput(f"S3 download concurrency ({self.max_concurrency}) must be >= 1 "
+                               "(MMS_S3_MAX_CONCURRENCY)")
+        if self.part_size_bytes < 5 << 20:
+            raise InvalidInput(f"S3 part size ({self.part_size_bytes} bytes) must be at least "
+                               "5 MiB, S3's smallest multipart part (MMS_S3_PART_BYTES)")
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidInput(f"{name}={raw!r} is not a whole number") from None
 
 
 class S3Store(ColdStore):
@@ -381,6 +415,25 @@ class S3Store(ColdStore):
         except Exception as exc:
             raise self._errors(f"{uri}{relpath}", exc) from exc
 
+    def copy_into(self, uri: str, relpath: str, sink: Callable[[bytes], None]) -> None:
+        """Parallel ranged GETs (boto3's transfer manager); ``sink`` gets the bytes in order:
+        a target that cannot seek makes the manager hold parts that arrive early until the
+        ones before them are written."""
+        from boto3.s3.transfer import TransferConfig
+
+        bucket, prefix = self.split(uri)
+        config = TransferConfig(multipart_threshold=self.config.part_size_bytes,
+                                multipart_chunksize=self.config.part_size_bytes,
+                                max_concurrency=self.config.max_concurrency,
+                                io_chunksize=CHUNK_BYTES)
+        target = _InOrderSink(sink)
+        try:
+            self.client.download_fileobj(bucket, prefix + relpath, target, Config=config)
+        except Exception as exc:
+            if target.error is not None:  # the sink's own (a full disk, more bytes than listed)
+                raise target.error from None
+            raise self._errors(f"{uri}{relpath}", exc) from exc
+
     def put_file(self, uri: str, relpath: str, source: Path) -> None:
         bucket, prefix = self.split(uri)
         self.client.upload_file(str(source), bucket, prefix + relpath)
@@ -391,6 +444,22 @@ class S3Store(ColdStore):
 
     def describe(self) -> str:
         return f"S3 {self.config.endpoint_url or 'AWS'} bucket {self.config.bucket or '-'}"
+
+
+class _InOrderSink:
+    """A write-only target: boto3's transfer manager then writes parts in order.  Keeps the
+    sink's own exception, which the transfer manager raises as a failed transfer."""
+
+    def __init__(self, sink: Callable[[bytes], None]):
+        self.sink = sink
+        self.error: BaseException | None = None
+
+    def write(self, data: bytes) -> None:
+        try:
+            self.sink(data)
+        except BaseException as exc:
+            self.error = exc
+            raise
 
 
 def _is_missing(exc: Exception) -> bool:
@@ -502,15 +571,21 @@ def _download_once(store: ColdStore, uri: str, expected_sha256: str, tmp: Path,
         h = hashlib.sha256()
         size = 0
         with open(dest, "wb") as f:
-            for chunk in store.stream(uri, e.path):
+            def sink(chunk: bytes) -> None:  # in order, as the bytes arrive
+                nonlocal size, done, last_report
+                size += len(chunk)
+                if size > e.size_bytes:  # no need to fetch the rest to know it is wrong
+                    raise _AttemptFailed(f"{e.path} is larger than the {e.size_bytes} bytes its "
+                                         "listing says")
                 f.write(chunk)
                 h.update(chunk)
-                size += len(chunk)
                 done += len(chunk)
                 now = time.monotonic()
                 if progress is not None and now - last_report >= 0.1:
                     last_report = now
                     progress(done, total)
+
+            store.copy_into(uri, e.path, sink)
         digest = h.hexdigest()
         if size != e.size_bytes:
             raise _AttemptFailed(f"{e.path} arrived with {size} bytes, expected {e.size_bytes} "
