@@ -5,7 +5,11 @@ GPU "slots" = --max-loaded.  `mmctl up` (tritonserver + control plane + router) 
 child process; this process sends open-loop arrivals at a fixed rate through the router
 with the async tritonclient and reports, per customer group, p50/p99 latency, plus hit
 ratio, loads per minute and errors.  A first phase sends only frequent customers' traffic
-to measure the hot-path latency on the same machine, for comparison.
+to measure the hot-path latency on the same machine, for comparison.  A last phase measures
+a bare load of the same kind of model: every unpinned model is unloaded (until Triton frees
+it), then one request goes to a cold occasional customer, so its latency is the load,
+warm-up and inference with no eviction (``load_only_p50_s``): the floor an occasional
+customer's first request could reach.
 
     .venv/bin/python -m bench.seed_scenario [--rate 4] [--seconds 60] [--slots 15]
 """
@@ -57,9 +61,11 @@ async def open_loop(url: str, names: list[str], rate_per_s: float, timeout_s: fl
             ok, error = True, None
         except Exception as exc:
             ok, error = False, str(exc)[:200]
-        results.append({"model": name, "latency_s": time.perf_counter() - t0, "ok": ok, "error": error})
+        results.append({"model": name, "latency_s": time.perf_counter() - t0, "ok": ok, "error": error,
+                        "sent_at": epoch0 + (t0 - start)})
 
     start = time.perf_counter()
+    epoch0 = time.time()
     tasks = []
     for i, name in enumerate(names):
         delay = start + i / rate_per_s - time.perf_counter()
@@ -69,6 +75,35 @@ async def open_loop(url: str, names: list[str], rate_per_s: float, timeout_s: fl
     await asyncio.gather(*tasks)
     await client.close()
     return results
+
+
+async def bare_loads(url: str, admin: str, headers: dict, names: list[str],
+                     timeout_s: float) -> list[dict]:
+    """For each name: unload every unpinned model (each call returns once Triton freed it),
+    then time one request for ``name`` through the router: a load with room to spare."""
+    client = grpcaio.InferenceServerClient(url)
+    x = InferInput("FEATURES", [1, 64], "FP32")
+    x.set_data_from_numpy(np.ones((1, 64), np.float32))
+    post = {**headers, "Content-Type": "application/json"}
+    rows = []
+    try:
+        for name in names:
+            status = await asyncio.to_thread(
+                lambda: requests.get(admin + "/v1/status", headers=headers, timeout=30).json())
+            for m in status:
+                if m["server"] is not None and not m["pinned"]:
+                    await asyncio.to_thread(
+                        requests.post, f"{admin}/v1/models/{m['model']}/unload", headers=post,
+                        timeout=timeout_s)
+            t0 = time.perf_counter()
+            await client.infer(name, [x], client_timeout=timeout_s)
+            latency_s = time.perf_counter() - t0
+            rec = await asyncio.to_thread(
+                lambda n=name: requests.get(f"{admin}/v1/models/{n}", headers=headers, timeout=30).json())
+            rows.append({"model": name, "latency_s": latency_s, "load_time_s": rec.get("load_time_s")})
+    finally:
+        await client.close()
+    return rows
 
 
 def metric_sum(text: str, name: str, **labels) -> float:
@@ -104,6 +139,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--customers", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=120.0, help="client timeout per request")
+    ap.add_argument("--bare-loads", type=int, default=7,
+                    help="bare loads (no eviction) of occasional customers measured at the end")
+    ap.add_argument("--log-out", type=Path, default=None,
+                    help="keep the control plane's log there (the work folder is deleted)")
+    ap.add_argument("--up-args", default="",
+                    help="extra `mmctl up` options, e.g. \"--headroom-models 0\"")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "seed_scenario.json")
     args = ap.parse_args(argv)
 
@@ -118,7 +159,9 @@ def main(argv=None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-seed-"))
     repo = work / "repository"
     generate_fleet(repo, FleetSpec(count=args.customers))
-    product = Product(work / "state", repo, "--max-loaded", str(args.slots)).start()
+    product = Product(work / "state", repo, "--max-loaded", str(args.slots),
+                      *args.up_args.split()).start()
+    load_before = os.getloadavg()
     try:
         endpoints = product.json("endpoints")
         router = endpoints["router_grpc"]
@@ -136,8 +179,16 @@ def main(argv=None) -> dict:
         after = requests.get(f"http://{endpoints['router_http']}/metrics", timeout=10).text
         admin_after = requests.get(endpoints["admin"] + "/metrics", timeout=10).text
         status = product.json("status")
+        load_after_mixed = os.getloadavg()
+        # Bare loads of the least requested customers: cold, and never one a pin holds.
+        rare = [customer(i) for i in range(args.customers - 1, TOP - 1, -1)][:args.bare_loads]
+        bare = asyncio.run(bare_loads(router, endpoints["admin"], product.admin_headers(), rare,
+                                      args.timeout))
     finally:
         product.stop()
+        if args.log_out is not None:
+            args.log_out.parent.mkdir(parents=True, exist_ok=True)
+            args.log_out.write_text(product.log_text())
         shutil.rmtree(work, ignore_errors=True)
 
     cold_waits = metric_sum(after, "mmr_cold_load_waits_total") - metric_sum(before, "mmr_cold_load_waits_total")
@@ -149,6 +200,9 @@ def main(argv=None) -> dict:
                          metric_sum(before, "mmr_cold_load_waits_total", model=m) for m in frequent)
     pinned_ready = sorted(m["model"] for m in status if m["pinned"] and m["state"] == "ready")
     errors = sorted({r["error"] for r in mixed if not r["ok"]})
+    load_only_p50_s = float(np.median([r["latency_s"] for r in bare])) if bare else None
+    occasional_p50_s = (groups["occasional"]["p50_ms"] / 1000
+                        if groups["occasional"]["p50_ms"] is not None else None)
     result = {
         "benchmark": "seed_scenario",
         "conditions": {
@@ -158,9 +212,19 @@ def main(argv=None) -> dict:
             "traffic": "top 12 customers send 80% (trace 'seed', Zipf 0.6 within groups)",
             "model": "recommender MLP 64-128-128-1, python backend, KIND_CPU",
             "pin_all_12_s": round(pin_s, 2),
+            "up_args": args.up_args,
+            # The machine is shared: 1/5/15-minute load averages at start, after the mixed
+            # phase and at the end say how noisy the run was (2 cores here).
+            "loadavg_start": [round(v, 2) for v in load_before],
+            "loadavg_after_mixed": [round(v, 2) for v in load_after_mixed],
+            "loadavg_end": [round(v, 2) for v in os.getloadavg()],
         },
         "hot_path_frequent_only": hot_summary,
         "mixed": groups,
+        "load_only_p50_s": load_only_p50_s,
+        "occasional_p50_over_load_only": (round(occasional_p50_s / load_only_p50_s, 3)
+                                          if load_only_p50_s and occasional_p50_s else None),
+        "bare_loads": [{**r, "latency_s": round(r["latency_s"], 4)} for r in bare],
         "hit_ratio": 1 - cold_waits / max(1, len(mixed)),
         "cold_load_waits": cold_waits,
         "cold_load_waits_of_frequent_customers": frequent_waits,
@@ -169,6 +233,10 @@ def main(argv=None) -> dict:
         "errors": sum(not r["ok"] for r in mixed) + sum(not r["ok"] for r in hot),
         "error_messages": errors[:5],
         "pinned_ready_after": len(pinned_ready),
+        # Every mixed-phase request: send time (epoch s), customer, latency (ms), ok; to line
+        # up with the control plane's log (--log-out).
+        "mixed_requests": [[round(r["sent_at"], 3), r["model"], round(r["latency_s"] * 1000, 2), r["ok"]]
+                           for r in sorted(mixed, key=lambda r: r["sent_at"])],
         "latency_ms_samples": {  # for the latency CDF plot (bench/run_all.py)
             "hot path": [round(r["latency_s"] * 1000, 3) for r in hot if r["ok"]],
             "frequent": [round(r["latency_s"] * 1000, 3) for r in mixed if r["ok"] and r["model"] in frequent],
@@ -190,6 +258,12 @@ def main(argv=None) -> dict:
     print(f"  hit ratio {result['hit_ratio']:.3f}; cold-load waits {cold_waits:.0f} "
           f"(frequent customers: {frequent_waits:.0f}); loads {loads:.0f} = "
           f"{result['loads_per_minute']:.1f}/min; errors {result['errors']}")
+    if load_only_p50_s is not None:
+        ratio = result["occasional_p50_over_load_only"]
+        print(f"  bare load (no eviction) p50 {load_only_p50_s * 1000:.0f} ms over {len(bare)} loads; "
+              f"occasional p50 / bare load = {ratio if ratio is not None else '-'}")
+    print(f"  load average (1 min) at start {load_before[0]:.2f}, after the mixed phase "
+          f"{load_after_mixed[0]:.2f}")
     for e in errors[:3]:
         print(f"  error: {e}")
     print(f"wrote {args.out}")
