@@ -40,26 +40,33 @@ def router():
                                                              "tinylm"}))
 
 
+def admin_call(monkeypatch, router, method: str, path: str, handler, name: str,
+               body: dict) -> tuple[int, dict]:
+    """Send one request for ``name`` through the admin app's error middlewares to ``handler``;
+    the JSON body is handed over as json_body would parse it (mocked requests carry no
+    payload).  Returns (HTTP status, decoded JSON body)."""
+    app = web.Application()
+    app[ROUTER_ADMIN_KEY] = router
+
+    async def parsed(_request):
+        return body
+
+    monkeypatch.setattr(router_admin, "_json", parsed)
+    request = make_mocked_request(method, path, app=app, match_info={"name": name})
+
+    async def inner(req):
+        return await router_errors(req, handler)
+
+    resp = asyncio.run(error_middleware(request, inner))
+    return resp.status, json.loads(resp.body)
+
+
 @pytest.fixture
 def put(router, monkeypatch):
-    """PUT one routing change through the admin app's error middlewares; the JSON body is
-    handed to the handler as json_body would parse it (mocked requests carry no payload)."""
+    """PUT one routing change through the admin app's error middlewares."""
 
     def send(handler, name: str, body: dict):
-        app = web.Application()
-        app[ROUTER_ADMIN_KEY] = router
-
-        async def parsed(_request):
-            return body
-
-        monkeypatch.setattr(router_admin, "_json", parsed)
-        request = make_mocked_request("PUT", f"/v1/x/{name}", app=app, match_info={"name": name})
-
-        async def inner(req):
-            return await router_errors(req, handler)
-
-        resp = asyncio.run(error_middleware(request, inner))
-        return resp.status, json.loads(resp.body)
+        return admin_call(monkeypatch, router, "PUT", f"/v1/x/{name}", handler, name, body)
 
     return send
 

@@ -10,18 +10,14 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
-from aiohttp import web
-from aiohttp.test_utils import make_mocked_request
 from tritonclient.grpc import service_pb2
 
-import router.admin as router_admin
-from control_plane.admin_api import error_middleware
-from control_plane.errors import ModelNotFound as CpModelNotFound
 from router import shadow
-from router.admin import ROUTER_ADMIN_KEY, router_errors, shadow_start
+from router.admin import shadow_start
 from router.routes import RouteTable
 from router.shadow import ShadowItem, ShadowMirror
 from tests.conftest import run
+from tests.unit.test_router_admin import FakeManager, admin_call
 
 
 def response(values) -> service_pb2.ModelInferResponse:
@@ -173,30 +169,8 @@ def test_analysis_queue_is_bounded(monkeypatch):
 
 
 # --------------------------------------------------------------------------- admin
-class FakeManager:
-    def __init__(self, known):
-        self.known = set(known)
-
-    async def _known(self, name):
-        if name not in self.known:
-            raise CpModelNotFound(f"unknown model {name!r}")
-
-
 def _post_shadow(monkeypatch, router, name, body):
-    app = web.Application()
-    app[ROUTER_ADMIN_KEY] = router
-
-    async def parsed(_request):
-        return body
-
-    monkeypatch.setattr(router_admin, "_json", parsed)
-    request = make_mocked_request("POST", f"/v1/shadows/{name}", app=app, match_info={"name": name})
-
-    async def inner(req):
-        return await router_errors(req, shadow_start)
-
-    resp = asyncio.run(error_middleware(request, inner))
-    return resp.status, json.loads(resp.body)
+    return admin_call(monkeypatch, router, "POST", f"/v1/shadows/{name}", shadow_start, name, body)
 
 
 def test_shadow_start_with_an_unknown_model_is_refused(monkeypatch):
