@@ -370,16 +370,22 @@ def _check_tensor_parameters(what: str, params: Any, output: bool) -> None:
                              f"got {_kind(params['binary_data'])}")
 
 
-def _check_input(index: int, tensor: Any) -> int:
-    """Check one input; returns its binary_data_size (0 when its data is not binary)."""
+def _tensor_name(kind: str, index: int, tensor: Any) -> str:
+    """The name of input or output (``kind``) number ``index``; refuses a tensor that is not a
+    JSON object or has no string name."""
     if not isinstance(tensor, dict):
-        raise InvalidRequest(f"Unable to parse 'inputs': input {index} must be a JSON object, "
+        raise InvalidRequest(f"Unable to parse '{kind}s': {kind} {index} must be a JSON object, "
                              f"got {_kind(tensor)}")
     name = tensor.get("name")
     if not isinstance(name, str):
-        raise InvalidRequest(f"Unable to parse 'name' of input {index}: expected a string, "
+        raise InvalidRequest(f"Unable to parse 'name' of {kind} {index}: expected a string, "
                              f"got {_kind(name) if 'name' in tensor else 'nothing'}")
-    what = f"input {name!r}"
+    return name
+
+
+def _check_input(index: int, tensor: Any) -> int:
+    """Check one input; returns its binary_data_size (0 when its data is not binary)."""
+    what = f"input {_tensor_name('input', index, tensor)!r}"
     datatype = tensor.get("datatype")
     if not isinstance(datatype, str):
         raise InvalidRequest(f"Unable to parse 'datatype' of {what}: expected a string, "
@@ -469,11 +475,5 @@ def _check_outputs(outputs: Any) -> None:
     if not isinstance(outputs, list):
         raise InvalidRequest(f"Unable to parse 'outputs': expected an array, got {_kind(outputs)}")
     for index, output in enumerate(outputs):
-        if not isinstance(output, dict):
-            raise InvalidRequest(f"Unable to parse 'outputs': output {index} must be a JSON object, "
-                                 f"got {_kind(output)}")
-        name = output.get("name")
-        if not isinstance(name, str):
-            raise InvalidRequest(f"Unable to parse 'name' of output {index}: expected a string, "
-                                 f"got {_kind(name) if 'name' in output else 'nothing'}")
+        name = _tensor_name("output", index, output)
         _check_tensor_parameters(f"output {name!r}", output.get("parameters", {}), output=True)
