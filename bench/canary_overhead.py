@@ -37,9 +37,9 @@ from tritonclient.grpc import InferInput
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.shadow_overhead import cpu_seconds, summarize  # noqa: E402
-from control_plane.demo_fleet import FleetSpec, generate_fleet  # noqa: E402
-from tests.product import Product  # noqa: E402
+from bench.shadow_overhead import cpu_seconds, summarize
+from control_plane.demo_fleet import FleetSpec, generate_fleet
+from tests.product import Product
 
 PRIMARY, CANDIDATE = "cust001", "cust002"
 

@@ -37,8 +37,8 @@ from tritonclient.grpc import InferInput
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from control_plane.demo_fleet import FleetSpec, generate_extras, generate_fleet  # noqa: E402
-from tests.product import Product  # noqa: E402
+from control_plane.demo_fleet import FleetSpec, generate_extras, generate_fleet
+from tests.product import Product
 
 PRIMARY = "cust001"
 SHADOWS = {"healthy": "cust002", "failing": "cust017-faulty"}

@@ -81,7 +81,7 @@ def customer_weights(spec: FleetSpec, name: str, base: dict[str, torch.Tensor] |
 
 def render_config(spec: FleetSpec, name: str) -> str:
     text = (TEMPLATE_DIR / "config.pbtxt").read_text()
-    text = re.sub(r'^name: ".*"$', f'name: "{name}"', text, count=1, flags=re.M)
+    text = re.sub(r'^name: ".*"$', f'name: "{name}"', text, count=1, flags=re.MULTILINE)
     text = re.sub(r"dims: \[ 64 \]", f"dims: [ {spec.feature_dim} ]", text, count=1)
     text = re.sub(r"max_batch_size: \d+", f"max_batch_size: {spec.max_batch_size}", text, count=1)
     text = text.replace("kind: KIND_CPU", f"kind: {spec.instance_kind}")

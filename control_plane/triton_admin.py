@@ -47,7 +47,7 @@ class TritonModelState(str, enum.Enum):
     ABSENT = ""  # in the repository, never loaded
 
     @classmethod
-    def parse(cls, value: str | None) -> "TritonModelState":
+    def parse(cls, value: str | None) -> TritonModelState:
         try:
             return cls(value or "")
         except ValueError:

@@ -12,11 +12,13 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import AsyncIterator, Callable, NoReturn
+from typing import NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
@@ -208,7 +210,7 @@ class Router:
         start = time.perf_counter()
         try:
             await asyncio.wait_for(asyncio.shield(self.manager.ensure(model)), self.config.load_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise RequestTimeout(f"'{asked}' did not finish loading within {self.config.load_timeout_s:.0f}s; "
                                  "the load goes on, retry shortly") from None
         except ControlPlaneError as exc:
@@ -259,7 +261,7 @@ class Router:
 
     # ------------------------------------------------------------------ inference
     @contextlib.asynccontextmanager
-    async def serving(self, logical: str, user_id: str | None, version: str = "") -> AsyncIterator["Call"]:
+    async def serving(self, logical: str, user_id: str | None, version: str = "") -> AsyncIterator[Call]:
         """Decide, rate-limit, ensure and lease for one request; record it when done.
 
         ``version``: the client's model version, already checked with ``parse_version``.
@@ -450,7 +452,7 @@ class Router:
         """ModelInfer on serialized bytes: parse once to route, forward the bytes as they are."""
         try:
             request = service_pb2.ModelInferRequest.FromString(raw)
-        except Exception as exc:  # DecodeError
+        except DecodeError as exc:
             raise InvalidRequest(f"malformed ModelInferRequest: {exc}") from None
         param = request.parameters.get("user_id")
         user_id = param.string_param if param is not None and param.string_param else metadata_user_id()

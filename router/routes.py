@@ -13,8 +13,8 @@ import hashlib
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable
 
 from control_plane.errors import InvalidModelName
 from control_plane.names import validate_model_name
@@ -119,7 +119,7 @@ class Route:
     shadow: Shadow | None = None
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Route":
+    def from_dict(cls, d: dict) -> Route:
         return cls(
             name=d["name"], target=d["target"],
             experiment=Experiment(**d["experiment"]) if d.get("experiment") else None,

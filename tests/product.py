@@ -29,16 +29,15 @@ class Product:
         self.url = f"http://127.0.0.1:{self.admin_port}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "Product":
+    def start(self) -> Product:
         args = [*MMCTL, "up", "--state-dir", str(self.state_dir), "--admin-port", str(self.admin_port),
                 "--triton-http-port", "0", "--triton-grpc-port", "0", "--triton-metrics-port", "0",
                 "--reconcile-interval", "0.5",
                 # None: no --repository, the product's default warm tier (tmpfs when it can)
                 *(["--repository", str(self.repository)] if self.repository is not None else []),
                 "--router-http-port", "0", "--router-grpc-port", "0", *self.extra]
-        log = open(self.state_dir.parent / f"mmctl-up-{self.admin_port}.log", "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        with open(self.state_dir.parent / f"mmctl-up-{self.admin_port}.log", "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log_text()
@@ -75,7 +74,8 @@ class Product:
 
     def mmctl(self, *args: str) -> subprocess.CompletedProcess:
         env = dict(os.environ, **self.client_env())
-        return subprocess.run([*MMCTL, *args], capture_output=True, text=True, env=env, timeout=300)
+        return subprocess.run([*MMCTL, *args], capture_output=True, text=True, env=env, timeout=300,
+                              check=False)
 
     def json(self, *args: str):
         out = self.mmctl(*args, "--json")

@@ -90,8 +90,8 @@ def test_routes_persist(tmp_path):
 def _canary(clock, **options):
     table = RouteTable(clock=clock)
     stats = StatsBook(clock=clock)
-    opts = dict(stages=[10, 50, 100], stage_s=60, check_interval_s=10, min_requests=20,
-                max_failed_checks=2, max_error_rate=0.05)
+    opts = {"stages": [10, 50, 100], "stage_s": 60, "check_interval_s": 10, "min_requests": 20,
+            "max_failed_checks": 2, "max_error_rate": 0.05}
     opts.update(options)
     table.start_canary("m", "m2", **opts)
     return table, stats, CanaryController(table, stats, clock)
@@ -105,7 +105,7 @@ def _traffic(stats, variant, n, error_every=0, latency_ms=5.0):
 
 def test_idle_canary_holds_instead_of_rolling_back():
     clock = Clock()
-    table, stats, ctl = _canary(clock)
+    table, _stats, ctl = _canary(clock)
     for _ in range(20):
         clock.now += 11
         ctl.step()
