@@ -216,21 +216,23 @@ class ShadowMirror:
         if self._shed_metric is not None:
             self._shed_metric.labels(route).inc()
 
+    def _drop(self, route: str) -> None:
+        self.reports[route].dropped += 1
+        if self.metrics:
+            self.metrics.shadow_dropped.labels(route).inc()
+
     def offer(self, item: ShadowItem) -> bool:
         """Queue a mirror; shed it if the serving path is busy, drop it if the shadow is
         behind (both counted).  Never blocks."""
-        report = self.reports[item.route]
         if self.busy() is not None:
             self._shed(item.route)
             return False
         try:
             self._queue(item.route).put_nowait(item)
         except asyncio.QueueFull:
-            report.dropped += 1
-            if self.metrics:
-                self.metrics.shadow_dropped.labels(item.route).inc()
+            self._drop(item.route)
             return False
-        report.mirrored += 1
+        self.reports[item.route].mirrored += 1
         return True
 
     async def _probe_lag(self) -> None:
@@ -269,16 +271,14 @@ class ShadowMirror:
                 response = await self.send(item.shadow_model, item.request, self.timeout_s)
         except TimeoutError:
             outcome = _Outcome(item, "timeout", at=at)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any shadow failure is its outcome
             outcome = _Outcome(item, "error", error=str(exc)[:300], at=at)
         else:
             outcome = _Outcome(item, "response", response,
                                latency_ms=(time.perf_counter() - start) * 1000, at=at)
         if self._handed - self._analysed + len(self._batch) >= self.analysis_queue_size:
             # The analysis thread is behind: drop, never queue without bound.
-            self.reports[item.route].dropped += 1
-            if self.metrics:
-                self.metrics.shadow_dropped.labels(item.route).inc()
+            self._drop(item.route)
             return
         self._batch.append(outcome)
 
