@@ -104,3 +104,10 @@ class Product:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def assert_no_triton_left(self, timeout_s: float = 20.0) -> None:
+        """After stop(): every tritonserver this product started exits within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.triton_pids() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not self.triton_pids(), "a tritonserver was left behind"

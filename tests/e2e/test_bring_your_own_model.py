@@ -8,7 +8,6 @@ is `mmctl up`; the clients are tritonclient's, unmodified, talking to the router
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +28,7 @@ def product(repository, tmp_path):
     p = Product(tmp_path / "state", repository).start()
     yield p
     p.stop()
-    deadline = time.monotonic() + 20
-    while p.triton_pids() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not p.triton_pids(), "a tritonserver was left behind"
+    p.assert_no_triton_left()
 
 
 def add_sub(client_module, url: str, model: str):

@@ -33,10 +33,7 @@ def product_factory(repository, tmp_path):
     for p in started:
         p.stop()
     for p in started:
-        deadline = time.monotonic() + 20
-        while p.triton_pids() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not p.triton_pids(), "a tritonserver was left behind"
+        p.assert_no_triton_left()
 
 
 def ready_in_triton(grpc_url: str) -> set[str]:

@@ -77,10 +77,7 @@ def gpu_product(tmp_path, monkeypatch):
     p = Product(tmp_path / "state", None, "--fleet-size", "2").start()
     yield p
     p.stop()
-    deadline = time.monotonic() + 20
-    while p.triton_pids() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not p.triton_pids(), "a tritonserver was left behind"
+    p.assert_no_triton_left()
 
 
 def wait_for(predicate, timeout_s=30.0):
