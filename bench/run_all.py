@@ -3,6 +3,8 @@
 Each benchmark is its own module and can run alone with its own options:
 
     python -m bench.load_unload      load + warm-up and unload-until-free times on real Triton
+    python -m bench.load_profile     where a load goes: stub, imports, weights, warm-up, ours
+    python -m bench.cold_bandwidth   verified download MB/s: local store vs S3 (moto)
     python -m bench.policy_replay    eviction policies vs Belady on request traces
     python -m bench.router_latency   what the router adds (vs direct Triton and a plain proxy)
     python -m bench.seed_scenario    50 customers, top 12 pinned, on the real stack
@@ -32,7 +34,9 @@ RESULTS = ROOT / "bench" / "results"
 
 QUICK = {
     "load_unload": ["-m", "bench.load_unload", "--cycles", "6"],
-    "policy_replay": ["-m", "bench.policy_replay", "--quick"],
+    "load_profile": ["-m", "bench.load_profile", "--cycles", "3"],
+    "cold_bandwidth": ["-m", "bench.cold_bandwidth", "--size-mb", "64", "--repeats", "2"],
+    "policy_replay": ["-m", "bench.policy_replay", "--quick", "--headroom", "1"],
     "router_latency": ["-m", "bench.router_latency", "--requests", "2000", "--seconds", "5"],
     "seed_scenario": ["-m", "bench.seed_scenario", "--rate", "3", "--seconds", "40",
                       "--hot-seconds", "10"],
@@ -42,7 +46,9 @@ QUICK = {
 }
 FULL = {
     "load_unload": ["-m", "bench.load_unload"],
-    "policy_replay": ["-m", "bench.policy_replay"],
+    "load_profile": ["-m", "bench.load_profile"],
+    "cold_bandwidth": ["-m", "bench.cold_bandwidth"],
+    "policy_replay": ["-m", "bench.policy_replay", "--headroom", "1"],
     "router_latency": ["-m", "bench.router_latency"],
     "seed_scenario": ["-m", "bench.seed_scenario"],
     "shadow_overhead": ["-m", "bench.shadow_overhead"],
@@ -118,6 +124,27 @@ def summary_rows() -> list[tuple[str, str, str]]:
         rows.append(("load + warm-up of a demo model (warm)", "Triton", f"median {m['load_and_warmup_s']:.2f}s"))
         rows.append(("unload until memory free", "Triton",
                      f"median {m['unload_to_free_s']:.2f}s (call returns in {m['unload_returns_s'] * 1000:.1f}ms)"))
+    profile = load("load_profile.json")
+    if profile:
+        m = profile["median"]
+        rows.append(("load of a demo model: model.py imports", "Triton stub",
+                     f"median {m['imports_s'] * 1000:.0f}ms of {m['ensure_s'] * 1000:.0f}ms; "
+                     f"control plane {(m['warmup_plan_s'] + m['warmup_infer_s'] + m['control_plane_rest_s']) * 1000:.0f}ms; "
+                     f"unload seen {m['polling_lag_s'] * 1000:.0f}ms after Triton freed it"))
+    cold = load("cold_bandwidth.json")
+    if cold:
+        b = cold["mb_per_s"]
+        rows.append(("verified cold download", "cold tier",
+                     f"local {b['local']:.0f} MB/s, S3 (moto) one GET {b['s3_one_get']:.0f} MB/s, "
+                     f"ranged {b['s3_ranged']:.0f} MB/s"))
+    headroom = load("policy_headroom.json")
+    if headroom:
+        for r in headroom:
+            if r["policy"] == "lru" and r["trace"] in ("seed", "zipf-1.0"):
+                rows.append((f"headroom 1, {r['trace']} ({r['models']} models, {r['slots']} slots)", "lru",
+                             f"hit {r['hit_ratio']:.3f} -> {r['hit_ratio_with_headroom']:.3f}, miss wait "
+                             f"{r['miss_wait_s_per_request'] * 1000:.0f} -> "
+                             f"{r['miss_wait_s_per_request_with_headroom'] * 1000:.0f}ms per request"))
     policy = load("policy.json")
     if policy:
         for r in policy:
@@ -145,6 +172,10 @@ def summary_rows() -> list[tuple[str, str, str]]:
         h = seed["hot_path_frequent_only"]
         rows.append(("seed scenario: hot path only", "end to end",
                      f"p50 {h['p50_ms']:.1f}ms p99 {h['p99_ms']:.1f}ms"))
+        if seed.get("load_only_p50_s"):
+            rows.append(("seed scenario: occasional p50 / bare load", "end to end",
+                         f"{seed['occasional_p50_over_load_only']:.2f}x "
+                         f"(bare load {seed['load_only_p50_s'] * 1000:.0f}ms)"))
         rows.append(("seed scenario: cache", "end to end",
                      f"hit ratio {seed['hit_ratio']:.3f}, {seed['loads_per_minute']:.1f} loads/min, "
                      f"{seed['errors']} errors"))
