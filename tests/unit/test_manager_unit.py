@@ -8,7 +8,12 @@ import time
 
 import pytest
 
-from control_plane.errors import CapacityExhausted, ModelLoadFailed, OperationTimeout
+from control_plane.errors import (
+    CapacityExhausted,
+    ModelLoadFailed,
+    ModelNotFound,
+    OperationTimeout,
+)
 from control_plane.eviction import STAGE_PRIORITY
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.state_store import StateStore
@@ -571,5 +576,28 @@ def test_artifact_size_walk_does_not_block_the_event_loop(tmp_path):
         ticks.cancel()
         assert max(gaps) < 0.2, f"the loop stalled for {max(gaps):.2f}s"
         assert mgr.get("m1").memory_bytes == mgr.get("m2").memory_bytes == 10
+
+    run(go())
+
+
+def test_known_refuses_an_unknown_name_once_per_ttl_and_keeps_the_old_name(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path)
+        index_calls = []
+        real_index = admin.index
+
+        async def counted_index():
+            index_calls.append(1)
+            return await real_index()
+
+        admin.index = counted_index
+        await mgr.known("m1")  # in the repository: no error
+        with pytest.raises(ModelNotFound, match="nosuch"):
+            await mgr.known("nosuch")
+        asked = len(index_calls)
+        assert asked >= 1  # the first refusal asked Triton
+        with pytest.raises(ModelNotFound, match="nosuch"):
+            await mgr._known("nosuch")  # the old name is the same check
+        assert len(index_calls) == asked  # remembered: no index RPC for a repeated bad name
 
     run(go())

@@ -1,0 +1,86 @@
+"""What the manager knows: the models that exist, their records, the fleet."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ..errors import ModelNotFound, TritonUnavailable
+from ..names import validate_model_name
+from .records import ModelRecord, ModelState, TritonServer
+from .state import ManagerState
+
+UNKNOWN_NAME_TTL_S = 5.0
+UNKNOWN_NAMES_MAX = 10_000
+
+
+class Catalog(ManagerState):
+    def get(self, name: str) -> ModelRecord:
+        validate_model_name(name)
+        if name not in self.catalog and name not in self.records:
+            raise ModelNotFound(f"unknown model {name!r}; `mmctl status` lists the known models")
+        return self._record(name)
+
+    def status(self) -> list[dict]:
+        names = sorted(self.catalog | {n for n, r in self.records.items() if r.state != ModelState.WARM or r.pinned})
+        return [self._record(n).to_dict() for n in names]
+
+    def fleet(self) -> list[dict]:
+        return [{**s.to_dict(), **self.memory.describe(s)} for s in self.servers.values()]
+
+    def ready_server_of(self, name: str) -> TritonServer | None:
+        """The server on which ``name`` is READY, or None.  No I/O: the router's hit path."""
+        rec = self.records.get(name)
+        if rec is None or rec.state != ModelState.READY or rec.server is None:
+            return None
+        return self.servers.get(rec.server)
+
+    def on_loaded(self, listener: Callable[[str, ModelRecord], None]) -> None:
+        self._load_listeners.append(listener)
+
+    async def known(self, name: str) -> None:
+        """Raise ModelNotFound unless some server's repository (or a tier) has ``name``.
+
+        Unknown names are remembered for a few seconds: a client repeating a bad name must
+        not turn each request into index RPCs and registry queries."""
+        if name in self.catalog:
+            return
+        refused_at = self._unknown.get(name)
+        if refused_at is not None and time.monotonic() - refused_at < UNKNOWN_NAME_TTL_S:
+            raise ModelNotFound(f"unknown model {name!r}: it is not in the model repository; "
+                                "`mmctl status` lists the known models")
+        if self.stager is not None and name in self.stager.known():
+            return
+        await self.refresh_catalog()
+        if name not in self.catalog and not (self.stager is not None and name in self.stager.known()):
+            if len(self._unknown) >= UNKNOWN_NAMES_MAX:
+                self._unknown.clear()
+            self._unknown[name] = time.monotonic()
+            raise ModelNotFound(
+                f"unknown model {name!r}: it is not in the model repository; "
+                "`mmctl status` lists the known models"
+            )
+        self._unknown.pop(name, None)
+
+    _known = known  # kept for callers written before ``known`` was public
+
+    async def refresh_catalog(self) -> None:
+        errors = []
+        for server in self.servers.values():
+            try:
+                self.catalog.update((await server.admin.index()).keys())
+                server.up = True
+            except TritonUnavailable as exc:
+                server.up = False
+                errors.append(exc)
+        if errors and len(errors) == len(self.servers):
+            raise errors[0]
+
+    def artifact_bytes(self, name: str) -> int:
+        """Bytes of the model's files in the repository (CPU memory estimate)."""
+        if self.repository is None:
+            return 0
+        root = self.repository / name
+        if not root.is_dir():
+            return 0
+        return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())

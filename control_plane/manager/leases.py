@@ -1,0 +1,84 @@
+"""Requests holding models, and recency (what the eviction policy orders by)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from ..errors import ModelLoadFailed
+from ..names import validate_model_name
+from .records import ModelRecord, ModelState, TritonServer
+from .state import ManagerState
+
+
+class Leases(ManagerState):
+    def touch(self, name: str) -> None:
+        rec = self.records.get(name)
+        if rec is None:
+            return
+        rec.last_used = self.clock()
+        if rec.server is not None and rec.server in self.servers:
+            self.servers[rec.server].planner.touch(name, rec.last_used)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str) -> AsyncIterator[TritonServer]:
+        """Hold ``name`` loaded while a request runs; unload waits for leases to drain."""
+        rec = await self.acquire(name)
+        try:
+            server = self.ready_server_of(name)
+            if server is None:
+                await self.ensure(name)
+                server = self.ready_server_of(name)
+                if server is None:
+                    raise ModelLoadFailed(f"{name} was unloaded before the request could start; retry")
+            self.touch(name)
+            rec.active += 1
+            try:
+                yield server
+            finally:
+                rec.active -= 1
+        finally:
+            self.release(rec)
+
+    async def acquire(self, name: str) -> ModelRecord:
+        """Count one request for ``name`` as in flight *before* it waits for a load, so the
+        model it waits for cannot be chosen as a victim before the request is served."""
+        rec = self.records.get(name)
+        if rec is None:
+            validate_model_name(name)
+            await self.known(name)
+            rec = self._record(name)
+        rec.inflight += 1
+        if rec.inflight == 1:
+            self._sync_evictable(rec)
+        return rec
+
+    def release(self, rec: ModelRecord) -> None:
+        rec.inflight -= 1
+        if rec.inflight == 0:
+            self._sync_evictable(rec)
+
+    def _sync_evictable(self, rec: ModelRecord) -> None:
+        """A resident is evictable when it is READY and no request holds it."""
+        server = self.servers.get(rec.server) if rec.server else None
+        resident = server.planner.residents.get(rec.name) if server else None
+        if resident is not None:
+            resident.evictable = rec.state == ModelState.READY and rec.inflight == 0
+
+    async def refresh_usage(self, server: TritonServer) -> None:
+        """Refresh recency from Triton's statistics: inferences sent straight to Triton count."""
+        stats = await server.admin.statistics()
+        seen = []
+        for name, s in stats.items():
+            rec = self.records.get(name)
+            last_ms = int(s.get("last_inference", 0) or 0)
+            if rec is None or rec.server != server.name or last_ms <= rec.last_inference_ms:
+                continue
+            rec.last_inference_ms = last_ms
+            seen.append((last_ms, name))
+        for last_ms, name in sorted(seen):
+            rec = self.records[name]
+            when = last_ms / 1000.0
+            if rec.last_used is None or when > rec.last_used:
+                rec.last_used = when
+            server.planner.touch(name, when)

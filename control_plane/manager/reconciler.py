@@ -1,0 +1,152 @@
+"""The reconcile loop: each pass re-reads every Triton's index and corrects what drifted
+(adopts what Triton loaded, forgets what it dropped, restarts a managed Triton that died,
+evicts down to the budget, loads pinned models again)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from ..errors import ControlPlaneError, TritonUnavailable
+from ..eviction import Resident
+from ..triton_admin import TritonModelState
+from .records import ModelRecord, ModelState, TritonServer
+from .state import ManagerState
+
+log = logging.getLogger(__name__)
+
+
+class Reconciler(ManagerState):
+    async def start(self) -> None:
+        """Reconcile with every Triton, then load the pinned models."""
+        await self.step()
+        await self.load_pinned()
+
+    async def step(self) -> None:
+        """One reconcile pass: re-read each Triton's index and correct what drifted."""
+        for server in list(self.servers.values()):
+            try:
+                await self._reconcile_server(server)
+            except Exception:  # one failing server never stops the loop
+                log.exception("reconcile of %s failed", server.name)
+            self._maintain_headroom(server)
+        self._repair_pins()
+
+    async def _reconcile_server(self, server: TritonServer) -> None:
+        if server.process is not None and not server.process.alive():
+            await self._restart_triton(server)
+            return
+        try:
+            index = await server.admin.index()
+        except TritonUnavailable:
+            if server.up:
+                log.error("Triton %s at %s is not answering", server.name, server.spec.grpc_url)
+            server.up = False
+            self.metrics.server_up.labels(server.name).set(0)
+            return
+        was_down = not server.up
+        server.up = True
+        self.metrics.server_up.labels(server.name).set(1)
+        self.catalog.update(index)
+
+        def ours(rec: ModelRecord | None) -> bool:
+            return (rec is not None and rec.server == server.name
+                    and rec.state in (ModelState.READY, ModelState.FAILED))
+
+        # Models to adopt are sized first, in a thread (a file walk), outside the lock.
+        to_adopt = [n for n, e in index.items()
+                    if e.state == TritonModelState.READY and not ours(self.records.get(n))]
+        sizes = (await asyncio.to_thread(lambda: {n: self.artifact_bytes(n) for n in to_adopt})
+                 if to_adopt else {})
+        busy = set(self._loads) | set(self._unloads)
+        async with self._lock:
+            for name, entry in index.items():
+                if name in busy:
+                    continue
+                rec = self._record(name)
+                if entry.state == TritonModelState.READY and not ours(rec):
+                    if rec.state == ModelState.READY and rec.server != server.name:
+                        continue  # loaded on another server too; keep our placement
+                    size = sizes.get(name)
+                    if size is None:
+                        continue  # it changed while the others were sized: the next pass
+                    server.planner.admit(Resident(name, size, pinned=rec.pinned,
+                                                  priority=self.priority_of(name)), self.clock())
+                    rec.state, rec.server, rec.memory_bytes = ModelState.READY, server.name, size
+                    rec.warmup = rec.warmup or {"ok": True, "latency_ms": None,
+                                                "checked_at": self.clock(), "error": None,
+                                                "note": "adopted from Triton's index"}
+                    log.warning("adopted %s: Triton %s has it loaded", name, server.name)
+                elif (entry.state == TritonModelState.READY and rec.state == ModelState.FAILED
+                        and rec.server == server.name):
+                    # Its unload (after a failure) did not complete: try again after the
+                    # backoff, so the memory is freed and counted free once Triton confirms.
+                    if (rec.failed_at is None
+                            or time.monotonic() - rec.failed_at >= self.config.failure_backoff_s):
+                        self._spawn(self._retry_unload(server, name))
+                elif entry.state != TritonModelState.READY and ours(rec):
+                    if entry.state in (TritonModelState.LOADING, TritonModelState.UNLOADING):
+                        continue
+                    server.planner.remove(name)
+                    self._release_warm(name)
+                    if rec.state == ModelState.READY:
+                        log.warning("%s is no longer loaded on %s (%s)", name, server.name,
+                                    entry.reason or entry.state.value)
+                        rec.state = ModelState.WARM
+                    else:
+                        rec.state = ModelState.FAILED  # keep the failure reason visible
+                    rec.server = None
+            for name, rec in self.records.items():
+                if rec.server == server.name and name not in index and name not in busy:
+                    server.planner.remove(name)
+                    self._release_warm(name)
+                    rec.state, rec.server = ModelState.WARM, None
+        self._update_gauges(server)
+        with contextlib.suppress(ControlPlaneError):
+            await self.refresh_usage(server)
+        await self._enforce_capacity(server)
+        if was_down:
+            self._spawn(self.load_pinned())
+
+    async def _restart_triton(self, server: TritonServer) -> None:
+        """Relaunch a managed Triton that died; the event loop keeps serving meanwhile."""
+        now = time.monotonic()
+        if now < server.next_restart_at:
+            return
+        log.error("tritonserver %s exited (code %s); restarting it", server.name,
+                  server.process.proc.returncode if server.process.proc else None)
+        server.up = False
+        self.metrics.server_up.labels(server.name).set(0)
+        self._forget_server_models(server, "tritonserver exited")
+        # Popen on the loop thread (PR_SET_PDEATHSIG follows the forking thread); the
+        # readiness wait runs in a worker thread so requests for other servers go on.
+        server.process.launch()
+        try:
+            await asyncio.to_thread(server.process.wait_ready, server.process.cfg.ready_timeout_s)
+        except TritonUnavailable as exc:
+            server.restart_failures += 1
+            delay_s = min(60.0, 2.0 ** server.restart_failures)
+            server.next_restart_at = time.monotonic() + delay_s
+            log.error("restart of %s failed (%s); next try in %.0fs", server.name, exc.message, delay_s)
+            await asyncio.to_thread(server.process.stop)
+            return
+        server.restart_failures = 0
+        server.up = True
+        self.metrics.server_up.labels(server.name).set(1)
+        self._spawn(self.load_pinned())
+
+    def _forget_server_models(self, server: TritonServer, reason: str) -> None:
+        for name, rec in self.records.items():
+            if rec.server == server.name:
+                server.planner.remove(name)
+                self._release_warm(name)
+                rec.state, rec.server = ModelState.WARM, None
+                rec.failure = reason
+        self._update_gauges(server)
+
+    async def run_forever(self, interval_s: float = 2.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.step()

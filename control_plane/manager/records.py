@@ -1,0 +1,156 @@
+"""What the model manager keeps per model and per Triton server, and its configuration.
+
+Plain data: no I/O, no event loop.  ``ModelManager`` (core.py) is the only writer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..errors import InvalidInput
+from ..eviction import DEFAULT_POLICY, CachePlanner
+from ..triton_admin import TritonAdmin
+from ..triton_process import TritonProcess
+
+
+class ModelState(str, enum.Enum):
+    COLD = "cold"  # known, artifacts only in the cold store
+    WARM = "warm"  # artifacts in Triton's repository, not loaded
+    LOADING = "loading"
+    READY = "ready"
+    UNLOADING = "unloading"
+    FAILED = "failed"
+
+
+@dataclass
+class ModelRecord:
+    name: str
+    state: ModelState = ModelState.WARM
+    server: str | None = None
+    pinned: bool = False
+    last_used: float | None = None  # wall-clock seconds since the epoch
+    load_time_s: float | None = None
+    memory_bytes: int = 0
+    failure: str | None = None
+    warmup: dict | None = None
+    loads: int = 0
+    inflight: int = 0  # requests holding the model (waiting for it or running on it)
+    active: int = 0  # of those, requests sent to Triton: what an unload drains
+    last_inference_ms: int = 0  # newest Triton-reported inference, to refresh recency
+    failed_at: float | None = None  # monotonic time of the last failed load
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.name,
+            "state": self.state.value,
+            "server": self.server,
+            "pinned": self.pinned,
+            "last_used": self.last_used,
+            "load_time_s": self.load_time_s,
+            "memory_bytes": self.memory_bytes,
+            "failure": self.failure,
+            "inflight": self.inflight,
+            "loads": self.loads,
+            "healthy": self.healthy,
+        }
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == ModelState.READY and bool(self.warmup and self.warmup.get("ok"))
+
+
+@dataclass
+class ServerSpec:
+    """One Triton server bound to one device (CPU, a GPU, or a MIG slice)."""
+
+    name: str
+    grpc_url: str
+    http_url: str
+    metrics_url: str | None = None
+    device: str = "cpu"
+    memory_budget_bytes: int | None = None
+    max_loaded: int | None = None
+
+    def __post_init__(self):
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise InvalidInput(f"memory budget ({self.memory_budget_bytes}) must be > 0 bytes")
+        if self.max_loaded is not None and self.max_loaded < 1:
+            raise InvalidInput(f"max_loaded ({self.max_loaded}) must be >= 1")
+
+
+@dataclass
+class TritonServer:
+    spec: ServerSpec
+    admin: TritonAdmin
+    planner: CachePlanner
+    process: TritonProcess | None = None
+    up: bool = True
+    restart_failures: int = 0
+    next_restart_at: float = 0.0  # monotonic; restarts of a crashing Triton back off
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def to_dict(self) -> dict:
+        return {
+            "server": self.name,
+            "device": self.spec.device,
+            "grpc_url": self.spec.grpc_url,
+            "http_url": self.spec.http_url,
+            "metrics_url": self.spec.metrics_url,
+            "up": self.up,
+            "managed": self.process is not None,
+            "memory_budget_bytes": self.spec.memory_budget_bytes,
+            "max_loaded": self.spec.max_loaded,
+            "used_bytes": self.planner.used_bytes,
+            "headroom": vars(self.planner.headroom_target()),
+            "loaded": sorted(self.planner.residents),
+        }
+
+
+@dataclass
+class ManagerConfig:
+    drain_timeout_s: float = 30.0
+    unload_timeout_s: float = 60.0
+    policy: str = DEFAULT_POLICY
+    warmup: bool = True
+    # After a failed load, on-demand ensures fail fast for this long instead of retrying
+    # the load for every request (an explicit `mmctl load` always retries).
+    failure_backoff_s: float = 10.0
+    # How long a load waits for room held by other loads/unloads in progress.
+    capacity_wait_s: float = 120.0
+    # Room each server keeps free for the next miss (eviction.HeadroomSpec): None = the
+    # default (one model where at least 8 fit), 0 = off.  headroom_bytes: explicit bytes
+    # under a byte budget instead of models x the median resident's size.
+    headroom_models: int | None = None
+    headroom_bytes: int | None = None
+    # Overlap: memory beyond a model's own size that a load may take while it starts (a
+    # python stub with torch: about 0.3 GB of RAM; on a GPU its CUDA context), kept free for
+    # each load in flight before a load may start ahead of its victims' unloads.
+    overlap_margin_bytes: int = 1 << 30
+
+    def __post_init__(self):
+        for name in ("headroom_models", "headroom_bytes", "overlap_margin_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise InvalidInput(f"{name} ({value}) must be >= 0")
+
+
+
+class Stager(Protocol):
+    """Makes a model's artifacts present in Triton's repository (the warm tier) before a load.
+
+    ``stage`` returns the model's size in bytes (downloading from the cold store if needed)
+    and raises ModelNotFound / ModelLoadFailed with a clear reason; ``set_busy`` marks
+    models the warm tier must not drop while they are loaded or loading; ``known`` lists
+    models that exist in any tier (cold included) so they can be ensured.
+    """
+
+    async def stage(self, model: str) -> int: ...
+
+    def set_busy(self, model: str, busy: bool) -> None: ...
+
+    def known(self) -> set[str]: ...

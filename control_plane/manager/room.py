@@ -1,0 +1,109 @@
+"""Room on a server that Triton holds, and the device memory measured free.
+
+Two checks decide when a load reserved under the manager's lock may be sent to Triton
+(see the package docstring): ``fits_held`` (Triton's held room plus the newcomer fits the
+budget) and ``fits_measured`` (the overlap rule).  ``host_available_bytes`` is the
+``free_memory`` probe of CPU servers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from .records import ManagerConfig, TritonServer
+
+log = logging.getLogger(__name__)
+
+
+def host_available_bytes(meminfo: str | None = None, cgroup_max: str | None = None,
+                         cgroup_current: str | None = None) -> int | None:
+    """Host memory free for new processes now: ``MemAvailable`` of /proc/meminfo, capped by
+    what a cgroup v2 limit leaves (a container sees the host's meminfo).  None when it
+    cannot be read.  The ``free_memory`` probe of CPU servers (a /proc read, microseconds)."""
+    def read(path: str) -> str | None:
+        try:
+            with open(path) as f:
+                return f.read()
+        except OSError:
+            return None
+
+    meminfo = read("/proc/meminfo") if meminfo is None else meminfo
+    available = None
+    for line in (meminfo or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            parts = line.split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                available = int(parts[1]) * 1024  # kB
+            break
+    if available is None:
+        return None
+    limit = (read("/sys/fs/cgroup/memory.max") if cgroup_max is None else cgroup_max) or ""
+    current = (read("/sys/fs/cgroup/memory.current") if cgroup_current is None
+               else cgroup_current) or ""
+    if limit.strip().isdigit() and current.strip().isdigit():
+        available = min(available, max(0, int(limit) - int(current)))
+    return available
+
+
+class RoomLedger:
+    """Loads reserved and not sent to Triton yet (server -> model -> bytes), and loads sent
+    and not finished (model -> (device, bytes)): held room and the overlap rule.
+
+    Every change happens on the event loop with no ``await`` between a check and the
+    change that follows it, so the next waiter sees a load as held."""
+
+    def __init__(self, config: ManagerConfig,
+                 free_memory: Callable[[TritonServer], int | None] | None = None):
+        self.config = config
+        # Measured free bytes of a server's device now, or None: the overlap rule (see the
+        # package docstring); host_available_bytes on CPU.  None: nothing overlaps.
+        self.free_memory = free_memory
+        self.queued: dict[str, dict[str, int]] = {}
+        self.sent: dict[str, tuple[str, int]] = {}
+        self._probe_failed: set[str] = set()  # servers whose probe raised (logged once)
+
+    def queue(self, server: TritonServer, name: str, size_bytes: int) -> None:
+        """``name`` is reserved on ``server`` and waits for room there."""
+        self.queued.setdefault(server.name, {})[name] = size_bytes
+
+    def unqueue(self, server: TritonServer, name: str) -> None:
+        self.queued.get(server.name, {}).pop(name, None)
+
+    def send(self, server: TritonServer, name: str, size_bytes: int) -> None:
+        """The load of ``name`` leaves the queue and goes to Triton."""
+        self.unqueue(server, name)
+        self.sent[name] = (server.spec.device, size_bytes)
+
+    def finish(self, name: str) -> None:
+        """The load sent for ``name`` ended (loaded or failed)."""
+        self.sent.pop(name, None)
+
+    def fits_held(self, server: TritonServer, size_bytes: int) -> bool:
+        """Whether one more model of ``size_bytes`` fits next to what Triton holds: loaded,
+        loading, and unloading until confirmed gone (loads not sent yet left out)."""
+        planner, cap = server.planner, server.planner.capacity
+        queued = self.queued.get(server.name, {})
+        if cap.max_slots is not None and planner.used_slots - len(queued) + 1 > cap.max_slots:
+            return False
+        return (cap.max_bytes is None
+                or planner.used_bytes - sum(queued.values()) + size_bytes <= cap.max_bytes)
+
+    def fits_measured(self, server: TritonServer, size_bytes: int) -> bool:
+        """The overlap rule: the device's measured free memory holds this load and every
+        load in flight on it, each with ``overlap_margin_bytes`` (see the package docstring)."""
+        if self.free_memory is None:
+            return False
+        try:
+            free_bytes = self.free_memory(server)
+        except Exception:  # a failing probe means no overlap, never a failed load
+            if server.name not in self._probe_failed:
+                self._probe_failed.add(server.name)
+                log.exception("measuring free memory for %s failed; loads there wait for "
+                              "Triton to confirm room", server.name)
+            return False
+        if free_bytes is None:
+            return False
+        margin = self.config.overlap_margin_bytes
+        in_flight = sum(b + margin for device, b in self.sent.values() if device == server.spec.device)
+        return free_bytes - in_flight >= size_bytes + margin

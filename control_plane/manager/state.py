@@ -1,0 +1,69 @@
+"""The state every part of the model manager shares, and the helpers they all use.
+
+``ModelManager`` (core.py) is one object put together from parts, one module each:
+catalog (what exists), leases (requests holding models, recency), loader, unloader,
+pins, reconciler.  Each part is a class over this state; they call one another through
+``self`` (a load unloads its victims, a reconcile pass loads pinned models), so the
+locking rules of the package docstring hold across them.  ``ModelManager.__init__``
+sets every attribute declared here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+from ..devices import GpuMemoryMeter, NoMemoryMeter
+from ..metrics import ControlPlaneMetrics
+from ..placement import Placer
+from ..state_store import StateStore
+from .records import ManagerConfig, ModelRecord, Stager, TritonServer
+from .room import RoomLedger
+
+
+class ManagerState:
+    servers: dict[str, TritonServer]
+    store: StateStore
+    repository: Path | None
+    config: ManagerConfig
+    metrics: ControlPlaneMetrics
+    clock: Callable[[], float]
+    stager: Stager | None
+    priority_of: Callable[[str], int]
+    placer: Placer
+    warmup_enabled: Callable[[str], bool]
+    memory: GpuMemoryMeter | NoMemoryMeter
+    room: RoomLedger
+    records: dict[str, ModelRecord]
+    catalog: set[str]
+    # Held with no ``await`` between placement and reservation (package docstring).
+    _lock: asyncio.Lock
+    _loads: dict[str, asyncio.Task]  # one load task per model; late callers await it
+    _unloads: dict[str, asyncio.Task]  # one unload task per model
+    _background: set[asyncio.Task]
+    _load_listeners: list[Callable[[str, ModelRecord], None]]
+    _unknown: dict[str, float]  # name -> when it was last found unknown
+    _pin_repairs: set[str]  # pinned models the reconcile is loading
+    _pin_retry_at: dict[str, float]  # monotonic; after a failed pin repair
+
+    def _record(self, name: str) -> ModelRecord:
+        rec = self.records.get(name)
+        if rec is None:
+            rec = self.records[name] = ModelRecord(name)
+        return rec
+
+    def _release_warm(self, name: str) -> None:
+        """The warm tier may drop ``name`` again (it is neither loaded nor loading)."""
+        if self.stager is not None:
+            self.stager.set_busy(name, False)
+
+    def _update_gauges(self, server: TritonServer) -> None:
+        self.metrics.loaded_bytes.labels(server.name).set(server.planner.used_bytes)
+        self.metrics.loaded_models.labels(server.name).set(server.planner.used_slots)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+

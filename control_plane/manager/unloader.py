@@ -1,0 +1,155 @@
+"""Unloads: explicit, evictions, headroom kept free, and evicting down to the budget.
+
+A model's memory counts as used until Triton's index shows it UNAVAILABLE; an unload that
+fails keeps the model's server and room (``failed``) until one succeeds (package
+docstring)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from ..errors import ControlPlaneError, InvalidInput
+from .records import ModelRecord, ModelState, TritonServer
+from .state import ManagerState
+
+log = logging.getLogger(__name__)
+
+
+def retrieve(fut: asyncio.Future) -> None:
+    """Done callback of an unload nobody awaits: its failure is logged where it happens."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+class Unloader(ManagerState):
+    async def unload(self, name: str, force: bool = False) -> ModelRecord:
+        """Unload ``name`` (explicit request).  Pinned models are refused unless forced."""
+        rec = self.get(name)
+        if rec.pinned and not force:
+            raise InvalidInput(f"{name} is pinned; unpin it first (mmctl unpin {name})")
+        load = self._loads.get(name)
+        if load is not None:
+            with contextlib.suppress(ControlPlaneError):
+                await asyncio.shield(load)
+        async with self._lock:
+            # A pin that arrived while this unload waited for the load wins: the pinned
+            # model stays loaded instead of being unloaded under a pin.
+            if rec.pinned and not force:
+                raise InvalidInput(f"{name} was pinned while this unload waited for its load; "
+                                   f"unpin it first (mmctl unpin {name})")
+            if (rec.state not in (ModelState.READY, ModelState.FAILED, ModelState.UNLOADING)
+                    or rec.server is None):
+                return rec
+            server = self.servers[rec.server]
+            resident = server.planner.residents.get(name)
+            if resident is not None:
+                # On its way out it holds its slot as busy, not as a pin (a forced unload of
+                # a pinned model keeps the pin: the reconcile loads it again).  A failed
+                # model retried here is not leaving: its room stays held until confirmed.
+                resident.evictable = False
+                resident.pinned = False
+                resident.leaving = rec.state == ModelState.READY
+            if rec.state == ModelState.READY:
+                rec.state = ModelState.UNLOADING
+        await self._unload_now(server, name, reason="requested")
+        return rec
+
+    def _unload_now(self, server: TritonServer, name: str, reason: str) -> asyncio.Future:
+        task = self._unloads.get(name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._do_unload(server, name, reason))
+            self._unloads[name] = task
+            task.add_done_callback(lambda _t, n=name: self._unloads.pop(n, None))
+        return asyncio.shield(task)
+
+    async def _do_unload(self, server: TritonServer, name: str, reason: str) -> None:
+        rec = self.records[name]
+        rec.state = ModelState.UNLOADING
+        # Drain: requests holding a lease finish first (bounded by drain_timeout_s).
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        # Only requests already sent to Triton are drained: requests still waiting for this
+        # model wait for the unload to finish, so waiting on them would deadlock.
+        while rec.active > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if rec.active > 0:
+            log.warning("%s still has %d requests in flight after %.0fs; unloading anyway "
+                        "(Triton lets running requests finish)", name, rec.active,
+                        self.config.drain_timeout_s)
+        start = time.monotonic()
+        try:
+            await server.admin.unload(name)
+            await server.admin.wait_unavailable(name, self.config.unload_timeout_s)
+        except ControlPlaneError as exc:
+            # Triton may still hold it: the server, and its room, stay counted until Triton
+            # confirms it gone (the reconcile retries after the backoff, as does a load).
+            rec.state = ModelState.FAILED
+            rec.failure = f"unload did not complete: {exc.message}"
+            rec.failed_at = time.monotonic()
+            resident = server.planner.residents.get(name)
+            if resident is not None:
+                resident.evictable = False
+                resident.pinned = False
+                resident.leaving = False  # it holds its room again
+            log.error("unload of %s on %s failed: %s", name, server.name, exc.message)
+            raise
+        # Free only once NVML shows the memory back (on a GPU; what is not back stays counted).
+        await self.memory.released(server, name)
+        freed_s = time.monotonic() - start
+        self.metrics.unload_free_seconds.labels(server.name).observe(freed_s)
+        self.metrics.unloads.labels(server.name, reason).inc()
+        server.planner.remove(name)
+        self._release_warm(name)
+        rec.state, rec.server, rec.warmup = ModelState.WARM, None, None
+        self._update_gauges(server)
+        self.store.save_model(name, server=None)
+        log.info("unloaded %s from %s (%s); memory free after %.2fs", name, server.name, reason, freed_s)
+
+    async def _retry_unload(self, server: TritonServer, name: str) -> None:
+        with contextlib.suppress(ControlPlaneError):
+            await self._unload_now(server, name, reason="retry_after_failure")
+
+    async def _enforce_capacity(self, server: TritonServer) -> None:
+        """After adopting what Triton had loaded, evict down to the budget (unpinned, LRU)."""
+        cap = server.planner.capacity
+        while True:
+            # A load in progress is reserved while its victims still count until Triton frees
+            # them: that transient overshoot is by design, not drift.
+            if self._loads or self._unloads:
+                return
+            over_slots = cap.max_slots is not None and server.planner.used_slots > cap.max_slots
+            over_bytes = cap.max_bytes is not None and server.planner.used_bytes > cap.max_bytes
+            if not (over_slots or over_bytes):
+                return
+            victim = next((k for k in server.planner.policy.victim_order()
+                           if not server.planner.residents[k].pinned
+                           and server.planner.residents[k].evictable), None)
+            if victim is None:
+                log.error("%s is over its budget (%s) with only pinned models", server.name,
+                          cap.describe())
+                return
+            server.planner.residents[victim].evictable = False
+            server.planner.residents[victim].leaving = True
+            try:
+                await self._unload_now(server, victim, reason="over_budget")
+            except ControlPlaneError:
+                return
+
+    def _maintain_headroom(self, server: TritonServer) -> None:
+        """Start unloading the policy's next victims when the server's free room is below its
+        headroom (eviction.CachePlanner.headroom_victims); returns at once, the unloads run
+        in the background.  Synchronous: the choice and the marking see the same state."""
+        if not server.up:
+            return
+        victims = server.planner.headroom_victims()
+        for v in victims:
+            resident = server.planner.residents[v]
+            resident.evictable = False
+            resident.leaving = True
+            self.records[v].state = ModelState.UNLOADING
+        if victims:
+            log.info("%s: unloading %s to keep room for the next miss", server.name, ", ".join(victims))
+        for v in victims:
+            self._unload_now(server, v, reason="headroom").add_done_callback(retrieve)
