@@ -1,0 +1,376 @@
+"""``CachePlanner``: capacity, pins and rollout stage priority around a policy.
+
+Pinned keys are never evicted, stage priority (shadow before canary before production)
+comes before the policy's own order, a shadow newcomer may evict only shadow (or retired)
+models, and capacity is a byte budget and/or a slot count.  ``plan`` returns the victims
+to free room for a new key, or raises CapacityExhausted naming the pinned keys and the
+budget; it changes nothing until the caller commits.  Residents marked ``leaving`` count
+as used but their room as already free (it is promised).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ..errors import CapacityExhausted
+from .headroom import (
+    HEADROOM_DEFAULT_MODELS,
+    HEADROOM_MAX_FRACTION,
+    HEADROOM_MIN_CAPACITY_MODELS,
+    Headroom,
+    HeadroomSpec,
+)
+from .policy import EvictionPolicy
+
+# Rollout stage -> eviction priority; lower is evicted first, pinned is never evicted.
+STAGE_PRIORITY = {"shadow": 0, "canary": 1, "registered": 2, "production": 2, "retired": 0}
+DEFAULT_PRIORITY = 2
+SHADOW_PRIORITY = STAGE_PRIORITY["shadow"]
+
+
+def victim_priority_limit(priority: int) -> int | None:
+    """The highest stage priority a newcomer of ``priority`` may evict; None: any.
+
+    A shadow (or a retired model) may evict only shadow or retired models: mirrored traffic
+    must never take the room of a model that serves clients (canary included)."""
+    return SHADOW_PRIORITY if priority <= SHADOW_PRIORITY else None
+
+
+_TRACKED_FIELDS = frozenset({"size_bytes", "pinned", "priority", "evictable", "leaving"})
+
+
+@dataclass
+class Resident:
+    """A loaded (or loading) model as the planner sees it.
+
+    Fields may be changed in place (``planner.residents[k].evictable = False``): while the
+    resident belongs to a planner, each change updates that planner's running totals, so
+    ``used_bytes`` and planning stay O(1).  A Resident belongs to one planner at a time.
+    """
+
+    key: str
+    size_bytes: int = 0
+    pinned: bool = False
+    priority: int = DEFAULT_PRIORITY
+    evictable: bool = True  # False while loading/unloading/serving-only-by-lease etc.
+    # Being unloaded: still counted in used_bytes until it is removed (the server confirmed
+    # it gone), but its room is promised and counts as free when planning.  A model whose
+    # unload failed is not leaving: it holds its room.
+    leaving: bool = False
+    _planner: ClassVar[CachePlanner | None] = None  # set per instance by CachePlanner.admit
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        planner = self._planner
+        if (planner is not None and name in _TRACKED_FIELDS
+                and planner.residents.get(self.key) is self):
+            planner._uncount(self)
+            object.__setattr__(self, name, value)
+            planner._count(self)
+        else:
+            object.__setattr__(self, name, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies and pickles are plain values, not members of the planner.
+        state = dict(self.__dict__)
+        state.pop("_planner", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+@dataclass
+class Capacity:
+    max_bytes: int | None = None
+    max_slots: int | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.max_slots is not None:
+            parts.append(f"{self.max_slots} models")
+        if self.max_bytes is not None:
+            parts.append(f"{self.max_bytes} bytes")
+        return " and ".join(parts) or "unlimited"
+
+
+@dataclass
+class EvictionPlan:
+    victims: list[str] = field(default_factory=list)
+    freed_bytes: int = 0
+
+
+class CachePlanner:
+    """Capacity + pins + stage priority around a policy.  Not thread-safe: one owner.
+
+    Keeps running totals (bytes used, evictable residents per priority) so ``used_bytes``
+    is O(1) and ``plan`` walks the policy's victim order once, usually stopping at the
+    first key.
+    """
+
+    def __init__(self, policy: EvictionPolicy, capacity: Capacity,
+                 priority_of: Callable[[str], int] | None = None,
+                 headroom: HeadroomSpec | None = None):
+        self.policy = policy
+        self.capacity = capacity
+        # Stage priority of a newcomer (registry.stage_priority): a shadow evicts shadows only.
+        self.priority_of = priority_of
+        self.headroom = headroom if headroom is not None else HeadroomSpec(models=0)
+        self.residents: dict[str, Resident] = {}
+        self._used_bytes = 0
+        self._leaving_bytes = 0
+        self._leaving_slots = 0
+        self._evictable: dict[int, int] = {}  # priority -> residents neither pinned nor busy
+
+    # -- running totals (called by Resident.__setattr__) --------------------------------
+    def _count(self, r: Resident) -> None:
+        self._used_bytes += r.size_bytes
+        if r.leaving:
+            self._leaving_bytes += r.size_bytes
+            self._leaving_slots += 1
+        if r.evictable and not r.pinned:
+            self._evictable[r.priority] = self._evictable.get(r.priority, 0) + 1
+
+    def _uncount(self, r: Resident) -> None:
+        self._used_bytes -= r.size_bytes
+        if r.leaving:
+            self._leaving_bytes -= r.size_bytes
+            self._leaving_slots -= 1
+        if r.evictable and not r.pinned:
+            left = self._evictable[r.priority] - 1
+            if left:
+                self._evictable[r.priority] = left
+            else:
+                del self._evictable[r.priority]
+
+    # -- bookkeeping ------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return self._used_bytes
+
+    @property
+    def used_slots(self) -> int:
+        return len(self.residents)
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes held once every unload in progress completes (leaving residents left out)."""
+        return self._used_bytes - self._leaving_bytes
+
+    @property
+    def committed_slots(self) -> int:
+        return len(self.residents) - self._leaving_slots
+
+    def touch(self, key: str, now: float) -> None:
+        self.policy.touch(key, now)
+
+    def admit(self, resident: Resident, now: float, load_cost_s: float = 1.0) -> None:
+        """Record ``resident`` as loaded; re-admitting a key replaces its old entry.
+
+        Raises ValueError if this Resident object is already held by another planner.
+        """
+        owner = resident._planner
+        if owner is not None and owner is not self:
+            raise ValueError(
+                f"Resident {resident.key!r} already belongs to another CachePlanner; "
+                "remove it there first or admit a new Resident"
+            )
+        old = self.residents.get(resident.key)
+        if old is not None and old is not resident:
+            self._release(old)
+        elif old is resident:
+            self._uncount(resident)
+        self.residents[resident.key] = resident
+        object.__setattr__(resident, "_planner", self)
+        self._count(resident)
+        # The policy weighs size only when bytes are what runs out.
+        size_bytes = resident.size_bytes if self.capacity.max_bytes is not None else 0
+        self.policy.admit(resident.key, now, size_bytes, load_cost_s)
+
+    def remove(self, key: str) -> None:
+        r = self.residents.pop(key, None)
+        if r is not None:
+            self._release(r)
+        self.policy.remove(key)
+
+    def _release(self, r: Resident) -> None:
+        self._uncount(r)
+        object.__setattr__(r, "_planner", None)
+
+    # -- decisions --------------------------------------------------------------------
+    def fits_at_all(self, size_bytes: int) -> bool:
+        cap = self.capacity
+        if cap.max_slots is not None and cap.max_slots < 1:
+            return False
+        return cap.max_bytes is None or size_bytes <= cap.max_bytes
+
+    def plan(self, key: str, size_bytes: int) -> EvictionPlan:
+        """Victims that make room for ``key``; raises CapacityExhausted if none can.
+
+        Victims come lowest stage priority first, then in the policy's order; pinned and
+        busy (not evictable) residents are skipped.  One pass over ``victim_order``: keys
+        of a higher priority level are held back until every evictable key of the lower
+        levels has been seen (the running counts say when).
+        """
+        cap = self.capacity
+        if not self.fits_at_all(size_bytes):
+            raise CapacityExhausted(
+                f"{key} needs {size_bytes} bytes but the whole budget is {cap.describe()}; "
+                "raise --memory-budget / --max-loaded or place it on a larger device"
+            )
+        limit = victim_priority_limit(
+            self.priority_of(key) if self.priority_of is not None else DEFAULT_PRIORITY)
+        # Room that leaving residents free is already promised: count it as free.  A shadow
+        # leaves the headroom alone (restoring it would evict a serving model for it).
+        reserve = self.headroom_target() if limit is not None else Headroom()
+        need_bytes = 0
+        if cap.max_bytes is not None:
+            need_bytes = max(0, self.committed_bytes + size_bytes + reserve.bytes - cap.max_bytes)
+        need_slots = 0
+        if cap.max_slots is not None:
+            need_slots = max(0, self.committed_slots + 1 + reserve.slots - cap.max_slots)
+        if need_bytes <= 0 and need_slots <= 0:
+            return EvictionPlan()
+        evictable = sum(n for p, n in self._evictable.items() if limit is None or p <= limit)
+        if need_slots <= evictable:
+            plan = self._collect(key, need_bytes, need_slots, limit)
+            if plan is not None:
+                return plan
+        if limit is not None:
+            raise self._exhausted_for_shadow(key, size_bytes, limit)
+        raise self._exhausted(key, size_bytes)
+
+    def headroom_target(self) -> Headroom:
+        """The room this server keeps free now (see ``HeadroomSpec``); pure."""
+        spec, cap = self.headroom, self.capacity
+        slots = size = 0
+        if cap.max_slots is not None:
+            n = spec.models
+            if n is None:
+                n = HEADROOM_DEFAULT_MODELS if cap.max_slots >= HEADROOM_MIN_CAPACITY_MODELS else 0
+            slots = min(n, int(cap.max_slots * HEADROOM_MAX_FRACTION))
+        if cap.max_bytes is not None:
+            if spec.bytes is not None:
+                size = spec.bytes
+            elif spec.models != 0:
+                sizes = sorted(r.size_bytes for r in self.residents.values() if r.size_bytes > 0)
+                typical = sizes[len(sizes) // 2] if sizes else 0
+                n = spec.models
+                if n is None:
+                    fits = cap.max_bytes // typical if typical else 0
+                    n = HEADROOM_DEFAULT_MODELS if fits >= HEADROOM_MIN_CAPACITY_MODELS else 0
+                size = n * typical
+            size = min(size, int(cap.max_bytes * HEADROOM_MAX_FRACTION))
+        return Headroom(slots, size)
+
+    def headroom_victims(self) -> list[str]:
+        """Residents to unload so that the headroom is free once they are gone; pure.
+
+        The policy's order with the usual rules (never pinned or busy ones, lowest stage
+        priority first); leaving residents count as gone.  Empty when the headroom is free,
+        when what is evictable cannot restore all of it (evicting for part of it would cost
+        hits and still leave the next miss waiting), or when it would take the last
+        evictable model: with everything else pinned or busy, that one is what a newcomer
+        just loaded (``mmctl load`` must not see it leave at once), and the next miss would
+        have to evict it anyway."""
+        target = self.headroom_target()
+        if not target:
+            return []
+        cap = self.capacity
+        need_bytes = need_slots = 0
+        if cap.max_bytes is not None and target.bytes:
+            need_bytes = max(0, self.committed_bytes + target.bytes - cap.max_bytes)
+        if cap.max_slots is not None and target.slots:
+            need_slots = max(0, self.committed_slots + target.slots - cap.max_slots)
+        if need_bytes <= 0 and need_slots <= 0:
+            return []
+        evictable = sum(self._evictable.values())
+        if need_slots >= evictable:
+            return []
+        plan = self._collect(None, need_bytes, need_slots)
+        if plan is None or len(plan.victims) >= evictable:
+            return []
+        return plan.victims
+
+    def _collect(self, key: str | None, need_bytes: int, need_slots: int,
+                 limit: int | None = None) -> EvictionPlan | None:
+        residents = self.residents
+        levels = sorted(p for p in self._evictable if limit is None or p <= limit)
+        if not levels:
+            return None
+        if len(levels) == 1:  # the usual case: one stage priority among evictable residents
+            victims: list[str] = []
+            freed = 0
+            for candidate in self.policy.victim_order():
+                r = residents.get(candidate)
+                if r is None or r.pinned or not r.evictable or candidate == key:
+                    continue
+                if limit is not None and r.priority > limit:
+                    continue
+                victims.append(candidate)
+                freed += r.size_bytes
+                if freed >= need_bytes and len(victims) >= need_slots:
+                    return EvictionPlan(victims, freed)
+            return None
+        expected = [self._evictable[p] for p in levels]
+        buckets: dict[int, list[Resident]] = {p: [] for p in levels}
+        victims = []
+        freed = 0
+        level = taken = 0
+
+        def drain(final: bool) -> bool:
+            """Take ready keys in order; True once the need is met."""
+            nonlocal level, taken, freed
+            while level < len(levels):
+                bucket = buckets[levels[level]]
+                while taken < len(bucket):
+                    r = bucket[taken]
+                    taken += 1
+                    victims.append(r.key)
+                    freed += r.size_bytes
+                    if freed >= need_bytes and len(victims) >= need_slots:
+                        return True
+                if not final and taken < expected[level]:
+                    return False  # more keys of this level may still come
+                level += 1
+                taken = 0
+            return False
+
+        for candidate in self.policy.victim_order():
+            r = residents.get(candidate)
+            if r is None or r.pinned or not r.evictable or candidate == key:
+                continue
+            bucket = buckets.get(r.priority)
+            if bucket is None:  # above the limit, or priority changed mid-walk
+                continue
+            bucket.append(r)
+            if drain(final=False):
+                return EvictionPlan(victims, freed)
+        if drain(final=True):
+            return EvictionPlan(victims, freed)
+        return None
+
+    def _exhausted(self, key: str, size_bytes: int) -> CapacityExhausted:
+        cap = self.capacity
+        pinned = sorted(k for k, r in self.residents.items() if r.pinned)
+        busy = sorted(k for k, r in self.residents.items() if not r.evictable and not r.pinned)
+        detail = f"pinned: {', '.join(pinned) or 'none'}"
+        if busy:
+            detail += f"; busy loading/unloading: {', '.join(busy)}"
+        return CapacityExhausted(
+            f"no room for {key} ({size_bytes} bytes): budget is {cap.describe()}, "
+            f"{self.used_slots} loaded using {self.used_bytes} bytes, and nothing evictable is "
+            f"left ({detail}); unpin a model (mmctl unpin NAME) or raise the budget"
+        )
+
+    def _exhausted_for_shadow(self, key: str, size_bytes: int, limit: int) -> CapacityExhausted:
+        serving = sorted(k for k, r in self.residents.items() if r.priority > limit)
+        cap = self.capacity
+        return CapacityExhausted(
+            f"no room for shadow {key} ({size_bytes} bytes): a shadow may evict only other "
+            f"shadow or retired models, and the budget ({cap.describe()}, {self.used_slots} "
+            f"loaded using {self.used_bytes} bytes) is held by models that serve traffic "
+            f"({', '.join(serving) or 'none'}) or by shadows that are busy or pinned; the "
+            "shadow is skipped until room frees up; raise the budget or add a device"
+        )
