@@ -283,4 +283,3 @@ class _MeasuredStager:
 
     def known(self) -> set[str]:
         return self.stager.known()
-
