@@ -257,22 +257,22 @@ CRASHING_STAGER = textwrap.dedent("""
     from control_plane.cold_store import ColdStores, S3Config, S3Store
     from control_plane.registry import Registry
     from control_plane.state_store import StateStore
-    from control_plane import warm_tier
+    from control_plane.warm_tier import WarmTier, tier
 
     state, repo, endpoint = sys.argv[1:4]
     s3 = S3Store(S3Config(bucket="models", endpoint_url=endpoint, access_key_id="testing",
                           secret_access_key="testing", addressing_style="path"))
     store = StateStore(Path(state))
-    warm = warm_tier.WarmTier(Path(repo), Registry(store.db), ColdStores([s3]))
+    warm = WarmTier(Path(repo), Registry(store.db), ColdStores([s3]))
 
-    real = warm_tier.download_verified
+    real = tier.download_verified
     def dying(store, uri, sha, staging, label, progress=None, attempts=2):
         def progress_then_die(done, total):
             if done > 0 and done < total:
                 print("dying at", done, "of", total, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
         return real(store, uri, sha, staging, label, progress_then_die, attempts)
-    warm_tier.download_verified = dying
+    tier.download_verified = dying  # where WarmTier looks it up
     asyncio.run(warm.stage("bulky.v1"))
 """)
 

@@ -245,7 +245,7 @@ def _repository_on_its_own_mount(monkeypatch, repository: Path):
     import errno
     import os
 
-    from control_plane import warm_tier
+    from control_plane.warm_tier import location
 
     def device(path) -> int:
         path = Path(path).resolve()
@@ -258,7 +258,7 @@ def _repository_on_its_own_mount(monkeypatch, repository: Path):
             raise OSError(errno.EXDEV, "Invalid cross-device link", str(src), None, str(dst))
         real_rename(src, dst)
 
-    monkeypatch.setattr(warm_tier, "_device", device)
+    monkeypatch.setattr(location, "_device", device)  # where staging_dir_for looks it up
     monkeypatch.setattr(os, "rename", rename)
 
 
@@ -285,13 +285,13 @@ def test_a_staging_os_error_backs_off_instead_of_downloading_again(tmp_path, mon
     import errno
     import os
 
-    from control_plane import warm_tier
     from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
+    from control_plane.warm_tier import tier
     from tests.unit.test_manager_unit import FakeAdmin
 
     env = Env(tmp_path)
     downloads = []
-    real_download = warm_tier.download_verified
+    real_download = tier.download_verified
 
     def counting_download(*args, **kwargs):
         downloads.append(args[1])
@@ -300,7 +300,7 @@ def test_a_staging_os_error_backs_off_instead_of_downloading_again(tmp_path, mon
     def full_disk(src, dst):
         raise OSError(errno.ENOSPC, "No space left on device", str(dst))
 
-    monkeypatch.setattr(warm_tier, "download_verified", counting_download)
+    monkeypatch.setattr(tier, "download_verified", counting_download)  # looked up there
     monkeypatch.setattr(os, "rename", full_disk)
 
     async def go():
@@ -368,13 +368,13 @@ def test_evictions_and_size_walks_run_off_the_event_loop(tmp_path, monkeypatch):
     import shutil
     import threading
 
-    from control_plane import warm_tier
+    from control_plane.warm_tier import tier
 
     env = Env(tmp_path, budget_models=2.5)
     make_folder(env.warm.repository.parent / "src", "handmade")
     shutil.move(str(env.warm.repository.parent / "src" / "handmade"), str(env.warm.repository / "handmade"))
     calls: list[tuple[str, bool]] = []
-    real_rmtree, real_folder_bytes = shutil.rmtree, warm_tier.folder_bytes
+    real_rmtree, real_folder_bytes = shutil.rmtree, tier.folder_bytes
 
     def on_loop_thread() -> bool:
         try:
@@ -391,8 +391,8 @@ def test_evictions_and_size_walks_run_off_the_event_loop(tmp_path, monkeypatch):
         calls.append(("folder_bytes", on_loop_thread()))
         return real_folder_bytes(root)
 
-    monkeypatch.setattr(warm_tier.shutil, "rmtree", rmtree)
-    monkeypatch.setattr(warm_tier, "folder_bytes", folder_bytes_)
+    monkeypatch.setattr(tier.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(tier, "folder_bytes", folder_bytes_)  # where WarmTier looks it up
 
     async def go():
         loop_thread = threading.current_thread()

@@ -1,38 +1,10 @@
-"""The warm tier: a host-DRAM directory that *is* Triton's ``--model-repository``.
-
-Staging a model copies its folder from the cold store into this directory; Triton loads it
-from here; unloading from the GPU leaves it here.  The directory has its own byte budget and
-LRU order.  ``WarmTier`` implements the manager's ``Stager`` protocol:
-
-* ``stage(name)`` returns the model's bytes once ``<repository>/<name>`` is complete, looking
-  the artifact up in the registry (URI + sha256) and downloading it on a warm miss.
-  Concurrent stages of one name share one download.
-* ``set_busy(name, True)`` while a model is loaded or loading: such a model is never evicted
-  from warm (``in_use`` is a second guard for models adopted from Triton at restart, which
-  were never marked busy).
-* ``known()`` lists every name that can be staged.
-
-Why nothing half-written is ever visible to Triton: downloads land in a staging directory
-on the repository's filesystem (``<repository>.staging``, or ``<repository>/.mms-staging``
-when the repository is a mount point such as a docker volume), are verified against the
-registry's sha256, and only then renamed into the repository in one ``rename``.  Evictions
-rename the folder out first and delete it afterwards.  A crash leaves debris only in the staging
-directory, which ``recover()`` empties at start; folders in the repository are re-checked
-against the small manifest written next to the files (``.mms-warm.json``).
-
-Folders in the repository that the registry does not know (a hand-made or demo model) are
-served as they are, count against the budget and are never evicted: there is no cold copy
-to bring them back from.
-
-Budget note: under /dev/shm the warm tier shares tmpfs with Triton's python-backend
-shared-memory regions; leave headroom beyond ``budget_bytes``.
-"""
+"""``WarmTier``: the host-DRAM model repository with its byte budget and LRU order; the
+story of staging, eviction and recovery is in the package docstring."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -41,125 +13,24 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .cold_store import ColdStore, ColdStores, download_verified
-from .errors import CapacityExhausted, InvalidInput, ModelLoadFailed, ModelNotFound
-from .names import validate_model_name
-from .registry import CONFIG_NAME_RE, ModelVersion, Registry
+from ..cold_store import ColdStore, ColdStores, download_verified
+from ..errors import CapacityExhausted, InvalidInput, ModelLoadFailed, ModelNotFound
+from ..model_config import set_name_in_file
+from ..names import validate_model_name
+from ..registry import ModelVersion, Registry
+from .entries import Download, WarmEntry
+from .location import folder_bytes, staging_dir_for
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__package__)  # one logger name for the whole package
 
 WARM_MANIFEST = ".mms-warm.json"
 LARGE_DOWNLOAD_BYTES = 64 << 20
 
 
-def default_warm_repository(state_dir: Path, budget_bytes: int | None = None,
-                            shm: Path = Path("/dev/shm")) -> Path:
-    """tmpfs (``/dev/shm/mms-<uid>-<hash of state dir>/repository``) when it exists, is
-    writable and has room for the budget; else ``<state_dir>/warm/repository`` on disk."""
-    try:
-        usable = shm.is_dir() and os.access(shm, os.W_OK)
-        if usable and budget_bytes is not None:
-            st = os.statvfs(shm)
-            usable = st.f_bavail * st.f_frsize >= budget_bytes
-            if not usable:
-                log.warning("%s has less free space than the warm budget (%d bytes); the warm "
-                            "tier goes to the state directory on disk instead", shm, budget_bytes)
-    except OSError:
-        usable = False
-    if usable:
-        return tmpfs_warm_root(state_dir, shm) / "repository"
-    return state_dir.resolve() / "warm" / "repository"
-
-
-def tmpfs_warm_root(state_dir: Path, shm: Path = Path("/dev/shm")) -> Path:
-    """The tmpfs folder of ``state_dir``'s default warm tier (repository + staging).  The
-    Makefile's ``clean-warm`` computes the same name: sha256 of the resolved path, 12 hex."""
-    key = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
-    return shm / f"mms-{os.getuid()}-{key}"
-
-
-def remove_tmpfs_warm_tier(state_dir: Path, repository: Path, shm: Path = Path("/dev/shm")) -> bool:
-    """Delete ``repository`` and its staging folder if they are ``state_dir``'s default warm
-    tier in tmpfs; a repository anywhere else (the user's --repository, the on-disk
-    fallback) is never touched.  tmpfs is host RAM that nothing frees: with 850 MB models a
-    stopped control plane would hold gigabytes.  Everything in it comes back on the next
-    start (staged copies from the cold store, demo models from their generator).  Blocking:
-    call it off the event loop."""
-    root = tmpfs_warm_root(state_dir, shm)
-    if repository.resolve().parent != root or not root.is_dir():
-        return False
-    shutil.rmtree(root, ignore_errors=True)
-    log.info("removed the warm tier %s (host RAM)", root)
-    return not root.exists()
-
-
-STAGING_DIR_NAME = ".mms-staging"  # hidden: never a model name (those start alphanumeric)
-
-
-def _device(path: Path) -> int:
-    return os.stat(path).st_dev
-
-
-def staging_dir_for(repository: Path) -> Path:
-    """Where downloads wait for their one ``rename`` into ``repository``: on its filesystem,
-    or the rename fails with EXDEV.  A sibling folder when that is the same filesystem (it
-    stays out of Triton's repository index); when the repository is a mount point of its own
-    (a docker volume), a hidden folder inside it."""
-    sibling = repository.with_name(repository.name + ".staging")
-    try:
-        sibling.mkdir(parents=True, exist_ok=True)
-        if _device(sibling) == _device(repository):
-            return sibling
-        with contextlib.suppress(OSError):
-            sibling.rmdir()  # only if empty: it is not ours to clear
-    except OSError:  # e.g. the repository's parent is read-only
-        pass
-    inside = repository / STAGING_DIR_NAME
-    inside.mkdir(exist_ok=True)
-    log.info("staging downloads in %s: %s is on another filesystem than %s", inside, sibling, repository)
-    return inside
-
-
-def folder_bytes(root: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for fn in files:
-            with contextlib.suppress(OSError):
-                total += (Path(dirpath) / fn).lstat().st_size
-    return total
-
-
-@dataclass
-class WarmEntry:
-    name: str
-    size_bytes: int
-    managed: bool  # True: came from the cold store and can be fetched again
-    sha256: str | None
-    last_used: float
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class Download:
-    name: str
-    uri: str
-    total_bytes: int
-    done_bytes: int = 0
-    started_at: float = 0.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["fraction"] = (self.done_bytes / self.total_bytes) if self.total_bytes else None
-        return d
-
-
 class WarmTier:
-    """Host-DRAM model repository with a byte budget and LRU eviction (see module doc)."""
+    """Host-DRAM model repository with a byte budget and LRU eviction (see the package doc)."""
 
     def __init__(self, repository: Path, registry: Registry | None = None,
                  stores: ColdStores | None = None, budget_bytes: int | None = None,
@@ -512,9 +383,5 @@ class WarmTier:
 def _set_config_name(folder: Path, name: str) -> None:
     """Triton requires config.pbtxt's ``name`` to equal the folder name (``cust017.v3``)."""
     config = folder / "config.pbtxt"
-    if not config.is_file():
-        return
-    text = config.read_text()
-    new, count = CONFIG_NAME_RE.subn(f'name: "{name}"', text, count=1)
-    if count and new != text:
-        config.write_text(new)
+    if config.is_file():
+        set_name_in_file(config, name)
