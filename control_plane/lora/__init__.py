@@ -11,6 +11,9 @@ Modules:
     bank       stacked per-slot LoRA weights, per-row gather + bmm (BGMV) via forward hooks
     policy     pure LRU-with-pinning for the device and host tiers
     cache      device slots -> host memory -> adapter directory, background cold loads
+    cache_control  the cache's load/pin/unload/disable operations and manifest apply
+    leases     what the cache hands out: batch leases, Futures, per-adapter statistics
+    source     the adapter directory, the cache's cold tier
     manifest   the control plane's desired state (pinned/preload/disabled), watched by models
     server     transport-free serving core: batches, deferred cold loads, control ops
     runtime    settings from model config parameters, per-base parsing and runners

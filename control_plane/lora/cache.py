@@ -33,87 +33,28 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from .bank import LoraBank
+from .cache_control import CacheControl
 from .errors import (
     AdapterCapacityExhausted,
     AdapterNotFound,
     AdapterRefused,
     InvalidRequest,
     LoraError,
-    RuntimeClosing,
 )
-from .manifest import Manifest
+from .leases import AdapterStats, Lease, done_future, future_error
 from .names import validate_adapter_name
 from .peft import CONFIG_FILE, LoraAdapter, adapter_signature, read_adapter
 from .policy import LruTier
+from .source import AdapterSource
+
+__all__ = ["AdapterCache", "AdapterSource", "AdapterStats", "Lease", "future_error"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class AdapterStats:
-    requests: int = 0
-    device_hits: int = 0
-    host_hits: int = 0
-    misses: int = 0  # requests that waited for a cold load
-    cold_loads: int = 0
-    load_time_s: float | None = None  # last cold load: read + validate, disk -> host
-    swap_in_s: float | None = None  # last host -> device copy into a slot
-    last_used_unix: float | None = None
-
-
-@dataclass
-class Lease:
-    """What ``AdapterCache.lease`` decided for each distinct adapter name of a batch."""
-
-    slots: dict[str | None, int] = field(default_factory=dict)  # ready: name -> bank slot
-    errors: dict[str, LoraError] = field(default_factory=dict)  # fail these requests
-    pending: dict[str, Future] = field(default_factory=dict)  # cold: done when in host memory
-    overflow: set[str] = field(default_factory=set)  # no free slot in this batch: next wave
-
-
-class AdapterSource:
-    """The cold tier: a directory with one PEFT adapter directory per adapter name.
-
-    Names starting with '.' are staging leftovers (``.acme.tmp``) and are never served."""
-
-    def __init__(self, root: Path | str):
-        self.root = Path(root)
-
-    def path(self, name: str) -> Path:
-        return self.root / validate_adapter_name(name)
-
-    def exists(self, name: str) -> bool:
-        return self.path(name).is_dir()
-
-    def names(self) -> list[str]:
-        try:
-            entries = sorted(p for p in self.root.iterdir() if p.is_dir())
-        except FileNotFoundError:
-            return []
-        return [p.name for p in entries if not p.name.startswith(".")]
-
-
-def future_error(future: Future) -> BaseException | None:
-    """The Future's exception; a cancelled Future (the model is unloading) counts as one."""
-    if future.cancelled():
-        return RuntimeClosing("the model is being unloaded")
-    return future.exception()
-
-
-def _done(result=None, error: BaseException | None = None) -> Future:
-    future: Future = Future()
-    if error is None:
-        future.set_result(result)
-    else:
-        future.set_exception(error)
-    return future
-
-
-class AdapterCache:
+class AdapterCache(CacheControl):
     def __init__(
         self,
         bank: LoraBank,
@@ -288,11 +229,11 @@ class AdapterCache:
         late callers share it).  Fails with the loader's LoraError."""
         with self.lock:
             if name in self._host:
-                return _done()
+                return done_future()
             future = self._loading.get(name)
             if future is None:
                 if self._closed:
-                    return _done(error=InvalidRequest("the adapter cache is closed"))
+                    return done_future(error=InvalidRequest("the adapter cache is closed"))
                 future = self._loader.submit(self._load_cold, name)
                 self._loading[name] = future
             return future
@@ -349,141 +290,6 @@ class AdapterCache:
         self._host[name] = adapter
         self.host_tier.add(name)
         self._meta[name] = (adapter.rank, adapter.nbytes)
-
-    # ------------------------------------------------------------------ control
-
-    def load(self, name: str) -> Future:
-        """Bring ``name`` into a device slot now (from disk if needed), in the background.
-        The Future fails with the reason when the adapter is unknown, refused or no slot
-        can be freed."""
-        try:
-            validate_adapter_name(name)
-            with self.lock:
-                if name in self._disabled:
-                    raise AdapterNotFound(f"adapter {name!r} is disabled on {self.base_name}")
-                if name in self._slot_of:
-                    self.device_tier.touch(name)
-                    return _done()
-                if name not in self._host and name not in self._loading and not self.source.exists(name):
-                    raise AdapterNotFound(
-                        f"adapter {name!r} not found for {self.base_name}: no "
-                        f"{self.source.path(name)} directory; stage it first"
-                    )
-                host = self._ensure_host(name)
-        except LoraError as exc:
-            return _done(error=exc)
-        result: Future = Future()
-
-        def to_device(done: Future) -> None:
-            error = future_error(done)
-            if error is None:
-                try:
-                    with self.lock:
-                        if name not in self._slot_of:
-                            if name not in self._host:
-                                raise LoraError(f"adapter {name!r} left host memory before its swap-in; retry")
-                            if self._swap_in(name) is None:  # pragma: no cover - no batch holds slots here
-                                raise AdapterCapacityExhausted(f"no device slot free for {name!r}")
-                except LoraError as exc:
-                    error = exc
-            if error is None:
-                result.set_result(None)
-            else:
-                result.set_exception(error)
-
-        host.add_done_callback(to_device)
-        return result
-
-    def pin(self, name: str) -> Future:
-        """Keep ``name`` in a device slot for good (loads it if needed)."""
-        with self.lock:
-            if name not in self._pinned and len(self._pinned) >= self.bank.num_slots:
-                return _done(error=AdapterCapacityExhausted(
-                    f"cannot pin {name!r}: all {self.bank.num_slots} device slots of "
-                    f"{self.base_name} are already pinned ({', '.join(sorted(self._pinned))})"
-                ))
-            self._pinned.add(name)
-            if name in self._slot_of:
-                self.device_tier.pin(name)
-        future = self.load(name)
-
-        def release_failed_pin(done: Future) -> None:
-            if future_error(done) is not None:  # a pin that cannot load holds no capacity
-                self.unpin(name)
-
-        future.add_done_callback(release_failed_pin)
-        return future
-
-    def unpin(self, name: str) -> None:
-        with self.lock:
-            self._pinned.discard(name)
-            self.device_tier.unpin(name)
-
-    def unload(self, name: str) -> bool:
-        """Drop ``name`` from device and host memory (the directory copy stays); a refusal
-        is forgotten too.  Refuses pinned adapters.  True if anything was dropped."""
-        validate_adapter_name(name)
-        with self.lock:
-            if name in self._pinned:
-                raise InvalidRequest(f"adapter {name!r} is pinned on {self.base_name}; unpin it first")
-            return self._drop(name)
-
-    def _drop(self, name: str) -> bool:
-        dropped = False
-        if name in self._slot_of:
-            self._free_slots.append(self._evict_device(name))
-            dropped = True
-        if name in self._host:
-            del self._host[name]
-            self.host_tier.remove(name)
-            dropped = True
-        dropped = self._refused.pop(name, None) is not None or dropped
-        return dropped
-
-    def disable(self, name: str) -> None:
-        with self.lock:
-            self._disabled.add(name)
-            self._pinned.discard(name)
-            self._drop(name)
-
-    def enable(self, name: str) -> None:
-        with self.lock:
-            self._disabled.discard(name)
-
-    def apply_manifest(self, manifest: Manifest) -> list[Future]:
-        """Make the cache match ``manifest`` (idempotent).  Pins and preloads load in the
-        background; their Futures are returned, failures also show in ``status()``."""
-        futures = []
-        with self.lock:
-            for name in set(self._disabled) - set(manifest.disabled):
-                self.enable(name)
-            for name in manifest.disabled:
-                self.disable(name)
-            for name in set(self._pinned) - set(manifest.pinned):
-                self.unpin(name)
-            self.manifest_generation = manifest.generation
-            for name in manifest.pinned:
-                self._control_errors.pop(name, None)
-            for name in manifest.preload:
-                self._control_errors.pop(name, None)
-        for name in manifest.pinned:
-            futures.append(self._track(name, "pin", self.pin(name)))
-        for name in manifest.preload:
-            if name not in manifest.pinned:
-                futures.append(self._track(name, "preload", self.load(name)))
-        return futures
-
-    def _track(self, name: str, what: str, future: Future) -> Future:
-        def record(done: Future) -> None:
-            error = future_error(done)
-            if error is not None:
-                message = getattr(error, "message", str(error))
-                log.error("%s of adapter %s failed: %s", what, name, message)
-                with self.lock:
-                    self._control_errors[name] = f"{what} failed: {message}"
-
-        future.add_done_callback(record)
-        return future
 
     # ------------------------------------------------------------------ inspection
 
