@@ -37,7 +37,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import sqlite3
 import time
@@ -49,6 +48,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from . import model_config
 from .cold_store import (
     ColdStore,
     ColdStores,
@@ -96,10 +96,6 @@ DEFAULT_ADAPTER_DIR = "adapters"
 DEFAULT_MAX_RANK = 16
 LABEL_SEPARATOR = "/"
 
-_PARAMETER_RE = re.compile(
-    r'parameters\s*\{\s*key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}\s*\}')
-_NAME_FIELD_RE = re.compile(r'name:\s*"([^"]+)"')
-
 
 # --------------------------------------------------------------------------- pure parts
 def adapter_name(name: object) -> str:
@@ -135,14 +131,13 @@ def parse_adapter_ref(ref: object) -> tuple[str, str | None]:
     return segments[-1], ref
 
 
-def parse_model_config(text: str) -> tuple[set[str], dict[str, str]]:
-    """Input names and string parameters of a config.pbtxt (the subset this module needs)."""
-    params = dict(_PARAMETER_RE.findall(text))
-    inputs: set[str] = set()
-    match = re.search(r"^input\s*\[(.*?)^\]", text, flags=re.MULTILINE | re.DOTALL)
-    if match:
-        inputs = set(_NAME_FIELD_RE.findall(match.group(1)))
-    return inputs, params
+def parse_model_config(text: str, where: str = model_config.CONFIG_FILE) -> tuple[set[str], dict[str, str]]:
+    """Input names and string parameters of a config.pbtxt (the subset this module needs);
+    InvalidInput naming ``where`` when Triton could not parse it either.
+
+    Only read, never written back: fields a newer Triton added may stay unknown here."""
+    config = model_config.parse_config(text, where, allow_unknown_fields=True)
+    return model_config.input_names(config), model_config.string_parameters(config)
 
 
 @dataclass(frozen=True)
@@ -168,7 +163,7 @@ def describe_base(repository: Path, name: str) -> LoraBase:
     except FileNotFoundError:
         raise ModelNotFound(f"unknown base model {name!r}: no {config}; `mmctl status --all` "
                             "lists the models") from None
-    inputs, params = parse_model_config(text)
+    inputs, params = parse_model_config(text, str(config))
     if CONTROL_INPUT not in inputs:
         raise InvalidInput(f"{name} is not a LoRA base model (its config has no {CONTROL_INPUT} "
                            "input); adapters go to a LoRA base such as tinylm or recommender_lora")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import shutil
 import zlib
 from collections.abc import Mapping
@@ -24,7 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .demo_fleet import FleetSpec, base_weights, default_instance_kind
+from . import model_config
+from .demo_fleet import FEATURES_INPUT, FleetSpec, base_weights, default_instance_kind
 from .lora.models import (
     RecommenderMLP,
     TinyLM,
@@ -84,18 +84,16 @@ def base_targets(base: str, spec: LoraDemoSpec = LoraDemoSpec()) -> dict[str, tu
 
 
 def render_config(base: str, name: str, spec: LoraDemoSpec, parameters: Mapping[str, str]) -> str:
-    text = (REPO_MODELS / base / "config.pbtxt").read_text()
-    text = re.sub(r'^name: ".*"$', f'name: "{name}"', text, count=1, flags=re.MULTILINE)
-    text = text.replace("kind: KIND_CPU", f"kind: {spec.instance_kind}")
+    """The base's template config.pbtxt with this model's name, instance kind, feature
+    dimension (recommender) and parameters (``parameters`` over ``spec.parameters``)."""
+    config = model_config.read_config(REPO_MODELS / base / model_config.CONFIG_FILE)
+    model_config.set_name(config, name)
+    model_config.set_instance_kind(config, "KIND_CPU", spec.instance_kind)
     if base == RECOMMENDER:
-        text = re.sub(r"dims: \[ 64 \]", f"dims: [ {spec.recommender.feature_dim} ]", text, count=1)
+        model_config.set_input_dims(config, FEATURES_INPUT, [spec.recommender.feature_dim])
     for key, value in {**spec.parameters, **parameters}.items():
-        line = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
-        pattern = re.compile(rf'^parameters \{{ key: "{re.escape(key)}" .*$', re.MULTILINE)
-        text, found = pattern.subn(line.replace("\\", "\\\\"), text)
-        if not found:
-            text += line + "\n"
-    return text
+        model_config.set_parameter(config, key, value)
+    return model_config.render_config(config)
 
 
 def write_lora_model(

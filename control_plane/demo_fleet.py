@@ -9,7 +9,6 @@ widens the hidden layers to reach a target weight size (the seed scenario's 850 
 from __future__ import annotations
 
 import math
-import re
 import shutil
 import zlib
 from dataclasses import dataclass
@@ -18,10 +17,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from . import model_config
 from .names import validate_model_name
 
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "model_repository" / "recommender"
 WEIGHTS_FILE = "weights.safetensors"
+FEATURES_INPUT = "FEATURES"
 BASE_SEED = 20261121
 DELTA_SCALE = 0.05
 
@@ -80,18 +81,16 @@ def customer_weights(spec: FleetSpec, name: str, base: dict[str, torch.Tensor] |
 
 
 def render_config(spec: FleetSpec, name: str) -> str:
-    text = (TEMPLATE_DIR / "config.pbtxt").read_text()
-    text = re.sub(r'^name: ".*"$', f'name: "{name}"', text, count=1, flags=re.MULTILINE)
-    text = re.sub(r"dims: \[ 64 \]", f"dims: [ {spec.feature_dim} ]", text, count=1)
-    text = re.sub(r"max_batch_size: \d+", f"max_batch_size: {spec.max_batch_size}", text, count=1)
-    text = text.replace("kind: KIND_CPU", f"kind: {spec.instance_kind}")
-    if spec.extra_parameters:
-        params = "\n".join(
-            f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}'
-            for k, v in spec.extra_parameters
-        )
-        text += params + "\n"
-    return text
+    """The template's config.pbtxt with this model's name, feature dimension, batch size,
+    instance kind and extra parameters."""
+    config = model_config.read_config(TEMPLATE_DIR / model_config.CONFIG_FILE)
+    model_config.set_name(config, name)
+    model_config.set_input_dims(config, FEATURES_INPUT, [spec.feature_dim])
+    config.max_batch_size = spec.max_batch_size
+    model_config.set_instance_kind(config, "KIND_CPU", spec.instance_kind)
+    for key, value in spec.extra_parameters:
+        model_config.set_parameter(config, key, value)
+    return model_config.render_config(config)
 
 
 def write_model(repository: Path, name: str, spec: FleetSpec, weights: dict[str, torch.Tensor]) -> Path:

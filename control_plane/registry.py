@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import model_config
 from .cold_store import inspect, normalize_sha256, publish
 from .errors import ControlPlaneError, InvalidInput, ModelNotFound
 from .eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
@@ -54,9 +55,6 @@ _CONCRETE_RE = re.compile(r"^(?P<model>.+)\.v(?P<version>[0-9]+)$")
 REPOSITORY_SCHEME = "repository"
 # warm_tier.WARM_MANIFEST (that module imports this one): marks a folder the warm tier staged.
 _WARM_MANIFEST = ".mms-warm.json"
-# The top-level name line of config.pbtxt, where the warm tier writes the concrete name into
-# a staged copy (Triton serves a model only under the name its config gives).
-CONFIG_NAME_RE = re.compile(r"""^name\s*:\s*(?:"(?P<dq>[^"\n]*)"|'(?P<sq>[^'\n]*)')""", re.MULTILINE)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS registry_versions (
@@ -504,26 +502,12 @@ def check_model_config(text: str, where: str, names: Iterable[str]) -> None:
     Triton loads a model only if config.pbtxt parses and its ``name`` (when given) equals
     the folder's name; a mismatch fails with an opaque "failed to poll from model
     repository".  The warm tier writes the concrete name into the staged copy, so a config
-    may name the model as the user knows it (one of ``names``) or leave the name out."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
+    may name the model as the user knows it (one of ``names``) or leave the name out.
 
-    config = model_config_pb2.ModelConfig()
-    try:
-        # Unknown fields pass: a newer Triton than this client's schema may have them.
-        text_format.Parse(text, config, allow_unknown_field=True)
-    except text_format.ParseError as exc:
-        raise InvalidInput(f"{where} is not a valid Triton model configuration: {exc}") from None
+    Parsed strictly, as Triton does: staging writes the configuration back from the parsed
+    message, which would drop fields this tritonclient's schema does not know."""
+    config = model_config.parse_config(text, where)
     allowed = sorted(set(names))
-    line = CONFIG_NAME_RE.search(text)
-    written = None if line is None else (line.group("dq") if line.group("dq") is not None else line.group("sq"))
-    if written != (config.name or None):
-        # Staging rewrites the first column-0 name line; here that is not the model's name
-        # (indented, or a nested input's name), so the copy would be served under a wrong one.
-        raise InvalidInput(
-            f"{where}: put the model's name on a line of its own at the top of the file, "
-            f'name: "{config.name or allowed[0]}", or leave it out; the copy Triton loads gets '
-            "its concrete name written on that line")
     if config.name and config.name not in allowed:
         raise InvalidInput(
             f'{where} says name: "{config.name}" but the model is added as '
