@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
 import logging
 import os
 import secrets
@@ -287,12 +288,33 @@ async def fleet(request: web.Request) -> web.Response:
 
 async def endpoints(request: web.Request) -> web.Response:
     body = dict(request.app[EXTRA_KEY].get("endpoints", {}))
+    manager = _manager(request)
     body["triton"] = [
         {"server": s["server"], "grpc": s["grpc_url"], "http": s["http_url"],
          "metrics": s["metrics_url"], "device": s["device"]}
-        for s in _manager(request).fleet()
+        for s in manager.fleet()
     ]
+    body["processes"] = processes(body.pop("processes_file", None), manager)
     return web.json_response(body)
+
+
+def processes(processes_file: str | None, manager: ModelManager) -> list[dict]:
+    """Every process of the product with its role and pid: the supervisor's list (itself,
+    the control plane, the router workers) when mmctl up supervises, else this process;
+    then each Triton launched here."""
+    found: list[dict] = []
+    if processes_file:
+        try:
+            found = json.loads(Path(processes_file).read_text())["processes"]
+        except (OSError, ValueError, KeyError, TypeError):
+            found = []
+    if not any(p.get("role") == "control-plane" for p in found):
+        found.append({"role": "control-plane", "pid": os.getpid()})
+    for server in manager.servers.values():
+        pid = server.process.pid if server.process is not None else None
+        if pid is not None:
+            found.append({"role": "triton", "name": server.name, "pid": pid, "grpc": server.spec.grpc_url})
+    return found
 
 
 async def metrics(request: web.Request) -> web.Response:

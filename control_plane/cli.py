@@ -247,6 +247,11 @@ def _device_budgets(entries: tuple[str, ...]) -> dict[str, int]:
               help="Already running Triton: GRPC_URL[,HTTP_URL] (repeatable).")
 @click.option("--router/--no-router", default=True, show_default=True,
               help="Serve the public Triton-compatible endpoint.")
+@click.option("--router-workers", type=click.IntRange(min=0), default=None,
+              help="Router processes sharing the public ports (SO_REUSEPORT), supervised with "
+                   "the control plane: a crash of either leaves the other serving. Default: a "
+                   "quarter of the cores (1 to 8). 0: the router runs inside the control plane's "
+                   "process (one process, no supervisor).")
 @click.option("--router-host", default="127.0.0.1", show_default=True,
               help="Address of the public endpoint (0.0.0.0 to serve other machines).")
 @click.option("--router-http-port", type=int, default=8000, show_default=True,
@@ -287,7 +292,7 @@ def _device_budgets(entries: tuple[str, ...]) -> dict[str, int]:
 def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_mb, admin_host,
        admin_port, admin_token, admin_allowed_hosts, triton_servers, devices, device_budgets,
        triton_http_port,
-       triton_grpc_port, triton_metrics_port, attach, router, router_host, router_http_port,
+       triton_grpc_port, triton_metrics_port, attach, router, router_workers, router_host, router_http_port,
        router_grpc_port, max_request_bytes, expose_versions, warm_budget, cold_dir, auto_pin_top_k,
        prefetch_min_miss_rate, policy, headroom_models, headroom_bytes, reconcile_interval,
        log_level):
@@ -327,12 +332,68 @@ def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_
         cold_dir=cold_dir, s3=S3Config.from_env(), auto_pin_top_k=auto_pin_top_k,
         prefetch_min_miss_rate=prefetch_min_miss_rate, headroom_models=headroom_models,
         headroom_bytes=_size(headroom_bytes))
+    if router:
+        from .supervisor import default_router_workers
+
+        cfg.router_workers = default_router_workers() if router_workers is None else router_workers
     try:
+        if cfg.router_workers > 0:
+            cfg.validate()
+            sys.exit(supervise(cfg, log_level))
         service = Service(cfg)
         asyncio.run(service.serve_forever())
     except ControlPlaneError as exc:
         click.echo(f"error: {exc.message}", err=True)
         sys.exit(EXIT_BY_ERROR.get(exc.code, EXIT_ERROR))
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
+def supervise(cfg, log_level: str) -> int:
+    """Run the control plane and ``cfg.router_workers`` router workers as supervised
+    sibling processes (control_plane.supervisor) until Ctrl-C."""
+    from .admin_api import TOKEN_FILE_NAME, ensure_token_file
+    from .service import config_to_json
+    from .supervisor import Child, Supervisor, python_module
+    from .triton_process import free_port
+
+    cfg.state_dir = cfg.state_dir.resolve()
+    for attr in ("repository", "cold_dir"):
+        if getattr(cfg, attr) is not None:
+            setattr(cfg, attr, getattr(cfg, attr).resolve())
+    run_dir = cfg.state_dir / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # Fixed before any child starts: a restarted control plane binds the same admin port,
+    # and every worker the same public ports.
+    if cfg.admin_port == 0:
+        cfg.admin_port = free_port(_connect_host(cfg.admin_host))
+    for attr in ("router_grpc_port", "router_http_port"):
+        if getattr(cfg, attr) == 0:
+            setattr(cfg, attr, free_port(_connect_host(cfg.router_host)))
+    token = ensure_token_file(cfg.state_dir / TOKEN_FILE_NAME, cfg.admin_token or None)
+    config_file = run_dir / "control-plane.json"
+    config_file.write_text(config_to_json(cfg))
+    admin_url = f"http://{_connect_host(cfg.admin_host)}:{cfg.admin_port}"
+    metrics_dir = run_dir / "metrics"
+    control_plane = Child("control-plane", "control-plane", python_module(
+        "control_plane.service", "--config", str(config_file), "--log-level", log_level), dict(os.environ))
+    worker_env = dict(os.environ, MMCTL_TOKEN=token, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
+    workers = [
+        Child("router-worker", f"w{i}", python_module(
+            "router.worker", "--control-url", admin_url, "--worker", f"w{i}", "--host", cfg.router_host,
+            "--grpc-port", str(cfg.router_grpc_port), "--http-port", str(cfg.router_http_port),
+            "--max-request-bytes", str(cfg.max_request_bytes), "--load-timeout", str(cfg.load_wait_timeout_s),
+            "--shadow-log-dir", str(cfg.state_dir / "shadow" / f"w{i}"),
+            "--ready-file", str(run_dir / f"w{i}.ready"), "--log-level", log_level),
+            worker_env, ready_file=run_dir / f"w{i}.ready")
+        for i in range(cfg.router_workers)]
+    line = (f"ready: router gRPC {cfg.router_host}:{cfg.router_grpc_port}, HTTP {cfg.router_host}:"
+            f"{cfg.router_http_port} ({cfg.router_workers} worker{'s' if cfg.router_workers > 1 else ''}); "
+            f"admin API {admin_url}")
+    return Supervisor(cfg.state_dir, control_plane, workers, admin_url, token, line,
+                      ready_timeout_s=cfg.triton_ready_timeout_s + 300, metrics_dir=metrics_dir).run()
 
 
 @cli.command("demo-fleet")

@@ -6,12 +6,14 @@ the environment at import time.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
 import os
 import signal
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from aiohttp import web
@@ -29,6 +31,7 @@ from .errors import InvalidInput
 from .eviction import DEFAULT_POLICY, POLICIES
 from .manager import ManagerConfig, ModelManager, ServerSpec, TritonServer
 from .state_store import StateStore
+from .supervisor import PROCESSES_FILE
 from .triton_process import TritonLaunchConfig, TritonProcess
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,9 @@ class ServiceConfig:
     unload_timeout_s: float = 60.0
     triton_ready_timeout_s: float = 120.0
     router: bool = True
+    # Router worker processes (control_plane.supervisor); 0: the router runs in this process.
+    # With workers this process serves them (dataplane_hub) and binds no public port.
+    router_workers: int = 0
     router_host: str = "127.0.0.1"
     router_http_port: int = 8000
     router_grpc_port: int = 8001
@@ -160,6 +166,13 @@ class Service:
         self.labels: dict = {}  # server name -> placement.ServerLabels
         self.memory = None  # devices.GpuMemoryMeter on a GPU fleet
         self.reconciler = None  # devices.MemoryReconciler on a GPU fleet
+        self.hub = None  # dataplane_hub.DataPlaneHub when router workers serve
+
+    @property
+    def supervised(self) -> bool:
+        """Router workers run beside this process, under mmctl up's supervisor: Tritons
+        outlive a crash of this process and its next life adopts them."""
+        return self.cfg.router and self.cfg.router_workers > 0
 
     def prepare_repository(self) -> None:
         repo = self.repository
@@ -230,7 +243,8 @@ class Service:
                 host=cfg.triton_host, http_port=_port(cfg.triton_http_port, i),
                 grpc_port=_port(cfg.triton_grpc_port, i),
                 metrics_port=_port(cfg.triton_metrics_port, i),
-                ready_timeout_s=cfg.triton_ready_timeout_s, env=plan.launch_env()))
+                ready_timeout_s=cfg.triton_ready_timeout_s, env=plan.launch_env(),
+                outlive_parent=self.supervised))
             log.info("%s: %s %s (%s), budget %s bytes (%s)", plan.name, plan.device.kind,
                      plan.device.name, plan.device.uuid, plan.budget_bytes, plan.budget_source)
             proc.start()
@@ -260,6 +274,7 @@ class Service:
                 grpc_port=_port(cfg.triton_grpc_port, i),
                 metrics_port=_port(cfg.triton_metrics_port, i),
                 ready_timeout_s=cfg.triton_ready_timeout_s,
+                outlive_parent=self.supervised,
             ))
             proc.start()
             self.processes.append(proc)
@@ -355,7 +370,8 @@ class Service:
         token_file = (cfg.state_dir / TOKEN_FILE_NAME).resolve()
         token = ensure_token_file(token_file, cfg.admin_token or None)
         endpoints = {"admin": self.admin_url, "state_dir": str(cfg.state_dir.resolve()),
-                     "repository": str(self.repository), "admin_token_file": str(token_file)}
+                     "repository": str(self.repository), "admin_token_file": str(token_file),
+                     "processes_file": str((cfg.state_dir / PROCESSES_FILE).resolve())}
         admin_app = make_app(self.manager, {"endpoints": endpoints,
                                             "locate": self.warm.locator(self.manager),
                                             "resolve_name": self.registry.resolve_name},
@@ -369,7 +385,9 @@ class Service:
 
         add_adapter_routes(admin_app, AdapterManager(self.manager, self.repository,
                                                      stores=self.registry.stores))
-        if cfg.router:
+        if self.supervised:
+            await self._start_hub(admin_app, endpoints)
+        elif cfg.router:
             await self._start_router(admin_app, endpoints)
         self.runner = web.AppRunner(admin_app, access_log=None)
         await self.runner.setup()
@@ -433,7 +451,30 @@ class Service:
         endpoints["router_http"] = f"{cfg.router_host}:{http_port}"
         log.info("router: gRPC %s, HTTP %s", endpoints["router_grpc"], endpoints["router_http"])
 
+    async def _start_hub(self, admin_app: web.Application, endpoints: dict) -> None:
+        """Serve the router workers: snapshot, watch, ensure, reports, tokens; the admin
+        routes for routes, experiments, canaries, shadows and limits act on the hub."""
+        from router.admin import add_router_routes
+
+        from .dataplane_hub import DataPlaneHub, add_dataplane_routes
+
+        cfg = self.cfg
+        self.hub = DataPlaneHub(self.manager, self.registry, self.manager.store,
+                                expose_versions=cfg.expose_versions,
+                                shadow_log_dir=str((cfg.state_dir / "shadow").resolve()),
+                                workers_expected=cfg.router_workers)
+        self.route_store = self.hub.route_store
+        await self.hub.start()
+        add_router_routes(admin_app, self.hub)
+        add_dataplane_routes(admin_app, self.hub)
+        endpoints["router_grpc"] = f"{cfg.router_host}:{cfg.router_grpc_port}"
+        endpoints["router_http"] = f"{cfg.router_host}:{cfg.router_http_port}"
+        endpoints["router_workers"] = cfg.router_workers
+
     async def stop(self) -> None:
+        if self.hub is not None:
+            for task in self.hub._tasks:
+                task.cancel()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=2)
         if self.router_runner is not None:
@@ -471,3 +512,55 @@ class Service:
         finally:
             print("stopping...", flush=True)
             await self.stop()
+
+
+# Not carried in the config file: the S3 settings and a fake NVML come from the environment
+# of the control plane's process, the admin token from its file.
+_NOT_IN_FILE = frozenset({"s3", "nvml", "admin_token"})
+_PATH_FIELDS = frozenset({"state_dir", "repository", "cold_dir"})
+
+
+def config_to_json(cfg: ServiceConfig) -> str:
+    """The control plane's settings, for the process the supervisor starts."""
+    body = {}
+    for f in fields(cfg):
+        if f.name not in _NOT_IN_FILE:
+            value = getattr(cfg, f.name)
+            body[f.name] = str(value) if isinstance(value, Path) else value
+    return json.dumps(body, indent=2)
+
+
+def config_from_json(text: str) -> ServiceConfig:
+    body = json.loads(text)
+    for name in _PATH_FIELDS:
+        if body.get(name) is not None:
+            body[name] = Path(body[name])
+    return ServiceConfig(**body)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The control plane as its own process (started by mmctl up's supervisor)."""
+    from .cold_store import S3Config
+    from .errors import ControlPlaneError
+    from .fake_nvml import from_test_hook
+
+    parser = argparse.ArgumentParser(prog="python -m control_plane.service")
+    parser.add_argument("--config", type=Path, required=True, help="Settings written by mmctl up.")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = config_from_json(args.config.read_text())
+    cfg.s3 = S3Config.from_env()
+    cfg.nvml = from_test_hook()  # TEST HOOK (fake_nvml); None in production
+    try:
+        asyncio.run(Service(cfg).serve_forever())
+    except ControlPlaneError as exc:
+        from .cli_common import EXIT_BY_ERROR, EXIT_ERROR  # mmctl up's exit codes
+
+        print(f"error: {exc.message}", file=sys.stderr)
+        sys.exit(EXIT_BY_ERROR.get(exc.code, EXIT_ERROR))
+
+
+if __name__ == "__main__":
+    main()

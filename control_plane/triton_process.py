@@ -185,6 +185,9 @@ class TritonLaunchConfig:
     # How long a start waits for that previous Triton to finish its graceful shutdown (it got
     # SIGTERM when its control plane died) before killing it.
     previous_exit_grace_s: float = 5.0
+    # Supervised (router workers): Triton outlives a crash of its control plane, whose
+    # next life adopts it (``adopt_previous``); ``mmctl up``'s supervisor reaps it.
+    outlive_parent: bool = False
 
 
 def triton_args(cfg: TritonLaunchConfig, backend_dir: Path, log_path: Path) -> list[str]:
@@ -215,6 +218,8 @@ class TritonProcess:
 
     def __init__(self, cfg: TritonLaunchConfig):
         self.cfg = cfg
+        self.requested_ports = [cfg.http_port, cfg.grpc_port, cfg.metrics_port]
+        self.adopted: tuple[int, int] | None = None  # (pid, start ticks) of a Triton taken over
         for attr in ("http_port", "grpc_port", "metrics_port"):
             if getattr(cfg, attr) == 0:
                 setattr(cfg, attr, free_port(cfg.host))
@@ -239,6 +244,8 @@ class TritonProcess:
         A tritonserver that dies while starting is launched once more: its gRPC event
         engine occasionally aborts at start-up ("epoll_wait error: Bad file descriptor"),
         and a second start succeeds."""
+        if self.adopt_previous():
+            return
         self.end_previous()
         for attempt in range(1, attempts + 1):
             self.launch()
@@ -255,6 +262,43 @@ class TritonProcess:
             except BaseException:
                 self.stop()
                 raise
+
+    def adopt_previous(self) -> bool:
+        """Take over the Triton of this server's previous control plane, if it outlived it.
+
+        Only a Triton launched to outlive its parent (supervised), for the same repository
+        and the same requested ports, alive and ready, is adopted: its loaded models keep
+        serving (the manager's reconcile adopts them).  Anything else is for end_previous."""
+        cfg = self.cfg
+        if not cfg.outlive_parent or cfg.pid_file is None:
+            return False
+        try:
+            record = json.loads(cfg.pid_file.read_text())
+            pid, start_ticks = int(record["pid"]), int(record["start_ticks"])
+            ports = [int(p) for p in record["ports"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        if (not record.get("outlives") or record.get("repository") != str(cfg.repository)
+                or record.get("requested") != self.requested_ports
+                or process_start_ticks(pid) != start_ticks):
+            return False
+        try:
+            ready = requests.get(f"http://{cfg.host}:{ports[0]}/v2/health/ready", timeout=2).status_code == 200
+        except requests.RequestException:
+            ready = False
+        if not ready:
+            return False
+        cfg.http_port, cfg.grpc_port, cfg.metrics_port = ports
+        self.log_path = cfg.work_dir / f"tritonserver-{cfg.grpc_port}.log"
+        self.adopted = (pid, start_ticks)
+        log.info("adopted tritonserver %d at %s from the previous control plane", pid, self.grpc_url)
+        return True
+
+    @property
+    def pid(self) -> int | None:
+        if self.proc is not None:
+            return self.proc.pid
+        return self.adopted[0] if self.adopted is not None else None
 
     def end_previous(self) -> None:
         """Wait until the tritonserver recorded in ``pid_file`` by a previous life is gone.
@@ -314,8 +358,12 @@ class TritonProcess:
     def _record_pid(self) -> None:
         if self.cfg.pid_file is None or self.proc is None:
             return
+        cfg = self.cfg
         record = {"pid": self.proc.pid, "start_ticks": process_start_ticks(self.proc.pid),
-                  "grpc": self.grpc_url, "http": self.http_url}
+                  "grpc": self.grpc_url, "http": self.http_url,
+                  "ports": [cfg.http_port, cfg.grpc_port, cfg.metrics_port],
+                  "requested": self.requested_ports, "repository": str(cfg.repository),
+                  "outlives": cfg.outlive_parent}
         tmp = self.cfg.pid_file.with_name(self.cfg.pid_file.name + ".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.cfg.pid_file)
@@ -331,13 +379,14 @@ class TritonProcess:
         log.info("starting tritonserver: %s", " ".join(cmd))
         with open(cfg.work_dir / f"tritonserver-{cfg.grpc_port}.out", "ab") as stdout:
             self.proc = subprocess.Popen(
-                with_parent_death_signal(cmd),
+                cmd if cfg.outlive_parent else with_parent_death_signal(cmd),
                 stdout=stdout,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,
             )
+        self.adopted = None
         self._record_pid()
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -369,11 +418,33 @@ class TritonProcess:
         return "\n".join(out[-lines:])
 
     def alive(self) -> bool:
+        if self.proc is None and self.adopted is not None:
+            return process_start_ticks(self.adopted[0]) == self.adopted[1]
         return self.proc is not None and self.proc.poll() is None
+
+    def _stop_adopted(self, sig: int = signal.SIGTERM) -> None:
+        """An adopted Triton is not our child: signal it by pid, wait for it by start time."""
+        pid, start_ticks = self.adopted
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+        if not self._wait_gone(pid, start_ticks, self.cfg.stop_timeout_s if sig == signal.SIGTERM else 10.0):
+            log.warning("tritonserver %s ignored SIGTERM for %ss; killing", pid, self.cfg.stop_timeout_s)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._wait_gone(pid, start_ticks, 10.0)
+        if self.cfg.pid_file is not None:
+            self.cfg.pid_file.unlink(missing_ok=True)
+        self.adopted = None
 
     def stop(self) -> None:
         proc = self.proc
         if proc is None:
+            if self.adopted is not None:
+                self._stop_adopted()
             return
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -399,6 +470,8 @@ class TritonProcess:
 
     def kill(self) -> None:
         """Simulate a crash (tests)."""
+        if self.proc is None and self.adopted is not None:
+            self._stop_adopted(signal.SIGKILL)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)

@@ -1,8 +1,12 @@
 """The data plane core: resolve, rate-limit, ensure, forward, record.  Transport-free.
 
-The gRPC and HTTP front ends only convert wire messages and call into ``Router``.  The
-router runs in the control plane's process and reads the manager's state directly, so a
-request for a loaded model pays no remote call besides the one to Triton.
+The gRPC and HTTP front ends only convert wire messages and call into ``Router``.  Where
+models live comes from a state source (``router.serving_state``): the manager of this
+process, or a router worker's snapshot of the control plane.  A request for a loaded model
+pays no remote call besides the one to Triton; a miss asks the control plane to load it.
+Nothing here holds a lease on a model: Triton finishes in-flight requests before it
+unloads, and a request that meets a model unloaded under it is sent again once, after an
+ensure, without the client seeing it.
 """
 
 from __future__ import annotations
@@ -24,15 +28,13 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from control_plane import errors as cp
 from control_plane.errors import ControlPlaneError
-from control_plane.manager import ModelManager, TritonServer
 
+from .answers import BYTES_CACHE_MAX, Answers
 from .canary import CanaryController
 from .errors import (
     BackendUnavailable,
     InvalidRequest,
-    ModelUnavailable,
     PermissionDenied,
-    RateLimited,
     RequestTimeout,
     RouterError,
     UnknownModel,
@@ -40,10 +42,10 @@ from .errors import (
     from_control_plane,
     parse_version,
 )
+from .limits import LocalLimiter
 from .public_names import PublicNames
-from .ratelimit import TokenBucket
-from .repository_config import FolderConfig, metadata_from_config, read_folder
-from .routes import ADAPTER_SEPARATOR, Decision, RouteTable, split_adapter
+from .routes import Decision, RouteTable
+from .serving_state import UNLOADED_PREFIX, LocalState, ServerAddress, ServingState
 from .shadow import ShadowItem, ShadowMirror, outputs_of
 from .stats import StatsBook
 
@@ -53,8 +55,6 @@ LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1
                      1, 2.5, 5, 10, 30)
 GRPC_MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
-BYTES_CACHE_MAX = 4096
-CONFIG_CACHE_S = 5.0  # how long a model's config.pbtxt, read for a cold model, is reused
 
 
 @dataclass
@@ -66,14 +66,14 @@ class RouterConfig:
     shadow_workers: int = 2
     shadow_timeout_s: float = 5.0
     shadow_log_dir: Path | None = None
-    canary_interval_s: float = 1.0
+    canary_interval_s: float = 1.0  # 0: canaries are judged elsewhere (the control plane)
 
 
 @dataclass
 class Call:
     decision: Decision
     start: float
-    server: TritonServer | None = None
+    server: ServerAddress | None = None
     code: str = "OK"
     ready_at: float | None = None  # perf_counter when the model was ready (after any load)
 
@@ -98,16 +98,28 @@ class RouterMetrics:
                                       ["route", "result"], registry=r)
         self.refused = Counter("mmr_refused_total", "Model-control calls refused on the public port",
                                ["api"], registry=r)
-        self.inflight = Gauge("mmr_inflight_requests", "Requests in flight", registry=r)
+        self.inflight = Gauge("mmr_inflight_requests", "Requests in flight", registry=r,
+                              multiprocess_mode="livesum")  # summed over live router workers
 
 
-class Router:
-    def __init__(self, manager: ModelManager, table: RouteTable, config: RouterConfig | None = None,
+def unloaded_under(exc: grpc.aio.AioRpcError) -> bool:
+    """Triton's answer for a model it no longer holds (unloaded between placement and send)."""
+    return exc.code() == grpc.StatusCode.NOT_FOUND and (exc.details() or "").startswith(UNLOADED_PREFIX)
+
+
+class Router(Answers):
+    def __init__(self, state, table: RouteTable, config: RouterConfig | None = None,
                  metrics: RouterMetrics | None = None, rng: random.Random | None = None,
                  names: PublicNames | None = None):
-        """``names``: the registry's public names (None: every name is served as it is, with
+        """``state``: a ServingState, or the control plane's ModelManager in this process.
+        ``names``: the registry's public names (None: every name is served as it is, with
         Triton's own versions)."""
-        self.manager = manager
+        if hasattr(state, "ready_server"):
+            self.state: ServingState = state
+            self.manager = None
+        else:
+            self.state = LocalState(state)
+            self.manager = state
         self.table = table
         self.names = names
         self.config = config or RouterConfig()
@@ -115,7 +127,8 @@ class Router:
         self.stats = StatsBook(clock=time.time)
         self.canaries = CanaryController(table, self.stats)
         self.rng = rng or random.Random()
-        self._buckets: dict[str, tuple[dict, TokenBucket]] = {}
+        self.limiter = LocalLimiter(lambda: self.table.limits,
+                                    on_limited=lambda name: self.metrics.rate_limited.labels(name).inc())
         self._channels: dict[str, tuple[grpc.aio.Channel, service_pb2_grpc.GRPCInferenceServiceStub, object]] = {}
         self._suffixes: dict[tuple, bytes] = {}
         self._suffixes_of = (-1, -1)  # (table.version, names.generation) the suffixes reflect
@@ -131,7 +144,8 @@ class Router:
 
     async def start(self) -> None:
         self.shadow.start()
-        self._canary_task = asyncio.get_running_loop().create_task(self._canary_loop())
+        if self.config.canary_interval_s > 0:
+            self._canary_task = asyncio.get_running_loop().create_task(self._canary_loop())
 
     async def stop(self) -> None:
         if self._canary_task:
@@ -146,42 +160,43 @@ class Router:
             self.canaries.step()
 
     # ------------------------------------------------------------------ pieces
-    def stub(self, server: TritonServer) -> service_pb2_grpc.GRPCInferenceServiceStub:
-        entry = self._channels.get(server.spec.grpc_url)
+    def stub(self, server: ServerAddress) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        entry = self._channels.get(server.grpc_url)
         if entry is None:
-            channel = grpc.aio.insecure_channel(server.spec.grpc_url, options=[
+            channel = grpc.aio.insecure_channel(server.grpc_url, options=[
                 ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT_BYTES),
                 ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT_BYTES),
             ])
             # The raw ModelInfer callable sends and receives bytes: the router never
             # re-serializes a request or parses a response it only passes through.
-            entry = self._channels[server.spec.grpc_url] = (
+            entry = self._channels[server.grpc_url] = (
                 channel, service_pb2_grpc.GRPCInferenceServiceStub(channel),
                 channel.unary_unary(INFER_METHOD, request_serializer=None, response_deserializer=None))
         return entry[1]
 
-    def raw_infer(self, server: TritonServer):
+    def raw_infer(self, server: ServerAddress):
         self.stub(server)
-        return self._channels[server.spec.grpc_url][2]
+        return self._channels[server.grpc_url][2]
 
     def check_limits(self, *names: str) -> None:
-        for name in names:
-            spec = self.table.limits.get(name)
-            if spec is None:
-                continue
-            cached = self._buckets.get(name)
-            if cached is None or cached[0] != spec:
-                cached = self._buckets[name] = (spec, TokenBucket(spec["qps"], spec["burst"]))
-            ok, retry_after_s = cached[1].try_acquire()
-            if not ok:
-                self.metrics.rate_limited.labels(name).inc()
-                raise RateLimited(
-                    f"rate limit for {name} is {spec['qps']:g} requests/s (burst {spec['burst']:g}); "
-                    f"retry in {retry_after_s:.3f}s", retry_after_s)
+        self.limiter.check(names)
+
+    @staticmethod
+    def limited_names(decision: Decision) -> tuple[str, ...]:
+        """The names whose limits a request spends: the name asked for and the model it reaches."""
+        if decision.model == decision.logical:
+            return (decision.logical,)
+        return (decision.logical, decision.model)
 
     def decide(self, logical: str, user_id: str | None, version: str = "") -> Decision:
         """Route one request (``version``: parsed with ``parse_version``) and apply the rate
-        limits of the name and of the model it reaches."""
+        limits of the name and of the model it reaches (this process's buckets)."""
+        decision = self.route(logical, user_id, version)
+        self.limiter.check(self.limited_names(decision))
+        return decision
+
+    def route(self, logical: str, user_id: str | None, version: str = "") -> Decision:
+        """Route one request; no limits applied."""
         if version:
             decision = self._resolve(logical, user_id, version)
         else:  # the common case, inline: no version, route by name
@@ -191,35 +206,36 @@ class Router:
                 raise self._invalid_name(logical, exc) from None
             except ControlPlaneError as exc:
                 raise from_control_plane(exc) from exc
-        if decision.model == logical:
-            self.check_limits(logical)
-        else:
-            self.check_limits(logical, decision.model)
         return decision
 
-    async def server_for(self, model: str, asked: str | None = None) -> TritonServer:
+    async def server_for(self, model: str, asked: str | None = None, fresh: bool = False) -> ServerAddress:
         """The server with ``model`` READY; waits (bounded) for a load on a miss.
 
-        Only for a model known to exist (its lease was acquired): the wait is counted per
-        model.  Errors name ``asked``, the model as the client knows it."""
-        server = self.manager.ready_server_of(model)
+        ``fresh``: ask the control plane even if this process believes the model loaded
+        (Triton just said it is not).  Errors name ``asked``, the model as the client knows it."""
+        server = None if fresh else self.state.ready_server(model)
         if server is not None:
             return server
         asked = asked or model
-        self.metrics.cold_waits.labels(model).inc()
         start = time.perf_counter()
+        counted = False
         try:
-            await asyncio.wait_for(asyncio.shield(self.manager.ensure(model)), self.config.load_timeout_s)
+            server = await asyncio.wait_for(self.state.ensure(model), self.config.load_timeout_s)
+            counted = True
+        except RouterError:
+            counted = True
+            raise
         except TimeoutError:
+            counted = True
             raise RequestTimeout(f"'{asked}' did not finish loading within {self.config.load_timeout_s:.0f}s; "
                                  "the load goes on, retry shortly") from None
         except ControlPlaneError as exc:
+            counted = not isinstance(exc, cp.ModelNotFound)
             raise self._serving_error(exc, asked) from exc
         finally:
-            self.metrics.cold_wait_seconds.labels(model).observe(time.perf_counter() - start)
-        server = self.manager.ready_server_of(model)
-        if server is None:
-            raise BackendUnavailable(f"'{asked}' was unloaded before the request could be sent; retry")
+            if counted:  # unknown names get no series of their own (label cardinality)
+                self.metrics.cold_waits.labels(model).inc()
+                self.metrics.cold_wait_seconds.labels(model).observe(time.perf_counter() - start)
         return server
 
     @staticmethod
@@ -262,35 +278,26 @@ class Router:
     # ------------------------------------------------------------------ inference
     @contextlib.asynccontextmanager
     async def serving(self, logical: str, user_id: str | None, version: str = "") -> AsyncIterator[Call]:
-        """Decide, rate-limit, ensure and lease for one request; record it when done.
+        """Decide, rate-limit and find (or have loaded) the server for one request; record it
+        when done.
 
         ``version``: the client's model version, already checked with ``parse_version``.
         The body sets ``call.code`` to the outcome ("OK" or a status name)."""
         start = time.perf_counter()
-        decision = self.decide(logical, user_id, version)
+        decision = self.route(logical, user_id, version)
+        await self.limiter.acquire(self.limited_names(decision))
         call = Call(decision, start)
-        rec = None
-        sent = False
+        known = True
         self.metrics.inflight.inc()
         self.inflight += 1
         try:
-            # The lease is taken before any wait for a load: the model a request waits for
-            # is not evictable until that request has been served.
-            rec = self.manager.records.get(decision.model)
-            if rec is not None:
-                rec.inflight += 1
-                if rec.inflight == 1:
-                    self.manager._sync_evictable(rec)
-            else:
-                try:
-                    rec = await self.manager.acquire(decision.model)
-                except ControlPlaneError as exc:
-                    raise self._serving_error(exc, decision.logical) from exc
-            call.server = await self.server_for(decision.model, decision.logical)
+            try:
+                call.server = await self.server_for(decision.model, decision.logical)
+            except UnknownModel:
+                known = False  # names that turned out unknown get no series (label cardinality)
+                raise
             call.ready_at = time.perf_counter()
-            self.manager.touch(decision.model)
-            rec.active += 1  # sent to Triton: an unload drains these
-            sent = True
+            self.state.touch(decision.model)
             yield call
         except RouterError as exc:
             call.code = exc.grpc_code.name
@@ -303,16 +310,18 @@ class Router:
                 call.code = "INTERNAL"
             raise
         finally:
-            if sent:
-                rec.active -= 1
-            if rec is not None:
-                self.manager.release(rec)
             self.metrics.inflight.dec()
             self.inflight -= 1
             end = time.perf_counter()
-            # Names that turned out unknown get no series of their own (label cardinality).
-            self.record(decision, end - start, call.code, known=rec is not None,
+            self.record(decision, end - start, call.code, known=known,
                         served_s=None if call.ready_at is None else end - call.ready_at)
+
+    async def resend_after_unload(self, call: Call) -> ServerAddress:
+        """Triton no longer holds the model the request was sent to (evicted in between):
+        have it loaded again and return where; the caller sends once more."""
+        call.server = await self.server_for(call.decision.model, call.decision.logical, fresh=True)
+        call.ready_at = time.perf_counter()
+        return call.server
 
     @staticmethod
     def public_name(model_name: str, input_names, adapter_param: str | None) -> str:
@@ -360,8 +369,15 @@ class Router:
             request.model_name = decision.model
             request.model_version = decision.version
             try:
-                response = await self.stub(server).ModelInfer(
-                    request, timeout=timeout_s or self.config.request_timeout_s)
+                try:
+                    response = await self.stub(server).ModelInfer(
+                        request, timeout=timeout_s or self.config.request_timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    if not unloaded_under(exc):
+                        raise
+                    server = await self.resend_after_unload(call)
+                    response = await self.stub(server).ModelInfer(
+                        request, timeout=timeout_s or self.config.request_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 self._reraise(call, server, exc, asked)
             public_model, public_version = self.public_identity(decision)
@@ -383,13 +399,13 @@ class Router:
             return response
 
     @classmethod
-    def _reraise(cls, call: Call, server: TritonServer, exc: grpc.aio.AioRpcError, asked: str) -> NoReturn:
+    def _reraise(cls, call: Call, server: ServerAddress, exc: grpc.aio.AioRpcError, asked: str) -> NoReturn:
         """Triton's own answer (shape, dtype, ...) passes on with its code, about the model
         the client asked for; a Triton that is down says so."""
         call.code = exc.code().name
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             raise BackendUnavailable(
-                f"Triton {server.name} at {server.spec.grpc_url} is unavailable "
+                f"Triton {server.name} at {server.grpc_url} is unavailable "
                 f"({exc.details()}); the control plane restarts it, retry shortly") from exc
         raise UpstreamError(exc.code(), cls.public_text(exc.details() or "", call.decision.model, asked)) from exc
 
@@ -479,8 +495,15 @@ class Router:
             else:
                 body = raw
             try:
-                response = await self.raw_infer(server)(
-                    body, timeout=timeout_s or self.config.request_timeout_s)
+                try:
+                    response = await self.raw_infer(server)(
+                        body, timeout=timeout_s or self.config.request_timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    if not unloaded_under(exc):
+                        raise
+                    server = await self.resend_after_unload(call)
+                    response = await self.raw_infer(server)(
+                        body, timeout=timeout_s or self.config.request_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 self._reraise(call, server, exc, asked)
             if decision.shadow:
@@ -502,183 +525,3 @@ class Router:
         server = await self.server_for(model)
         return await self.raw_infer(server)(request, timeout=timeout_s)
 
-    # ------------------------------------------------------------------ describe (never loads)
-    def describe(self, asked: str, version: str = "", statistics: bool = False) -> Decision:
-        """What readiness, metadata, config and statistics of ``asked`` (at ``version``,
-        parsed) answer about.  Unknown names raise Triton's answer for the call."""
-        try:
-            if version:
-                return self._resolve(asked, None, version)
-            return self.decide_without_limits(asked)
-        except UnknownModel as exc:
-            raise (exc.for_statistics() if statistics else exc) from None
-
-    async def model_call(self, asked: str, method: str, version: str = ""):
-        """Metadata / config / statistics of ``asked`` as Triton answers them, under the name
-        and version the client asked for.  A model that is not loaded is not loaded for this:
-        its metadata and config come from its config.pbtxt, its statistics are Triton's
-        answer for a model it has not loaded."""
-        version = parse_version(version)
-        target = self.describe(asked, version, statistics=method == "statistics")
-        server = self.manager.ready_server_of(target.model)
-        if server is None:
-            if method == "statistics":
-                raise ModelUnavailable(asked)
-            return await self.cold_answer(asked, method, target)
-        stub = self.stub(server)
-        _model, public_version = self.public_identity(target)
-        try:
-            if method == "metadata":
-                resp = await stub.ModelMetadata(service_pb2.ModelMetadataRequest(
-                    name=target.model, version=target.version))
-                resp.name = asked
-                if public_version is not None:
-                    resp.versions[:] = [public_version]
-            elif method == "config":
-                resp = await stub.ModelConfig(service_pb2.ModelConfigRequest(
-                    name=target.model, version=target.version))
-                resp.config.name = asked
-            else:
-                resp = await stub.ModelStatistics(service_pb2.ModelStatisticsRequest(
-                    name=target.model, version=target.version))
-                for stats in resp.model_stats:
-                    stats.name = asked
-                    if public_version is not None:
-                        stats.version = public_version
-        except grpc.aio.AioRpcError as exc:
-            raise UpstreamError(exc.code(), self.public_text(exc.details() or "", target.model, asked)) from exc
-        return resp
-
-    async def all_statistics(self) -> service_pb2.ModelStatisticsResponse:
-        """Statistics of every loaded model a client may name (Triton's answer when no model
-        is named), under its public name and version."""
-        out = service_pb2.ModelStatisticsResponse()
-        for server in list(self.manager.servers.values()):
-            try:
-                resp = await self.stub(server).ModelStatistics(service_pb2.ModelStatisticsRequest())
-            except grpc.aio.AioRpcError as exc:
-                log.debug("statistics of %s: %s", server.name, exc.details())
-                continue
-            for stats in resp.model_stats:
-                public = self.names.public.get(stats.name) if self.names is not None else None
-                if public is not None:
-                    stats.name, stats.version = public
-                elif self.names is not None and not self.names.expose_concrete:
-                    continue  # an internal model
-                out.model_stats.append(stats)
-        return out
-
-    async def cold_answer(self, asked: str, method: str, target: Decision):
-        """Metadata or config of a model that is not loaded, from its repository folder."""
-        found = await self._folder_config(target.model)
-        if found is None:  # no config Triton could load: Triton's answer for an unloaded model
-            raise UnknownModel(asked)
-        _model, public_version = self.public_identity(target)
-        if method == "metadata":
-            versions = [public_version] if public_version is not None else list(found.versions[-1:])
-            return metadata_from_config(found.config, asked, versions)
-        response = service_pb2.ModelConfigResponse()
-        response.config.CopyFrom(found.config)
-        response.config.name = asked
-        return response
-
-    async def _folder_config(self, concrete: str) -> FolderConfig | None:
-        """The model's config.pbtxt, read in a thread and kept for a few seconds (a burst
-        of metadata calls reads the file once)."""
-        cached = self._configs.get(concrete)
-        now = time.monotonic()
-        if cached is not None and now - cached[0] < CONFIG_CACHE_S:
-            return cached[1]
-        repository = self.manager.repository
-        if repository is None:
-            return None
-        found = await asyncio.to_thread(read_folder, repository / concrete)
-        if len(self._configs) >= BYTES_CACHE_MAX:
-            self._configs.clear()
-        self._configs[concrete] = (now, found)
-        return found
-
-    def _resolve(self, name: str, user_id: str | None, version: str = "",
-                 primary: bool = False) -> Decision:
-        """The decision for ``name`` (``primary``: the deterministic one that readiness and
-        metadata describe).  A name clients may not use, or an invalid one, is an unknown
-        model, in Triton's words."""
-        try:
-            if version:
-                return self._versioned(name, version)
-            if primary:
-                return Decision(name, self.table.primary(name), "default", scope=f"model:{name}")
-            return self.table.resolve(name, user_id)
-        except cp.InvalidModelName as exc:
-            raise self._invalid_name(name, exc) from None
-        except ControlPlaneError as exc:
-            raise from_control_plane(exc) from exc
-
-    @staticmethod
-    def _invalid_name(name: str, exc: cp.InvalidModelName) -> RouterError:
-        """A name that cannot be a model: Triton's unknown model.  A malformed ``base:adapter``
-        (the router's own syntax, no Triton answer to copy) says how to write it."""
-        if ADAPTER_SEPARATOR in name:
-            return from_control_plane(exc)
-        return UnknownModel(name)
-
-    def _versioned(self, name: str, version: str) -> Decision:
-        """``name`` at registry version ``version``: that version's concrete model, outside
-        experiments and canaries (the client chose it).  A route that is not a registry
-        model has the version of what it serves."""
-        base, adapter = split_adapter(name) if ADAPTER_SEPARATOR in name else (name, None)
-        names = self.names
-        if names is None:  # no registry: Triton's own versions
-            return replace(self.table.resolve(name, None), version=version)
-        concrete = names.by_version.get((base, version))
-        if concrete is None:
-            if base in self.table.routes:
-                concrete = self.table.primary(base)
-                if names.public.get(concrete, ("", ""))[1] != version:
-                    raise UnknownModel(base, version)
-            elif base in names.models:
-                raise UnknownModel(base, version)
-            elif names.expose_concrete:
-                return replace(self.table.resolve(name, None), version=version)
-            else:
-                raise UnknownModel(base)
-        return Decision(name, concrete, "default", scope=f"model:{name}", adapter=adapter)
-
-    def decide_without_limits(self, logical: str) -> Decision:
-        """What ``logical`` is answered by for readiness, metadata and health checks."""
-        return self._resolve(logical, None, primary=True)
-
-    def public_identity(self, decision: Decision) -> tuple[str, str | None]:
-        """(model, version) by which a client knows the concrete model that served it: the
-        registry's model and version when the client asked for a logical name; the concrete
-        name and None (Triton's own version stands) for an exposed concrete name."""
-        names = self.names
-        if names is not None and not decision.version:
-            base = decision.logical.partition(ADAPTER_SEPARATOR)[0]
-            if base in names.models or base in self.table.routes:
-                found = names.public.get(decision.model)
-                if found is not None:
-                    return found
-        return decision.model, None
-
-    @staticmethod
-    def public_text(text: str, concrete: str, asked: str) -> str:
-        """Triton's message about ``concrete`` as one about the model the client asked for
-        (Triton quotes model names: 'simple.v2')."""
-        if concrete == asked:
-            return text
-        return text.replace(f"'{concrete}'", f"'{asked}'")
-
-    def model_ready(self, asked: str, version: str = "") -> bool:
-        """Ready = what ``asked`` is served by is loaded now; readiness never loads a model.
-        Unknown names and versions are not ready (Triton's answer); a version that is not
-        a number is refused (InvalidVersion)."""
-        version = parse_version(version)
-        try:
-            target = self.describe(asked, version)
-        except RouterError:
-            return False
-        return self.manager.ready_server_of(target.model) is not None
-
-    def any_server_up(self) -> bool:
-        return any(s.up for s in self.manager.servers.values())

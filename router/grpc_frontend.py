@@ -174,8 +174,12 @@ def _decoding_in_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandle
     return grpc.stream_stream_rpc_method_handler(stream_stream, None, handler.response_serializer)
 
 
-async def start_grpc(router: Router, host: str, port: int, max_request_bytes: int) -> tuple[grpc.aio.Server, int]:
+async def start_grpc(router: Router, host: str, port: int, max_request_bytes: int,
+                     reuse_port: bool = False) -> tuple[grpc.aio.Server, int]:
     """Serve on host:port (0 = any free port); returns the server and the bound port.
+
+    ``reuse_port``: router workers share the port (SO_REUSEPORT, the kernel spreads
+    connections); otherwise a port already in use is an error, not a silent share.
 
     ``grpc.max_receive_message_length`` makes gRPC refuse an oversize message from its
     length prefix, before the body is read into memory (RESOURCE_EXHAUSTED).
@@ -193,7 +197,7 @@ async def start_grpc(router: Router, host: str, port: int, max_request_bytes: in
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_request_bytes),
         ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT_BYTES),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
     ])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)

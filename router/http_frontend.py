@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from control_plane.errors import ControlPlaneError
 
@@ -35,6 +37,7 @@ from .errors import (
 from .grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
 from .http_request import HEADER_LENGTH, read_infer_request, with_adapter
 from .repository_config import triton_json
+from .serving_state import UNLOADED_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +156,7 @@ async def _forward_get(request: web.Request, method: str) -> web.Response:
     asked = request.match_info["model"]
     version = _version(request)
     target = router.describe(asked, version, statistics=method == "statistics")
-    server = router.manager.ready_server_of(target.model)
+    server = router.state.ready_server(target.model)
     if server is None:
         if method == "statistics":
             raise ModelUnavailable(asked)
@@ -162,7 +165,7 @@ async def _forward_get(request: web.Request, method: str) -> web.Response:
         return _json(triton_json(answer.config if method == "config" else answer))
     path = (f"/v2/models/{target.model}" + (f"/versions/{target.version}" if target.version else "")
             + _SUFFIXES[method])
-    async with request.app[SESSION_KEY].get(f"http://{server.spec.http_url}{path}") as resp:
+    async with request.app[SESSION_KEY].get(f"http://{server.http_url}{path}") as resp:
         body = await resp.read()
         status, content_type = resp.status, resp.content_type
     if status != 200 or content_type != "application/json":
@@ -201,6 +204,15 @@ async def all_stats(request):
     return _json(triton_json(await _router(request).all_statistics()))
 
 
+UNLOADED_BODY = ('{"error":"' + UNLOADED_PREFIX).encode()
+
+
+async def _post(session: aiohttp.ClientSession, server, path: str, body, headers: dict):
+    async with session.post(f"http://{server.http_url}{path}", data=body, headers=headers) as resp:
+        return (await resp.read(), resp.status, resp.headers.get(HEADER_LENGTH),
+                resp.headers.get("Content-Type", "application/json"))
+
+
 async def infer(request: web.Request) -> web.Response:
     router = _router(request)
     version = _version(request)  # Triton routes no other URL: refused before the body is read
@@ -230,16 +242,17 @@ async def infer(request: web.Request) -> web.Response:
         if header_length is not None:
             headers[HEADER_LENGTH] = str(header_length)
         try:
-            async with request.app[SESSION_KEY].post(f"http://{server.spec.http_url}{path}", data=body,
-                                                     headers=headers) as resp:
-                payload = await resp.read()
-                status = resp.status
-                resp_header_len = resp.headers.get(HEADER_LENGTH)
-                content_type = resp.headers.get("Content-Type", "application/json")
+            payload, status, resp_header_len, content_type = await _post(
+                request.app[SESSION_KEY], server, path, body, headers)
+            if status == 404 and payload.startswith(UNLOADED_BODY):
+                # Unloaded between placement and send: load again, send once more.
+                server = await router.resend_after_unload(call)
+                payload, status, resp_header_len, content_type = await _post(
+                    request.app[SESSION_KEY], server, path, body, headers)
         except aiohttp.ClientConnectionError as exc:
             call.code = "UNAVAILABLE"
             raise BackendUnavailable(
-                f"Triton {server.name} at {server.spec.http_url} is unavailable ({exc}); "
+                f"Triton {server.name} at {server.http_url} is unavailable ({exc}); "
                 "the control plane restarts it, retry shortly") from exc
         asked = request.match_info["model"]
         if status != 200:
@@ -270,13 +283,24 @@ async def infer(request: web.Request) -> web.Response:
 async def model_health(request: web.Request) -> web.Response:
     router = _router(request)
     decision = router.describe(request.match_info["model"])
-    body = await router.manager.health(decision.model)
+    body = await router.state.health(decision.model)
     body["route"] = request.match_info["model"]
     return web.json_response(body, status=200 if body["healthy"] else 503)
 
 
+def metrics_registry(router: Router):
+    """This router's series; with router workers (PROMETHEUS_MULTIPROC_DIR), every worker's,
+    summed, whichever worker the scrape reaches."""
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not directory:
+        return router.metrics.registry
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, directory)
+    return registry
+
+
 async def metrics(request: web.Request) -> web.Response:
-    resp = web.Response(body=generate_latest(_router(request).metrics.registry))
+    resp = web.Response(body=generate_latest(metrics_registry(_router(request))))
     resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
     return resp
 

@@ -37,32 +37,21 @@ class Clock:
 
 
 class FakeManager:
-    """What Router.serving needs: leases, a ready lookup and loads that take LOAD_S."""
+    """What Router.serving needs: a ready lookup and loads that take LOAD_S."""
 
     def __init__(self, ready=(), known=("m", "m2")):
         self.records: dict[str, SimpleNamespace] = {}
         self.ready = set(ready)
         self.known = set(known)
         self.servers = {}
-        self.server = SimpleNamespace(name="t0", spec=SimpleNamespace(grpc_url="x"))
-
-    async def acquire(self, name):
-        if name not in self.known:
-            raise CpModelNotFound(f"unknown model {name!r}")
-        rec = self.records.setdefault(name, SimpleNamespace(name=name, inflight=0, active=0))
-        rec.inflight += 1
-        return rec
-
-    def release(self, rec):
-        rec.inflight -= 1
-
-    def _sync_evictable(self, rec):
-        pass
+        self.server = SimpleNamespace(name="t0", up=True, spec=SimpleNamespace(grpc_url="x", http_url="y"))
 
     def ready_server_of(self, name):
         return self.server if name in self.ready else None
 
     async def ensure(self, name):
+        if name not in self.known:
+            raise CpModelNotFound(f"unknown model {name!r}")
         await asyncio.sleep(LOAD_S)
         self.ready.add(name)
 

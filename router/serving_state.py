@@ -1,0 +1,89 @@
+"""Where the data plane learns which Triton holds a model, and asks for one that none holds.
+
+A router never calls Triton's model-control API and never holds the control plane's
+records.  It reads placement through a *state source*:
+
+* ``LocalState``: the control plane's manager in this process (``--router-workers 0`` and
+  unit tests);
+* ``router.state_client.RemoteState``: a router worker's last snapshot of the control
+  plane, kept current by a watch, with misses sent to the control plane as one RPC.
+
+Both answer with ``ServerAddress`` (where to send a request), never with a manager record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+# Triton's answer to an infer for a model it does not hold (now): gRPC NOT_FOUND, HTTP 404.
+UNLOADED_PREFIX = "Request for unknown model"
+
+
+@dataclass(frozen=True)
+class ServerAddress:
+    name: str
+    grpc_url: str
+    http_url: str
+    up: bool = True
+
+
+class ServingState(Protocol):
+    repository: Path | None
+
+    def ready_server(self, model: str) -> ServerAddress | None:
+        """The server that has ``model`` READY now, from what this process knows."""
+
+    async def ensure(self, model: str) -> ServerAddress:
+        """Have ``model`` loaded (ControlPlaneError subclasses when it cannot be)."""
+
+    def touch(self, model: str) -> None:
+        """``model`` served a request (drives the eviction policy)."""
+
+    def servers(self) -> list[ServerAddress]: ...
+
+    async def health(self, model: str) -> dict: ...
+
+
+class LocalState:
+    """The manager of this process as a state source."""
+
+    def __init__(self, manager):
+        self.manager = manager
+        self._addresses: dict[str, ServerAddress] = {}
+
+    @property
+    def repository(self) -> Path | None:
+        return self.manager.repository
+
+    def _address(self, server) -> ServerAddress:
+        found = self._addresses.get(server.name)
+        if found is None or found.up != server.up:
+            found = self._addresses[server.name] = ServerAddress(
+                server.name, server.spec.grpc_url, server.spec.http_url, server.up)
+        return found
+
+    def ready_server(self, model: str) -> ServerAddress | None:
+        server = self.manager.ready_server_of(model)
+        return None if server is None else self._address(server)
+
+    async def ensure(self, model: str) -> ServerAddress:
+        # Shielded: a client that gives up does not cancel a load others may wait for.
+        await asyncio.shield(self.manager.ensure(model))
+        server = self.manager.ready_server_of(model)
+        if server is None:
+            from .errors import BackendUnavailable
+
+            raise BackendUnavailable(f"'{model}' was unloaded before the request could be sent; retry")
+        return self._address(server)
+
+    def touch(self, model: str) -> None:
+        self.manager.touch(model)
+
+    def servers(self) -> list[ServerAddress]:
+        return [self._address(s) for s in list(self.manager.servers.values())]
+
+    async def health(self, model: str) -> dict:
+        return await self.manager.health(model)

@@ -1,0 +1,321 @@
+"""A router worker's read-only view of the control plane (``control_plane.dataplane_hub``).
+
+* a versioned snapshot, kept current by a long-poll watch; when the control plane is away
+  the worker serves from its last snapshot;
+* a miss is one ``ensure`` call, shared by every request waiting for that model;
+* per-model use and per-variant outcomes go back in batches (the control plane's eviction
+  policy and canary judgements use every worker's traffic);
+* rate-limit tokens come from the control plane's global buckets in small batches
+  (``GrantedLimiter``); without the control plane each worker keeps its share locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import time
+from pathlib import Path
+
+import aiohttp
+
+from control_plane.errors import ERRORS_BY_CODE, ControlPlaneError
+
+from .errors import BackendUnavailable
+from .limits import grant_batch, rate_limited
+from .public_names import PublicNames
+from .ratelimit import TokenBucket
+from .routes import Route, RouteTable
+from .serving_state import ServerAddress
+
+log = logging.getLogger(__name__)
+
+WATCH_WAIT_S = 20.0
+REPORT_INTERVAL_S = 0.25
+MAX_PENDING_SAMPLES = 100_000  # kept while the control plane is away; the oldest go first
+RETRY_MIN_S, RETRY_MAX_S = 0.1, 2.0
+
+
+class ControlPlaneAway(Exception):
+    """The control plane did not answer (restarting, or down)."""
+
+
+def names_from_snapshot(data: dict) -> PublicNames:
+    names = PublicNames(lambda: (), expose_concrete=bool(data["expose_concrete"]))
+    names.production.update(data["production"])
+    names.by_version = {(m, n): c for m, n, c in data["by_version"]}
+    names.public = {c: tuple(v) for c, v in data["public"].items()}
+    names.models = set(data["models"])
+    return names
+
+
+def table_from_snapshot(snapshot: dict, names: PublicNames) -> RouteTable:
+    table = RouteTable(default_target=names.production.get, unrouted=names.unrouted)
+    for d in snapshot["routes"]:
+        route = Route.from_dict(d)
+        table.routes[route.name] = route
+    table.limits = snapshot["limits"]
+    table.version = snapshot["version"]
+    return table
+
+
+class RemoteState:
+    """``router.serving_state.ServingState`` from the control plane at ``control_url``."""
+
+    def __init__(self, control_url: str, token: str, worker: str, request_timeout_s: float = 130.0):
+        self.control_url = control_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        self.worker = worker
+        self.pid = os.getpid()
+        self.request_timeout_s = request_timeout_s
+        self.session: aiohttp.ClientSession | None = None
+        self.version = -1
+        self.epoch = ""
+        self.snapshot: dict = {}
+        self.names = names_from_snapshot({"expose_concrete": False, "production": {}, "by_version": [],
+                                          "public": {}, "models": []})
+        self.table = RouteTable(default_target=self.names.production.get, unrouted=self.names.unrouted)
+        self.repository: Path | None = None
+        self.placement: dict[str, str] = {}
+        self.addresses: dict[str, ServerAddress] = {}
+        self.workers = 1
+        self.connected = False
+        self.on_snapshot = lambda: None  # called after each new snapshot is applied
+        self.shadow_counts = lambda: {}  # route -> cumulative ShadowReport counts
+        self._ensures: dict[str, asyncio.Task] = {}
+        self._uses: collections.Counter[str] = collections.Counter()
+        self._requests = 0
+        self._samples: collections.deque = collections.deque(maxlen=MAX_PENDING_SAMPLES)
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ life
+    async def start(self, first_snapshot_timeout_s: float = 300.0) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        deadline = time.monotonic() + first_snapshot_timeout_s
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                await self._poll(wait_s=0)
+                break
+            except ControlPlaneAway as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("waiting for the control plane at %s (%s)", self.control_url, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._watch()), loop.create_task(self._report_loop())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        try:
+            await asyncio.wait_for(self._send_report(), 2.0)
+        except (ControlPlaneAway, TimeoutError):
+            pass
+        if self.session is not None:
+            await self.session.close()
+
+    # ------------------------------------------------------------------ calls
+    async def _call(self, method: str, path: str, body: dict | None = None, params: dict | None = None,
+                    timeout_s: float = 10.0, accept: tuple[int, ...] = ()) -> dict:
+        try:
+            async with self.session.request(method, self.control_url + path, json=body, params=params,
+                                            headers=self.headers,
+                                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            self.connected = False
+            raise ControlPlaneAway(f"{type(exc).__name__}: {exc}") from None
+        self.connected = True
+        if resp.status >= 400 and resp.status not in accept:
+            cls = ERRORS_BY_CODE.get(data.get("error") if isinstance(data, dict) else None, ControlPlaneError)
+            raise cls(data.get("message", f"control plane answered {resp.status}")
+                      if isinstance(data, dict) else str(data))
+        return data
+
+    async def _poll(self, wait_s: float) -> None:
+        data = await self._call("GET", "/v1/dataplane/snapshot", params={
+            "since": str(self.version), "epoch": self.epoch, "worker": self.worker,
+            "pid": str(self.pid), "wait": str(wait_s)}, timeout_s=wait_s + 10.0)
+        if data.get("unchanged"):
+            return
+        self.apply(data)
+
+    def apply(self, snapshot: dict) -> None:
+        self.names = names_from_snapshot(snapshot["names"])
+        self.names.generation = snapshot["version"]
+        self.table = table_from_snapshot(snapshot, self.names)
+        self.addresses = {name: ServerAddress(name, grpc, http, up)
+                          for name, (grpc, http, up) in snapshot["servers"].items()}
+        self.placement = snapshot["placement"]
+        self.repository = Path(snapshot["repository"]) if snapshot.get("repository") else None
+        self.workers = max(1, int(snapshot.get("workers") or 1))
+        self.snapshot = snapshot
+        self.version, self.epoch = snapshot["version"], snapshot["epoch"]
+        self.on_snapshot()
+
+    async def _watch(self) -> None:
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                await self._poll(WATCH_WAIT_S)
+                delay = RETRY_MIN_S
+            except ControlPlaneAway as exc:
+                log.warning("control plane not answering (%s); serving from snapshot %d", exc, self.version)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+            except Exception:  # a bad snapshot must not stop the watch
+                log.exception("applying a snapshot failed")
+                await asyncio.sleep(RETRY_MAX_S)
+
+    # ------------------------------------------------------------------ ServingState
+    def ready_server(self, model: str) -> ServerAddress | None:
+        name = self.placement.get(model)
+        return None if name is None else self.addresses.get(name)
+
+    async def ensure(self, model: str) -> ServerAddress:
+        task = self._ensures.get(model)
+        if task is None:
+            task = self._ensures[model] = asyncio.get_running_loop().create_task(self._ensure(model))
+            task.add_done_callback(lambda _t: self._ensures.pop(model, None))
+        return await asyncio.shield(task)
+
+    async def _ensure(self, model: str) -> ServerAddress:
+        try:
+            data = await self._call("POST", "/v1/dataplane/ensure", {"model": model},
+                                    timeout_s=self.request_timeout_s)
+        except ControlPlaneAway:
+            raise BackendUnavailable(f"'{model}' is not loaded and the control plane is not answering "
+                                     "(restarting?); retry shortly") from None
+        address = ServerAddress(data["server"], data["grpc_url"], data["http_url"], data["up"])
+        self.addresses.setdefault(address.name, address)
+        self.placement = dict(self.placement, **{model: address.name})  # until the next snapshot
+        return address
+
+    def touch(self, model: str) -> None:
+        self._uses[model] += 1
+        self._requests += 1
+
+    def servers(self) -> list[ServerAddress]:
+        return list(self.addresses.values())
+
+    async def health(self, model: str) -> dict:
+        try:
+            return await self._call("GET", f"/health/{model}", accept=(503,))
+        except ControlPlaneAway:
+            raise BackendUnavailable("the control plane is not answering (restarting?); retry shortly") from None
+
+    async def grant(self, name: str, want: int) -> tuple[int, float]:
+        data = await self._call("POST", "/v1/dataplane/tokens", {
+            "worker": self.worker, "pid": self.pid, "name": name, "want": want}, timeout_s=2.0)
+        return int(data["granted"]), float(data["retry_after_s"])
+
+    # ------------------------------------------------------------------ reports
+    def record_outcome(self, scope: str, variant: str, code: str, served_ms: float | None,
+                       randomly_assigned: bool = False) -> None:
+        """The StatsBook surface: outcomes are judged by the control plane."""
+        self._samples.append((scope, variant, code, served_ms, randomly_assigned))
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REPORT_INTERVAL_S)
+            try:
+                await self._send_report()
+            except ControlPlaneAway:
+                pass  # kept (bounded) for the next report
+            except Exception:
+                log.exception("reporting to the control plane failed")
+
+    async def _send_report(self) -> None:
+        shadow = self.shadow_counts()
+        if not (self._uses or self._samples or self._requests or shadow):
+            return
+        uses, requests, samples = dict(self._uses), self._requests, list(self._samples)
+        self._uses.clear()
+        self._samples.clear()
+        self._requests = 0
+        try:
+            await self._call("POST", "/v1/dataplane/report", {
+                "worker": self.worker, "pid": self.pid, "uses": uses, "requests": requests,
+                "samples": samples, "shadow": shadow})
+        except ControlPlaneAway:
+            self._uses.update(uses)
+            self._requests += requests
+            self._samples.extendleft(reversed(samples))
+            raise
+
+
+class _Stock:
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.tokens = 0
+        self.denied_until = 0.0
+        self.pending: asyncio.Task | None = None
+        self.local: TokenBucket | None = None  # this worker's share while the control plane is away
+
+
+class GrantedLimiter:
+    """Rate limits that hold across workers: tokens come from the control plane's bucket."""
+
+    def __init__(self, state: RemoteState, on_limited=None):
+        self.state = state
+        self.on_limited = on_limited
+        self._stock: dict[str, _Stock] = {}
+
+    def check(self, names) -> None:  # the synchronous surface is only for a local router
+        raise NotImplementedError("a router worker applies limits in acquire()")
+
+    async def acquire(self, names) -> None:
+        limits = self.state.table.limits
+        if not limits:
+            return
+        for name in names:
+            spec = limits.get(name)
+            if spec is not None:
+                await self._take(name, spec)
+
+    async def _take(self, name: str, spec: dict) -> None:
+        stock = self._stock.get(name)
+        if stock is None or stock.spec != spec:
+            stock = self._stock[name] = _Stock(spec)
+        batch = grant_batch(spec["qps"], self.state.workers)
+        if stock.tokens < 1:
+            now = time.monotonic()
+            if now < stock.denied_until:
+                self._refuse(name, spec, stock.denied_until - now)
+            await self._refill(name, stock, batch)
+            if stock.tokens < 1:
+                self._refuse(name, spec, max(stock.denied_until - time.monotonic(), 0.0))
+        stock.tokens -= 1
+        if stock.tokens < batch / 2 and stock.pending is None and stock.denied_until <= time.monotonic():
+            # Ask ahead, so the next requests do not wait for the control plane.
+            stock.pending = asyncio.get_running_loop().create_task(self._ask(name, stock, batch))
+
+    def _refuse(self, name: str, spec: dict, retry_after_s: float):
+        if self.on_limited is not None:
+            self.on_limited(name)
+        raise rate_limited(name, spec, retry_after_s)
+
+    async def _refill(self, name: str, stock: _Stock, batch: int) -> None:
+        if stock.pending is None:
+            stock.pending = asyncio.get_running_loop().create_task(self._ask(name, stock, batch))
+        await asyncio.shield(stock.pending)
+
+    async def _ask(self, name: str, stock: _Stock, batch: int) -> None:
+        try:
+            granted, retry_after_s = await self.state.grant(name, batch)
+            stock.local = None
+        except (ControlPlaneAway, ControlPlaneError):
+            # Without the control plane: this worker's share of the limit, locally.
+            workers = self.state.workers
+            if stock.local is None:
+                stock.local = TokenBucket(stock.spec["qps"] / workers, max(1.0, stock.spec["burst"] / workers))
+            ok, retry_after_s = stock.local.try_acquire()
+            granted = 1 if ok else 0
+        finally:
+            stock.pending = None
+        stock.tokens += granted
+        if granted == 0:
+            stock.denied_until = time.monotonic() + max(retry_after_s, 0.001)

@@ -1,0 +1,104 @@
+"""One router worker process: the public gRPC and HTTP ports (shared with the other workers
+through SO_REUSEPORT), serving from the control plane's snapshot and nothing else.
+
+Started by ``mmctl up`` (``control_plane.supervisor``), one per ``--router-workers``:
+
+    python -m router.worker --control-url http://127.0.0.1:8090 --worker w0 \\
+        --grpc-port 8001 --http-port 8000
+
+The admin token comes from ``MMCTL_TOKEN`` or ``--token-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import asdict
+from pathlib import Path
+
+from aiohttp import web
+
+from .core import Router, RouterConfig
+from .grpc_frontend import start_grpc
+from .http_frontend import make_http_app
+from .state_client import GrantedLimiter, RemoteState
+
+log = logging.getLogger("router.worker")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m router.worker", description=__doc__.split("\n")[0])
+    p.add_argument("--control-url", required=True, help="The control plane's admin API.")
+    p.add_argument("--worker", required=True, help="This worker's name (w0, w1, ...).")
+    p.add_argument("--token-file", type=Path, default=None, help="Admin token (else MMCTL_TOKEN).")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, required=True)
+    p.add_argument("--http-port", type=int, required=True)
+    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
+    p.add_argument("--load-timeout", type=float, default=120.0)
+    p.add_argument("--shadow-log-dir", type=Path, default=None)
+    p.add_argument("--ready-file", type=Path, default=None,
+                   help="Written once the ports are bound (the supervisor waits for it).")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def read_token(args: argparse.Namespace) -> str:
+    token = os.environ.get("MMCTL_TOKEN", "").strip()
+    if not token and args.token_file is not None:
+        token = args.token_file.read_text().strip()
+    if not token:
+        raise SystemExit("router worker: no admin token (MMCTL_TOKEN or --token-file)")
+    return token
+
+
+async def serve(args: argparse.Namespace) -> None:
+    state = RemoteState(args.control_url, read_token(args), args.worker,
+                        request_timeout_s=args.load_timeout + 10)
+    await state.start()
+    router = Router(state, state.table, RouterConfig(
+        load_timeout_s=args.load_timeout, max_request_bytes=args.max_request_bytes,
+        shadow_log_dir=args.shadow_log_dir, canary_interval_s=0), names=state.names)
+    router.stats = state  # outcomes are judged by the control plane, over every worker
+
+    def refreshed() -> None:
+        router.table, router.names = state.table, state.names
+
+    state.on_snapshot = refreshed
+    state.shadow_counts = lambda: {
+        route: {k: v for k, v in asdict(report).items() if k != "last"}
+        for route, report in router.shadow.reports.items()}
+    router.limiter = GrantedLimiter(state, on_limited=lambda n: router.metrics.rate_limited.labels(n).inc())
+    await router.start()
+    grpc_server, grpc_port = await start_grpc(router, args.host, args.grpc_port, args.max_request_bytes,
+                                              reuse_port=True)
+    runner = web.AppRunner(make_http_app(router), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.http_port, reuse_port=True).start()
+    log.info("router worker %s (pid %d): gRPC %s:%d, HTTP %s:%d, snapshot %d", args.worker, os.getpid(),
+             args.host, grpc_port, args.host, args.http_port, state.version)
+    if args.ready_file is not None:
+        args.ready_file.write_text(str(os.getpid()))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await grpc_server.stop(grace=2)
+    await runner.cleanup()
+    await router.stop()
+    await state.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s router.{args.worker}: %(message)s")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()
