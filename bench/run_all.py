@@ -6,7 +6,7 @@ Each benchmark is its own module and can run alone with its own options:
     python -m bench.load_profile     where a load goes: stub, imports, weights, warm-up, ours
     python -m bench.cold_bandwidth   verified download MB/s: local store vs S3 (moto)
     python -m bench.policy_replay    eviction policies vs Belady on request traces
-    python -m bench.router_latency   what the router adds (vs direct Triton and a plain proxy)
+    python -m bench.router_latency   what the router adds (vs direct Triton, a plain proxy, nginx)
     python -m bench.seed_scenario    50 customers, top 12 pinned, on the real stack
     python -m bench.shadow_overhead  the primary's latency with and without a shadow, same run
     python -m bench.canary_overhead  request latency and serving-loop CPU while a canary runs
@@ -101,11 +101,11 @@ def plot_cdfs() -> list[str]:
         print("matplotlib not installed: no plots (pip install matplotlib)")
         return []
     written = []
-    router = load("router.json")
+    router = load("router_latency.json")
     if router:
-        series = {path: stats["samples_us"] for path, stats in router["latency_identity"].items()}
+        series = {path["label"]: path["samples_us"] for path in router["paths"].values()}
         written.append(_cdf_plot(plt, np, series, "latency (us), identity model, concurrency 1",
-                                 "direct Triton vs plain proxy vs router",
+                                 "direct Triton vs proxies vs router",
                                  "router_latency_cdf.png"))
     seed = load("seed_scenario.json")
     if seed:
@@ -153,16 +153,21 @@ def summary_rows() -> list[tuple[str, str, str]]:
                              r["policy"] + (" (default)" if r["is_default"] else ""),
                              f"hit {r['hit_ratio']:.3f} = {r['hit_ratio_vs_belady']:.3f}x Belady, "
                              f"miss cost {r['cost_weighted_miss_s']:.0f}s"))
-    router = load("router.json")
+    router = load("router_latency.json")
     if router:
-        o, p = router["router_overhead_us"], router["plain_proxy_overhead_us"]
-        rows.append(("router latency added (identity, c=1)", "router",
-                     f"p50 +{o['p50_us']:.0f}us, p99 +{o['p99_us']:.0f}us "
-                     f"(plain proxy +{p['p50_us']:.0f}/+{p['p99_us']:.0f}us)"))
-        t = router["throughput_recommender"]
-        rows.append(("router throughput (recommender)", "router",
-                     f"{router['router_throughput_ratio'] * 100:.0f}% of direct "
-                     f"({t['router']['requests_per_s']:.0f} vs {t['direct']['requests_per_s']:.0f} req/s)"))
+        paths, ratios = router["paths"], router["router_added_p50_over_nginx_added_p50"]
+        refs = [paths[k] for k in ("nginx", "passthrough") if k in paths]
+        ref = ", ".join(f"{p['label']} +{p['added_p50_us']:.0f}/+{p['added_p99_us']:.0f}us" for p in refs)
+        direct_rps = paths["direct"]["throughput"]["requests_per_s"]
+        for key, ratio in ratios.items():
+            p = paths[key]
+            rows.append((f"{p['label']} latency added (identity, c=1)", "router",
+                         f"p50 +{p['added_p50_us']:.0f}us, p99 +{p['added_p99_us']:.0f}us"
+                         + (f" = {ratio:.1f}x nginx's p50" if ratio else "") + f" ({ref})"))
+            rows.append((f"{p['label']} throughput ({router['conditions']['throughput_model']})",
+                         "router", (f"{p['throughput']['requests_per_s'] / direct_rps * 100:.0f}% of "
+                                    f"direct ({p['throughput']['requests_per_s']:.0f} vs {direct_rps:.0f} "
+                                    "req/s)")))
     seed = load("seed_scenario.json")
     if seed:
         for group in ("frequent", "occasional"):
