@@ -1,0 +1,107 @@
+"""Registering a version whose artifact lives in a cold store: the checks Triton would make
+of its folder and config.pbtxt, made before anything is published or recorded."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from pathlib import Path
+
+from .. import model_config
+from ..cold_store import inspect, normalize_sha256, publish
+from ..errors import InvalidInput
+from ..names import validate_model_name
+from .store import Registry
+from .versions import DEFAULT_SLA, ModelVersion, concrete_name
+
+
+def check_model_config(text: str, where: str, names: Iterable[str]) -> None:
+    """Refuse a config.pbtxt that Triton would refuse, saying why, before it is registered.
+
+    Triton loads a model only if config.pbtxt parses and its ``name`` (when given) equals
+    the folder's name; a mismatch fails with an opaque "failed to poll from model
+    repository".  The warm tier writes the concrete name into the staged copy, so a config
+    may name the model as the user knows it (one of ``names``) or leave the name out.
+
+    Parsed strictly, as Triton does: staging writes the configuration back from the parsed
+    message, which would drop fields this tritonclient's schema does not know."""
+    config = model_config.parse_config(text, where)
+    allowed = sorted(set(names))
+    if config.name and config.name not in allowed:
+        raise InvalidInput(
+            f'{where} says name: "{config.name}" but the model is added as '
+            f"{' or '.join(repr(n) for n in allowed)}; Triton serves a model only under the "
+            "name in its config, so fix the name there (or remove the line) or add the model "
+            f"under the name {config.name!r}")
+
+
+def check_model_folder(folder: Path, model: str) -> None:
+    """A Triton model folder: config.pbtxt that Triton accepts and a numbered version folder."""
+    if not folder.is_absolute():
+        raise InvalidInput(f"--from-dir {str(folder)!r} must be an absolute path")
+    if not folder.is_dir():
+        raise InvalidInput(f"--from-dir {str(folder)!r} is not a folder; give the model's folder "
+                           "(config.pbtxt and 1/model.py in it)")
+    config = folder / "config.pbtxt"
+    if not config.is_file():
+        raise InvalidInput(f"{folder} has no config.pbtxt; a Triton model folder holds "
+                           "config.pbtxt and a version folder such as 1/model.py")
+    try:
+        text = config.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"cannot read {config}: {exc}") from None
+    check_model_config(text, str(config), (model, folder.name))
+    if not any(p.is_dir() and p.name.isdigit() for p in folder.iterdir()):
+        raise InvalidInput(f"{folder} has no version folder; Triton loads numbered folders such "
+                           "as 1/ (with model.py for the python backend) next to config.pbtxt")
+
+
+async def register_version(registry: Registry, model: str, version: int | None = None, *,
+                           who: str, artifact_uri: str | None = None, sha256: str | None = None,
+                           source_dir: str | None = None, sla: str = DEFAULT_SLA,
+                           metrics: dict[str, float] | None = None,
+                           data_fingerprint: str | None = None, tenant: str | None = None,
+                           stage: str | None = None,
+                           synthetic_warmup: bool = True) -> ModelVersion:
+    """Register a version whose artifact is in the cold store, publishing it first when
+    ``source_dir`` is given.  The sha256 recorded is the artifact's (from its manifest, or
+    by hashing it); a ``sha256`` given by the caller must match it.
+
+    ``version`` None: the next free one.  ``stage`` None: ``production`` when the model has
+    no production version yet (so its logical name serves it at once), else ``registered``.
+
+    Store I/O runs in a thread; the registry write happens on the caller's (loop) thread.
+    """
+    validate_model_name(model)
+    stores = registry.stores
+    if stores is None:
+        raise InvalidInput("no cold store is configured; the registry cannot reach artifacts")
+    if version is None:
+        version = registry.next_version(model)
+    if registry.find(model, int(version)) is not None:
+        raise InvalidInput(f"{model} version {version} is already registered; versions are "
+                           "immutable, register the new artifact as a new --version "
+                           f"(or leave --version out: the next free one is {registry.next_version(model)})")
+    if stage is None:
+        stage = "registered" if registry.production(model) is not None else "production"
+    # Cheap checks before any upload: a refused name must not leave files in the store.
+    registry._check_names_free(model, concrete_name(model, int(version)))
+    uri = artifact_uri or stores.default_uri(model, int(version))
+    store = stores.for_uri(uri)
+    if source_dir is not None:
+        folder = Path(source_dir)
+        await asyncio.to_thread(check_model_folder, folder, model)
+        info = await asyncio.to_thread(publish, store, folder, uri)
+    else:
+        info = await asyncio.to_thread(inspect, store, uri)
+        raw = await asyncio.to_thread(store.read_bytes, info.uri, "config.pbtxt")
+        if raw is None:
+            raise InvalidInput(f"the artifact at {info.uri} has no config.pbtxt; a Triton model "
+                               "folder holds config.pbtxt and a version folder such as 1/model.py")
+        check_model_config(raw.decode(errors="replace"), f"{info.uri}config.pbtxt", (model,))
+    if sha256 is not None and normalize_sha256(sha256) != info.sha256:
+        raise InvalidInput(f"the artifact at {info.uri} has sha256 {info.sha256}, not the "
+                           f"{normalize_sha256(sha256)} you gave; check the upload")
+    return registry.add(model, int(version), info.uri, info.sha256, info.size_bytes, who=who,
+                        sla=sla, metrics=metrics, data_fingerprint=data_fingerprint,
+                        tenant=tenant, stage=stage, synthetic_warmup=synthetic_warmup)

@@ -1,0 +1,345 @@
+"""``Registry``: versions and rollout stages in the control plane's SQLite file, with the
+schema and the migrations of state files from older releases."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+
+from ..cold_store import normalize_sha256
+from ..errors import InvalidInput, ModelNotFound
+from ..eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
+from ..names import MAX_NAME_LENGTH, validate_model_name
+from .versions import (
+    DEFAULT_SLA,
+    SLA_CLASSES,
+    STAGES,
+    ModelVersion,
+    StageChange,
+    _validate_who,
+    parse_concrete,
+)
+
+log = logging.getLogger(__name__)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS registry_versions (
+    model TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    artifact_uri TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    memory_bytes INTEGER,
+    data_fingerprint TEXT,
+    metrics TEXT NOT NULL DEFAULT '{}',
+    sla TEXT NOT NULL,
+    tenant TEXT,
+    stage TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    created_by TEXT NOT NULL,
+    stage_changed_at REAL NOT NULL,
+    stage_changed_by TEXT NOT NULL,
+    triton_name TEXT,
+    synthetic_warmup INTEGER NOT NULL DEFAULT 1,
+    PRIMARY KEY (model, version)
+);
+CREATE TABLE IF NOT EXISTS registry_history (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    model TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    from_stage TEXT,
+    to_stage TEXT NOT NULL,
+    who TEXT NOT NULL,
+    at REAL NOT NULL,
+    note TEXT
+);
+CREATE INDEX IF NOT EXISTS registry_history_model ON registry_history(model, version);
+"""
+# State files written before versions had their own Triton name get the default one.
+MIGRATIONS = """
+UPDATE registry_versions SET triton_name = model || '.v' || version WHERE triton_name IS NULL;
+CREATE UNIQUE INDEX IF NOT EXISTS registry_triton_name ON registry_versions(triton_name);
+"""
+
+
+class Registry:
+    """Versions and rollout stages in SQLite.  ``clock`` is injectable for tests."""
+
+    def __init__(self, db: sqlite3.Connection, clock: Callable[[], float] = time.time, stores=None):
+        self.db = db
+        self.clock = clock
+        self.stores = stores  # ColdStores, used by the admin API to inspect/publish artifacts
+        self.db.executescript(SCHEMA)
+        self._migrate()
+        self._listeners: list[Callable[[str, str], None]] = []
+
+    def _migrate(self) -> None:
+        """Bring a state file from an older release up to this schema (idempotent)."""
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(registry_versions)")}
+        with self._transaction():
+            if "triton_name" not in columns:
+                self.db.execute("ALTER TABLE registry_versions ADD COLUMN triton_name TEXT")
+            if "synthetic_warmup" not in columns:
+                self.db.execute("ALTER TABLE registry_versions "
+                                "ADD COLUMN synthetic_warmup INTEGER NOT NULL DEFAULT 1")
+            for statement in MIGRATIONS.strip().split(";\n"):
+                self.db.execute(statement)
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """All-or-nothing (the connection is in autocommit mode, so BEGIN explicitly)."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def on_stage_change(self, listener: Callable[[str, str], None]) -> None:
+        """``listener(concrete name, new stage)`` after each committed change."""
+        self._listeners.append(listener)
+
+    # -- reads --------------------------------------------------------------------------
+    _COLUMNS = ("model", "version", "artifact_uri", "sha256", "size_bytes", "memory_bytes",
+                "data_fingerprint", "metrics", "sla", "tenant", "stage", "created_at",
+                "created_by", "stage_changed_at", "stage_changed_by", "triton_name",
+                "synthetic_warmup")
+
+    def _rows(self, where: str = "", args: tuple = ()) -> list[ModelVersion]:
+        cur = self.db.execute(
+            f"SELECT {', '.join(self._COLUMNS)} FROM registry_versions {where} "
+            "ORDER BY model, version", args)
+        out = []
+        for row in cur:
+            d = dict(zip(self._COLUMNS, row))
+            d["metrics"] = json.loads(d["metrics"] or "{}")
+            d["synthetic_warmup"] = bool(d["synthetic_warmup"])
+            out.append(ModelVersion(**d))
+        return out
+
+    def versions(self, model: str | None = None) -> list[ModelVersion]:
+        if model is None:
+            return self._rows()
+        return self._rows("WHERE model = ?", (model,))
+
+    def find(self, model: str, version: int) -> ModelVersion | None:
+        rows = self._rows("WHERE model = ? AND version = ?", (model, int(version)))
+        return rows[0] if rows else None
+
+    def get(self, model: str, version: int) -> ModelVersion:
+        mv = self.find(model, version)
+        if mv is None:
+            known = [v.version for v in self.versions(model)]
+            hint = f"known versions: {known}" if known else "register it with `mmctl registry add`"
+            raise ModelNotFound(f"{model} version {version} is not in the registry; {hint}")
+        return mv
+
+    def by_name(self, name: str) -> ModelVersion | None:
+        """The version deployed under a concrete Triton name, or None."""
+        rows = self._rows("WHERE triton_name = ?", (name,))
+        return rows[0] if rows else None
+
+    def production(self, model: str) -> ModelVersion | None:
+        rows = self._rows("WHERE model = ? AND stage = 'production'", (model,))
+        return rows[0] if rows else None
+
+    def resolve(self, name: str) -> ModelVersion | None:
+        """A logical name's production version, else the version of a concrete name.
+
+        Logical first, as the router does: once ``cust017`` v2 is production, ``cust017``
+        means v2 even though v1's folder is also called ``cust017``."""
+        return self.production(name) or self.by_name(name)
+
+    def resolve_name(self, name: str) -> str:
+        """The concrete name to load/pin/unload for what a person typed.
+
+        ``simple`` -> ``simple.v1`` (its production version); a concrete name or a name the
+        registry does not know is returned as it is (the manager decides whether Triton's
+        repository has it).  A logical model without a production version is refused with
+        the versions it has."""
+        mv = self.resolve(name)
+        if mv is not None:
+            return mv.name
+        versions = self.versions(name)
+        if versions:
+            listed = ", ".join(f"{v.name} ({v.stage})" for v in versions)
+            raise ModelNotFound(
+                f"{name} has no production version, so its logical name serves nothing; name a "
+                f"version ({listed}) or promote one: mmctl registry promote {name} "
+                f"--version {versions[-1].version} --stage production")
+        return name
+
+    def next_version(self, model: str) -> int:
+        """The next free version number of ``model`` (1 for a new model)."""
+        row = self.db.execute("SELECT MAX(version) FROM registry_versions WHERE model = ?",
+                              (model,)).fetchone()
+        return (row[0] or 0) + 1
+
+    def concrete_names(self, include_retired: bool = False) -> set[str]:
+        where = "" if include_retired else "WHERE stage != 'retired'"
+        return {name for (name,) in self.db.execute(
+            f"SELECT triton_name FROM registry_versions {where}")}
+
+    def history(self, model: str | None = None, version: int | None = None) -> list[StageChange]:
+        sql = "SELECT model, version, from_stage, to_stage, who, at, note FROM registry_history"
+        args: tuple = ()
+        if model is not None:
+            sql += " WHERE model = ?"
+            args = (model,)
+            if version is not None:
+                sql += " AND version = ?"
+                args += (int(version),)
+        return [StageChange(*row) for row in self.db.execute(sql + " ORDER BY id", args)]
+
+    def stage_priority(self, name: str) -> int:
+        """Eviction priority of a concrete name (lower goes first); unknown names: default."""
+        mv = self.by_name(name)
+        if mv is None:
+            return DEFAULT_PRIORITY
+        return STAGE_PRIORITY.get(mv.stage, DEFAULT_PRIORITY)
+
+    # -- writes -------------------------------------------------------------------------
+    def add(self, model: str, version: int, artifact_uri: str, sha256: str, size_bytes: int, *,
+            who: str, sla: str = DEFAULT_SLA, metrics: dict[str, float] | None = None,
+            data_fingerprint: str | None = None, tenant: str | None = None,
+            stage: str = "registered", triton_name: str | None = None,
+            synthetic_warmup: bool = True) -> ModelVersion:
+        """Register one version.  Re-adding an existing version is refused (versions are
+        immutable: a different artifact is a new version).  ``triton_name`` is the
+        concrete name when it is not ``<model>.v<version>`` (a repository folder's name)."""
+        validate_model_name(model)
+        if parse_concrete(model) is not None:
+            raise InvalidInput(
+                f"model name {model!r} ends in '.v<N>', which is reserved for versions; "
+                "register the logical name and pass --version")
+        try:
+            version = int(version)
+        except (TypeError, ValueError):
+            raise InvalidInput(f"version ({version!r}) must be a whole number >= 1") from None
+        if version < 1:
+            raise InvalidInput(f"version ({version}) must be >= 1")
+        name = triton_name or f"{model}.v{version}"
+        if len(name) > MAX_NAME_LENGTH:
+            raise InvalidInput(f"{name!r} is longer than {MAX_NAME_LENGTH} characters; use a shorter model name")
+        validate_model_name(name)
+        if sla not in SLA_CLASSES:
+            raise InvalidInput(f"SLA class {sla!r} is unknown; choose one of {', '.join(SLA_CLASSES)}")
+        if stage not in STAGES or stage == "retired":
+            raise InvalidInput(f"initial stage {stage!r} must be one of {', '.join(STAGES[:-1])}")
+        if not artifact_uri or "://" not in artifact_uri:
+            raise InvalidInput(f"artifact URI {artifact_uri!r} must look like s3://bucket/path/ or file:///path/")
+        if size_bytes is None or int(size_bytes) < 0:
+            raise InvalidInput(f"artifact size ({size_bytes}) must be >= 0 bytes")
+        sha256 = normalize_sha256(sha256)
+        who = _validate_who(who)
+        if self.find(model, version) is not None:
+            raise InvalidInput(
+                f"{model} version {version} is already registered; versions are immutable, "
+                "register the new artifact as a new --version")
+        self._check_names_free(model, name)
+        now = self.clock()
+        with self._transaction():
+            if stage == "production":
+                self._retire_production(model, who, now, f"replaced by v{version}")
+            self.db.execute(
+                "INSERT INTO registry_versions (model, version, artifact_uri, sha256, size_bytes, "
+                "memory_bytes, data_fingerprint, metrics, sla, tenant, stage, created_at, created_by, "
+                "stage_changed_at, stage_changed_by, triton_name, synthetic_warmup) "
+                "VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (model, version, artifact_uri, sha256, int(size_bytes), data_fingerprint,
+                 json.dumps(metrics or {}), sla, tenant, stage, now, who, now, who, name,
+                 int(bool(synthetic_warmup))))
+            self.db.execute(
+                "INSERT INTO registry_history (model, version, from_stage, to_stage, who, at, note) "
+                "VALUES (?, ?, NULL, ?, ?, ?, ?)", (model, version, stage, who, now, "registered"))
+        log.info("registry: %s v%d added by %s (stage %s, %s)", model, version, who, stage, artifact_uri)
+        self._notify(name, stage)
+        return self.get(model, version)
+
+    def _check_names_free(self, model: str, name: str) -> None:
+        """One name, one meaning: a concrete name is used by one version, and a logical name
+        is never another model's concrete name (``cust017-v2`` is cust017's version 2, so it
+        cannot also be a model of its own)."""
+        owner = self.by_name(name)
+        if owner is not None:
+            raise InvalidInput(
+                f"{name} is already the name of {owner.model} version {owner.version}; "
+                "choose another name or version")
+        owner = self.by_name(model)
+        if owner is not None and owner.model != model:
+            raise InvalidInput(
+                f"{model} is already the name of {owner.model} version {owner.version}; add a "
+                f"new version of it with `mmctl registry add {owner.model}` or choose another name")
+        if name != model and self.versions(name):
+            raise InvalidInput(
+                f"{name} is already a model of its own in the registry; choose another name")
+
+    def _retire_production(self, model: str, who: str, now: float, note: str) -> list[str]:
+        """Move the current production version (if any) to retired; inside a transaction."""
+        retired = []
+        for old in self._rows("WHERE model = ? AND stage = 'production'", (model,)):
+            self.db.execute(
+                "UPDATE registry_versions SET stage = 'retired', stage_changed_at = ?, "
+                "stage_changed_by = ? WHERE model = ? AND version = ?", (now, who, model, old.version))
+            self.db.execute(
+                "INSERT INTO registry_history (model, version, from_stage, to_stage, who, at, note) "
+                "VALUES (?, ?, 'production', 'retired', ?, ?, ?)", (model, old.version, who, now, note))
+            retired.append(old.name)
+        return retired
+
+    def promote(self, model: str, version: int, stage: str, *, who: str,
+                note: str | None = None) -> ModelVersion:
+        """Move a version to ``stage``, recording who and when.  A no-op if it is there already."""
+        if stage not in STAGES:
+            raise InvalidInput(f"stage {stage!r} is unknown; choose one of {', '.join(STAGES)}")
+        who = _validate_who(who)
+        mv = self.get(model, version)
+        if mv.stage == stage:
+            return mv
+        now = self.clock()
+        with self._transaction():
+            retired = []
+            if stage == "production":
+                retired = self._retire_production(model, who, now, f"replaced by v{mv.version}")
+            self.db.execute(
+                "UPDATE registry_versions SET stage = ?, stage_changed_at = ?, stage_changed_by = ? "
+                "WHERE model = ? AND version = ?", (stage, now, who, model, mv.version))
+            self.db.execute(
+                "INSERT INTO registry_history (model, version, from_stage, to_stage, who, at, note) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)", (model, mv.version, mv.stage, stage, who, now, note))
+        log.info("registry: %s v%d %s -> %s by %s", model, mv.version, mv.stage, stage, who)
+        for name in retired:
+            self._notify(name, "retired")
+        self._notify(mv.name, stage)
+        return self.get(model, mv.version)
+
+    def warmup_enabled(self, name: str) -> bool:
+        """Whether the control plane may send ``name`` (a concrete name) a synthetic warm-up
+        after a load; models the registry does not know get one."""
+        row = self.db.execute("SELECT synthetic_warmup FROM registry_versions WHERE triton_name = ?",
+                              (name,)).fetchone()
+        return row is None or bool(row[0])
+
+    def set_synthetic_warmup(self, model: str, version: int, enabled: bool) -> ModelVersion:
+        mv = self.get(model, version)
+        self.db.execute("UPDATE registry_versions SET synthetic_warmup = ? WHERE model = ? AND version = ?",
+                        (int(bool(enabled)), model, int(version)))
+        log.info("registry: %s v%d synthetic warm-up %s", model, int(version), "on" if enabled else "off")
+        return self.get(mv.model, mv.version)
+
+    def record_memory(self, name: str, memory_bytes: int) -> None:
+        """Store a measured footprint for a concrete name (ignored for unregistered names)."""
+        self.db.execute("UPDATE registry_versions SET memory_bytes = ? WHERE triton_name = ?",
+                        (int(memory_bytes), name))
+
+    def _notify(self, name: str, stage: str) -> None:
+        for listener in self._listeners:
+            try:
+                listener(name, stage)
+            except Exception:  # a listener's bug must not undo a committed change
+                log.exception("stage-change listener failed for %s", name)
