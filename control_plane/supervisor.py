@@ -210,6 +210,7 @@ class Supervisor:
             signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean stop short
         self._terminate(self.workers, WORKER_STOP_S)
         self._terminate([self.control_plane], CONTROL_PLANE_STOP_S)
+        end_outliving_tritons(self.state_dir / "triton")
         self.reap_orphans()
         (self.state_dir / PROCESSES_FILE).unlink(missing_ok=True)
 
@@ -226,6 +227,35 @@ class Supervisor:
                 log.warning("%s %s did not stop in %.0fs; killing it", child.role, child.name, timeout_s)
                 child.proc.kill()
                 child.proc.wait()
+
+
+def end_outliving_tritons(pid_dir: Path, timeout_s: float = 15.0) -> None:
+    """Stop every Triton launched to outlive its control plane that is still running: the
+    control plane stops its Tritons on a clean stop, but one stopped while it was starting
+    (or killed) cannot.  A pid file names pid and start time, so a reused pid is never
+    signalled."""
+    from .triton_process import process_start_ticks
+
+    for pid_file in sorted(pid_dir.glob("*.pid")):
+        try:
+            record = json.loads(pid_file.read_text())
+            pid, start_ticks = int(record["pid"]), int(record["start_ticks"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not record.get("outlives") or process_start_ticks(pid) != start_ticks:
+            continue
+        log.info("stopping tritonserver %d, left by its control plane", pid)
+        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait_s
+            while process_start_ticks(pid) == start_ticks and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if process_start_ticks(pid) != start_ticks:
+                break
+        pid_file.unlink(missing_ok=True)
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -42,13 +42,34 @@ class Product:
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log_text()
             try:
-                if requests.get(self.url + "/v1/fleet", headers=self.admin_headers(),
-                                timeout=1).status_code == 200:
+                if (requests.get(self.url + "/v1/fleet", headers=self.admin_headers(),
+                                 timeout=1).status_code == 200 and self.workers_ready()):
                     return self
             except requests.RequestException:
                 pass
             time.sleep(0.2)
         raise AssertionError("mmctl up did not come up:\n" + self.log_text())
+
+    @property
+    def supervised(self) -> bool:
+        """Router workers run beside the control plane (the default of mmctl up)."""
+        if "--no-router" in self.extra:
+            return False
+        if "--router-workers" in self.extra:
+            return self.extra[self.extra.index("--router-workers") + 1] != "0"
+        return True
+
+    def processes(self) -> dict:
+        """The supervisor's list of the product's processes (processes.json)."""
+        return json.loads((self.state_dir / "processes.json").read_text())
+
+    def workers_ready(self) -> bool:
+        if not self.supervised:
+            return True
+        try:
+            return bool(self.processes().get("ready"))
+        except (OSError, ValueError):
+            return False
 
     def log_text(self) -> str:
         return (self.state_dir.parent / f"mmctl-up-{self.admin_port}.log").read_text(errors="replace")

@@ -1,0 +1,227 @@
+"""Router workers in their own processes (`mmctl up --router-workers 2`), on the real stack.
+
+The control plane can be SIGKILLed under traffic without a client error, a killed worker is
+started again while the other serves, a rate limit holds across both workers, and a canary
+is judged on both workers' traffic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+
+from tests.product import Product
+
+pytestmark = pytest.mark.integration
+
+BODY = {"inputs": [{"name": "FEATURES", "shape": [1, 64], "datatype": "FP32", "data": [1.0] * 64}]}
+
+
+@pytest.fixture(scope="module")
+def product(fleet_template, tmp_path_factory):
+    root = tmp_path_factory.mktemp("workers")
+    repo = root / "repository"
+    shutil.copytree(fleet_template, repo)
+    p = Product(root / "state", repo, "--max-loaded", "8", "--router-workers", "2").start()
+    p.endpoints = p.json("endpoints")
+    yield p
+    p.stop()
+    p.assert_no_triton_left()
+
+
+def roles(p: Product) -> dict[str, list[int]]:
+    found: dict[str, list[int]] = {}
+    for proc in p.json("endpoints")["processes"]:
+        found.setdefault(proc["role"], []).append(proc["pid"])
+    return found
+
+
+def post_new_connection(p: Product, model: str) -> requests.Response:
+    """One request on a connection of its own: the kernel spreads connections over the
+    workers (SO_REUSEPORT), so a stream of these reaches both."""
+    return requests.post(f"http://{p.endpoints['router_http']}/v2/models/{model}/infer", json=BODY,
+                         headers={"Connection": "close"}, timeout=60)
+
+
+def infer_grpc(client, model: str):
+    x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
+    x.set_data_from_numpy(np.ones((1, 64), np.float32))
+    return client.infer(model, [x])
+
+
+def workers(p: Product) -> list[dict]:
+    resp = requests.get(p.url + "/v1/dataplane/workers", headers=p.admin_headers(), timeout=10)
+    assert resp.status_code == 200, resp.text
+    return [w for w in resp.json() if w["live"]]
+
+
+def wait_for(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            found = check()
+        except AssertionError:  # the control plane is restarting: mmctl cannot reach it yet
+            found = None
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_endpoints_list_every_process_with_its_role(product):
+    found = roles(product)
+    assert len(found["supervisor"]) == 1 and len(found["control-plane"]) == 1
+    assert len(found["router-worker"]) == 2 and len(found["triton"]) == 1
+    assert len({pid for pids in found.values() for pid in pids}) == 5
+    for pids in found.values():
+        for pid in pids:
+            assert os.path.exists(f"/proc/{pid}")
+
+
+def test_routers_serve_through_a_control_plane_sigkill_with_zero_errors(product):
+    p = product
+    assert p.mmctl("pin", "cust004").returncode == 0
+    grpc_client = grpcclient.InferenceServerClient(p.endpoints["router_grpc"])
+    infer_grpc(grpc_client, "cust003")  # loaded before the kill
+    before = roles(p)
+    errors: list[str] = []
+    served = [0]
+    stop = threading.Event()
+
+    def traffic(use_grpc: bool):
+        client = grpcclient.InferenceServerClient(p.endpoints["router_grpc"]) if use_grpc else None
+        while not stop.is_set():
+            for model in ("cust003", "cust004"):
+                try:
+                    if use_grpc:
+                        infer_grpc(client, model)
+                    else:
+                        resp = post_new_connection(p, model)
+                        if resp.status_code != 200:
+                            errors.append(f"HTTP {resp.status_code}: {resp.text}")
+                            continue
+                    served[0] += 1
+                except Exception as exc:  # every failure counts, whatever its kind
+                    errors.append(f"{type(exc).__name__}: {exc}")
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=traffic, args=(g,)) for g in (True, True, False, False)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        os.kill(before["control-plane"][0], signal.SIGKILL)
+        served_at_kill = served[0]
+        after = wait_for(lambda: (r := roles(p))["control-plane"] != before["control-plane"] and r, 120,
+                         "the supervisor to start the control plane again")
+        time.sleep(2.0)  # traffic on the new control plane's snapshot too
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert errors == [], errors[:5]
+    assert served[0] > served_at_kill + 20, "traffic did not go on"
+    assert after["triton"] == before["triton"], "the new control plane did not adopt the running Triton"
+    assert after["router-worker"] == before["router-worker"]
+    status = {m["model"]: m for m in p.json("status")}
+    assert status["cust004"]["pinned"] and status["cust004"]["state"] == "ready"
+    assert status["cust003"]["state"] == "ready"
+    assert p.mmctl("unpin", "cust004").returncode == 0
+
+
+def test_a_killed_worker_is_restarted_while_the_other_serves(product):
+    p = product
+    before = roles(p)["router-worker"]
+    os.kill(before[0], signal.SIGKILL)
+    # New connections reach the live worker at once (the dead one's sockets are closed).
+    for _ in range(20):
+        assert post_new_connection(p, "cust002").status_code == 200
+    after = wait_for(lambda: len(w := roles(p)["router-worker"]) == 2 and before[0] not in w and w, 60,
+                     "the supervisor to start the worker again")
+    assert before[1] in after
+    wait_for(lambda: len(workers(p)) >= 2 and all(w["pid"] in after for w in workers(p)[-2:]), 30,
+             "the new worker to connect")
+    processes = json.loads((p.state_dir / "processes.json").read_text())["processes"]
+    assert sum(x["restarts"] for x in processes if x["role"] == "router-worker") >= 1
+
+
+def test_a_rate_limit_holds_across_both_workers(product):
+    p = product
+    qps, window_s = 20.0, 10.0
+    assert p.mmctl("limit", "set", "cust005", "--qps", str(qps), "--burst", "1").returncode == 0
+    assert post_new_connection(p, "cust005").status_code in (200, 429)  # loaded before counting
+    time.sleep(1.0)
+    before = {w["worker"]: w["requests"] for w in workers(p)}
+    ok, limited = [0], [0]
+    end = time.monotonic() + window_s
+
+    def hammer():
+        while time.monotonic() < end:
+            status = post_new_connection(p, "cust005").status_code
+            if status == 200:
+                ok[0] += 1
+            elif status == 429:
+                limited[0] += 1
+            else:
+                raise AssertionError(f"unexpected HTTP {status}")
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(1.0)  # the workers' last reports
+    try:
+        allowed = qps * window_s + 1
+        assert limited[0] > ok[0], "the load did not exceed the limit; the test proves nothing"
+        assert abs(ok[0] - allowed) <= 0.10 * allowed, (ok[0], allowed, limited[0])
+        served_by = {w["worker"]: w["requests"] - before.get(w["worker"], 0) for w in workers(p)}
+        assert sum(1 for n in served_by.values() if n > 0) == 2, served_by
+    finally:
+        assert p.mmctl("limit", "clear", "cust005").returncode == 0
+
+
+def test_a_canary_is_judged_on_both_workers_samples(product):
+    p = product
+    assert post_new_connection(p, "cust006").status_code == 200
+    assert p.mmctl("canary", "start", "cust006", "--to", "cust017-faulty", "--stages", "50,100",
+                   "--stage-seconds", "60", "--check-interval", "8", "--min-requests", "10",
+                   "--max-failed-checks", "1").returncode == 0
+    before = {w["worker"]: w["samples"] for w in workers(p)}
+    sent = 80
+    pending = list(range(sent))
+    lock = threading.Lock()
+
+    def send():
+        while True:
+            with lock:
+                if not pending:
+                    return
+                pending.pop()
+            post_new_connection(p, "cust006")  # the faulty candidate fails about half the time
+
+    threads = [threading.Thread(target=send) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(1.0)  # the workers' reports
+    status = p.json("canary", "status", "cust006")
+    counted = sum(v["requests"] + v["client_errors"] for v in status["variants"].values())
+    by_worker = {w["worker"]: w["samples"] - before.get(w["worker"], 0) for w in workers(p)}
+    assert counted == sent, (status["variants"], by_worker)
+    assert sum(1 for n in by_worker.values() if n > 0) == 2, by_worker
+    assert sum(by_worker.values()) == sent
+    final = wait_for(lambda: (s := p.json("canary", "status", "cust006"))["status"] != "running" and s, 60,
+                     "the canary decision")
+    assert final["status"] == "rolled_back", final["history"][-3:]
+    assert final["serving"] == "cust006"
