@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.shadow_overhead import cpu_seconds, summarize
-from control_plane.demo_fleet import FleetSpec, generate_fleet
+from control_plane.demo.fleet import FleetSpec, generate_fleet
 from tests.product import Product
 
 PRIMARY, CANDIDATE = "cust001", "cust002"

@@ -35,14 +35,14 @@ sys.path.insert(0, str(ROOT))
 
 import requests  # noqa: E402
 
-from control_plane.cold_store import (  # noqa: E402
+from control_plane.tiers.cold import (  # noqa: E402
     LocalDirStore,
     S3Config,
     S3Store,
     download_verified,
     publish,
 )
-from control_plane.triton_process import free_port  # noqa: E402
+from control_plane.triton.process import free_port  # noqa: E402
 
 MB = 1_000_000
 BUCKET = "bench"

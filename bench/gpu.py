@@ -78,7 +78,7 @@ def swap_in_section() -> dict:
 
 
 def load_evict_section(model_size_mb: float, cycles: int) -> dict:
-    from control_plane.demo_fleet import FleetSpec, generate_fleet, hidden_dim_for_size
+    from control_plane.demo.fleet import FleetSpec, generate_fleet, hidden_dim_for_size
     from tests.product import Product
 
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))

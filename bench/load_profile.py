@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from control_plane.demo_fleet import (  # noqa: E402
+from control_plane.demo.fleet import (  # noqa: E402
     TEMPLATE_DIR,
     FleetSpec,
     generate_fleet,
@@ -41,8 +41,8 @@ from control_plane.demo_fleet import (  # noqa: E402
 )
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec  # noqa: E402
 from control_plane.state_store import StateStore  # noqa: E402
-from control_plane.triton_admin import TritonModelState  # noqa: E402
-from control_plane.triton_process import TritonLaunchConfig, TritonProcess  # noqa: E402
+from control_plane.triton.admin import TritonModelState  # noqa: E402
+from control_plane.triton.process import TritonLaunchConfig, TritonProcess  # noqa: E402
 
 # The wrapper the profiled models get as their 1/model.py.  It adds no work to the model's
 # own path but the timestamps.
@@ -182,7 +182,7 @@ async def profile(proc: TritonProcess, repo: Path, work: Path, names: list[str],
     await mgr.start()
     admin = mgr.servers["triton0"].admin
     timed = Timed(admin)
-    from control_plane.triton_admin import TritonAdmin
+    from control_plane.triton.admin import TritonAdmin
 
     watcher = TritonAdmin(proc.grpc_url)  # its own channel, so polls do not queue behind ours
     rows, refs_rows = [], []

@@ -25,10 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from control_plane.demo_fleet import FleetSpec, generate_fleet, hidden_dim_for_size
+from control_plane.demo.fleet import FleetSpec, generate_fleet, hidden_dim_for_size
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
 from control_plane.state_store import StateStore
-from control_plane.triton_process import TritonLaunchConfig, TritonProcess
+from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 
 
 async def cycles(proc: TritonProcess, repo: Path, work: Path, n: int) -> list[dict]:

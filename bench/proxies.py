@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 
-from control_plane.triton_process import free_port
+from control_plane.triton.process import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 NGINX_PACKAGE = "nginx-light"

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.proxies import NginxGrpcProxy, PassthroughProxy, ensure_nginx, nginx_version
-from control_plane.demo_fleet import FleetSpec, generate_extras, generate_fleet
+from control_plane.demo.fleet import FleetSpec, generate_extras, generate_fleet
 from tests.product import MMCTL, Product
 
 RESULT_FILE = ROOT / "bench" / "results" / "router_latency.json"

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.traces import seed_scenario  # noqa: E402
-from control_plane.demo_fleet import FleetSpec, generate_fleet  # noqa: E402
+from control_plane.demo.fleet import FleetSpec, generate_fleet  # noqa: E402
 from tests.product import Product  # noqa: E402
 
 TOP = 12

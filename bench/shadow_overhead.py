@@ -37,7 +37,7 @@ from tritonclient.grpc import InferInput
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from control_plane.demo_fleet import FleetSpec, generate_extras, generate_fleet
+from control_plane.demo.fleet import FleetSpec, generate_extras, generate_fleet
 from tests.product import Product
 
 PRIMARY = "cust001"

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CapacityExhausted, ControlPlaneError, TritonUnavailable
+from control_plane.domain.errors import CapacityExhausted, ControlPlaneError, TritonUnavailable
 
 log = logging.getLogger(__name__)
 

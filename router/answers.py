@@ -12,12 +12,12 @@ from dataclasses import replace
 import grpc
 from tritonclient.grpc import service_pb2
 
-from control_plane import errors as cp
-from control_plane.errors import ControlPlaneError
+from control_plane.domain import errors as cp
+from control_plane.domain.errors import ControlPlaneError
 
-from .errors import ModelUnavailable, RouterError, UnknownModel, UpstreamError, from_control_plane, parse_version
-from .repository_config import FolderConfig, metadata_from_config, read_folder
-from .routes import ADAPTER_SEPARATOR, Decision, split_adapter
+from router.errors import ModelUnavailable, RouterError, UnknownModel, UpstreamError, from_control_plane, parse_version
+from router.repository_config import FolderConfig, metadata_from_config, read_folder
+from router.routes import ADAPTER_SEPARATOR, Decision, split_adapter
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from .routes import Canary, Route, RouteTable
-from .stats import StatsBook, WindowSummary
+from router.routes import Canary, Route, RouteTable
+from router.stats import StatsBook, WindowSummary
 
 log = logging.getLogger(__name__)
 

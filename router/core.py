@@ -26,12 +26,12 @@ from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from control_plane import errors as cp
-from control_plane.errors import ControlPlaneError
+from control_plane.domain import errors as cp
+from control_plane.domain.errors import ControlPlaneError
 
-from .answers import BYTES_CACHE_MAX, Answers
-from .canary import CanaryController
-from .errors import (
+from router.answers import BYTES_CACHE_MAX, Answers
+from router.canary import CanaryController
+from router.errors import (
     BackendUnavailable,
     InvalidRequest,
     PermissionDenied,
@@ -42,12 +42,12 @@ from .errors import (
     from_control_plane,
     parse_version,
 )
-from .limits import LocalLimiter
-from .public_names import PublicNames
-from .routes import Decision, RouteTable
-from .serving_state import UNLOADED_PREFIX, LocalState, ServerAddress, ServingState
-from .shadow import ShadowItem, ShadowMirror, outputs_of
-from .stats import StatsBook
+from router.limits import LocalLimiter
+from router.public_names import PublicNames
+from router.routes import Decision, RouteTable
+from router.serving_state import UNLOADED_PREFIX, LocalState, ServerAddress, ServingState
+from router.shadow import ShadowItem, ShadowMirror, outputs_of
+from router.stats import StatsBook
 
 log = logging.getLogger(__name__)
 

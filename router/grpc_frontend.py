@@ -13,8 +13,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from .core import GRPC_MESSAGE_LIMIT_BYTES, Router
-from .errors import PermissionDenied, RateLimited, RouterError
+from router.core import GRPC_MESSAGE_LIMIT_BYTES, Router
+from router.errors import PermissionDenied, RateLimited, RouterError
 
 log = logging.getLogger(__name__)
 

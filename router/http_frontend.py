@@ -19,10 +19,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from control_plane.errors import ControlPlaneError
+from control_plane.domain.errors import ControlPlaneError
 
-from .core import Router
-from .errors import (
+from router.core import Router
+from router.errors import (
     BackendUnavailable,
     InvalidRequest,
     ModelUnavailable,
@@ -34,10 +34,10 @@ from .errors import (
     from_control_plane,
     parse_version,
 )
-from .grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
-from .http_request import HEADER_LENGTH, read_infer_request, with_adapter
-from .repository_config import triton_json
-from .serving_state import UNLOADED_PREFIX
+from router.grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
+from router.http_request import HEADER_LENGTH, read_infer_request, with_adapter
+from router.repository_config import triton_json
+from router.serving_state import UNLOADED_PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-from .errors import InvalidRequest, PayloadTooLarge
+from router.errors import InvalidRequest, PayloadTooLarge
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # Levels of arrays/objects: a request needs 3 + the tensor's rank ({"inputs": [{"data": ...}]}).

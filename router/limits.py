@@ -11,8 +11,8 @@ import math
 import time
 from collections.abc import Callable
 
-from .errors import RateLimited
-from .ratelimit import TokenBucket
+from router.errors import RateLimited
+from router.ratelimit import TokenBucket
 
 
 def rate_limited(name: str, spec: dict, retry_after_s: float) -> RateLimited:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from .errors import UnknownModel
+from router.errors import UnknownModel
 
 
 class _Version(Protocol):

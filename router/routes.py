@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
-from control_plane.errors import InvalidModelName
-from control_plane.names import validate_model_name
+from control_plane.domain.errors import InvalidModelName
+from control_plane.domain.names import validate_model_name
 from control_plane.state_store import StateStore
 
-from .errors import InvalidRequest, ModelNotFound
+from router.errors import InvalidRequest, ModelNotFound
 
 BUCKETS = 10_000
 ROUTES_KEY = "router.routes"

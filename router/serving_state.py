@@ -74,7 +74,7 @@ class LocalState:
         await asyncio.shield(self.manager.ensure(model))
         server = self.manager.ready_server_of(model)
         if server is None:
-            from .errors import BackendUnavailable
+            from router.errors import BackendUnavailable
 
             raise BackendUnavailable(f"'{model}' was unloaded before the request could be sent; retry")
         return self._address(server)

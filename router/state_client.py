@@ -1,4 +1,4 @@
-"""A router worker's read-only view of the control plane (``control_plane.dataplane_hub``).
+"""A router worker's read-only view of the control plane (``control_plane.admin.dataplane``).
 
 * a versioned snapshot, kept current by a long-poll watch; when the control plane is away
   the worker serves from its last snapshot;
@@ -20,14 +20,14 @@ from pathlib import Path
 
 import aiohttp
 
-from control_plane.errors import ERRORS_BY_CODE, ControlPlaneError
+from control_plane.domain.errors import ERRORS_BY_CODE, ControlPlaneError
 
-from .errors import BackendUnavailable
-from .limits import grant_batch, rate_limited
-from .public_names import PublicNames
-from .ratelimit import TokenBucket
-from .routes import Route, RouteTable
-from .serving_state import ServerAddress
+from router.errors import BackendUnavailable
+from router.limits import grant_batch, rate_limited
+from router.public_names import PublicNames
+from router.ratelimit import TokenBucket
+from router.routes import Route, RouteTable
+from router.serving_state import ServerAddress
 
 log = logging.getLogger(__name__)
 

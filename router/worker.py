@@ -1,7 +1,7 @@
 """One router worker process: the public gRPC and HTTP ports (shared with the other workers
 through SO_REUSEPORT), serving from the control plane's snapshot and nothing else.
 
-Started by ``mmctl up`` (``control_plane.supervisor``), one per ``--router-workers``:
+Started by ``mmctl up`` (``control_plane.runtime.supervisor``), one per ``--router-workers``:
 
     python -m router.worker --control-url http://127.0.0.1:8090 --worker w0 \\
         --grpc-port 8001 --http-port 8000
@@ -21,10 +21,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .core import Router, RouterConfig
-from .grpc_frontend import start_grpc
-from .http_frontend import make_http_app
-from .state_client import GrantedLimiter, RemoteState
+from router.core import Router, RouterConfig
+from router.grpc_frontend import start_grpc
+from router.http_frontend import make_http_app
+from router.state_client import GrantedLimiter, RemoteState
 
 log = logging.getLogger("router.worker")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.demo_fleet import (
+from control_plane.demo.fleet import (
     FleetSpec,
     base_weights,
     customer_weights,
@@ -17,7 +17,7 @@ from control_plane.demo_fleet import (
     generate_fleet,
     write_model,
 )
-from control_plane.triton_process import TritonLaunchConfig, TritonProcess
+from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 
 SMALL = FleetSpec(count=8, hidden_dim=32, hidden_layers=1)
 

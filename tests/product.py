@@ -12,7 +12,7 @@ from pathlib import Path
 
 import requests
 
-from control_plane.triton_process import free_port
+from control_plane.triton.process import free_port
 from tests.conftest import pid_alive
 
 MMCTL = [sys.executable, "-m", "control_plane.cli"]

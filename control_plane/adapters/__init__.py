@@ -35,7 +35,7 @@ restoring and the manifest: blocking file work), ``manager`` (``AdapterManager``
 operations themselves).
 """
 
-from .base import (
+from control_plane.adapters.base import (
     CONFIG_FILE,
     CONTROL_INPUT,
     DEFAULT_ADAPTER_DIR,
@@ -50,11 +50,11 @@ from .base import (
     parse_adapter_ref,
     parse_model_config,
 )
-from .files import AdapterFiles, StagedAdapter
-from .manager import AdapterManager
-from .metrics import AdapterMetrics
-from .rows import _peft_summary, merge_rows, public_tier
-from .store import SCHEMA, AdapterStore
+from control_plane.adapters.files import AdapterFiles, StagedAdapter
+from control_plane.adapters.manager import AdapterManager
+from control_plane.adapters.metrics import AdapterMetrics
+from control_plane.adapters.rows import _peft_summary, merge_rows, public_tier
+from control_plane.adapters.store import SCHEMA, AdapterStore
 
 __all__ = [
     "CONFIG_FILE",

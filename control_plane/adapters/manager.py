@@ -16,19 +16,19 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from ..cold_store import ColdStores
-from ..errors import (
+from control_plane.tiers.cold import ColdStores
+from control_plane.domain.errors import (
     CapacityExhausted,
     ControlPlaneError,
     InvalidInput,
     ModelLoadFailed,
     ModelNotFound,
 )
-from .base import LoraBase, describe_base, parse_adapter_ref
-from .files import AdapterFiles, install, read_base_manifest, remove_tree, write_base_manifest
-from .metrics import AdapterMetrics
-from .rows import _peft_summary, merge_rows
-from .store import AdapterStore
+from control_plane.adapters.base import LoraBase, describe_base, parse_adapter_ref
+from control_plane.adapters.files import AdapterFiles, install, read_base_manifest, remove_tree, write_base_manifest
+from control_plane.adapters.metrics import AdapterMetrics
+from control_plane.adapters.rows import _peft_summary, merge_rows
+from control_plane.adapters.store import AdapterStore
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class AdapterManager:
     async def list(self, base_name: str, refresh: bool = True) -> dict:
         """Registry + directory + manifest, and the live status when the base is loaded.
         Never loads the base."""
-        from ..lora.cache import AdapterSource
+        from control_plane.lora.cache import AdapterSource
 
         base = self.base(base_name)
         live, live_error = None, None
@@ -179,7 +179,7 @@ class AdapterManager:
 
     async def describe(self, base_name: str, name: str, status: dict | None = None) -> dict:
         """One adapter's row (``list``'s), from ``status`` when the caller just got one."""
-        from ..lora.cache import AdapterSource
+        from control_plane.lora.cache import AdapterSource
 
         base = self.base(base_name)
         if status is None:

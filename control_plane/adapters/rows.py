@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from .base import CONFIG_FILE, WEIGHTS_FILE
+from control_plane.adapters.base import CONFIG_FILE, WEIGHTS_FILE
 
 
 def public_tier(tier: str, device: str | None) -> str:

@@ -53,16 +53,16 @@ Modules:
     planner    stage priorities, Resident, Capacity, EvictionPlan, CachePlanner
 """
 
-from .catalog import DEFAULT_POLICY, POLICIES, make_policy
-from .frequency import GDSFPolicy, WTinyLFUHitsPolicy, WTinyLFUPolicy
-from .headroom import (
+from control_plane.eviction.catalog import DEFAULT_POLICY, POLICIES, make_policy
+from control_plane.eviction.frequency import GDSFPolicy, WTinyLFUHitsPolicy, WTinyLFUPolicy
+from control_plane.eviction.headroom import (
     HEADROOM_DEFAULT_MODELS,
     HEADROOM_MAX_FRACTION,
     HEADROOM_MIN_CAPACITY_MODELS,
     Headroom,
     HeadroomSpec,
 )
-from .planner import (
+from control_plane.eviction.planner import (
     DEFAULT_PRIORITY,
     SHADOW_PRIORITY,
     STAGE_PRIORITY,
@@ -72,7 +72,7 @@ from .planner import (
     Resident,
     victim_priority_limit,
 )
-from .policy import EvictionPolicy, LRUPolicy
+from control_plane.eviction.policy import EvictionPolicy, LRUPolicy
 
 __all__ = [
     "DEFAULT_POLICY",

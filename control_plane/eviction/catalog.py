@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .frequency import GDSFPolicy, WTinyLFUHitsPolicy, WTinyLFUPolicy
-from .policy import EvictionPolicy, LRUPolicy
+from control_plane.eviction.frequency import GDSFPolicy, WTinyLFUHitsPolicy, WTinyLFUPolicy
+from control_plane.eviction.policy import EvictionPolicy, LRUPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     LRUPolicy.name: LRUPolicy,

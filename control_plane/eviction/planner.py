@@ -14,15 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..errors import CapacityExhausted
-from .headroom import (
+from control_plane.domain.errors import CapacityExhausted
+from control_plane.eviction.headroom import (
     HEADROOM_DEFAULT_MODELS,
     HEADROOM_MAX_FRACTION,
     HEADROOM_MIN_CAPACITY_MODELS,
     Headroom,
     HeadroomSpec,
 )
-from .policy import EvictionPolicy
+from control_plane.eviction.policy import EvictionPolicy
 
 # Rollout stage -> eviction priority; lower is evicted first, pinned is never evicted.
 STAGE_PRIORITY = {"shadow": 0, "canary": 1, "registered": 2, "production": 2, "retired": 0}

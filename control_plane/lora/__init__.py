@@ -2,7 +2,7 @@
 
 Pure torch, no Triton: the LoRA model folders (``model_repository/tinylm``,
 ``model_repository/recommender_lora``) get a copy of this package as ``<version>/_lora``
-(``control_plane.adapters_demo`` writes it), and the control plane imports it directly to
+(``control_plane.demo.lora`` writes it), and the control plane imports it directly to
 validate adapters and write the manifest.  It must therefore never import the rest of
 ``control_plane``.
 

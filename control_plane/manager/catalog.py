@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..errors import ModelNotFound, TritonUnavailable
-from ..names import validate_model_name
-from .records import ModelRecord, ModelState, TritonServer
-from .state import ManagerState
+from control_plane.domain.errors import ModelNotFound, TritonUnavailable
+from control_plane.domain.names import validate_model_name
+from control_plane.manager.records import ModelRecord, ModelState, TritonServer
+from control_plane.manager.state import ManagerState
 
 UNKNOWN_NAME_TTL_S = 5.0
 UNKNOWN_NAMES_MAX = 10_000

@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..devices import NoMemoryMeter
-from ..errors import ControlPlaneError, InvalidInput
-from ..eviction import (
+from control_plane.triton.devices import NoMemoryMeter
+from control_plane.domain.errors import ControlPlaneError, InvalidInput
+from control_plane.eviction import (
     DEFAULT_POLICY,
     DEFAULT_PRIORITY,
     CachePlanner,
@@ -21,19 +21,19 @@ from ..eviction import (
     HeadroomSpec,
     make_policy,
 )
-from ..metrics import ControlPlaneMetrics
-from ..placement import Placer
-from ..state_store import StateStore
-from ..triton_admin import TritonAdmin, TritonModelState
-from ..triton_process import TritonProcess
-from .catalog import Catalog
-from .leases import Leases
-from .loader import Loader
-from .pins import Pins
-from .reconciler import Reconciler
-from .records import ManagerConfig, ModelRecord, ModelState, ServerSpec, Stager, TritonServer
-from .room import RoomLedger
-from .unloader import Unloader
+from control_plane.metrics import ControlPlaneMetrics
+from control_plane.placement import Placer
+from control_plane.state_store import StateStore
+from control_plane.triton.admin import TritonAdmin, TritonModelState
+from control_plane.triton.process import TritonProcess
+from control_plane.manager.catalog import Catalog
+from control_plane.manager.leases import Leases
+from control_plane.manager.loader import Loader
+from control_plane.manager.pins import Pins
+from control_plane.manager.reconciler import Reconciler
+from control_plane.manager.records import ManagerConfig, ModelRecord, ModelState, ServerSpec, Stager, TritonServer
+from control_plane.manager.room import RoomLedger
+from control_plane.manager.unloader import Unloader
 
 
 class ModelManager(Catalog, Leases, Loader, Unloader, Pins, Reconciler):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from ..errors import ModelLoadFailed
-from ..names import validate_model_name
-from .records import ModelRecord, ModelState, TritonServer
-from .state import ManagerState
+from control_plane.domain.errors import ModelLoadFailed
+from control_plane.domain.names import validate_model_name
+from control_plane.manager.records import ModelRecord, ModelState, TritonServer
+from control_plane.manager.state import ManagerState
 
 
 class Leases(ManagerState):

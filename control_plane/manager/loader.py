@@ -8,20 +8,20 @@ import contextlib
 import logging
 import time
 
-from ..errors import (
+from control_plane.domain.errors import (
     CapacityExhausted,
     ControlPlaneError,
     ModelLoadFailed,
     ModelNotFound,
     OperationTimeout,
 )
-from ..eviction import Resident, victim_priority_limit
-from ..names import validate_model_name
-from ..placement import plan_measured
-from .records import ModelRecord, ModelState, TritonServer
-from .state import ManagerState
-from .unloader import retrieve
-from .warmup import warm_up
+from control_plane.eviction import Resident, victim_priority_limit
+from control_plane.domain.names import validate_model_name
+from control_plane.placement import plan_measured
+from control_plane.manager.records import ModelRecord, ModelState, TritonServer
+from control_plane.manager.state import ManagerState
+from control_plane.manager.unloader import retrieve
+from control_plane.manager.warmup import warm_up
 
 log = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import time
 
-from ..errors import ControlPlaneError
-from ..names import validate_model_name
-from .records import ModelRecord, ModelState
-from .state import ManagerState
+from control_plane.domain.errors import ControlPlaneError
+from control_plane.domain.names import validate_model_name
+from control_plane.manager.records import ModelRecord, ModelState
+from control_plane.manager.state import ManagerState
 
 log = logging.getLogger(__name__)
 

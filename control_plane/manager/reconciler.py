@@ -9,11 +9,11 @@ import contextlib
 import logging
 import time
 
-from ..errors import ControlPlaneError, TritonUnavailable
-from ..eviction import Resident
-from ..triton_admin import TritonModelState
-from .records import ModelRecord, ModelState, TritonServer
-from .state import ManagerState
+from control_plane.domain.errors import ControlPlaneError, TritonUnavailable
+from control_plane.eviction import Resident
+from control_plane.triton.admin import TritonModelState
+from control_plane.manager.records import ModelRecord, ModelState, TritonServer
+from control_plane.manager.state import ManagerState
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import InvalidInput
-from ..eviction import DEFAULT_POLICY, CachePlanner
-from ..triton_admin import TritonAdmin
-from ..triton_process import TritonProcess
+from control_plane.domain.errors import InvalidInput
+from control_plane.eviction import DEFAULT_POLICY, CachePlanner
+from control_plane.triton.admin import TritonAdmin
+from control_plane.triton.process import TritonProcess
 
 
 class ModelState(str, enum.Enum):

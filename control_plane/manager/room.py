@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from .records import ManagerConfig, TritonServer
+from control_plane.manager.records import ManagerConfig, TritonServer
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ import contextlib
 import logging
 import time
 
-from ..errors import ControlPlaneError, InvalidInput
-from .records import ModelRecord, ModelState, TritonServer
-from .state import ManagerState
+from control_plane.domain.errors import ControlPlaneError, InvalidInput
+from control_plane.manager.records import ModelRecord, ModelState, TritonServer
+from control_plane.manager.state import ManagerState
 
 log = logging.getLogger(__name__)
 

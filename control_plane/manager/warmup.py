@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .records import ManagerConfig, TritonServer
+from control_plane.manager.records import ManagerConfig, TritonServer
 
 
 async def warm_up(server: TritonServer, name: str, config: ManagerConfig,

@@ -31,17 +31,17 @@ tables and their migrations), ``artifacts`` (checking and registering a cold-sto
 the eviction priority of loaded models).
 """
 
-from .artifacts import check_model_config, check_model_folder, register_version
-from .priorities import apply_stage_priorities, resident_priority_updater
-from .repository import (
+from control_plane.registry.artifacts import check_model_config, check_model_folder, register_version
+from control_plane.registry.priorities import apply_stage_priorities, resident_priority_updater
+from control_plane.registry.repository import (
     _WARM_MANIFEST,
     FoundFolder,
     add_repository_versions,
     collect_repository,
     register_repository,
 )
-from .store import MIGRATIONS, SCHEMA, Registry
-from .versions import (
+from control_plane.registry.store import MIGRATIONS, SCHEMA, Registry
+from control_plane.registry.versions import (
     DEFAULT_SLA,
     REPOSITORY_SCHEME,
     SLA_CLASSES,

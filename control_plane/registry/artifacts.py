@@ -7,12 +7,12 @@ import asyncio
 from collections.abc import Iterable
 from pathlib import Path
 
-from .. import model_config
-from ..cold_store import inspect, normalize_sha256, publish
-from ..errors import InvalidInput
-from ..names import validate_model_name
-from .store import Registry
-from .versions import DEFAULT_SLA, ModelVersion, concrete_name
+from control_plane.domain import model_config
+from control_plane.tiers.cold import inspect, normalize_sha256, publish
+from control_plane.domain.errors import InvalidInput
+from control_plane.domain.names import validate_model_name
+from control_plane.registry.store import Registry
+from control_plane.registry.versions import DEFAULT_SLA, ModelVersion, concrete_name
 
 
 def check_model_config(text: str, where: str, names: Iterable[str]) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
-from .store import Registry
+from control_plane.eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
+from control_plane.registry.store import Registry
 
 
 def resident_priority_updater(manager) -> Callable[[str, str], None]:

@@ -9,10 +9,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ControlPlaneError
-from ..names import validate_model_name
-from .store import Registry
-from .versions import ModelVersion, parse_concrete, repository_uri
+from control_plane.domain.errors import ControlPlaneError
+from control_plane.domain.names import validate_model_name
+from control_plane.registry.store import Registry
+from control_plane.registry.versions import ModelVersion, parse_concrete, repository_uri
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def collect_repository(registry: Registry, repository: Path,
                        versions: dict[str, tuple[str, int]] | None = None) -> list[FoundFolder]:
     """The unregistered model folders of ``repository`` with their sha256 (blocking: reads
     every new file once).  Reads the registry only, so it may run in a thread."""
-    from ..cold_store import folder_manifest, manifest_digest
+    from control_plane.tiers.cold import folder_manifest, manifest_digest
 
     versions = versions or {}
     known = registry.concrete_names(include_retired=True)

@@ -10,11 +10,11 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator
 
-from ..cold_store import normalize_sha256
-from ..errors import InvalidInput, ModelNotFound
-from ..eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
-from ..names import MAX_NAME_LENGTH, validate_model_name
-from .versions import (
+from control_plane.tiers.cold import normalize_sha256
+from control_plane.domain.errors import InvalidInput, ModelNotFound
+from control_plane.eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
+from control_plane.domain.names import MAX_NAME_LENGTH, validate_model_name
+from control_plane.registry.versions import (
     DEFAULT_SLA,
     SLA_CLASSES,
     STAGES,

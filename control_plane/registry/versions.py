@@ -7,8 +7,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from ..errors import InvalidInput
-from ..names import validate_model_name
+from control_plane.domain.errors import InvalidInput
+from control_plane.domain.names import validate_model_name
 
 STAGES = ("registered", "shadow", "canary", "production", "retired")
 SLA_CLASSES = ("gold", "silver", "bronze")

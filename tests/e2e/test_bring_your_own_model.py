@@ -15,7 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from control_plane.cold_store import folder_sha256
+from control_plane.tiers.cold import folder_sha256
 from tests.product import Product
 
 pytestmark = pytest.mark.integration

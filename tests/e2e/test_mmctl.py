@@ -13,7 +13,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
-from control_plane.triton_process import free_port
+from control_plane.triton.process import free_port
 from tests.conftest import pid_alive
 from tests.product import MMCTL, Product
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.triton_process import free_port
+from control_plane.triton.process import free_port
 from tests.product import Product
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from control_plane.triton_process import free_port
+from control_plane.triton.process import free_port
 from tests.conftest import pid_alive
 from tests.product import Product
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.warm_tier import default_warm_repository, tmpfs_warm_root
+from control_plane.tiers.warm import default_warm_repository, tmpfs_warm_root
 from tests.product import Product
 
 pytestmark = pytest.mark.integration

@@ -15,9 +15,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from control_plane.adapters_demo import LoraDemoSpec, write_demo_adapter, write_lora_model
+from control_plane.demo.lora import LoraDemoSpec, write_demo_adapter, write_lora_model
 from control_plane.lora.models import TinyLMConfig
-from control_plane.triton_process import which_tritonserver
+from control_plane.triton.process import which_tritonserver
 from tests.product import Product
 
 pytestmark = [

@@ -9,7 +9,7 @@ import threading
 import boto3
 import pytest
 
-from control_plane.cold_store import (
+from control_plane.tiers.cold import (
     MANIFEST_NAME,
     S3Config,
     S3Store,
@@ -17,8 +17,8 @@ from control_plane.cold_store import (
     folder_sha256,
     publish,
 )
-from control_plane.errors import ModelLoadFailed
-from control_plane.triton_process import free_port
+from control_plane.domain.errors import ModelLoadFailed
+from control_plane.triton.process import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ import time
 import pytest
 import tritonclient.grpc as grpcclient
 
-from control_plane.errors import ControlPlaneError
+from control_plane.domain.errors import ControlPlaneError
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.state_store import StateStore
 

@@ -23,7 +23,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from control_plane.triton_process import TritonLaunchConfig, TritonProcess
+from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 from tests.product import Product
 
 pytestmark = pytest.mark.integration

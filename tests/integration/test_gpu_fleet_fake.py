@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.errors import ModelLoadFailed
+from control_plane.domain.errors import ModelLoadFailed
 from control_plane.placement import instance_kind_override
-from control_plane.triton_admin import TritonAdmin
+from control_plane.triton.admin import TritonAdmin
 from tests.conftest import run
 from tests.product import Product
 

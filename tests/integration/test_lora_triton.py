@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from control_plane.adapters_demo import LoraDemoSpec, generate_lora_demo, write_demo_adapter
+from control_plane.demo.lora import LoraDemoSpec, generate_lora_demo, write_demo_adapter
 from control_plane.lora.manifest import Manifest, write_manifest
 from control_plane.lora.models import load_recommender, load_tinylm
 from control_plane.lora.runtime import (
@@ -24,7 +24,7 @@ from control_plane.lora.runtime import (
     tinylm_runner,
 )
 from control_plane.lora.server import Job
-from control_plane.triton_process import TritonLaunchConfig, TritonProcess, which_tritonserver
+from control_plane.triton.process import TritonLaunchConfig, TritonProcess, which_tritonserver
 
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException

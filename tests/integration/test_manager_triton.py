@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from control_plane.errors import (
+from control_plane.domain.errors import (
     CapacityExhausted,
     InvalidModelName,
     ModelLoadFailed,
@@ -19,7 +19,7 @@ from control_plane.errors import (
 )
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.state_store import StateStore
-from control_plane.triton_process import free_port
+from control_plane.triton.process import free_port
 from tests.conftest import run, triton_log_count
 
 pytestmark = pytest.mark.integration

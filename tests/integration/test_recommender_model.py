@@ -8,7 +8,7 @@ import torch
 import tritonclient.grpc as grpcclient
 from safetensors.torch import load_file
 
-from control_plane.demo_fleet import WEIGHTS_FILE
+from control_plane.demo.fleet import WEIGHTS_FILE
 
 pytestmark = pytest.mark.integration
 

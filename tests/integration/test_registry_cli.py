@@ -11,15 +11,15 @@ import pytest
 from aiohttp import web
 from click.testing import CliRunner
 
-from control_plane.admin_api import error_middleware
-from control_plane.admin_registry import add_registry_routes
-from control_plane.cli_common import Api
-from control_plane.cli_registry import registry as registry_cli
-from control_plane.cold_store import ColdStores, LocalDirStore, folder_sha256
+from control_plane.admin.api import error_middleware
+from control_plane.admin.registry_routes import add_registry_routes
+from control_plane.cli.common import Api
+from control_plane.cli.registry import registry as registry_cli
+from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256
 from control_plane.registry import Registry
 from control_plane.state_store import StateStore
-from control_plane.triton_process import free_port
-from control_plane.warm_tier import WarmTier
+from control_plane.triton.process import free_port
+from control_plane.tiers.warm import WarmTier
 
 pytestmark = pytest.mark.integration
 
@@ -223,7 +223,7 @@ def test_stage_reports_a_corrupt_artifact(admin, fleet_template):
 
 
 def test_the_demo_fleet_is_registered_at_first_start_and_only_once(tmp_path):
-    from control_plane.service import Service, ServiceConfig
+    from control_plane.runtime.service import Service, ServiceConfig
 
     store = StateStore(tmp_path / "state.db")
     service = Service(ServiceConfig(state_dir=tmp_path / "state", fleet_size=3))

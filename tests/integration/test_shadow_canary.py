@@ -15,7 +15,7 @@ import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from control_plane.demo_fleet import base_weights, customer_weights, write_model
+from control_plane.demo.fleet import base_weights, customer_weights, write_model
 from tests.conftest import SMALL
 from tests.product import Product
 

@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from control_plane.cold_store import ColdStores, LocalDirStore, S3Config, S3Store, publish
-from control_plane.demo_fleet import FleetSpec, base_weights, customer_weights, write_model
-from control_plane.errors import CapacityExhausted, ModelLoadFailed
+from control_plane.tiers.cold import ColdStores, LocalDirStore, S3Config, S3Store, publish
+from control_plane.demo.fleet import FleetSpec, base_weights, customer_weights, write_model
+from control_plane.domain.errors import CapacityExhausted, ModelLoadFailed
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.placement import Placer, ServerLabels, registry_facts
 from control_plane.registry import Registry
 from control_plane.state_store import StateStore
-from control_plane.triton_process import TritonLaunchConfig, TritonProcess, free_port
-from control_plane.warm_tier import WarmTier
+from control_plane.triton.process import TritonLaunchConfig, TritonProcess, free_port
+from control_plane.tiers.warm import WarmTier
 from tests.conftest import pid_alive, run, triton_log_count
 
 pytestmark = pytest.mark.integration
@@ -254,10 +254,10 @@ def test_placement_across_mig_standins(fleet_template, tiers_factory, tmp_path):
 CRASHING_STAGER = textwrap.dedent("""
     import os, signal, sys, asyncio
     from pathlib import Path
-    from control_plane.cold_store import ColdStores, S3Config, S3Store
+    from control_plane.tiers.cold import ColdStores, S3Config, S3Store
     from control_plane.registry import Registry
     from control_plane.state_store import StateStore
-    from control_plane.warm_tier import WarmTier, tier
+    from control_plane.tiers.warm import WarmTier, tier
 
     state, repo, endpoint = sys.argv[1:4]
     s3 = S3Store(S3Config(bucket="models", endpoint_url=endpoint, access_key_id="testing",
@@ -359,12 +359,12 @@ def triton_log_count_path(path: Path, needle: str) -> int:
 CONTROL_PLANE = textwrap.dedent("""
     import asyncio, sys
     from pathlib import Path
-    from control_plane.cold_store import ColdStores, S3Config, S3Store
+    from control_plane.tiers.cold import ColdStores, S3Config, S3Store
     from control_plane.manager import ModelManager, ServerSpec
     from control_plane.registry import Registry
     from control_plane.state_store import StateStore
-    from control_plane.triton_process import TritonLaunchConfig, TritonProcess
-    from control_plane.warm_tier import WarmTier
+    from control_plane.triton.process import TritonLaunchConfig, TritonProcess
+    from control_plane.tiers.warm import WarmTier
 
     state, repo, endpoint, work = sys.argv[1:5]
     s3 = S3Store(S3Config(bucket="models", endpoint_url=endpoint, access_key_id="testing",

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from control_plane.triton_process import TritonLaunchConfig, TritonProcess, which_tritonserver
+from control_plane.triton.process import TritonLaunchConfig, TritonProcess, which_tritonserver
 
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
 tritonclient_http = pytest.importorskip("tritonclient.http")

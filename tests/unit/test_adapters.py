@@ -21,14 +21,14 @@ from control_plane.adapters import (
     parse_model_config,
     public_tier,
 )
-from control_plane.adapters_demo import (
+from control_plane.demo.lora import (
     REPO_MODELS,
     LoraDemoSpec,
     write_demo_adapter,
     write_lora_model,
 )
-from control_plane.cold_store import ColdStores, LocalDirStore, folder_sha256
-from control_plane.errors import CapacityExhausted, InvalidInput, InvalidModelName, ModelNotFound
+from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256
+from control_plane.domain.errors import CapacityExhausted, InvalidInput, InvalidModelName, ModelNotFound
 from control_plane.lora.manifest import read_manifest
 from control_plane.lora.models import TinyLMConfig
 from router.core import Router
@@ -124,7 +124,7 @@ def test_merge_rows_prefers_live_status_and_falls_back_to_registry_and_disk():
 
 def test_cold_summary_matches_the_loaded_adapter(tmp_path):
     from control_plane.adapters import _peft_summary
-    from control_plane.adapters_demo import base_targets
+    from control_plane.demo.lora import base_targets
     from control_plane.lora.peft import read_adapter
 
     path = write_demo_adapter(tmp_path, "tinylm", "acme", rank=4, spec=SPEC)

@@ -12,14 +12,14 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from control_plane.admin_api import (
+from control_plane.admin.api import (
     AdminAccess,
     access_for,
     access_middleware,
     ensure_token_file,
     error_middleware,
 )
-from control_plane.cli_common import find_token
+from control_plane.cli.common import find_token
 
 TOKEN = "s3cret-token"
 ACCESS = AdminAccess(token=TOKEN, bind_host="127.0.0.1")
@@ -163,7 +163,7 @@ def test_mmctl_finds_the_token_in_env_then_file(tmp_path, monkeypatch):
 def test_mmctl_sends_json_and_the_token(monkeypatch, tmp_path):
     import requests
 
-    from control_plane.cli_common import Api
+    from control_plane.cli.common import Api
 
     sent = []
 

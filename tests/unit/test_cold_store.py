@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.cold_store import (
+from control_plane.tiers.cold import (
     MANIFEST_NAME,
     LocalDirStore,
     download_verified,
@@ -20,7 +20,7 @@ from control_plane.cold_store import (
     normalize_sha256,
     publish,
 )
-from control_plane.errors import InvalidInput, ModelLoadFailed, ModelNotFound
+from control_plane.domain.errors import InvalidInput, ModelLoadFailed, ModelNotFound
 
 
 def make_folder(root: Path, name: str = "m", weights: bytes = b"w" * 5000) -> Path:
@@ -174,7 +174,7 @@ def test_manifest_with_escaping_path_is_refused(tmp_path):
 
 
 def test_s3_config_repr_never_shows_the_secret():
-    from control_plane.cold_store import S3Config
+    from control_plane.tiers.cold import S3Config
 
     config = S3Config.from_env({"MMS_S3_BUCKET": "models", "MMS_S3_ACCESS_KEY_ID": "AKIAEXAMPLE",
                                 "MMS_S3_SECRET_ACCESS_KEY": "wJalrXUtnFEMI-very-secret"})

@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from control_plane.cold_store import (
+from control_plane.tiers.cold import (
     MANIFEST_NAME,
     S3Config,
     S3Store,
     download_verified,
     manifest_digest,
 )
-from control_plane.errors import InvalidInput, ModelLoadFailed
+from control_plane.domain.errors import InvalidInput, ModelLoadFailed
 
 DATA = bytes(range(256)) * 4096  # 1 MiB
 

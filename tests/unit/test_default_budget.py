@@ -3,14 +3,14 @@ machine: a share of host RAM on CPU, the GPU's memory less a reserve where there
 
 from __future__ import annotations
 
-from control_plane.devices import (
+from control_plane.triton.devices import (
     GPU_RESERVE_MIN_BYTES,
     HOST_MEMORY_FRACTION,
     Device,
     default_memory_budget,
     host_memory_bytes,
 )
-from control_plane.service import Service, ServiceConfig
+from control_plane.runtime.service import Service, ServiceConfig
 
 GiB = 1 << 30
 MEMINFO = "MemTotal:       16384000 kB\nMemFree:         1000000 kB\n"

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from control_plane.devices import (
+from control_plane.triton.devices import (
     Device,
     GpuMemoryProbe,
     MemoryReconciler,
@@ -16,7 +16,7 @@ from control_plane.devices import (
     discover,
     discover_or_config,
 )
-from control_plane.errors import InvalidInput
+from control_plane.domain.errors import InvalidInput
 from control_plane.eviction import CachePlanner, Capacity, Resident, make_policy
 from control_plane.manager import ModelRecord, ModelState
 
@@ -170,7 +170,7 @@ def test_reconciler_skips_cpu_and_down_servers():
 
 
 def test_stub_model_ignores_paths_outside_the_repository(tmp_path):
-    from control_plane.devices import _stub_model
+    from control_plane.triton.devices import _stub_model
     assert _stub_model(["/x/triton_python_backend_stub", "/elsewhere/m/1/model.py"], tmp_path) is None
     assert _stub_model([], tmp_path) is None
     assert _stub_model(["/x/triton_python_backend_stub", str(tmp_path / "m" / "1" / "model.py")],
@@ -180,7 +180,7 @@ def test_stub_model_ignores_paths_outside_the_repository(tmp_path):
 def test_probe_for_looks_gpu_and_mig_devices_up_by_uuid(tmp_path):
     nvml = FakeNVML()
     nvml.nvmlDeviceGetHandleByUUID = lambda uuid: ("by-uuid", uuid)
-    from control_plane.devices import probe_for
+    from control_plane.triton.devices import probe_for
     mig = discover(nvml)[1]
     probe = probe_for(mig, nvml, tmp_path)
     assert probe.handle == ("by-uuid", "MIG-s0") and probe.repository == tmp_path
@@ -190,8 +190,8 @@ def test_probe_for_looks_gpu_and_mig_devices_up_by_uuid(tmp_path):
 
 # --------------------------------------------------------------------------- mmctl up options
 def test_service_discovers_through_the_injected_nvml_and_checks_devices(tmp_path):
-    from control_plane.fake_nvml import FakeGpu, FakeNVML
-    from control_plane.service import Service, ServiceConfig
+    from control_plane.triton.fake_nvml import FakeGpu, FakeNVML
+    from control_plane.runtime.service import Service, ServiceConfig
 
     fake = FakeNVML([FakeGpu("GPU-0", "H100", 80 * GiB), FakeGpu("GPU-1", "H100", 80 * GiB)])
     assert [d.id for d in Service(ServiceConfig(state_dir=tmp_path, nvml=fake)).discover_devices()] == [
@@ -215,7 +215,7 @@ def test_service_discovers_through_the_injected_nvml_and_checks_devices(tmp_path
 def test_device_budget_option_parsing():
     import click
 
-    from control_plane.cli import _device_budgets
+    from control_plane.cli.main import _device_budgets
 
     assert _device_budgets(("gpu0=60GiB", "gpu1/mig2 = 8GiB")) == {"gpu0": 60 * GiB, "gpu1/mig2": 8 * GiB}
     for bad in ("gpu0", "=5GiB", "gpu0=", "gpu0=lots"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.errors import CapacityExhausted
+from control_plane.domain.errors import CapacityExhausted
 from control_plane.eviction import (
     STAGE_PRIORITY,
     CachePlanner,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.errors import CapacityExhausted
+from control_plane.domain.errors import CapacityExhausted
 from control_plane.eviction import (
     DEFAULT_POLICY,
     POLICIES,
@@ -23,7 +23,7 @@ from control_plane.eviction import (
     WTinyLFUPolicy,
     make_policy,
 )
-from control_plane.eviction_sketch import FrequencySketch
+from control_plane.eviction.sketch import FrequencySketch
 
 ALL = sorted(POLICIES)
 

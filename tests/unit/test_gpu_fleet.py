@@ -9,15 +9,15 @@ import itertools
 
 import pytest
 
-from control_plane.devices import (
+from control_plane.triton.devices import (
     GpuMemoryMeter,
     device_servers,
     discover,
     select_devices,
     server_name,
 )
-from control_plane.errors import CapacityExhausted, InvalidInput
-from control_plane.fake_nvml import FakeGpu, FakeMig, FakeNVML, from_spec, from_test_hook
+from control_plane.domain.errors import CapacityExhausted, InvalidInput
+from control_plane.triton.fake_nvml import FakeGpu, FakeMig, FakeNVML, from_spec, from_test_hook
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.placement import ModelFacts, Placer, ServerLabels
 from control_plane.state_store import StateStore

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from control_plane.adapters_demo import LoraDemoSpec, base_targets, write_demo_adapter
+from control_plane.demo.lora import LoraDemoSpec, base_targets, write_demo_adapter
 from control_plane.lora.errors import AdapterRefused, InvalidAdapterName, InvalidRequest
 from control_plane.lora.manifest import Manifest, ManifestWatcher, read_manifest, write_manifest
 from control_plane.lora.models import TinyLMConfig

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from control_plane.errors import CapacityExhausted, InvalidInput
+from control_plane.domain.errors import CapacityExhausted, InvalidInput
 from control_plane.eviction import STAGE_PRIORITY
 from control_plane.manager import (
     ManagerConfig,
@@ -17,7 +17,7 @@ from control_plane.manager import (
     host_available_bytes,
 )
 from control_plane.state_store import StateStore
-from control_plane.triton_admin import TritonModelState
+from control_plane.triton.admin import TritonModelState
 from tests.conftest import run
 from tests.unit.test_manager_unit import FakeAdmin
 

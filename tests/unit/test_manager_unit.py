@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from control_plane.errors import (
+from control_plane.domain.errors import (
     CapacityExhausted,
     ModelLoadFailed,
     ModelNotFound,
@@ -17,7 +17,7 @@ from control_plane.errors import (
 from control_plane.eviction import STAGE_PRIORITY
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.state_store import StateStore
-from control_plane.triton_admin import IndexEntry, TritonModelState
+from control_plane.triton.admin import IndexEntry, TritonModelState
 from tests.conftest import run
 
 
@@ -49,7 +49,7 @@ class FakeAdmin:
         self.states[model] = TritonModelState.READY
 
     async def warmup_plan(self, model):
-        from control_plane.triton_admin import WarmupPlan
+        from control_plane.triton.admin import WarmupPlan
 
         return self.plans.get(model, WarmupPlan(model_samples=0, synthetic_enabled=True))
 
@@ -515,7 +515,7 @@ def test_a_shadow_does_not_wait_for_room_held_by_production_loads(tmp_path):
 
 # --------------------------------------------------------------------------- warm-up
 def test_a_model_with_its_own_warmup_gets_no_synthetic_one(tmp_path):
-    from control_plane.triton_admin import WarmupPlan
+    from control_plane.triton.admin import WarmupPlan
 
     async def go():
         mgr, admin = make(tmp_path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 from click.testing import CliRunner
 
-from control_plane.cli import cli
+from control_plane.cli.main import cli
 from control_plane.eviction import DEFAULT_POLICY, POLICIES
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane import model_config
+from control_plane.domain import model_config
 from control_plane.adapters import describe_base
-from control_plane.adapters_demo import RECOMMENDER, TINYLM, LoraDemoSpec
-from control_plane.adapters_demo import render_config as render_lora_config
-from control_plane.demo_fleet import FleetSpec
-from control_plane.demo_fleet import render_config as render_fleet_config
-from control_plane.errors import InvalidInput
+from control_plane.demo.lora import RECOMMENDER, TINYLM, LoraDemoSpec
+from control_plane.demo.lora import render_config as render_lora_config
+from control_plane.demo.fleet import FleetSpec
+from control_plane.demo.fleet import render_config as render_fleet_config
+from control_plane.domain.errors import InvalidInput
 from control_plane.registry import check_model_config
 
 # What Triton accepts and a line pattern does not expect: a comment before the name, the

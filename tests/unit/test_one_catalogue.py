@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from control_plane import admin_api
-from control_plane.admin_api import make_app
-from control_plane.errors import InvalidInput, ModelNotFound
+from control_plane.admin import api as admin_api
+from control_plane.admin.api import make_app
+from control_plane.domain.errors import InvalidInput, ModelNotFound
 from control_plane.registry import register_repository
 from tests.conftest import run
 from tests.unit.test_warm_tier import Env, make_folder

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.errors import CapacityExhausted, TritonUnavailable
+from control_plane.domain.errors import CapacityExhausted, TritonUnavailable
 from control_plane.eviction import CachePlanner, Capacity, Resident, make_policy
 from control_plane.manager import ModelManager, ServerSpec
 from control_plane.placement import (

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from control_plane.errors import CapacityExhausted
+from control_plane.domain.errors import CapacityExhausted
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
 from control_plane.promotion import AUTO_PINS_KEY, Promoter, TrafficTracker, counter_by_label
 from control_plane.registry import Registry, resident_priority_updater

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.cold_store import folder_sha256
-from control_plane.errors import InvalidInput, InvalidModelName, ModelNotFound
+from control_plane.tiers.cold import folder_sha256
+from control_plane.domain.errors import InvalidInput, InvalidModelName, ModelNotFound
 from control_plane.eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
-from control_plane.names import validate_model_name
+from control_plane.domain.names import validate_model_name
 from control_plane.registry import (
     _WARM_MANIFEST,
     SCHEMA,
@@ -18,7 +18,7 @@ from control_plane.registry import (
     register_repository,
 )
 from control_plane.state_store import StateStore
-from control_plane.warm_tier import WARM_MANIFEST
+from control_plane.tiers.warm import WARM_MANIFEST
 
 SHA = "ab" * 32
 
@@ -320,7 +320,7 @@ def test_register_repository_takes_the_next_version_when_one_is_taken(tmp_path, 
 
 
 def test_demo_versions_name_the_demo_variants():
-    from control_plane.demo_fleet import DEMO_VARIANTS, DEMO_VERSIONS
+    from control_plane.demo.fleet import DEMO_VARIANTS, DEMO_VERSIONS
 
     assert {name for name, _params in DEMO_VARIANTS} == set(DEMO_VERSIONS)
     assert _WARM_MANIFEST == WARM_MANIFEST

@@ -11,10 +11,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-import router.admin as router_admin
-from control_plane.admin_api import error_middleware
-from control_plane.errors import ModelNotFound as CpModelNotFound
-from router.admin import ROUTER_ADMIN_KEY, alias_set, limit_set, router_errors
+import control_plane.admin.rollout_routes as router_admin
+from control_plane.admin.api import error_middleware
+from control_plane.domain.errors import ModelNotFound as CpModelNotFound
+from control_plane.admin.rollout_routes import ROUTER_ADMIN_KEY, alias_set, limit_set, router_errors
 from router.routes import RouteTable
 
 

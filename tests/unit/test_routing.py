@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from control_plane.errors import InvalidModelName
+from control_plane.domain.errors import InvalidModelName
 from router.canary import CanaryController
 from router.errors import InvalidRequest
 from router.ratelimit import TokenBucket

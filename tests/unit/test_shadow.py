@@ -13,7 +13,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from router import shadow
-from router.admin import shadow_start
+from control_plane.admin.rollout_routes import shadow_start
 from router.routes import RouteTable
 from router.shadow import ShadowItem, ShadowMirror
 from tests.conftest import run

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from control_plane.errors import (
+from control_plane.domain.errors import (
     ControlPlaneError,
     ModelLoadFailed,
     OperationTimeout,
     TritonUnavailable,
 )
-from control_plane.triton_admin import TritonAdmin
+from control_plane.triton.admin import TritonAdmin
 from tests.conftest import run
 
 
@@ -85,7 +85,7 @@ def parsed(text: str):
 
 
 def test_warmup_plan_follows_the_models_config():
-    from control_plane.triton_admin import warmup_plan
+    from control_plane.triton.admin import warmup_plan
 
     plain = warmup_plan(parsed(PICKY))
     assert plain.model_samples == 0 and plain.synthetic_enabled

@@ -4,8 +4,8 @@ import pytest
 
 
 def test_triton_that_dies_while_starting_is_started_once_more(tmp_path, monkeypatch):
-    from control_plane.errors import TritonUnavailable
-    from control_plane.triton_process import TritonLaunchConfig, TritonProcess
+    from control_plane.domain.errors import TritonUnavailable
+    from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 
     class DeadProc:
         returncode = -6
@@ -42,7 +42,7 @@ def test_stub_environment_activates_this_interpreters_environment(monkeypatch):
     import sys
     from pathlib import Path
 
-    from control_plane.triton_process import stub_environment
+    from control_plane.triton.process import stub_environment
 
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     env = stub_environment()
@@ -59,7 +59,7 @@ def _previous_life(tmp_path, child, grace_s=0.5):
     """A TritonProcess whose pid file names ``child`` as the Triton of a previous run."""
     import json
 
-    from control_plane.triton_process import TritonLaunchConfig, TritonProcess, process_start_ticks
+    from control_plane.triton.process import TritonLaunchConfig, TritonProcess, process_start_ticks
 
     pid_file = tmp_path / "triton0.pid"
     pid_file.write_text(json.dumps({"pid": child.pid, "start_ticks": process_start_ticks(child.pid)}))
@@ -78,7 +78,7 @@ def _child(code):
 
 
 def test_start_waits_for_the_previous_triton_that_exits_on_sigterm(tmp_path):
-    from control_plane.triton_process import process_start_ticks
+    from control_plane.triton.process import process_start_ticks
 
     child = _child("import time; time.sleep(60)")
     proc, pid_file = _previous_life(tmp_path, child, grace_s=10)
@@ -119,7 +119,7 @@ def test_a_reused_pid_is_never_signalled(tmp_path):
 
 
 def test_an_unreadable_pid_file_is_ignored(tmp_path):
-    from control_plane.triton_process import TritonLaunchConfig, TritonProcess
+    from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 
     pid_file = tmp_path / "triton0.pid"
     pid_file.write_text("not json")
@@ -132,8 +132,8 @@ def test_launch_forks_without_preexec_fn_in_its_own_session(tmp_path, monkeypatc
     exec wrapper instead, and Triton gets its own session (Ctrl-C reaches the control plane)."""
     import subprocess
 
-    from control_plane import triton_process
-    from control_plane.triton_process import TritonLaunchConfig, TritonProcess
+    from control_plane.triton import process as triton_process
+    from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 
     seen = {}
 
@@ -165,7 +165,7 @@ def test_child_of_the_exec_wrapper_dies_with_a_threaded_parent(tmp_path):
 
     parent_code = (
         "import subprocess, sys, threading, time\n"
-        "from control_plane.triton_process import with_parent_death_signal\n"
+        "from control_plane.triton.process import with_parent_death_signal\n"
         "for _ in range(4): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
         "child = subprocess.Popen(with_parent_death_signal(['/bin/sleep', '60']))\n"
         "print(child.pid, flush=True)\n"
@@ -194,7 +194,7 @@ def test_exec_wrapper_refuses_to_start_when_its_parent_is_already_gone():
     import subprocess
     import sys
 
-    from control_plane.triton_process import _PDEATHSIG_EXEC
+    from control_plane.triton.process import _PDEATHSIG_EXEC
 
     out = subprocess.run([sys.executable, "-I", "-S", "-c", _PDEATHSIG_EXEC, "1", "/bin/echo", "started"],
                          check=False, capture_output=True, text=True, timeout=10)
@@ -207,8 +207,8 @@ def test_triton_gets_an_allow_listed_environment_without_secrets(tmp_path, monke
     MMS_S3_*, no tokens; what Triton and torch need (PATH, LD_*, CUDA_*, locale) passes."""
     import subprocess
 
-    from control_plane import triton_process
-    from control_plane.triton_process import TritonLaunchConfig, TritonProcess
+    from control_plane.triton import process as triton_process
+    from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 
     secrets = {
         "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE", "AWS_SECRET_ACCESS_KEY": "aws-secret",

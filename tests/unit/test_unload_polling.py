@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from control_plane.triton_admin import IndexEntry, TritonAdmin, TritonModelState
+from control_plane.triton.admin import IndexEntry, TritonAdmin, TritonModelState
 from tests.conftest import run
 
 

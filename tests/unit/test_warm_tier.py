@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.cold_store import ColdStores, LocalDirStore, folder_sha256, publish
-from control_plane.errors import CapacityExhausted, InvalidInput, ModelLoadFailed, ModelNotFound
+from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256, publish
+from control_plane.domain.errors import CapacityExhausted, InvalidInput, ModelLoadFailed, ModelNotFound
 from control_plane.registry import Registry
 from control_plane.state_store import StateStore
-from control_plane.warm_tier import WARM_MANIFEST, WarmTier, default_warm_repository, folder_bytes
+from control_plane.tiers.warm import WARM_MANIFEST, WarmTier, default_warm_repository, folder_bytes
 from tests.conftest import run
 
 WEIGHTS_BYTES = 10_000
@@ -245,7 +245,7 @@ def _repository_on_its_own_mount(monkeypatch, repository: Path):
     import errno
     import os
 
-    from control_plane.warm_tier import location
+    from control_plane.tiers.warm import location
 
     def device(path) -> int:
         path = Path(path).resolve()
@@ -286,7 +286,7 @@ def test_a_staging_os_error_backs_off_instead_of_downloading_again(tmp_path, mon
     import os
 
     from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
-    from control_plane.warm_tier import tier
+    from control_plane.tiers.warm import tier
     from tests.unit.test_manager_unit import FakeAdmin
 
     env = Env(tmp_path)
@@ -321,7 +321,7 @@ def test_a_staging_os_error_backs_off_instead_of_downloading_again(tmp_path, mon
 
 # --------------------------------------------------------------------------- clean-up
 def test_only_the_default_tmpfs_warm_tier_is_ever_removed(tmp_path):
-    from control_plane.warm_tier import remove_tmpfs_warm_tier, tmpfs_warm_root
+    from control_plane.tiers.warm import remove_tmpfs_warm_tier, tmpfs_warm_root
 
     shm, state = tmp_path / "shm", tmp_path / "state"
     shm.mkdir()
@@ -368,7 +368,7 @@ def test_evictions_and_size_walks_run_off_the_event_loop(tmp_path, monkeypatch):
     import shutil
     import threading
 
-    from control_plane.warm_tier import tier
+    from control_plane.tiers.warm import tier
 
     env = Env(tmp_path, budget_models=2.5)
     make_folder(env.warm.repository.parent / "src", "handmade")

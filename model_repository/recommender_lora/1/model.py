@@ -4,7 +4,7 @@ Same contract as ``model_repository/recommender`` (``FEATURES`` fp32 [batch, F] 
 ``SCORES`` fp32 [batch, 1]) plus adapter selection: request parameter ``adapter`` or input
 ``ADAPTER`` (none = the base model).  LoRA applies to every ``layers.{i}`` linear layer.  The
 runtime is the ``_lora`` package next to this file (a copy of ``control_plane/lora`` made by
-``control_plane/adapters_demo.py``); see README.md.
+``control_plane/demo/lora.py``); see README.md.
 """
 
 import os

@@ -4,7 +4,7 @@ Text in (``TEXT``, one prompt per row), greedy continuation out (``GENERATED_TEX
 The budget is input ``MAX_NEW_TOKENS`` or request parameter ``max_new_tokens``; the adapter
 is request parameter ``adapter`` or input ``ADAPTER`` (none = the base model).  The LoRA
 runtime is the ``_lora`` package next to this file (a copy of ``control_plane/lora`` made by
-``control_plane/adapters_demo.py``); see README.md for adapters, control and errors.
+``control_plane/demo/lora.py``); see README.md for adapters, control and errors.
 """
 
 import os

@@ -1,0 +1,305 @@
+"""The control plane's side of the router workers: what they serve from, and what they report.
+
+Router workers are separate processes.  From here they get a versioned snapshot (routes,
+limits, experiments, canaries, public names, which server holds which model) through a
+long-poll watch, send misses as one ``ensure`` call, take rate-limit tokens from global
+buckets in small batches, and report per-model use and per-variant outcomes in batches.
+Canary and experiment decisions are made here, on the outcomes of every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+
+from aiohttp import web
+
+from router.canary import CanaryController, registry_promoter
+from router.limits import GlobalBuckets
+from router.public_names import PublicNames
+from router.routes import RouteTable
+from router.shadow import ShadowReport
+from router.state_writer import BackgroundStore
+from router.stats import StatsBook
+
+from control_plane.admin.api import json_body
+from control_plane.domain.errors import InvalidInput
+
+log = logging.getLogger(__name__)
+
+PUBLISH_INTERVAL_S = 0.1  # how often placement and tables are compared with the last snapshot
+WORKER_LIVE_S = 10.0  # a worker not heard from for this long no longer counts
+SETTLE_TIMEOUT_S = 2.0  # an admin change waits this long at most for workers to have it
+MAX_WAIT_S = 30.0
+SHADOW_COUNTS = tuple(f.name for f in fields(ShadowReport) if f.name != "last")
+
+
+@dataclass
+class WorkerSeen:
+    worker: str
+    pid: int = 0
+    last_seen: float = 0.0
+    version: int = -1  # the snapshot version it has
+    epoch: str = ""
+    requests: int = 0  # requests it reported
+    samples: int = 0  # canary / experiment outcomes it reported
+    shadow: dict = field(default_factory=dict)  # route -> its cumulative ShadowReport counts
+
+    def live(self, now: float) -> bool:
+        return now - self.last_seen < WORKER_LIVE_S
+
+    def to_dict(self, now: float) -> dict:
+        return {"worker": self.worker, "pid": self.pid, "snapshot_version": self.version,
+                "seen_s_ago": round(now - self.last_seen, 3), "live": self.live(now),
+                "requests": self.requests, "samples": self.samples}
+
+
+class ShadowReports:
+    """Shadow reports summed over workers (``control_plane.admin.rollout_routes`` reads ``reports`` and ``report``)."""
+
+    def __init__(self, hub: DataPlaneHub, log_dir: str | None):
+        self.hub = hub
+        self.log_dir = log_dir
+
+    @property
+    def reports(self) -> dict[str, ShadowReport]:
+        routes = {r for w in self.hub.workers.values() for r in w.shadow}
+        return {r: self._merged(r) for r in routes}
+
+    def _merged(self, route: str) -> ShadowReport:
+        total = ShadowReport()
+        for w in self.hub.workers.values():
+            counts = w.shadow.get(route)
+            for key in SHADOW_COUNTS:
+                if counts:
+                    setattr(total, key, getattr(total, key) + counts.get(key, 0))
+        return total
+
+    def report(self, route: str) -> dict:
+        body = self._merged(route).to_dict()
+        body["workers"] = sum(1 for w in self.hub.workers.values() if route in w.shadow)
+        if self.log_dir is not None:
+            body["log"] = f"{self.log_dir}/worker*/{route}.jsonl"
+        return body
+
+
+class DataPlaneHub:
+    def __init__(self, manager, registry, store, expose_versions: bool = False,
+                 shadow_log_dir: str | None = None, workers_expected: int = 1):
+        self.manager = manager
+        self.names = PublicNames(registry.versions, expose_concrete=expose_versions)
+        registry.on_stage_change(self.names.refresh)
+        self.route_store = BackgroundStore(store)  # route-table writes off the loop
+        self.table = RouteTable(self.route_store, default_target=self.names.production.get,
+                                unrouted=self.names.unrouted)
+        self.stats = StatsBook(clock=time.time)
+        self.canaries = CanaryController(self.table, self.stats)
+        self.canaries.on_promote = registry_promoter(registry)  # one source of truth
+        self.shadow = ShadowReports(self, shadow_log_dir)
+        self.buckets = GlobalBuckets()
+        self.workers: dict[str, WorkerSeen] = {}
+        self.workers_expected = workers_expected
+        self.epoch = uuid.uuid4().hex  # versions restart with each control-plane life
+        self.version = 0
+        self._content: dict | None = None
+        self._encoded = b""
+        self._changed = asyncio.Condition()
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------ snapshot
+    def content(self) -> dict:
+        manager = self.manager
+        placement = {}
+        for name in list(manager.records):
+            server = manager.ready_server_of(name)
+            if server is not None:
+                placement[name] = server.name
+        names = self.names
+        return {
+            "routes": [asdict(r) for r in self.table.routes.values()],
+            "limits": {k: dict(v) for k, v in self.table.limits.items()},
+            "names": {"production": dict(names.production),
+                      "by_version": sorted([m, n, c] for (m, n), c in names.by_version.items()),
+                      "public": {c: list(v) for c, v in names.public.items()},
+                      "models": sorted(names.models), "expose_concrete": names.expose_concrete},
+            "placement": placement,
+            "servers": {s.name: [s.spec.grpc_url, s.spec.http_url, bool(s.up)]
+                        for s in manager.servers.values()},
+            "repository": str(manager.repository) if manager.repository is not None else None,
+            "workers": max(self.workers_expected, self.live_workers()),
+        }
+
+    def publish(self) -> int:
+        """Compare with the last snapshot; a new version when anything changed."""
+        content = self.content()
+        if content != self._content:
+            self._content = content
+            self.version += 1
+            self._encoded = json.dumps(dict(content, version=self.version, epoch=self.epoch),
+                                       separators=(",", ":")).encode()
+            self._notify()
+        return self.version
+
+    def _notify(self) -> None:
+        async def wake():
+            async with self._changed:
+                self._changed.notify_all()
+        asyncio.get_running_loop().create_task(wake())
+
+    async def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+        """Publish now and wait until every live worker has this version: an admin change
+        is served by every worker once the call that made it returns."""
+        version = self.publish()
+        deadline = time.monotonic() + timeout_s
+
+        def current() -> bool:
+            now = time.time()
+            return all(w.version >= version and w.epoch == self.epoch
+                       for w in self.workers.values() if w.live(now))
+
+        async with self._changed:
+            while not current():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except TimeoutError:
+                    return current()
+        return True
+
+    def live_workers(self) -> int:
+        now = time.time()
+        return sum(1 for w in self.workers.values() if w.live(now))
+
+    def _seen(self, worker: str, pid: int) -> WorkerSeen:
+        if not worker:
+            raise InvalidInput("a data-plane call must name its worker (worker=...)")
+        seen = self.workers.get(worker)
+        if seen is None:
+            seen = self.workers[worker] = WorkerSeen(worker)
+            log.info("router worker %s (pid %s) connected", worker, pid)
+        seen.pid = pid or seen.pid
+        seen.last_seen = time.time()
+        return seen
+
+    # ------------------------------------------------------------------ loops
+    async def start(self) -> None:
+        self.publish()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._publish_loop()), loop.create_task(self._canary_loop())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.to_thread(self.route_store.close)
+
+    async def _publish_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PUBLISH_INTERVAL_S)
+            try:
+                self.publish()
+            except Exception:  # one failing pass never stops publishing
+                log.exception("publishing the data-plane snapshot failed")
+
+    async def _canary_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self.canaries.step()
+            except Exception:
+                log.exception("canary step failed")
+
+    # ------------------------------------------------------------------ HTTP handlers
+    async def snapshot(self, request: web.Request) -> web.Response:
+        q = request.query
+        try:
+            since = int(q.get("since", "-1"))
+            wait_s = min(max(float(q.get("wait", "0")), 0.0), MAX_WAIT_S)
+            pid = int(q.get("pid", "0"))
+        except ValueError:
+            raise InvalidInput("since, wait and pid must be numbers") from None
+        epoch = q.get("epoch", "")
+        seen = self._seen(q.get("worker", ""), pid)
+        if epoch == self.epoch:
+            seen.version, seen.epoch = since, epoch
+            async with self._changed:
+                self._changed.notify_all()  # settle() waits for these acknowledgements
+        if epoch == self.epoch and since >= self.version and wait_s > 0:
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self.version > since), wait_s)
+                except TimeoutError:
+                    pass
+        if epoch == self.epoch and since >= self.version:
+            return web.json_response({"version": self.version, "epoch": self.epoch, "unchanged": True})
+        return web.Response(body=self._encoded, content_type="application/json")
+
+    async def ensure(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidInput("give the model to load as 'model'")
+        await self.manager.ensure(model)
+        server = self.manager.ready_server_of(model)
+        if server is None:
+            from control_plane.domain.errors import TritonUnavailable
+
+            raise TritonUnavailable(f"{model} was unloaded again before it could be used; retry")
+        return web.json_response({"model": model, "server": server.name, "grpc_url": server.spec.grpc_url,
+                                  "http_url": server.spec.http_url, "up": bool(server.up)})
+
+    async def report(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        seen = self._seen(str(body.get("worker", "")), int(body.get("pid") or 0))
+        for model, count in (body.get("uses") or {}).items():
+            for _ in range(min(int(count), 32)):  # frequency-aware policies count uses
+                self.manager.touch(model)
+        seen.requests += int(body.get("requests") or 0)
+        samples = body.get("samples") or []
+        for scope, variant, code, served_ms, randomly in samples:
+            self.stats.record_outcome(scope, variant, code, served_ms, bool(randomly))
+        seen.samples += len(samples)
+        if isinstance(body.get("shadow"), dict):
+            seen.shadow = body["shadow"]
+        return web.json_response({"ok": True})
+
+    async def tokens(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        self._seen(str(body.get("worker", "")), int(body.get("pid") or 0))
+        name = body.get("name")
+        want = body.get("want")
+        if not isinstance(name, str) or not isinstance(want, int) or want < 1:
+            raise InvalidInput("give the limited name as 'name' and a token count >= 1 as 'want'")
+        spec = self.table.limits.get(name)
+        granted, retry_after_s = self.buckets.grant(name, spec, min(want, 1000))
+        return web.json_response({"granted": granted, "retry_after_s": retry_after_s, "limit": spec})
+
+    async def worker_list(self, request: web.Request) -> web.Response:
+        now = time.time()
+        return web.json_response([w.to_dict(now) for w in self.workers.values()])
+
+
+def add_dataplane_routes(app: web.Application, hub: DataPlaneHub) -> None:
+    """The workers' API, on the admin port behind its token; admin changes settle first."""
+
+    @web.middleware
+    async def settle_changes(request: web.Request, handler):
+        response = await handler(request)
+        if (request.method in ("POST", "PUT", "DELETE") and response.status < 400
+                and not request.path.startswith("/v1/dataplane/")):
+            await hub.settle()
+        return response
+
+    app.middlewares.append(settle_changes)
+    app.add_routes([
+        web.get("/v1/dataplane/snapshot", hub.snapshot),
+        web.post("/v1/dataplane/ensure", hub.ensure),
+        web.post("/v1/dataplane/report", hub.report),
+        web.post("/v1/dataplane/tokens", hub.tokens),
+        web.get("/v1/dataplane/workers", hub.worker_list),
+    ])

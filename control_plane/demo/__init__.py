@@ -1,0 +1,1 @@
+"""Demo model generators (the only code outside models that writes torch weights)."""

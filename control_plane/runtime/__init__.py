@@ -1,0 +1,1 @@
+"""Processes: the control-plane service and mmctl up's supervisor."""

@@ -1,0 +1,1 @@
+"""The warm (host DRAM) and cold (local directory / S3) tiers of model artifacts."""

@@ -1,0 +1,1 @@
+"""Triton servers: launching, model-control calls, GPU / MIG devices."""

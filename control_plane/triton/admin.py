@@ -1,0 +1,326 @@
+"""The control plane's one interface to a Triton server's model-control API.
+
+Wraps ``tritonclient.grpc.aio`` with separate timeouts for load, unload and health,
+translates ``InferenceServerException`` once, and treats unloading a model that is not
+loaded as success.  Nothing else in the control plane imports tritonclient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.grpc import InferInput, model_config_pb2
+from tritonclient.utils import InferenceServerException, triton_to_np_dtype
+
+from control_plane.domain.errors import (
+    CapacityExhausted,
+    ControlPlaneError,
+    InvalidInput,
+    ModelLoadFailed,
+    ModelNotFound,
+    OperationTimeout,
+    TritonUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+# Inputs of the LoRA models (model_repository/tinylm) that select or control adapters rather
+# than carry data: a warm-up leaves them out and so runs the base model.
+ADAPTER_INPUT = "ADAPTER"
+ADAPTER_CONTROL_INPUT = "ADAPTER_CONTROL"
+ADAPTER_STATUS_OUTPUT = "ADAPTER_STATUS"
+
+
+class TritonModelState(str, enum.Enum):
+    READY = "READY"
+    LOADING = "LOADING"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+    ABSENT = ""  # in the repository, never loaded
+
+    @classmethod
+    def parse(cls, value: str | None) -> TritonModelState:
+        try:
+            return cls(value or "")
+        except ValueError:
+            return cls.UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    name: str
+    state: TritonModelState
+    reason: str = ""
+
+
+UNLOAD_POLL_MAX_S = 0.025  # longest pause between index polls while an unload frees memory
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    load_s: float = 120.0
+    unload_s: float = 60.0
+    health_s: float = 5.0
+    infer_s: float = 30.0
+
+
+def _is_unavailable(exc: InferenceServerException) -> bool:
+    status = str(exc.status() or "")
+    return "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status
+
+
+# config.pbtxt parameter that turns the control plane's synthetic warm-up off for a model:
+#   parameters { key: "mms_warmup" value: { string_value: "false" } }
+WARMUP_PARAMETER = "mms_warmup"
+_OFF_VALUES = frozenset({"false", "0", "no", "off"})
+
+
+@dataclass(frozen=True)
+class WarmupInput:
+    """One input of the synthetic warm-up request."""
+
+    name: str
+    shape: tuple[int, ...]
+    datatype: str  # Triton's wire name: INT32, FP32, BYTES, ...
+
+    def describe(self) -> str:
+        fill = 'b"warmup"' if self.datatype == "BYTES" else "zeros"
+        return f"{self.name} shape {list(self.shape)} {self.datatype} ({fill})"
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    """How a model is warmed up after Triton loads it.
+
+    ``model_samples``: entries of the config's ``model_warmup``; Triton runs them itself
+    during the load, so the control plane sends nothing.  ``synthetic_enabled``: False when
+    the config's ``mms_warmup`` parameter turns the synthetic warm-up off.  ``inputs``: what
+    the synthetic warm-up sends (optional LoRA control inputs left out: the base model runs).
+    """
+
+    model_samples: int = 0
+    synthetic_enabled: bool = True
+    inputs: tuple[WarmupInput, ...] = ()
+
+
+def warmup_plan(config: model_config_pb2.ModelConfig) -> WarmupPlan:
+    """The warm-up a model asks for in its config (Triton's ModelConfig message)."""
+    param = config.parameters.get(WARMUP_PARAMETER)
+    enabled = param is None or param.string_value.strip().lower() not in _OFF_VALUES
+    batched = config.max_batch_size > 0
+    inputs = []
+    for spec in config.input:
+        if spec.name in (ADAPTER_INPUT, ADAPTER_CONTROL_INPUT) and spec.optional:
+            continue
+        dims = tuple(1 if d < 0 else int(d) for d in spec.dims)
+        datatype = model_config_pb2.DataType.Name(spec.data_type).removeprefix("TYPE_")
+        inputs.append(WarmupInput(spec.name, ((1,) if batched else ()) + dims,
+                                  "BYTES" if datatype == "STRING" else datatype))
+    return WarmupPlan(len(config.model_warmup), enabled, tuple(inputs))
+
+
+class TritonAdmin:
+    """Model control for one Triton server, addressed by its gRPC URL."""
+
+    def __init__(self, grpc_url: str, timeouts: Timeouts = Timeouts(),
+                 load_config: Callable[[str], str | None] | None = None):
+        self.grpc_url = grpc_url
+        self.timeouts = timeouts
+        # The load API's config override for a model on this server, or None to load its
+        # config.pbtxt as it is (placement.instance_kind_override: run where placed).
+        self.load_config = load_config
+        self._client: grpcclient.InferenceServerClient | None = None
+
+    @property
+    def client(self) -> grpcclient.InferenceServerClient:
+        if self._client is None:
+            self._client = grpcclient.InferenceServerClient(self.grpc_url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    def _unavailable(self, exc: Exception) -> TritonUnavailable:
+        return TritonUnavailable(
+            f"Triton at {self.grpc_url} is not reachable ({exc}); check that tritonserver is "
+            "running (mmctl endpoints) and restart it with mmctl up"
+        )
+
+    async def is_live(self) -> bool:
+        try:
+            return await self.client.is_server_live(client_timeout=self.timeouts.health_s)
+        except InferenceServerException:
+            return False
+
+    async def index(self) -> dict[str, IndexEntry]:
+        try:
+            resp = await self.client.get_model_repository_index(
+                as_json=True, client_timeout=self.timeouts.health_s
+            )
+        except InferenceServerException as exc:
+            raise self._unavailable(exc) from exc
+        out = {}
+        for m in resp.get("models", []):
+            # Triton lists every folder, the warm tier's hidden staging and temporary ones
+            # too; a name starting with "." is never a model (names.py refuses it).
+            if m["name"].startswith("."):
+                continue
+            out[m["name"]] = IndexEntry(
+                m["name"], TritonModelState.parse(m.get("state")), m.get("reason", "")
+            )
+        return out
+
+    def _translate(self, exc: InferenceServerException, action: str, model: str,
+                   timeout_s: float) -> ControlPlaneError:
+        """The one mapping of a tritonclient error to the control plane's errors: a missed
+        deadline is a timeout, an unreachable server is unavailable, the rest is Triton
+        refusing ``action`` (``"load"``, ``"unload"``) for ``model``."""
+        status = str(exc.status() or "")
+        if "DEADLINE" in status:
+            return OperationTimeout(
+                f"Triton at {self.grpc_url} did not {action} {model} within {timeout_s:.0f}s")
+        if "UNAVAILABLE" in status:
+            return self._unavailable(exc)
+        msg = (exc.message() or str(exc)).strip()
+        return ModelLoadFailed(f"Triton failed to {action} {model}: {msg}")
+
+    async def load(self, model: str) -> None:
+        config = (await asyncio.to_thread(self.load_config, model)
+                  if self.load_config is not None else None)
+        try:
+            await self.client.load_model(model, config=config, client_timeout=self.timeouts.load_s)
+        except InferenceServerException as exc:
+            msg = exc.message() or str(exc)
+            if "failed to poll from model repository" in msg or "no version is available" in msg:
+                raise ModelNotFound(f"{model} is not in Triton's model repository: {msg}") from exc
+            raise self._translate(exc, "load", model, self.timeouts.load_s) from exc
+
+    async def unload(self, model: str) -> None:
+        """Ask Triton to unload; returns before memory is freed (see wait_unavailable)."""
+        try:
+            await self.client.unload_model(model, client_timeout=self.timeouts.unload_s)
+        except InferenceServerException as exc:
+            msg = (exc.message() or str(exc)).lower()
+            if "not loaded" in msg or "unknown model" in msg or "no model" in msg:
+                return  # already gone: the goal state holds
+            raise self._translate(exc, "unload", model, self.timeouts.unload_s) from exc
+
+    async def wait_unavailable(self, model: str, timeout_s: float | None = None) -> float:
+        """Poll the index until ``model`` is UNAVAILABLE/absent; return seconds waited."""
+        timeout_s = self.timeouts.unload_s if timeout_s is None else timeout_s
+        start = time.monotonic()
+        # The memory is free when the index says so, and a load waiting for it starts only
+        # then: poll every UNLOAD_POLL_MAX_S at most (python backend unloads take >= 1 s; an
+        # index RPC costs ~1 ms), so the wait ends ~12 ms after the stub exits, not ~50.
+        delay = 0.005
+        while True:
+            entry = (await self.index()).get(model)
+            if entry is None or entry.state in (TritonModelState.UNAVAILABLE, TritonModelState.ABSENT):
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout_s:
+                raise OperationTimeout(
+                    f"{model} still {entry.state.value} on {self.grpc_url} after {timeout_s:.0f}s; "
+                    "its memory is still counted as used"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, UNLOAD_POLL_MAX_S)
+
+    async def statistics(self) -> dict[str, dict]:
+        """Per-model inference statistics (``last_inference`` in ms since the epoch)."""
+        try:
+            resp = await self.client.get_inference_statistics(
+                as_json=True, client_timeout=self.timeouts.health_s
+            )
+        except InferenceServerException as exc:
+            raise self._unavailable(exc) from exc
+        return {s["name"]: s for s in resp.get("model_stats", [])}
+
+    async def warmup_plan(self, model: str) -> WarmupPlan:
+        """How ``model`` is warmed up, from the config Triton loaded (see ``warmup_plan``)."""
+        try:
+            resp = await self.client.get_model_config(model, client_timeout=self.timeouts.health_s)
+        except InferenceServerException as exc:
+            raise self._translate(exc, "read the config of", model, self.timeouts.health_s) from exc
+        return warmup_plan(resp.config)
+
+    async def warmup(self, model: str, plan: WarmupPlan | None = None) -> float:
+        """Run the synthetic warm-up: one inference with ``plan.inputs`` (zeros, b"warmup"
+        for BYTES); return its milliseconds.  A refusal says what was sent and how to turn
+        the synthetic warm-up off."""
+        if plan is None:
+            plan = await self.warmup_plan(model)
+        try:
+            inputs = []
+            for spec in plan.inputs:
+                if spec.datatype == "BYTES":
+                    data = np.full(spec.shape, b"warmup", dtype=np.object_)
+                else:  # a refused datatype is translated below, with the same advice
+                    data = np.zeros(spec.shape, dtype=triton_to_np_dtype(spec.datatype))
+                inp = InferInput(spec.name, list(spec.shape), spec.datatype)
+                inp.set_data_from_numpy(data)
+                inputs.append(inp)
+            start = time.perf_counter()
+            await self.client.infer(model, inputs, client_timeout=self.timeouts.infer_s)
+        except InferenceServerException as exc:
+            status = str(exc.status() or "")
+            if "UNAVAILABLE" in status:
+                raise self._unavailable(exc) from exc
+            sent = ", ".join(i.describe() for i in plan.inputs) or "no inputs"
+            advice = (f"it sent {sent}.  Give the model its own model_warmup in config.pbtxt "
+                      "(Triton runs it during the load), or turn the synthetic warm-up off "
+                      f"with parameters {{ key: \"{WARMUP_PARAMETER}\" value: {{ string_value: "
+                      "\"false\" } } in config.pbtxt or with the registry's warm-up setting")
+            if "DEADLINE" in status:
+                raise OperationTimeout(
+                    f"synthetic warm-up inference of {model} did not answer within "
+                    f"{self.timeouts.infer_s:.0f}s; {advice}") from exc
+            raise ModelLoadFailed(f"synthetic warm-up inference of {model} failed: "
+                                  f"{(exc.message() or str(exc)).strip()}; {advice}") from exc
+        return (time.perf_counter() - start) * 1000
+
+    async def adapter_control(self, model: str, command: dict, timeout_s: float | None = None) -> dict:
+        """Send one LoRA control command (``{"op": "status" | "sync" | "load" | "unload", ...}``)
+        as an inference carrying only ADAPTER_CONTROL; return the model's JSON answer.
+
+        The model's error codes map to control-plane errors: NOT_FOUND -> ModelNotFound (an
+        unknown adapter, or the model is not loaded), INVALID_ARG -> InvalidInput (bad name, a
+        refused adapter, a pinned one), UNAVAILABLE with a slot message -> CapacityExhausted
+        (every device slot pinned); an unreachable server -> TritonUnavailable."""
+        timeout_s = self.timeouts.load_s if timeout_s is None else timeout_s
+        control = InferInput(ADAPTER_CONTROL_INPUT, [1, 1], "BYTES")
+        control.set_data_from_numpy(np.array([[json.dumps(command).encode()]], dtype=np.object_))
+        try:
+            result = await self.client.infer(model, [control], client_timeout=timeout_s)
+        except InferenceServerException as exc:
+            status = str(exc.status() or "")
+            msg = (exc.message() or str(exc)).strip()
+            if "NOT_FOUND" in status:
+                raise ModelNotFound(msg) from exc
+            if "INVALID_ARGUMENT" in status:
+                raise InvalidInput(msg) from exc
+            if "DEADLINE" in status:
+                raise OperationTimeout(
+                    f"{model} did not answer {command.get('op')!r} within {timeout_s:.0f}s") from exc
+            if "UNAVAILABLE" in status and "slot" in msg:
+                raise CapacityExhausted(msg) from exc
+            if _is_unavailable(exc):
+                raise self._unavailable(exc) from exc
+            raise ModelLoadFailed(f"{model} failed {command.get('op')!r}: {msg}") from exc
+        raw = result.as_numpy(ADAPTER_STATUS_OUTPUT)
+        if raw is None or raw.size != 1:
+            raise ModelLoadFailed(f"{model} did not answer with one {ADAPTER_STATUS_OUTPUT} string")
+        value = raw.reshape(-1)[0]
+        try:
+            return json.loads(value.decode() if isinstance(value, bytes) else value)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelLoadFailed(f"{model} answered {ADAPTER_STATUS_OUTPUT} that is not JSON: {exc}") from exc
