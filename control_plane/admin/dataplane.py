@@ -109,6 +109,7 @@ class DataPlaneHub:
         self._encoded = b""
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
+        self.closing = False  # set on stop: long-polls answer at once instead of holding it up
 
     # ------------------------------------------------------------------ snapshot
     def content(self) -> dict:
@@ -193,9 +194,16 @@ class DataPlaneHub:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._publish_loop()), loop.create_task(self._canary_loop())]
 
-    async def stop(self) -> None:
+    async def release_watchers(self) -> None:
+        """Answer every long-poll now: a stopping control plane must not wait for them."""
+        self.closing = True
         for task in self._tasks:
             task.cancel()
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def stop(self) -> None:
+        await self.release_watchers()
         await asyncio.to_thread(self.route_store.close)
 
     async def _publish_loop(self) -> None:
@@ -232,7 +240,8 @@ class DataPlaneHub:
         if epoch == self.epoch and since >= self.version and wait_s > 0:
             async with self._changed:
                 try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: self.version > since), wait_s)
+                    await asyncio.wait_for(
+                        self._changed.wait_for(lambda: self.version > since or self.closing), wait_s)
                 except TimeoutError:
                     pass
         if epoch == self.epoch and since >= self.version:

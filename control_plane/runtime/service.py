@@ -473,8 +473,7 @@ class Service:
 
     async def stop(self) -> None:
         if self.hub is not None:
-            for task in self.hub._tasks:
-                task.cancel()
+            await self.hub.release_watchers()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=2)
         if self.router_runner is not None:
