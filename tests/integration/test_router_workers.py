@@ -19,6 +19,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
+from tests.conftest import pid_alive
 from tests.product import Product
 
 pytestmark = pytest.mark.integration
@@ -142,7 +143,9 @@ def test_a_killed_worker_is_restarted_while_the_other_serves(product):
     p = product
     before = roles(p)["router-worker"]
     os.kill(before[0], signal.SIGKILL)
-    # New connections reach the live worker at once (the dead one's sockets are closed).
+    # Connections the kernel had queued on the dying worker's socket are reset with it;
+    # once it is gone, every new connection reaches the live worker.
+    wait_for(lambda: not pid_alive(before[0]), 10, "the killed worker to exit")
     for _ in range(20):
         assert post_new_connection(p, "cust002").status_code == 200
     after = wait_for(lambda: len(w := roles(p)["router-worker"]) == 2 and before[0] not in w and w, 60,
