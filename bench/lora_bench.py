@@ -27,13 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from control_plane.demo.fleet import FleetSpec, base_weights
 from control_plane.demo.lora import (
     LoraDemoSpec,
     base_targets,
     generate_adapters,
     tinylm_base_weights,
 )
-from control_plane.demo.fleet import FleetSpec, base_weights
 from control_plane.lora.bank import LoraBank
 from control_plane.lora.models import RecommenderMLP, TinyLM, TinyLMConfig
 from control_plane.lora.peft import read_adapter

@@ -14,8 +14,14 @@ from tritonclient.grpc import service_pb2
 
 from control_plane.domain import errors as cp
 from control_plane.domain.errors import ControlPlaneError
-
-from router.errors import ModelUnavailable, RouterError, UnknownModel, UpstreamError, from_control_plane, parse_version
+from router.errors import (
+    ModelUnavailable,
+    RouterError,
+    UnknownModel,
+    UpstreamError,
+    from_control_plane,
+    parse_version,
+)
 from router.repository_config import FolderConfig, metadata_from_config, read_folder
 from router.routes import ADAPTER_SEPARATOR, Decision, split_adapter
 

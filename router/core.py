@@ -17,7 +17,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
@@ -28,7 +28,6 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from control_plane.domain import errors as cp
 from control_plane.domain.errors import ControlPlaneError
-
 from router.answers import BYTES_CACHE_MAX, Answers
 from router.canary import CanaryController
 from router.errors import (
@@ -44,6 +43,7 @@ from router.errors import (
 )
 from router.limits import LocalLimiter
 from router.public_names import PublicNames
+from router.repository_config import FolderConfig
 from router.routes import Decision, RouteTable
 from router.serving_state import UNLOADED_PREFIX, LocalState, ServerAddress, ServingState
 from router.shadow import ShadowItem, ShadowMirror, outputs_of

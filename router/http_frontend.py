@@ -20,7 +20,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from control_plane.domain.errors import ControlPlaneError
-
 from router.core import Router
 from router.errors import (
     BackendUnavailable,

@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass, field, replace
 from control_plane.domain.errors import InvalidModelName
 from control_plane.domain.names import validate_model_name
 from control_plane.state_store import StateStore
-
 from router.errors import InvalidRequest, ModelNotFound
 
 BUCKETS = 10_000

@@ -21,7 +21,6 @@ from pathlib import Path
 import aiohttp
 
 from control_plane.domain.errors import ERRORS_BY_CODE, ControlPlaneError
-
 from router.errors import BackendUnavailable
 from router.limits import grant_batch, rate_limited
 from router.public_names import PublicNames
@@ -82,7 +81,7 @@ class RemoteState:
         self.workers = 1
         self.connected = False
         self.on_snapshot = lambda: None  # called after each new snapshot is applied
-        self.shadow_counts = lambda: {}  # route -> cumulative ShadowReport counts
+        self.shadow_counts = dict  # () -> route -> cumulative ShadowReport counts
         self._ensures: dict[str, asyncio.Task] = {}
         self._uses: collections.Counter[str] = collections.Counter()
         self._requests = 0

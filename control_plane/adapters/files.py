@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from control_plane.adapters.base import CONFIG_FILE, PEFT_FILES, WEIGHTS_FILE, LoraBase
+from control_plane.domain.errors import InvalidInput, ModelNotFound
 from control_plane.tiers.cold import (
     ColdStore,
     ColdStores,
@@ -25,8 +27,6 @@ from control_plane.tiers.cold import (
     inspect,
     publish,
 )
-from control_plane.domain.errors import InvalidInput, ModelNotFound
-from control_plane.adapters.base import CONFIG_FILE, PEFT_FILES, WEIGHTS_FILE, LoraBase
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,17 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from control_plane.tiers.cold import ColdStores
+from control_plane.adapters.base import LoraBase, describe_base, parse_adapter_ref
+from control_plane.adapters.files import (
+    AdapterFiles,
+    install,
+    read_base_manifest,
+    remove_tree,
+    write_base_manifest,
+)
+from control_plane.adapters.metrics import AdapterMetrics
+from control_plane.adapters.rows import _peft_summary, merge_rows
+from control_plane.adapters.store import AdapterStore
 from control_plane.domain.errors import (
     CapacityExhausted,
     ControlPlaneError,
@@ -24,11 +34,7 @@ from control_plane.domain.errors import (
     ModelLoadFailed,
     ModelNotFound,
 )
-from control_plane.adapters.base import LoraBase, describe_base, parse_adapter_ref
-from control_plane.adapters.files import AdapterFiles, install, read_base_manifest, remove_tree, write_base_manifest
-from control_plane.adapters.metrics import AdapterMetrics
-from control_plane.adapters.rows import _peft_summary, merge_rows
-from control_plane.adapters.store import AdapterStore
+from control_plane.tiers.cold import ColdStores
 
 log = logging.getLogger(__name__)
 

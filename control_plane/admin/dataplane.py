@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 from aiohttp import web
 
+from control_plane.admin.api import json_body
+from control_plane.domain.errors import InvalidInput
 from router.canary import CanaryController, registry_promoter
 from router.limits import GlobalBuckets
 from router.public_names import PublicNames
@@ -25,9 +27,6 @@ from router.routes import RouteTable
 from router.shadow import ShadowReport
 from router.state_writer import BackgroundStore
 from router.stats import StatsBook
-
-from control_plane.admin.api import json_body
-from control_plane.domain.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 

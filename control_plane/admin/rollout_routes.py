@@ -8,10 +8,9 @@ from dataclasses import asdict
 
 from aiohttp import web
 
-from control_plane.domain import errors as cp
 from control_plane.admin.api import json_body as _json
+from control_plane.domain import errors as cp
 from control_plane.domain.names import validate_model_name
-
 from router.canary import abort
 from router.core import Router
 from router.errors import InvalidRequest, ModelNotFound, RouterError

@@ -297,9 +297,9 @@ def up(state_dir, repository, max_loaded, memory_budget, fleet_size, model_size_
        prefetch_min_miss_rate, policy, headroom_models, headroom_bytes, reconcile_interval,
        log_level):
     """Start tritonserver(s) and the control plane in the foreground; Ctrl-C stops all."""
-    from control_plane.tiers.cold import S3Config
     from control_plane.domain.errors import ControlPlaneError
     from control_plane.runtime.service import Service, ServiceConfig
+    from control_plane.tiers.cold import S3Config
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -404,7 +404,12 @@ def supervise(cfg, log_level: str) -> int:
 @click.option("--overwrite", is_flag=True, help="Rewrite models that are already there.")
 def demo_fleet(out: Path, count: int, size_mb: float | None, overwrite: bool):
     """Write the demo fleet cust001..custNNN into a model repository."""
-    from control_plane.demo.fleet import FleetSpec, default_instance_kind, generate_fleet, hidden_dim_for_size
+    from control_plane.demo.fleet import (
+        FleetSpec,
+        default_instance_kind,
+        generate_fleet,
+        hidden_dim_for_size,
+    )
 
     spec = FleetSpec(count=count, instance_kind=default_instance_kind())
     if size_mb:
@@ -415,10 +420,9 @@ def demo_fleet(out: Path, count: int, size_mb: float | None, overwrite: bool):
 
 
 def _register_subcommands() -> None:
-    from control_plane.cli.routing import register
-
     from control_plane.cli.adapters import adapter
     from control_plane.cli.registry import registry
+    from control_plane.cli.routing import register
 
     register(cli)
     cli.add_command(registry)

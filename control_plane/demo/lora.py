@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from control_plane.domain import model_config
 from control_plane.demo.fleet import FEATURES_INPUT, FleetSpec, base_weights, default_instance_kind
+from control_plane.domain import model_config
+from control_plane.domain.names import validate_model_name
 from control_plane.lora.models import (
     RecommenderMLP,
     TinyLM,
@@ -34,7 +35,6 @@ from control_plane.lora.models import (
     tinylm_random_weights,
 )
 from control_plane.lora.peft import write_adapter
-from control_plane.domain.names import validate_model_name
 
 REPO_MODELS = Path(__file__).resolve().parents[2] / "model_repository"
 LORA_PACKAGE = Path(__file__).resolve().parents[1] / "lora"

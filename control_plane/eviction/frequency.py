@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from itertools import chain, islice
 from typing import Any
 
-from control_plane.eviction.sketch import FrequencySketch
 from control_plane.eviction.policy import EvictionPolicy
+from control_plane.eviction.sketch import FrequencySketch
 
 
 def _weight(size_bytes: int, load_cost_s: float) -> float:

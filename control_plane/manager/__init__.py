@@ -56,7 +56,14 @@ leases.py, loader.py, warmup.py, unloader.py, pins.py, reconciler.py, and core.p
 from control_plane.manager.catalog import UNKNOWN_NAME_TTL_S, UNKNOWN_NAMES_MAX
 from control_plane.manager.core import ModelManager
 from control_plane.manager.loader import ROOM_POLL_S
-from control_plane.manager.records import ManagerConfig, ModelRecord, ModelState, ServerSpec, Stager, TritonServer
+from control_plane.manager.records import (
+    ManagerConfig,
+    ModelRecord,
+    ModelState,
+    ServerSpec,
+    Stager,
+    TritonServer,
+)
 from control_plane.manager.room import RoomLedger, host_available_bytes
 
 __all__ = [

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from control_plane.triton.devices import NoMemoryMeter
 from control_plane.domain.errors import ControlPlaneError, InvalidInput
 from control_plane.eviction import (
     DEFAULT_POLICY,
@@ -21,19 +20,27 @@ from control_plane.eviction import (
     HeadroomSpec,
     make_policy,
 )
-from control_plane.metrics import ControlPlaneMetrics
-from control_plane.placement import Placer
-from control_plane.state_store import StateStore
-from control_plane.triton.admin import TritonAdmin, TritonModelState
-from control_plane.triton.process import TritonProcess
 from control_plane.manager.catalog import Catalog
 from control_plane.manager.leases import Leases
 from control_plane.manager.loader import Loader
 from control_plane.manager.pins import Pins
 from control_plane.manager.reconciler import Reconciler
-from control_plane.manager.records import ManagerConfig, ModelRecord, ModelState, ServerSpec, Stager, TritonServer
+from control_plane.manager.records import (
+    ManagerConfig,
+    ModelRecord,
+    ModelState,
+    ServerSpec,
+    Stager,
+    TritonServer,
+)
 from control_plane.manager.room import RoomLedger
 from control_plane.manager.unloader import Unloader
+from control_plane.metrics import ControlPlaneMetrics
+from control_plane.placement import Placer
+from control_plane.state_store import StateStore
+from control_plane.triton.admin import TritonAdmin, TritonModelState
+from control_plane.triton.devices import NoMemoryMeter
+from control_plane.triton.process import TritonProcess
 
 
 class ModelManager(Catalog, Leases, Loader, Unloader, Pins, Reconciler):

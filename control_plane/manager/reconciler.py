@@ -11,9 +11,9 @@ import time
 
 from control_plane.domain.errors import ControlPlaneError, TritonUnavailable
 from control_plane.eviction import Resident
-from control_plane.triton.admin import TritonModelState
 from control_plane.manager.records import ModelRecord, ModelState, TritonServer
 from control_plane.manager.state import ManagerState
+from control_plane.triton.admin import TritonModelState
 
 log = logging.getLogger(__name__)
 

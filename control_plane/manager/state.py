@@ -14,12 +14,12 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-from control_plane.triton.devices import GpuMemoryMeter, NoMemoryMeter
+from control_plane.manager.records import ManagerConfig, ModelRecord, Stager, TritonServer
+from control_plane.manager.room import RoomLedger
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.placement import Placer
 from control_plane.state_store import StateStore
-from control_plane.manager.records import ManagerConfig, ModelRecord, Stager, TritonServer
-from control_plane.manager.room import RoomLedger
+from control_plane.triton.devices import GpuMemoryMeter, NoMemoryMeter
 
 
 class ManagerState:

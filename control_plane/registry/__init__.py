@@ -31,7 +31,11 @@ tables and their migrations), ``artifacts`` (checking and registering a cold-sto
 the eviction priority of loaded models).
 """
 
-from control_plane.registry.artifacts import check_model_config, check_model_folder, register_version
+from control_plane.registry.artifacts import (
+    check_model_config,
+    check_model_folder,
+    register_version,
+)
 from control_plane.registry.priorities import apply_stage_priorities, resident_priority_updater
 from control_plane.registry.repository import (
     _WARM_MANIFEST,

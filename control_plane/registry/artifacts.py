@@ -8,11 +8,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from control_plane.domain import model_config
-from control_plane.tiers.cold import inspect, normalize_sha256, publish
 from control_plane.domain.errors import InvalidInput
 from control_plane.domain.names import validate_model_name
 from control_plane.registry.store import Registry
 from control_plane.registry.versions import DEFAULT_SLA, ModelVersion, concrete_name
+from control_plane.tiers.cold import inspect, normalize_sha256, publish
 
 
 def check_model_config(text: str, where: str, names: Iterable[str]) -> None:

@@ -10,10 +10,9 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator
 
-from control_plane.tiers.cold import normalize_sha256
 from control_plane.domain.errors import InvalidInput, ModelNotFound
-from control_plane.eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
 from control_plane.domain.names import MAX_NAME_LENGTH, validate_model_name
+from control_plane.eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
 from control_plane.registry.versions import (
     DEFAULT_SLA,
     SLA_CLASSES,
@@ -23,6 +22,7 @@ from control_plane.registry.versions import (
     _validate_who,
     parse_concrete,
 )
+from control_plane.tiers.cold import normalize_sha256
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from control_plane.demo.fleet import (
 from control_plane.domain.errors import InvalidInput
 from control_plane.eviction import DEFAULT_POLICY, POLICIES
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec, TritonServer
-from control_plane.state_store import StateStore
 from control_plane.runtime.supervisor import PROCESSES_FILE
+from control_plane.state_store import StateStore
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 
 log = logging.getLogger(__name__)
@@ -222,9 +222,9 @@ class Service:
     def _start_device_tritons(self) -> list[TritonServer]:
         """One Triton per GPU or MIG slice, bound to it by CUDA_VISIBLE_DEVICES=<its UUID>,
         named after it, its instances run there (KIND_GPU through the load API's override)."""
-        from control_plane.triton.devices import device_servers
         from control_plane.placement import KIND_GPU, ServerLabels, instance_kind_override
         from control_plane.triton.admin import TritonAdmin
+        from control_plane.triton.devices import device_servers
 
         cfg = self.cfg
         if cfg.triton_servers not in (0, 1):
@@ -313,10 +313,14 @@ class Service:
         return budget
 
     async def start(self) -> None:
-        from control_plane.tiers.cold import ColdStores, LocalDirStore, S3Store
         from control_plane.placement import Placer, registry_facts
         from control_plane.promotion import Promoter
-        from control_plane.registry import Registry, apply_stage_priorities, resident_priority_updater
+        from control_plane.registry import (
+            Registry,
+            apply_stage_priorities,
+            resident_priority_updater,
+        )
+        from control_plane.tiers.cold import ColdStores, LocalDirStore, S3Store
         from control_plane.tiers.warm import WarmTier
 
         cfg = self.cfg
@@ -454,9 +458,8 @@ class Service:
     async def _start_hub(self, admin_app: web.Application, endpoints: dict) -> None:
         """Serve the router workers: snapshot, watch, ensure, reports, tokens; the admin
         routes for routes, experiments, canaries, shadows and limits act on the hub."""
-        from control_plane.admin.rollout_routes import add_router_routes
-
         from control_plane.admin.dataplane import DataPlaneHub, add_dataplane_routes
+        from control_plane.admin.rollout_routes import add_router_routes
 
         cfg = self.cfg
         self.hub = DataPlaneHub(self.manager, self.registry, self.manager.store,
@@ -539,8 +542,8 @@ def config_from_json(text: str) -> ServiceConfig:
 
 def main(argv: list[str] | None = None) -> None:
     """The control plane as its own process (started by mmctl up's supervisor)."""
-    from control_plane.tiers.cold import S3Config
     from control_plane.domain.errors import ControlPlaneError
+    from control_plane.tiers.cold import S3Config
     from control_plane.triton.fake_nvml import from_test_hook
 
     parser = argparse.ArgumentParser(prog="python -m control_plane.runtime.service")

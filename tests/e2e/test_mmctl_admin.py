@@ -97,7 +97,11 @@ def test_alias_and_limit_on_unknown_models_exit_4(product):
 
 
 def test_fleet_shows_the_budget_derived_from_the_machine(product):
-    from control_plane.triton.devices import default_memory_budget, discover_or_config, host_memory_bytes
+    from control_plane.triton.devices import (
+        default_memory_budget,
+        discover_or_config,
+        host_memory_bytes,
+    )
 
     (server,) = product.json("fleet")
     assert server["max_loaded"] == 4  # given

@@ -9,6 +9,7 @@ import threading
 import boto3
 import pytest
 
+from control_plane.domain.errors import ModelLoadFailed
 from control_plane.tiers.cold import (
     MANIFEST_NAME,
     S3Config,
@@ -17,7 +18,6 @@ from control_plane.tiers.cold import (
     folder_sha256,
     publish,
 )
-from control_plane.domain.errors import ModelLoadFailed
 from control_plane.triton.process import free_port
 
 pytestmark = pytest.mark.integration

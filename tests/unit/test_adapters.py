@@ -27,10 +27,15 @@ from control_plane.demo.lora import (
     write_demo_adapter,
     write_lora_model,
 )
-from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256
-from control_plane.domain.errors import CapacityExhausted, InvalidInput, InvalidModelName, ModelNotFound
+from control_plane.domain.errors import (
+    CapacityExhausted,
+    InvalidInput,
+    InvalidModelName,
+    ModelNotFound,
+)
 from control_plane.lora.manifest import read_manifest
 from control_plane.lora.models import TinyLMConfig
+from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256
 from router.core import Router
 from router.errors import InvalidRequest
 from router.routes import RouteTable, split_adapter

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from control_plane.domain.errors import InvalidInput, ModelLoadFailed
 from control_plane.tiers.cold import (
     MANIFEST_NAME,
     S3Config,
@@ -14,7 +15,6 @@ from control_plane.tiers.cold import (
     download_verified,
     manifest_digest,
 )
-from control_plane.domain.errors import InvalidInput, ModelLoadFailed
 
 DATA = bytes(range(256)) * 4096  # 1 MiB
 

@@ -3,6 +3,7 @@ machine: a share of host RAM on CPU, the GPU's memory less a reserve where there
 
 from __future__ import annotations
 
+from control_plane.runtime.service import Service, ServiceConfig
 from control_plane.triton.devices import (
     GPU_RESERVE_MIN_BYTES,
     HOST_MEMORY_FRACTION,
@@ -10,7 +11,6 @@ from control_plane.triton.devices import (
     default_memory_budget,
     host_memory_bytes,
 )
-from control_plane.runtime.service import Service, ServiceConfig
 
 GiB = 1 << 30
 MEMINFO = "MemTotal:       16384000 kB\nMemFree:         1000000 kB\n"

@@ -8,6 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from control_plane.domain.errors import InvalidInput
+from control_plane.eviction import CachePlanner, Capacity, Resident, make_policy
+from control_plane.manager import ModelRecord, ModelState
 from control_plane.triton.devices import (
     Device,
     GpuMemoryProbe,
@@ -16,9 +19,6 @@ from control_plane.triton.devices import (
     discover,
     discover_or_config,
 )
-from control_plane.domain.errors import InvalidInput
-from control_plane.eviction import CachePlanner, Capacity, Resident, make_policy
-from control_plane.manager import ModelRecord, ModelState
 
 GiB = 1 << 30
 
@@ -190,8 +190,8 @@ def test_probe_for_looks_gpu_and_mig_devices_up_by_uuid(tmp_path):
 
 # --------------------------------------------------------------------------- mmctl up options
 def test_service_discovers_through_the_injected_nvml_and_checks_devices(tmp_path):
-    from control_plane.triton.fake_nvml import FakeGpu, FakeNVML
     from control_plane.runtime.service import Service, ServiceConfig
+    from control_plane.triton.fake_nvml import FakeGpu, FakeNVML
 
     fake = FakeNVML([FakeGpu("GPU-0", "H100", 80 * GiB), FakeGpu("GPU-1", "H100", 80 * GiB)])
     assert [d.id for d in Service(ServiceConfig(state_dir=tmp_path, nvml=fake)).discover_devices()] == [

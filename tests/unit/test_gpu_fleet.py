@@ -9,6 +9,10 @@ import itertools
 
 import pytest
 
+from control_plane.domain.errors import CapacityExhausted, InvalidInput
+from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
+from control_plane.placement import ModelFacts, Placer, ServerLabels
+from control_plane.state_store import StateStore
 from control_plane.triton.devices import (
     GpuMemoryMeter,
     device_servers,
@@ -16,11 +20,7 @@ from control_plane.triton.devices import (
     select_devices,
     server_name,
 )
-from control_plane.domain.errors import CapacityExhausted, InvalidInput
 from control_plane.triton.fake_nvml import FakeGpu, FakeMig, FakeNVML, from_spec, from_test_hook
-from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
-from control_plane.placement import ModelFacts, Placer, ServerLabels
-from control_plane.state_store import StateStore
 from tests.conftest import run
 from tests.unit.test_manager_unit import FakeAdmin
 

@@ -6,8 +6,8 @@ import threading
 import numpy as np
 import pytest
 
-from control_plane.demo.lora import LoraDemoSpec, write_demo_adapter
 from control_plane.demo.fleet import FleetSpec, base_weights
+from control_plane.demo.lora import LoraDemoSpec, write_demo_adapter
 from control_plane.lora.errors import (
     AdapterCapacityExhausted,
     AdapterNotFound,

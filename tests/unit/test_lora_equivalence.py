@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from control_plane.demo.fleet import FleetSpec, base_weights
 from control_plane.demo.lora import (
     LoraDemoSpec,
     tinylm_base_weights,
     write_demo_adapter,
 )
-from control_plane.demo.fleet import FleetSpec, base_weights
 from control_plane.lora.models import RecommenderMLP, TinyLM, TinyLMConfig
 from control_plane.lora.runtime import (
     LoraSettings,

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.domain import model_config
 from control_plane.adapters import describe_base
-from control_plane.demo.lora import RECOMMENDER, TINYLM, LoraDemoSpec
-from control_plane.demo.lora import render_config as render_lora_config
 from control_plane.demo.fleet import FleetSpec
 from control_plane.demo.fleet import render_config as render_fleet_config
+from control_plane.demo.lora import RECOMMENDER, TINYLM, LoraDemoSpec
+from control_plane.demo.lora import render_config as render_lora_config
+from control_plane.domain import model_config
 from control_plane.domain.errors import InvalidInput
 from control_plane.registry import check_model_config
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.tiers.cold import folder_sha256
 from control_plane.domain.errors import InvalidInput, InvalidModelName, ModelNotFound
-from control_plane.eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
 from control_plane.domain.names import validate_model_name
+from control_plane.eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
 from control_plane.registry import (
     _WARM_MANIFEST,
     SCHEMA,
@@ -18,6 +17,7 @@ from control_plane.registry import (
     register_repository,
 )
 from control_plane.state_store import StateStore
+from control_plane.tiers.cold import folder_sha256
 from control_plane.tiers.warm import WARM_MANIFEST
 
 SHA = "ab" * 32

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-from router import shadow
 from control_plane.admin.rollout_routes import shadow_start
+from router import shadow
 from router.routes import RouteTable
 from router.shadow import ShadowItem, ShadowMirror
 from tests.conftest import run

@@ -14,7 +14,13 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from control_plane.domain.errors import ControlPlaneError, InvalidInput, ModelLoadFailed
-from control_plane.tiers.cold.digests import CHUNK_BYTES, MANIFEST_NAME, SKIPPED_DIRS, FileEntry, _safe_relpath
+from control_plane.tiers.cold.digests import (
+    CHUNK_BYTES,
+    MANIFEST_NAME,
+    SKIPPED_DIRS,
+    FileEntry,
+    _safe_relpath,
+)
 from control_plane.tiers.cold.stores import ColdStore, _with_slash
 
 

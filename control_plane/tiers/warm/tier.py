@@ -15,11 +15,16 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from control_plane.tiers.cold import ColdStore, ColdStores, download_verified
-from control_plane.domain.errors import CapacityExhausted, InvalidInput, ModelLoadFailed, ModelNotFound
+from control_plane.domain.errors import (
+    CapacityExhausted,
+    InvalidInput,
+    ModelLoadFailed,
+    ModelNotFound,
+)
 from control_plane.domain.model_config import set_name_in_file
 from control_plane.domain.names import validate_model_name
 from control_plane.registry import ModelVersion, Registry
+from control_plane.tiers.cold import ColdStore, ColdStores, download_verified
 from control_plane.tiers.warm.entries import Download, WarmEntry
 from control_plane.tiers.warm.location import folder_bytes, staging_dir_for
 

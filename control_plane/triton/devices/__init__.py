@@ -47,7 +47,13 @@ from control_plane.triton.devices.meter import (
     is_python_backend,
     reserve_measured,
 )
-from control_plane.triton.devices.probe import Correction, GpuMemoryProbe, MemoryReconciler, _stub_model, probe_for
+from control_plane.triton.devices.probe import (
+    Correction,
+    GpuMemoryProbe,
+    MemoryReconciler,
+    _stub_model,
+    probe_for,
+)
 
 __all__ = [
     "DEVICE_KINDS",
