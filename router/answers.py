@@ -24,6 +24,7 @@ from router.errors import (
 )
 from router.repository_config import FolderConfig, metadata_from_config, read_folder
 from router.routes import ADAPTER_SEPARATOR, Decision, split_adapter
+from router.serving_state import ServerAddress
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +45,23 @@ class Answers:
         except UnknownModel as exc:
             raise (exc.for_statistics() if statistics else exc) from None
 
+    def answering_server(self, asked: str, method: str, version: str = "") -> tuple[Decision, ServerAddress | None]:
+        """What answers metadata / config / statistics of ``asked`` (``version`` parsed) and
+        the server that holds it now; None: not loaded, and not loaded for this (statistics
+        of a model that is not loaded are Triton's "unavailable")."""
+        target = self.describe(asked, version, statistics=method == "statistics")
+        server = self.state.ready_server(target.model)
+        if server is None and method == "statistics":
+            raise ModelUnavailable(asked)
+        return target, server
+
     async def model_call(self, asked: str, method: str, version: str = ""):
         """Metadata / config / statistics of ``asked`` as Triton answers them, under the name
         and version the client asked for.  A model that is not loaded is not loaded for this:
         its metadata and config come from its config.pbtxt, its statistics are Triton's
         answer for a model it has not loaded."""
-        version = parse_version(version)
-        target = self.describe(asked, version, statistics=method == "statistics")
-        server = self.state.ready_server(target.model)
+        target, server = self.answering_server(asked, method, parse_version(version))
         if server is None:
-            if method == "statistics":
-                raise ModelUnavailable(asked)
             return await self.cold_answer(asked, method, target)
         stub = self.stub(server)
         _model, public_version = self.public_identity(target)

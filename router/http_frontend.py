@@ -24,7 +24,6 @@ from router.core import Router
 from router.errors import (
     BackendUnavailable,
     InvalidRequest,
-    ModelUnavailable,
     NoSuchPath,
     PayloadTooLarge,
     PermissionDenied,
@@ -154,11 +153,8 @@ async def _forward_get(request: web.Request, method: str) -> web.Response:
     router = _router(request)
     asked = request.match_info["model"]
     version = _version(request)
-    target = router.describe(asked, version, statistics=method == "statistics")
-    server = router.state.ready_server(target.model)
+    target, server = router.answering_server(asked, method, version)
     if server is None:
-        if method == "statistics":
-            raise ModelUnavailable(asked)
         answer = await router.cold_answer(asked, method, target)
         # Triton's HTTP config is the ModelConfig itself (gRPC wraps it in a response).
         return _json(triton_json(answer.config if method == "config" else answer))

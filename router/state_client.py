@@ -71,7 +71,6 @@ class RemoteState:
         self.session: aiohttp.ClientSession | None = None
         self.version = -1
         self.epoch = ""
-        self.snapshot: dict = {}
         self.names = names_from_snapshot({"expose_concrete": False, "production": {}, "by_version": [],
                                           "public": {}, "models": []})
         self.table = RouteTable(default_target=self.names.production.get, unrouted=self.names.unrouted)
@@ -79,7 +78,6 @@ class RemoteState:
         self.placement: dict[str, str] = {}
         self.addresses: dict[str, ServerAddress] = {}
         self.workers = 1
-        self.connected = False
         self.on_snapshot = lambda: None  # called after each new snapshot is applied
         self.shadow_counts = dict  # () -> route -> cumulative ShadowReport counts
         self._ensures: dict[str, asyncio.Task] = {}
@@ -125,9 +123,7 @@ class RemoteState:
                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 data = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            self.connected = False
             raise ControlPlaneAway(f"{type(exc).__name__}: {exc}") from None
-        self.connected = True
         if resp.status >= 400 and resp.status not in accept:
             cls = ERRORS_BY_CODE.get(data.get("error") if isinstance(data, dict) else None, ControlPlaneError)
             raise cls(data.get("message", f"control plane answered {resp.status}")
@@ -151,7 +147,6 @@ class RemoteState:
         self.placement = snapshot["placement"]
         self.repository = Path(snapshot["repository"]) if snapshot.get("repository") else None
         self.workers = max(1, int(snapshot.get("workers") or 1))
-        self.snapshot = snapshot
         self.version, self.epoch = snapshot["version"], snapshot["epoch"]
         self.on_snapshot()
 
@@ -262,9 +257,6 @@ class GrantedLimiter:
         self.state = state
         self.on_limited = on_limited
         self._stock: dict[str, _Stock] = {}
-
-    def check(self, names) -> None:  # the synchronous surface is only for a local router
-        raise NotImplementedError("a router worker applies limits in acquire()")
 
     async def acquire(self, names) -> None:
         limits = self.state.table.limits

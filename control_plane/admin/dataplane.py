@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from aiohttp import web
 
 from control_plane.admin.api import json_body
-from control_plane.domain.errors import InvalidInput
+from control_plane.domain.errors import InvalidInput, TritonUnavailable
 from router.canary import CanaryController, registry_promoter
 from router.limits import GlobalBuckets
 from router.public_names import PublicNames
@@ -201,10 +201,6 @@ class DataPlaneHub:
         async with self._changed:
             self._changed.notify_all()
 
-    async def stop(self) -> None:
-        await self.release_watchers()
-        await asyncio.to_thread(self.route_store.close)
-
     async def _publish_loop(self) -> None:
         while True:
             await asyncio.sleep(PUBLISH_INTERVAL_S)
@@ -255,8 +251,6 @@ class DataPlaneHub:
         await self.manager.ensure(model)
         server = self.manager.ready_server_of(model)
         if server is None:
-            from control_plane.domain.errors import TritonUnavailable
-
             raise TritonUnavailable(f"{model} was unloaded again before it could be used; retry")
         return web.json_response({"model": model, "server": server.name, "grpc_url": server.spec.grpc_url,
                                   "http_url": server.spec.http_url, "up": bool(server.up)})

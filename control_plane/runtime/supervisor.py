@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
@@ -57,7 +57,6 @@ class Child:
     restarts: int = 0
     failures: int = 0  # consecutive short lives
     restart_at: float | None = None
-    pids: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         alive = self.proc is not None and self.proc.poll() is None
@@ -96,7 +95,6 @@ class Supervisor:
                                       stdin=subprocess.DEVNULL)
         child.started_at = time.time()
         child.restart_at = None
-        child.pids.append(child.proc.pid)
         log.info("started %s %s (pid %d)", child.role, child.name, child.proc.pid)
         self.write_processes()
 

@@ -3,29 +3,8 @@
 An *artifact* is one model folder (``config.pbtxt``, ``<version>/model.py``, weights)
 stored under a URI prefix: ``s3://bucket/models/cust017/3/`` or ``file:///srv/models/cust017/3/``.
 
-Folder sha256 (what the registry records)
-    The sha256 of the folder's *manifest text*: one line ``<file sha256 hex>  <path>\\n`` per
-    regular file, paths relative to the folder with ``/`` separators, sorted by their UTF-8
-    bytes.  ``__pycache__`` folders and the manifest object itself are left out.  This is
-    what ``sha256sum`` prints, so it can be checked by hand::
-
-        cd cust017 && find . -type f ! -path '*/__pycache__/*' ! -name mms-manifest.json \\
-          | sed 's#^\\./##' | LC_ALL=C sort | xargs sha256sum | sha256sum
-
-    ``publish`` uploads the files and then ``mms-manifest.json`` (per-file sha256 and size),
-    so a download knows which files belong to the artifact and can check each one as it
-    streams.  An artifact without a manifest (uploaded by another tool) is still accepted:
-    every object under the prefix is downloaded and the folder sha256 is computed from them.
-
-Downloads (``download_verified``) stream each object into a fresh folder in a staging
-directory, hashing on the way; nothing is renamed into Triton's repository here (the warm
-tier does that, atomically, after verification).  From S3 a large object comes as parallel
-ranged GETs (boto3's transfer manager, ``S3Config.max_concurrency`` parts of
-``part_size_bytes`` at a time); the parts are written and hashed in order as they arrive, so
-verification costs no second pass, and an object larger than its listed size fails as
-soon as the extra bytes arrive (the transfer is cancelled).  A mismatch or a broken transfer is retried
-once from scratch, then fails with ModelLoadFailed saying what differed.  Blocking: call it
-from an executor thread.
+The folder sha256 the registry records is defined in ``digests``; how downloads stream,
+hash and verify (parallel ranged GETs from S3, one retry) in ``transfer``.
 
 Modules:
     digests   manifests, per-file and folder sha256
