@@ -35,6 +35,7 @@ WORKER_LIVE_S = 10.0  # a worker not heard from for this long no longer counts
 SETTLE_TIMEOUT_S = 2.0  # an admin change waits this long at most for workers to have it
 MAX_WAIT_S = 30.0
 SHADOW_COUNTS = tuple(f.name for f in fields(ShadowReport) if f.name != "last")
+SHADOW_COUNT_TYPES = {name: type(getattr(ShadowReport(), name)) for name in SHADOW_COUNTS}  # int, float
 
 
 @dataclass
@@ -55,6 +56,42 @@ class WorkerSeen:
         return {"worker": self.worker, "pid": self.pid, "snapshot_version": self.version,
                 "seen_s_ago": round(now - self.last_seen, 3), "live": self.live(now),
                 "requests": self.requests, "samples": self.samples}
+
+
+@dataclass
+class WorkerReport:
+    worker: str
+    pid: int
+    uses: dict[str, int]  # model -> requests served since the last report
+    requests: int
+    samples: list[tuple[str, str, str, float | None, bool]]  # scope, variant, code, ms, random
+    shadow: dict[str, dict[str, int | float]] | None  # route -> cumulative ShadowReport counts
+
+
+def worker_of(body: dict) -> tuple[str, int]:
+    try:
+        return str(body.get("worker", "")), int(body.get("pid") or 0)
+    except (TypeError, ValueError):
+        raise InvalidInput(f"pid must be a number, got {body.get('pid')!r}") from None
+
+
+def parse_report(body: dict) -> WorkerReport:
+    """A worker's report, every field checked: a malformed one is refused whole (400)."""
+    worker, pid = worker_of(body)
+    try:
+        uses = {str(model): int(count) for model, count in (body.get("uses") or {}).items()}
+        requests = int(body.get("requests") or 0)
+        samples = [(str(scope), str(variant), str(code), None if ms is None else float(ms), bool(randomly))
+                   for scope, variant, code, ms, randomly in body.get("samples") or []]
+        shadow = body.get("shadow")
+        if shadow is not None:
+            shadow = {str(route): {key: SHADOW_COUNT_TYPES[key](counts.get(key, 0)) for key in SHADOW_COUNTS}
+                      for route, counts in shadow.items()}
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise InvalidInput(f"malformed data-plane report from worker {worker!r} ({exc}): uses is "
+                           "{model: count}, requests a count, samples [scope, variant, code, "
+                           "served_ms or null, randomly_assigned] lists, shadow {route: {count: n}}") from None
+    return WorkerReport(worker, pid, uses, requests, samples, shadow)
 
 
 class ShadowReports:
@@ -256,23 +293,22 @@ class DataPlaneHub:
                                   "http_url": server.spec.http_url, "up": bool(server.up)})
 
     async def report(self, request: web.Request) -> web.Response:
-        body = await json_body(request)
-        seen = self._seen(str(body.get("worker", "")), int(body.get("pid") or 0))
-        for model, count in (body.get("uses") or {}).items():
-            for _ in range(min(int(count), 32)):  # frequency-aware policies count uses
+        report = parse_report(await json_body(request))  # all checked before anything is applied
+        seen = self._seen(report.worker, report.pid)
+        for model, count in report.uses.items():
+            for _ in range(min(count, 32)):  # frequency-aware policies count uses
                 self.manager.touch(model)
-        seen.requests += int(body.get("requests") or 0)
-        samples = body.get("samples") or []
-        for scope, variant, code, served_ms, randomly in samples:
-            self.stats.record_outcome(scope, variant, code, served_ms, bool(randomly))
-        seen.samples += len(samples)
-        if isinstance(body.get("shadow"), dict):
-            seen.shadow = body["shadow"]
+        seen.requests += report.requests
+        for scope, variant, code, served_ms, randomly in report.samples:
+            self.stats.record_outcome(scope, variant, code, served_ms, randomly)
+        seen.samples += len(report.samples)
+        if report.shadow is not None:
+            seen.shadow = report.shadow
         return web.json_response({"ok": True})
 
     async def tokens(self, request: web.Request) -> web.Response:
         body = await json_body(request)
-        self._seen(str(body.get("worker", "")), int(body.get("pid") or 0))
+        self._seen(*worker_of(body))
         name = body.get("name")
         want = body.get("want")
         if not isinstance(name, str) or not isinstance(want, int) or want < 1:
