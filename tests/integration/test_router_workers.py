@@ -19,7 +19,6 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
-from tests.conftest import pid_alive
 from tests.product import Product
 
 pytestmark = pytest.mark.integration
@@ -144,8 +143,10 @@ def test_a_killed_worker_is_restarted_while_the_other_serves(product):
     before = roles(p)["router-worker"]
     os.kill(before[0], signal.SIGKILL)
     # Connections the kernel had queued on the dying worker's socket are reset with it;
-    # once it is gone, every new connection reaches the live worker.
-    wait_for(lambda: not pid_alive(before[0]), 10, "the killed worker to exit")
+    # once it is gone, every new connection reaches the live worker.  Gone means reaped: a
+    # killed thread group's leader is a zombie while its other threads still hold the
+    # sockets, and the supervisor reaps it only once all of them have exited.
+    wait_for(lambda: not os.path.exists(f"/proc/{before[0]}"), 10, "the killed worker to be reaped")
     for _ in range(20):
         assert post_new_connection(p, "cust002").status_code == 200
     after = wait_for(lambda: len(w := roles(p)["router-worker"]) == 2 and before[0] not in w and w, 60,
