@@ -1,0 +1,154 @@
+"""ModelInfer through the router: re-address the request to the concrete model the decision
+chose, send it (``router.send``), answer under the name the client asked for, and offer a
+copy to the shadow.  The raw path works on serialized bytes: it parses a request once to
+route it and appends pre-serialized overrides instead of re-serializing.  Mixed into
+``router.core.Router``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import service_pb2
+
+from router.answers import BYTES_CACHE_MAX
+from router.errors import InvalidRequest, parse_version
+from router.routes import Decision
+from router.shadow import ShadowItem, outputs_of
+
+
+class Forwarding:
+    """Needs ``table``, ``names``, ``shadow``, ``_suffixes``, ``_suffixes_of`` and
+    ``_name_overrides``, and from the other mixins ``serving``, ``send``, ``raw_infer``,
+    ``typed_infer``, ``public_name``, ``public_identity`` and the adapter checks."""
+
+    async def infer(self, request: service_pb2.ModelInferRequest, user_id: str | None,
+                    timeout_s: float | None = None) -> service_pb2.ModelInferResponse:
+        """Route one ModelInferRequest.  Raises RouterError (Triton's own answers included)."""
+        version = parse_version(request.model_version) if request.model_version else ""
+        asked = request.model_name
+        logical = self.public_name(asked, (i.name for i in request.inputs),
+                                   self._adapter_param(request))
+        async with self.serving(logical, user_id, version) as call:
+            decision = call.decision
+            if decision.adapter is not None:
+                self._check_adapter_parameter(request, decision)
+                request.parameters["adapter"].string_param = decision.adapter
+            shadow_request = None
+            if decision.shadow:
+                shadow_request = service_pb2.ModelInferRequest()
+                shadow_request.CopyFrom(request)
+                shadow_request.model_name, shadow_request.model_version = decision.shadow, ""
+            request.model_name = decision.model
+            request.model_version = decision.version
+            response = await self.send(call, self.typed_infer, request, timeout_s, asked)
+            public_model, public_version = self.public_identity(decision)
+            response.model_name = asked
+            if public_version is not None:
+                response.model_version = public_version
+            params = response.parameters
+            params["model"].string_param = public_model
+            params["variant"].string_param = decision.variant
+            if decision.experiment:
+                params["experiment"].string_param = decision.experiment
+            if decision.adapter is not None:
+                params["adapter"].string_param = decision.adapter
+            if shadow_request is not None:
+                self.shadow.offer(ShadowItem(decision.logical.split(":", 1)[0], decision.shadow,
+                                             shadow_request.SerializeToString(),
+                                             outputs_of(response),
+                                             (time.perf_counter() - call.start) * 1000))
+            return response
+
+    async def infer_raw(self, raw: bytes, metadata_user_id: Callable[[], str | None],
+                        timeout_s: float | None = None) -> bytes:
+        """ModelInfer on serialized bytes: parse once to route, forward the bytes as they are."""
+        try:
+            request = service_pb2.ModelInferRequest.FromString(raw)
+        except DecodeError as exc:
+            raise InvalidRequest(f"malformed ModelInferRequest: {exc}") from None
+        param = request.parameters.get("user_id")
+        user_id = param.string_param if param is not None and param.string_param else metadata_user_id()
+        version = parse_version(request.model_version) if request.model_version else ""
+        asked = request.model_name
+        logical = self.public_name(asked, (i.name for i in request.inputs),
+                                   self._adapter_param(request))
+        async with self.serving(logical, user_id, version) as call:
+            decision = call.decision
+            if decision.adapter is not None:
+                self._check_adapter_parameter(request, decision)
+            if request.model_version != decision.version:
+                # A registry version chose the concrete model; Triton gets no version.  An
+                # empty field cannot be appended (proto3 does not write it): re-serialize.
+                request.model_name = decision.model
+                request.model_version = decision.version
+                if decision.adapter is not None:
+                    request.parameters["adapter"].string_param = decision.adapter
+                body = request.SerializeToString()
+            elif decision.adapter is not None:
+                body = raw + self._model_override(decision.model, decision.adapter)
+            elif decision.model != asked:
+                body = raw + self._model_override(decision.model)
+            else:
+                body = raw
+            response = await self.send(call, self.raw_infer, body, timeout_s, asked)
+            if decision.shadow:
+                # Bytes as they are (re-addressed by an appended override): the shadow's
+                # analysis thread parses the responses, the loop only sends.
+                if version:  # the version asked of the primary means nothing to the shadow
+                    request.model_name, request.model_version = decision.shadow, ""
+                    if decision.adapter is not None:
+                        request.parameters["adapter"].string_param = decision.adapter
+                    shadow_body = request.SerializeToString()
+                else:
+                    shadow_body = raw + self._model_override(decision.shadow, decision.adapter)
+                self.shadow.offer(ShadowItem(decision.logical.split(":", 1)[0], decision.shadow,
+                                             shadow_body, response,
+                                             (time.perf_counter() - call.start) * 1000))
+            return response + self._response_suffix(asked, decision)
+
+    def _response_suffix(self, asked: str, decision: Decision) -> bytes:
+        """Serialized name, version and routing parameters, appended to Triton's response
+        bytes.
+
+        Protobuf merges concatenated messages (the last value of a singular field wins, map
+        entries add up), so appending these bytes equals setting the fields on a parsed
+        response."""
+        names = self.names
+        generation = names.generation if names is not None else 0
+        if self.table.version != self._suffixes_of[0] or generation != self._suffixes_of[1]:
+            self._suffixes.clear()  # a route or the registry changed: public names may have too
+            self._suffixes_of = (self.table.version, generation)
+        key = (asked, decision.model, decision.variant, decision.experiment, decision.adapter,
+               decision.version)
+        suffix = self._suffixes.get(key)
+        if suffix is None:
+            public_model, public_version = self.public_identity(decision)
+            r = service_pb2.ModelInferResponse(model_name=asked)
+            if public_version is not None:
+                r.model_version = public_version
+            r.parameters["model"].string_param = public_model
+            r.parameters["variant"].string_param = decision.variant
+            if decision.experiment:
+                r.parameters["experiment"].string_param = decision.experiment
+            if decision.adapter is not None:
+                r.parameters["adapter"].string_param = decision.adapter
+            if len(self._suffixes) >= BYTES_CACHE_MAX:  # keys include client-chosen adapters
+                self._suffixes.clear()
+            suffix = self._suffixes[key] = r.SerializeToString()
+        return suffix
+
+    def _model_override(self, model: str, adapter: str | None = None) -> bytes:
+        """Appended to request bytes: for a singular field the last occurrence wins, and a
+        map entry (``parameters["adapter"]``) is added to or replaces the request's own."""
+        key = (model, adapter)
+        suffix = self._name_overrides.get(key)
+        if suffix is None:
+            r = service_pb2.ModelInferRequest(model_name=model)
+            if adapter is not None:
+                r.parameters["adapter"].string_param = adapter
+            if len(self._name_overrides) >= BYTES_CACHE_MAX:
+                self._name_overrides.clear()
+            suffix = self._name_overrides[key] = r.SerializeToString()
+        return suffix

@@ -1,0 +1,60 @@
+"""What the router counts: its Prometheus series, and the recording of one request's outcome
+in them and in the experiment and canary windows.  Mixed into ``router.core.Router``."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from router.routes import Decision
+
+LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                     1, 2.5, 5, 10, 30)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter("mmr_requests_total", "Inference requests by route and variant",
+                                ["route", "model", "variant", "code"], registry=r)
+        self.latency = Histogram("mmr_request_seconds", "End-to-end router latency",
+                                 ["route", "variant"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.cold_waits = Counter("mmr_cold_load_waits_total",
+                                  "Requests that waited for a model to load", ["model"], registry=r)
+        self.cold_wait_seconds = Histogram("mmr_cold_load_wait_seconds", "Time waiting for a load",
+                                           ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.rate_limited = Counter("mmr_rate_limited_total", "Requests rejected by a rate limit",
+                                    ["limit"], registry=r)
+        self.shadow_dropped = Counter("mmr_shadow_dropped_total", "Mirrors dropped (queue full)",
+                                      ["route"], registry=r)
+        self.shadow_results = Counter("mmr_shadow_results_total",
+                                      "Shadow outcomes: match, diverged, error, timeout",
+                                      ["route", "result"], registry=r)
+        self.refused = Counter("mmr_refused_total", "Model-control calls refused on the public port",
+                               ["api"], registry=r)
+        self.inflight = Gauge("mmr_inflight_requests", "Requests in flight", registry=r,
+                              multiprocess_mode="livesum")  # summed over live router workers
+
+
+class Recording:
+    """Needs ``metrics`` (RouterMetrics), ``stats`` (router.stats.StatsBook) and
+    ``_metric_children`` (a dict this mixin fills)."""
+
+    def record(self, decision: Decision, latency_s: float, code: str, known: bool = True,
+               served_s: float | None = None) -> None:
+        """``served_s``: latency from when the model was ready (None: it never was)."""
+        # Adapters share their base's series: adapter names are chosen by clients.
+        route = decision.logical.split(":", 1)[0] if known else "unknown"
+        key = (route, decision.model if known else "unknown", decision.variant, code)
+        children = self._metric_children.get(key)
+        if children is None:  # labels() lookups cost more than the increments themselves
+            children = self._metric_children[key] = (
+                self.metrics.requests.labels(*key),
+                self.metrics.latency.labels(route, decision.variant))
+        children[0].inc()
+        children[1].observe(latency_s)
+        if not decision.scope.startswith(("exp:", "canary:")):
+            return  # per-variant windows feed experiments and canaries only
+        # Judge the model, not its load or the client: latency from ready, client errors apart.
+        self.stats.record_outcome(decision.scope, decision.variant, code,
+                                  None if served_s is None else served_s * 1000,
+                                  decision.randomly_assigned)

@@ -1,0 +1,208 @@
+"""Serving one request and sending it to Triton: find the server that holds the model
+(asking the control plane to load it on a miss), send, send once more after an ensure when
+Triton unloaded the model in between, turn Triton's failures into the client's answer, and
+record the outcome.  Mixed into ``router.core.Router``.
+
+Every retry of a request sent to Triton lives here (``send``, ``resend_after_unload``);
+the HTTP front end uses ``serving`` and ``resend_after_unload`` around its own POST."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import NoReturn
+
+import grpc
+from tritonclient.grpc import service_pb2_grpc
+
+from control_plane.domain import errors as cp
+from control_plane.domain.errors import ControlPlaneError
+from router.errors import (
+    BackendUnavailable,
+    RequestTimeout,
+    RouterError,
+    UnknownModel,
+    UpstreamError,
+    from_control_plane,
+)
+from router.routes import Decision
+from router.serving_state import UNLOADED_PREFIX, ServerAddress
+
+GRPC_MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024
+INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+
+
+@dataclass
+class Call:
+    decision: Decision
+    start: float
+    server: ServerAddress | None = None
+    code: str = "OK"
+    ready_at: float | None = None  # perf_counter when the model was ready (after any load)
+
+
+def unloaded_under(exc: grpc.aio.AioRpcError) -> bool:
+    """Triton's answer for a model it no longer holds (unloaded between placement and send)."""
+    return exc.code() == grpc.StatusCode.NOT_FOUND and (exc.details() or "").startswith(UNLOADED_PREFIX)
+
+
+class Sending:
+    """Needs ``state`` (router.serving_state), ``config`` (router.core.RouterConfig),
+    ``metrics``, ``limiter``, ``_channels``, ``inflight``, and from the other mixins
+    ``route``, ``limited_names``, ``record`` and ``public_text``."""
+
+    # ------------------------------------------------------------------ channels
+    def stub(self, server: ServerAddress) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        entry = self._channels.get(server.grpc_url)
+        if entry is None:
+            channel = grpc.aio.insecure_channel(server.grpc_url, options=[
+                ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT_BYTES),
+                ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT_BYTES),
+            ])
+            # The raw ModelInfer callable sends and receives bytes: the router never
+            # re-serializes a request or parses a response it only passes through.
+            entry = self._channels[server.grpc_url] = (
+                channel, service_pb2_grpc.GRPCInferenceServiceStub(channel),
+                channel.unary_unary(INFER_METHOD, request_serializer=None, response_deserializer=None))
+        return entry[1]
+
+    def raw_infer(self, server: ServerAddress):
+        """ModelInfer on ``server`` taking and returning serialized bytes."""
+        self.stub(server)
+        return self._channels[server.grpc_url][2]
+
+    def typed_infer(self, server: ServerAddress):
+        """ModelInfer on ``server`` taking and returning protobuf messages."""
+        return self.stub(server).ModelInfer
+
+    # ------------------------------------------------------------------ where
+    async def server_for(self, model: str, asked: str | None = None, fresh: bool = False) -> ServerAddress:
+        """The server with ``model`` READY; waits (bounded) for a load on a miss.
+
+        ``fresh``: ask the control plane even if this process believes the model loaded
+        (Triton just said it is not).  Errors name ``asked``, the model as the client knows it."""
+        server = None if fresh else self.state.ready_server(model)
+        if server is not None:
+            return server
+        asked = asked or model
+        start = time.perf_counter()
+        counted = False
+        try:
+            server = await asyncio.wait_for(self.state.ensure(model), self.config.load_timeout_s)
+            counted = True
+        except RouterError:
+            counted = True
+            raise
+        except TimeoutError:
+            counted = True
+            raise RequestTimeout(f"'{asked}' did not finish loading within {self.config.load_timeout_s:.0f}s; "
+                                 "the load goes on, retry shortly") from None
+        except ControlPlaneError as exc:
+            counted = not isinstance(exc, cp.ModelNotFound)
+            raise self._serving_error(exc, asked) from exc
+        finally:
+            if counted:  # unknown names get no series of their own (label cardinality)
+                self.metrics.cold_waits.labels(model).inc()
+                self.metrics.cold_wait_seconds.labels(model).observe(time.perf_counter() - start)
+        return server
+
+    @staticmethod
+    def _serving_error(exc: ControlPlaneError, asked: str) -> RouterError:
+        """A control-plane failure met while serving ``asked``, as the client should see it.
+
+        Triton answers a model that is not in its repository "unknown model" and one whose
+        load failed "has no available versions"; the router does the same.  The reason of a
+        failed load is the operator's (``mmctl health``), and a full fleet is not explained
+        to clients with the names of other models."""
+        if isinstance(exc, cp.ModelNotFound):
+            return UnknownModel(asked)
+        if isinstance(exc, cp.ModelLoadFailed):
+            return UnknownModel(asked, no_versions=True)
+        if isinstance(exc, cp.CapacityExhausted):
+            return BackendUnavailable(f"'{asked}' cannot be loaded now: the servers have no room "
+                                      "for it; retry later")
+        return from_control_plane(exc)
+
+    # ------------------------------------------------------------------ one request
+    @contextlib.asynccontextmanager
+    async def serving(self, logical: str, user_id: str | None, version: str = "") -> AsyncIterator[Call]:
+        """Decide, rate-limit and find (or have loaded) the server for one request; record it
+        when done.
+
+        ``version``: the client's model version, already checked with ``parse_version``.
+        The body sets ``call.code`` to the outcome ("OK" or a status name)."""
+        start = time.perf_counter()
+        decision = self.route(logical, user_id, version)
+        await self.limiter.acquire(self.limited_names(decision))
+        call = Call(decision, start)
+        known = True
+        self.metrics.inflight.inc()
+        self.inflight += 1
+        try:
+            try:
+                call.server = await self.server_for(decision.model, decision.logical)
+            except UnknownModel:
+                known = False  # names that turned out unknown get no series (label cardinality)
+                raise
+            call.ready_at = time.perf_counter()
+            self.state.touch(decision.model)
+            yield call
+        except RouterError as exc:
+            call.code = exc.grpc_code.name
+            raise
+        except asyncio.CancelledError:  # the client went away or its deadline passed
+            call.code = "CANCELLED"
+            raise
+        except BaseException:
+            if call.code == "OK":
+                call.code = "INTERNAL"
+            raise
+        finally:
+            self.metrics.inflight.dec()
+            self.inflight -= 1
+            end = time.perf_counter()
+            self.record(decision, end - start, call.code, known=known,
+                        served_s=None if call.ready_at is None else end - call.ready_at)
+
+    async def send(self, call: Call, rpc: Callable[[ServerAddress], Callable], message,
+                   timeout_s: float | None, asked: str):
+        """``rpc(server)(message)`` on the call's server; once more, after an ensure, when
+        Triton unloaded the model in between.  ``rpc``: ``raw_infer`` or ``typed_infer``.
+        Raises RouterError with Triton's answer about ``asked``, the name the client used."""
+        server = call.server
+        timeout = timeout_s or self.config.request_timeout_s
+        try:
+            try:
+                return await rpc(server)(message, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                if not unloaded_under(exc):
+                    raise
+                server = await self.resend_after_unload(call)
+                return await rpc(server)(message, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            self._reraise(call, server, exc, asked)
+
+    async def resend_after_unload(self, call: Call) -> ServerAddress:
+        """Triton no longer holds the model the request was sent to (evicted in between):
+        have it loaded again and return where; the caller sends once more."""
+        call.server = await self.server_for(call.decision.model, call.decision.logical, fresh=True)
+        call.ready_at = time.perf_counter()
+        return call.server
+
+    @classmethod
+    def _reraise(cls, call: Call, server: ServerAddress, exc: grpc.aio.AioRpcError, asked: str) -> NoReturn:
+        """Triton's own answer (shape, dtype, ...) passes on with its code, about the model
+        the client asked for; a Triton that is down says so."""
+        call.code = exc.code().name
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            raise BackendUnavailable(
+                f"Triton {server.name} at {server.grpc_url} is unavailable "
+                f"({exc.details()}); the control plane restarts it, retry shortly") from exc
+        raise UpstreamError(exc.code(), cls.public_text(exc.details() or "", call.decision.model, asked)) from exc
+
+    async def _send_shadow(self, model: str, request: bytes, timeout_s: float) -> bytes:
+        server = await self.server_for(model)
+        return await self.raw_infer(server)(request, timeout=timeout_s)

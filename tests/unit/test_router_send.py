@@ -1,0 +1,131 @@
+"""Sending to Triton: a request that meets its model unloaded under it is sent once more,
+after an ensure, to wherever the model is now; every other Triton failure reaches the
+client as Triton's answer (about the name the client asked for) or as a Triton that is
+down, without a second send."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from tritonclient.grpc import service_pb2
+
+from router.core import Router
+from router.errors import BackendUnavailable, UpstreamError
+from router.routes import RouteTable
+from router.serving_state import UNLOADED_PREFIX, ServerAddress
+from tests.conftest import run
+
+FIRST = ServerAddress("triton0", "first:8001", "first:8000")
+SECOND = ServerAddress("triton1", "second:8001", "second:8000")
+
+
+class MovingState:
+    """``m`` is READY on FIRST as far as the router knows; an ensure finds it on SECOND."""
+
+    repository = None
+
+    def __init__(self):
+        self.ensured: list[str] = []
+
+    def ready_server(self, model):
+        return FIRST
+
+    async def ensure(self, model):
+        self.ensured.append(model)
+        return SECOND
+
+    def touch(self, model):
+        pass
+
+    def servers(self):
+        return [FIRST, SECOND]
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+class Triton:
+    """Plays ModelInfer on each server: answers[server name] is raised or returned, in turn."""
+
+    def __init__(self, **answers):
+        self.answers = {name: list(a) for name, a in answers.items()}
+        self.sent: list[str] = []
+
+    def rpc(self, server: ServerAddress):
+        async def model_infer(message, timeout=None):
+            self.sent.append(server.name)
+            answer = self.answers[server.name].pop(0)
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+        return model_infer
+
+
+def raw_router(triton: Triton) -> tuple[Router, MovingState]:
+    state = MovingState()
+    router = Router(state, RouteTable())
+    router.raw_infer = triton.rpc  # the bytes path sends through raw_infer(server)
+    return router, state
+
+
+def raw_request(model: str = "m") -> bytes:
+    return service_pb2.ModelInferRequest(model_name=model).SerializeToString()
+
+
+UNLOADED = rpc_error(grpc.StatusCode.NOT_FOUND, f"{UNLOADED_PREFIX}: 'm' is not found")
+
+
+def test_a_request_that_meets_its_model_unloaded_is_sent_again_where_it_is_now():
+    triton = Triton(triton0=[UNLOADED], triton1=[b""])
+    router, state = raw_router(triton)
+
+    response = run(router.infer_raw(raw_request(), lambda: None))
+
+    assert triton.sent == ["triton0", "triton1"]
+    assert state.ensured == ["m"]  # asked again although this process believed it loaded
+    assert service_pb2.ModelInferResponse.FromString(response).model_name == "m"
+
+
+def test_the_typed_path_sends_again_after_an_unload_too():
+    triton = Triton(triton0=[UNLOADED], triton1=[service_pb2.ModelInferResponse()])
+    router, state = raw_router(triton)
+    router.stub = lambda server: type("Stub", (), {"ModelInfer": staticmethod(triton.rpc(server))})
+
+    response = run(router.infer(service_pb2.ModelInferRequest(model_name="m"), None))
+
+    assert triton.sent == ["triton0", "triton1"] and state.ensured == ["m"]
+    assert response.model_name == "m" and response.parameters["variant"].string_param == "default"
+
+
+def test_a_second_unload_in_a_row_reaches_the_client_after_one_resend_only():
+    triton = Triton(triton0=[UNLOADED], triton1=[UNLOADED])
+    router, _state = raw_router(triton)
+
+    with pytest.raises(UpstreamError) as info:
+        run(router.infer_raw(raw_request(), lambda: None))
+
+    assert triton.sent == ["triton0", "triton1"]
+    assert info.value.grpc_code == grpc.StatusCode.NOT_FOUND
+
+
+def test_tritons_own_answer_passes_on_about_the_asked_name_without_a_resend():
+    shape = rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "unexpected shape for input 'IN' for model 'm'")
+    triton = Triton(triton0=[shape])
+    router, state = raw_router(triton)
+
+    with pytest.raises(UpstreamError) as info:
+        run(router.infer_raw(raw_request(), lambda: None))
+
+    assert triton.sent == ["triton0"] and state.ensured == []
+    assert info.value.grpc_code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "for model 'm'" in str(info.value)
+
+
+def test_a_triton_that_stays_down_is_unavailable_and_named():
+    down = rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
+    triton = Triton(triton0=[down], triton1=[down])
+    router, _state = raw_router(triton)
+
+    with pytest.raises(BackendUnavailable, match="triton[01] at .* is unavailable"):
+        run(router.infer_raw(raw_request(), lambda: None))
