@@ -1,44 +1,32 @@
-"""Durable control-plane state in an embedded SQLite file (pins, per-model history).
+"""Durable control-plane state: pins, per-model history and a key-value table, in the
+state store (an embedded SQLite file by default, a shared PostgreSQL with --state-url).
 
-Small writes, one connection, WAL mode; called from the event-loop thread (each write is a
-few hundred microseconds on local disk, far below a model load).  What Triton has loaded
-is *not* trusted from here: on start the manager reconciles with each server's index.
+Small writes, called from the event-loop thread (a few hundred microseconds on local disk,
+about a millisecond to a PostgreSQL on the network, far below a model load).  What Triton
+has loaded is *not* trusted from here: on start the manager reconciles with each server's
+index.
 """
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from pathlib import Path
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS pins (
-    model TEXT PRIMARY KEY,
-    pinned_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS models (
-    model TEXT PRIMARY KEY,
-    last_used REAL,
-    load_time_s REAL,
-    memory_bytes INTEGER,
-    server TEXT,
-    failure TEXT
-);
-CREATE TABLE IF NOT EXISTS kv (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-"""
+from control_plane.state import Database, SqliteDatabase, migrate, open_database
 
 
 class StateStore:
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(SCHEMA)
+    """``StateStore(path)`` opens (and migrates) a SQLite file; ``StateStore(database)``
+    uses an open ``Database`` (``control_plane.state.open_database``)."""
+
+    def __init__(self, where: Path | Database):
+        self.db = where if isinstance(where, Database) else open_database(Path(where))
+        self.path = where if isinstance(where, Path) else getattr(self.db, "path", None)
+        migrate(self.db)
+
+    def clone(self) -> StateStore:
+        """The same store through another connection (for another thread)."""
+        return StateStore(self.db.clone())
 
     def close(self) -> None:
         self.db.close()
@@ -49,9 +37,8 @@ class StateStore:
 
     def set_pin(self, model: str, pinned: bool) -> None:
         if pinned:
-            self.db.execute(
-                "INSERT OR IGNORE INTO pins(model, pinned_at) VALUES (?, ?)", (model, time.time())
-            )
+            self.db.execute("INSERT INTO pins(model, pinned_at) VALUES (?, ?) "
+                            "ON CONFLICT (model) DO NOTHING", (model, time.time()))
         else:
             self.db.execute("DELETE FROM pins WHERE model = ?", (model,))
 
@@ -68,16 +55,23 @@ class StateStore:
         bad = set(fields) - allowed
         if bad:
             raise ValueError(f"unknown model fields: {sorted(bad)}")
-        self.db.execute("INSERT OR IGNORE INTO models(model) VALUES (?)", (model,))
-        if fields:
-            assignments = ", ".join(f"{k} = ?" for k in fields)
-            self.db.execute(
-                f"UPDATE models SET {assignments} WHERE model = ?", (*fields.values(), model)
-            )
+        if not fields:
+            self.db.execute("INSERT INTO models(model) VALUES (?) ON CONFLICT (model) DO NOTHING",
+                            (model,))
+            return
+        names = ", ".join(fields)
+        marks = ", ".join("?" for _ in fields)
+        updates = ", ".join(f"{k} = excluded.{k}" for k in fields)
+        self.db.execute(f"INSERT INTO models(model, {names}) VALUES (?, {marks}) "
+                        f"ON CONFLICT (model) DO UPDATE SET {updates}", (model, *fields.values()))
 
     def get(self, key: str, default: str | None = None) -> str | None:
         row = self.db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         return row[0] if row else default
 
     def put(self, key: str, value: str) -> None:
-        self.db.execute("INSERT OR REPLACE INTO kv(key, value) VALUES (?, ?)", (key, value))
+        self.db.execute("INSERT INTO kv(key, value) VALUES (?, ?) "
+                        "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))
+
+
+__all__ = ["SqliteDatabase", "StateStore"]

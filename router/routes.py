@@ -15,10 +15,10 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from typing import Protocol
 
 from control_plane.domain.errors import InvalidModelName
 from control_plane.domain.names import validate_model_name
-from control_plane.state_store import StateStore
 from router.errors import InvalidRequest, ModelNotFound
 
 BUCKETS = 10_000
@@ -144,8 +144,16 @@ class Decision:
     version: str = ""
 
 
+class KeyValueStore(Protocol):
+    """Where the table is kept: the control plane's state store (or its background writer)."""
+
+    def get(self, key: str, default: str | None = None) -> str | None: ...
+
+    def put(self, key: str, value: str) -> None: ...
+
+
 class RouteTable:
-    def __init__(self, store: StateStore | None = None, rng: random.Random | None = None,
+    def __init__(self, store: KeyValueStore | None = None, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.time,
                  default_target: Callable[[str], str | None] | None = None,
                  unrouted: Callable[[str], str] | None = None):

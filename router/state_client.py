@@ -60,10 +60,18 @@ def table_from_snapshot(snapshot: dict, names: PublicNames) -> RouteTable:
 
 
 class RemoteState:
-    """``router.serving_state.ServingState`` from the control plane at ``control_url``."""
+    """``router.serving_state.ServingState`` from the control plane at ``control_url``.
+
+    ``control_url`` may list several control planes, comma-separated (a leader and its
+    standbys): a worker talks to one, and moves to the next when it does not answer or
+    answers that it is a standby.
+    """
 
     def __init__(self, control_url: str, token: str, worker: str, request_timeout_s: float = 130.0):
-        self.control_url = control_url.rstrip("/")
+        self.control_urls = [u.strip().rstrip("/") for u in control_url.split(",") if u.strip()]
+        if not self.control_urls:
+            raise ValueError("no control-plane URL given")
+        self.control_url = self.control_urls[0]
         self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         self.worker = worker
         self.pid = os.getpid()
@@ -115,15 +123,25 @@ class RemoteState:
             await self.session.close()
 
     # ------------------------------------------------------------------ calls
+    def _next_control_plane(self) -> None:
+        if len(self.control_urls) > 1:
+            i = self.control_urls.index(self.control_url)
+            self.control_url = self.control_urls[(i + 1) % len(self.control_urls)]
+
     async def _call(self, method: str, path: str, body: dict | None = None, params: dict | None = None,
                     timeout_s: float = 10.0, accept: tuple[int, ...] = ()) -> dict:
+        url = self.control_url
         try:
-            async with self.session.request(method, self.control_url + path, json=body, params=params,
+            async with self.session.request(method, url + path, json=body, params=params,
                                             headers=self.headers,
                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 data = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise ControlPlaneAway(f"{type(exc).__name__}: {exc}") from None
+            self._next_control_plane()
+            raise ControlPlaneAway(f"{url}: {type(exc).__name__}: {exc}") from None
+        if resp.status == 503 and isinstance(data, dict) and data.get("error") == "standby":
+            self._next_control_plane()
+            raise ControlPlaneAway(f"{url} is a standby ({data.get('message')})")
         if resp.status >= 400 and resp.status not in accept:
             cls = ERRORS_BY_CODE.get(data.get("error") if isinstance(data, dict) else None, ControlPlaneError)
             raise cls(data.get("message", f"control plane answered {resp.status}")

@@ -2,9 +2,9 @@
 
 ``RouteTable.save()`` runs on the event loop that serves requests (admin changes, canary
 verdicts) and writes its JSON through ``store.put``.  ``BackgroundStore`` stands in for the
-``StateStore``: ``put`` only records the value, and one writer thread with its own SQLite
-connection writes it, so the loop never waits on SQLite (a busy database, a slow disk, a
-checkpoint).  A newer value of a key replaces one not yet written: only the last state of
+``StateStore``: ``put`` only records the value, and one writer thread with its own
+connection writes it, so the loop never waits on the state store (a busy database, a slow
+disk, a checkpoint, a PostgreSQL on the network).  A newer value of a key replaces one not yet written: only the last state of
 the table matters.  ``get`` sees values not yet written.
 
 Failure: a write that fails is logged and retried (the newest value wins) after a pause;
@@ -18,8 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 
-from control_plane.state_store import StateStore
-
 log = logging.getLogger(__name__)
 
 RETRY_PAUSE_S = 1.0
@@ -28,7 +26,7 @@ RETRY_PAUSE_S = 1.0
 class BackgroundStore:
     """``get``/``put`` of a ``StateStore``'s key-value table, written by one thread."""
 
-    def __init__(self, store: StateStore):
+    def __init__(self, store):  # a control_plane.state_store.StateStore
         self.store = store
         self._pending: dict[str, str] = {}
         self._writing = False
@@ -68,7 +66,7 @@ class BackgroundStore:
     def _run(self) -> None:
         # Its own connection: the loop's connection runs multi-statement transactions
         # (registry) that a write from this thread must not land inside.
-        writer = StateStore(self.store.path)
+        writer = self.store.clone()
         try:
             while True:
                 with self._changed:

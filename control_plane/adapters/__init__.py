@@ -54,7 +54,7 @@ from control_plane.adapters.files import AdapterFiles, StagedAdapter
 from control_plane.adapters.manager import AdapterManager
 from control_plane.adapters.metrics import AdapterMetrics
 from control_plane.adapters.rows import _peft_summary, merge_rows, public_tier
-from control_plane.adapters.store import SCHEMA, AdapterStore
+from control_plane.adapters.store import AdapterStore
 
 __all__ = [
     "CONFIG_FILE",
@@ -64,7 +64,6 @@ __all__ = [
     "LABEL_SEPARATOR",
     "MANIFEST_FILE",
     "PEFT_FILES",
-    "SCHEMA",
     "WEIGHTS_FILE",
     "AdapterFiles",
     "AdapterManager",

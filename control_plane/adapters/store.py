@@ -1,37 +1,22 @@
-"""The durable record of adapters: the ``adapters`` table in the control plane's SQLite."""
+"""The durable record of adapters: the ``adapters`` table in the control plane's state store."""
 
 from __future__ import annotations
 
 import sqlite3
 from collections.abc import Mapping
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS adapters (
-    base TEXT NOT NULL,
-    name TEXT NOT NULL,
-    label TEXT,
-    uri TEXT,
-    sha256 TEXT,
-    rank INTEGER,
-    bytes INTEGER,
-    pinned INTEGER NOT NULL DEFAULT 0,
-    added_at REAL NOT NULL,
-    added_by TEXT,
-    last_used REAL,
-    PRIMARY KEY (base, name)
-);
-"""
+from control_plane.state import Database, as_database, migrate
 
 
 class AdapterStore:
-    """The ``adapters`` table in the control plane's SQLite (one connection, event-loop thread)."""
+    """The ``adapters`` table in the control plane's state store (event-loop thread)."""
 
     COLUMNS = ("base", "name", "label", "uri", "sha256", "rank", "bytes", "pinned", "added_at",
                "added_by", "last_used")
 
-    def __init__(self, db: sqlite3.Connection):
-        self.db = db
-        self.db.executescript(SCHEMA)
+    def __init__(self, db: Database | sqlite3.Connection):
+        self.db = as_database(db)
+        migrate(self.db)  # a no-op where the state store already migrated it
 
     def rows(self, base: str | None = None) -> list[dict]:
         sql = f"SELECT {', '.join(self.COLUMNS)} FROM adapters"
@@ -54,10 +39,12 @@ class AdapterStore:
             rank: int | None, nbytes: int | None, added_by: str | None, added_at: float,
             pinned: bool = False) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO adapters(base, name, label, uri, sha256, rank, bytes, pinned, "
-            "added_at, added_by, last_used) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-            "(SELECT last_used FROM adapters WHERE base = ? AND name = ?))",
-            (base, name, label, uri, sha256, rank, nbytes, int(pinned), added_at, added_by, base, name))
+            "INSERT INTO adapters(base, name, label, uri, sha256, rank, bytes, pinned, added_at, "
+            "added_by) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (base, name) DO UPDATE "
+            "SET label = excluded.label, uri = excluded.uri, sha256 = excluded.sha256, "
+            "rank = excluded.rank, bytes = excluded.bytes, pinned = excluded.pinned, "
+            "added_at = excluded.added_at, added_by = excluded.added_by",
+            (base, name, label, uri, sha256, rank, nbytes, int(pinned), added_at, added_by))
 
     def set_pinned(self, base: str, name: str, pinned: bool, now: float) -> None:
         if self.get(base, name) is None:  # an adapter found in the directory: registered now

@@ -137,7 +137,7 @@ def _public(request: web.Request) -> bool:
     A health probe (``?probe=1``) runs an inference, so it needs the token."""
     if request.method not in SAFE_METHODS:
         return False
-    if request.path == "/metrics" or request.path == "/health":
+    if request.path in ("/metrics", "/health", "/livez", "/readyz"):
         return True
     return request.path.startswith("/health/") and "probe" not in request.query
 
@@ -324,6 +324,16 @@ async def metrics(request: web.Request) -> web.Response:
     return resp
 
 
+async def livez(request: web.Request) -> web.Response:
+    return web.json_response({"alive": True, "role": "leader"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready = serving as the control plane (a standby answers 503 on this port), so a
+    Kubernetes Service sends admin calls and router workers to the leader only."""
+    return web.json_response({"ready": True, "role": "leader"})
+
+
 async def not_found(request: web.Request) -> web.Response:
     raise InvalidInput(f"no admin endpoint {request.method} {request.path}")
 
@@ -347,5 +357,7 @@ def make_app(manager: ModelManager, extra: dict | None = None,
         web.get("/v1/fleet", fleet),
         web.get("/v1/endpoints", endpoints),
         web.get("/metrics", metrics),
+        web.get("/livez", livez),
+        web.get("/readyz", readyz),
     ])
     return app

@@ -45,9 +45,13 @@ class Reconciler(ManagerState):
                 log.error("Triton %s at %s is not answering", server.name, server.spec.grpc_url)
             server.up = False
             self.metrics.server_up.labels(server.name).set(0)
+            self._maybe_lost(server)
             return
-        was_down = not server.up
-        server.up = True
+        was_down, returning = not server.up, server.lost
+        if server.lost:
+            log.warning("Triton %s at %s answers again; it takes models again", server.name,
+                        server.spec.grpc_url)
+        server.up, server.down_since, server.lost = True, None, False
         self.metrics.server_up.labels(server.name).set(1)
         self.catalog.update(index)
 
@@ -68,6 +72,8 @@ class Reconciler(ManagerState):
                 rec = self._record(name)
                 if entry.state == TritonModelState.READY and not ours(rec):
                     if rec.state == ModelState.READY and rec.server != server.name:
+                        if returning:  # re-placed while this server was lost: drop its copy
+                            self._spawn(self._unload_stray(server, name))
                         continue  # loaded on another server too; keep our placement
                     size = sizes.get(name)
                     if size is None:
@@ -136,6 +142,31 @@ class Reconciler(ManagerState):
         server.up = True
         self.metrics.server_up.labels(server.name).set(1)
         self._spawn(self.load_pinned())
+
+    def _maybe_lost(self, server: TritonServer) -> None:
+        """A Triton registered by address (its node) that stays away is lost: what it held
+        is placed on the others.  A managed Triton is restarted instead (_restart_triton)."""
+        now = time.monotonic()
+        if server.down_since is None:
+            server.down_since = now
+        if (server.process is not None or server.lost
+                or now - server.down_since < self.config.server_lost_after_s):
+            return
+        server.lost = True
+        held = sorted(n for n, r in self.records.items() if r.server == server.name)
+        log.error("Triton %s at %s has not answered for %.0fs: lost; placing its %d model(s) "
+                  "elsewhere", server.name, server.spec.grpc_url, now - server.down_since, len(held))
+        self._forget_server_models(server, f"server {server.name} lost")
+        self._spawn(self.load_pinned())
+
+    async def _unload_stray(self, server: TritonServer, name: str) -> None:
+        try:
+            await server.admin.unload(name)
+            log.warning("unloaded %s from %s: it is served from %s now", name, server.name,
+                        self.records[name].server)
+        except ControlPlaneError as exc:
+            log.warning("could not unload the stray copy of %s from %s: %s", name, server.name,
+                        exc.message)
 
     def _forget_server_models(self, server: TritonServer, reason: str) -> None:
         for name, rec in self.records.items():

@@ -89,6 +89,8 @@ class TritonServer:
     up: bool = True
     restart_failures: int = 0
     next_restart_at: float = 0.0  # monotonic; restarts of a crashing Triton back off
+    down_since: float | None = None  # monotonic; when it stopped answering
+    lost: bool = False  # down past ManagerConfig.server_lost_after_s: its models were re-placed
 
     @property
     def name(self) -> str:
@@ -102,6 +104,7 @@ class TritonServer:
             "http_url": self.spec.http_url,
             "metrics_url": self.spec.metrics_url,
             "up": self.up,
+            "lost": self.lost,
             "managed": self.process is not None,
             "memory_budget_bytes": self.spec.memory_budget_bytes,
             "max_loaded": self.spec.max_loaded,
@@ -131,6 +134,9 @@ class ManagerConfig:
     # python stub with torch: about 0.3 GB of RAM; on a GPU its CUDA context), kept free for
     # each load in flight before a load may start ahead of its victims' unloads.
     overlap_margin_bytes: int = 1 << 30
+    # A Triton registered by address (another node) that has not answered for this long is
+    # lost: its models are forgotten there and placed on the others (pinned ones at once).
+    server_lost_after_s: float = 10.0
 
     def __post_init__(self):
         for name in ("headroom_models", "headroom_bytes", "overlap_margin_bytes"):

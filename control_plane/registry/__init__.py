@@ -44,7 +44,7 @@ from control_plane.registry.repository import (
     collect_repository,
     register_repository,
 )
-from control_plane.registry.store import MIGRATIONS, SCHEMA, Registry
+from control_plane.registry.store import Registry
 from control_plane.registry.versions import (
     DEFAULT_SLA,
     REPOSITORY_SCHEME,
@@ -60,9 +60,7 @@ from control_plane.registry.versions import (
 
 __all__ = [
     "DEFAULT_SLA",
-    "MIGRATIONS",
     "REPOSITORY_SCHEME",
-    "SCHEMA",
     "SLA_CLASSES",
     "STAGES",
     "_WARM_MANIFEST",

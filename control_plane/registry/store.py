@@ -1,5 +1,5 @@
-"""``Registry``: versions and rollout stages in the control plane's SQLite file, with the
-schema and the migrations of state files from older releases."""
+"""``Registry``: versions and rollout stages in the control plane's state store (its tables
+are created by ``control_plane.state.migrations``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import logging
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from control_plane.domain.errors import InvalidInput, ModelNotFound
 from control_plane.domain.names import MAX_NAME_LENGTH, validate_model_name
@@ -22,83 +22,25 @@ from control_plane.registry.versions import (
     _validate_who,
     parse_concrete,
 )
+from control_plane.state import Database, as_database, migrate
 from control_plane.tiers.cold import normalize_sha256
 
 log = logging.getLogger(__name__)
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS registry_versions (
-    model TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    artifact_uri TEXT NOT NULL,
-    sha256 TEXT NOT NULL,
-    size_bytes INTEGER NOT NULL,
-    memory_bytes INTEGER,
-    data_fingerprint TEXT,
-    metrics TEXT NOT NULL DEFAULT '{}',
-    sla TEXT NOT NULL,
-    tenant TEXT,
-    stage TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    created_by TEXT NOT NULL,
-    stage_changed_at REAL NOT NULL,
-    stage_changed_by TEXT NOT NULL,
-    triton_name TEXT,
-    synthetic_warmup INTEGER NOT NULL DEFAULT 1,
-    PRIMARY KEY (model, version)
-);
-CREATE TABLE IF NOT EXISTS registry_history (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    model TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    from_stage TEXT,
-    to_stage TEXT NOT NULL,
-    who TEXT NOT NULL,
-    at REAL NOT NULL,
-    note TEXT
-);
-CREATE INDEX IF NOT EXISTS registry_history_model ON registry_history(model, version);
-"""
-# State files written before versions had their own Triton name get the default one.
-MIGRATIONS = """
-UPDATE registry_versions SET triton_name = model || '.v' || version WHERE triton_name IS NULL;
-CREATE UNIQUE INDEX IF NOT EXISTS registry_triton_name ON registry_versions(triton_name);
-"""
-
-
 class Registry:
-    """Versions and rollout stages in SQLite.  ``clock`` is injectable for tests."""
+    """Versions and rollout stages in the state store.  ``clock`` is injectable for tests."""
 
-    def __init__(self, db: sqlite3.Connection, clock: Callable[[], float] = time.time, stores=None):
-        self.db = db
+    def __init__(self, db: Database | sqlite3.Connection, clock: Callable[[], float] = time.time,
+                 stores=None):
+        self.db = as_database(db)
+        migrate(self.db)  # a no-op where the state store already migrated it
         self.clock = clock
         self.stores = stores  # ColdStores, used by the admin API to inspect/publish artifacts
-        self.db.executescript(SCHEMA)
-        self._migrate()
         self._listeners: list[Callable[[str, str], None]] = []
 
-    def _migrate(self) -> None:
-        """Bring a state file from an older release up to this schema (idempotent)."""
-        columns = {row[1] for row in self.db.execute("PRAGMA table_info(registry_versions)")}
-        with self._transaction():
-            if "triton_name" not in columns:
-                self.db.execute("ALTER TABLE registry_versions ADD COLUMN triton_name TEXT")
-            if "synthetic_warmup" not in columns:
-                self.db.execute("ALTER TABLE registry_versions "
-                                "ADD COLUMN synthetic_warmup INTEGER NOT NULL DEFAULT 1")
-            for statement in MIGRATIONS.strip().split(";\n"):
-                self.db.execute(statement)
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[None]:
-        """All-or-nothing (the connection is in autocommit mode, so BEGIN explicitly)."""
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
+    def _transaction(self) -> contextlib.AbstractContextManager[None]:
+        """All-or-nothing (and, on a leader, fenced)."""
+        return self.db.transaction()
 
     def on_stage_change(self, listener: Callable[[str, str], None]) -> None:
         """``listener(concrete name, new stage)`` after each committed change."""

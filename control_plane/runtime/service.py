@@ -29,10 +29,12 @@ from control_plane.demo.fleet import (
 )
 from control_plane.domain.errors import InvalidInput
 from control_plane.eviction import DEFAULT_POLICY, POLICIES
-from control_plane.manager import ManagerConfig, ModelManager, ServerSpec, TritonServer
+from control_plane.manager import ManagerConfig, ModelManager
 from control_plane.runtime.supervisor import PROCESSES_FILE
+from control_plane.runtime.tritons import TritonLaunching, free_memory_probe
 from control_plane.state_store import StateStore
-from control_plane.triton.process import TritonLaunchConfig, TritonProcess
+from control_plane.triton.admin import admin_key_headers
+from control_plane.triton.process import TritonProcess
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +88,34 @@ class ServiceConfig:
     # at least 8 fit, 0 = off; headroom_bytes: explicit bytes under a byte budget.
     headroom_models: int | None = None
     headroom_bytes: int | None = None
+    # Past one machine.  state_url: sqlite:///path or postgresql://... (None: the SQLite file
+    # in state_dir).  Leader election: on by default with PostgreSQL (several control planes
+    # share it), off with SQLite; lease_ttl_s bounds how long a dead leader is waited for.
+    state_url: str | None = None
+    leader_election: bool | None = None
+    lease_ttl_s: float = 5.0
+    instance_name: str | None = None  # this control plane in the lease (default host:pid:rand)
+    servers_file: Path | None = None  # Tritons registered by address (runtime.tritons)
+    triton_admin_key: str | None = None  # Triton's restricted model-repository protocol key
+    # A registered Triton that has not answered for this long is lost: its models are
+    # placed again elsewhere (pinned ones at once, the others at their next request).
+    server_lost_after_s: float = 10.0
+    # Router workers run elsewhere (mmctl router, other pods): serve them, bind no public port.
+    external_routers: bool = False
 
     def validate(self) -> None:
         if self.max_loaded is not None and self.max_loaded < 1:
             raise InvalidInput(f"max_loaded ({self.max_loaded}) must be >= 1")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
             raise InvalidInput(f"memory budget ({self.memory_budget_bytes}) must be > 0 bytes")
-        if self.triton_servers < 0 or (self.triton_servers == 0 and not self.attach):
+        if self.triton_servers < 0 or (self.triton_servers == 0 and not self.attach
+                                       and self.servers_file is None):
             raise InvalidInput(
-                f"triton_servers ({self.triton_servers}) must be >= 1 unless --attach is given")
+                f"triton_servers ({self.triton_servers}) must be >= 1 unless --attach or "
+                "--servers-file is given")
+        if self.lease_ttl_s <= 0.5:
+            raise InvalidInput(f"--lease-ttl ({self.lease_ttl_s}s) must be > 0.5s: the leader "
+                               "renews every third of it")
         if self.headroom_models is not None and self.headroom_models < 0:
             raise InvalidInput(f"--headroom-models ({self.headroom_models}) must be >= 0 (0 turns "
                                "the headroom off)")
@@ -122,29 +143,7 @@ class ServiceConfig:
         return default_warm_repository(self.state_dir, need)
 
 
-def free_memory_probe(memory=None):
-    """The manager's measured-free-memory probe (a load may overlap its victims' unloads
-    where it holds the newcomer): MemAvailable for local CPU servers, NVML's free memory for
-    a GPU server that ``memory`` (devices.GpuMemoryMeter) measures; None elsewhere (attached
-    Tritons: their machine is not this one), so nothing overlaps there."""
-    from control_plane.manager import host_available_bytes
-
-    def free_memory(server) -> int | None:
-        probe = getattr(memory, "probes", {}).get(server.name) if memory is not None else None
-        if probe is not None:
-            return int(probe.nvml.nvmlDeviceGetMemoryInfo(probe.handle).free)
-        if server.spec.device == "cpu" and server.process is not None:
-            return host_available_bytes()
-        return None
-
-    return free_memory
-
-
-def _port(base: int, i: int) -> int:
-    return 0 if base == 0 else base + 10 * i
-
-
-class Service:
+class Service(TritonLaunching):
     def __init__(self, cfg: ServiceConfig):
         cfg.validate()
         self.cfg = cfg
@@ -167,12 +166,19 @@ class Service:
         self.memory = None  # devices.GpuMemoryMeter on a GPU fleet
         self.reconciler = None  # devices.MemoryReconciler on a GPU fleet
         self.hub = None  # dataplane_hub.DataPlaneHub when router workers serve
+        self.database = None  # control_plane.state.Database, opened by open_state
+        self.leadership = None  # runtime.leadership.Leadership with leader election
 
     @property
     def supervised(self) -> bool:
         """Router workers run beside this process, under mmctl up's supervisor: Tritons
         outlive a crash of this process and its next life adopts them."""
         return self.cfg.router and self.cfg.router_workers > 0
+
+    @property
+    def serves_workers(self) -> bool:
+        """Router workers in other processes get their state from here (the data-plane hub)."""
+        return self.supervised or self.cfg.external_routers
 
     def prepare_repository(self) -> None:
         repo = self.repository
@@ -201,116 +207,34 @@ class Service:
             None, collect_repository, self.registry, self.repository, DEMO_VERSIONS)
         add_repository_versions(self.registry, found)
 
-    def discover_devices(self) -> list:
-        """The GPUs and MIG slices that get a Triton each ([] without NVML or GPUs)."""
-        from control_plane.triton.devices import discover, load_nvml, select_devices
+    def open_state(self):
+        """The state store (opened and migrated once, before the election)."""
+        if self.database is None:
+            from control_plane.state import migrate, open_database
+
+            self.database = open_database(self.cfg.state_url or self.cfg.state_dir / "state.db")
+            migrate(self.database)
+        return self.database
+
+    @property
+    def elects_leader(self) -> bool:
+        cfg = self.cfg
+        if cfg.leader_election is not None:
+            return cfg.leader_election
+        return self.open_state().dialect == "postgresql"
+
+    async def become_leader(self, stop: asyncio.Event) -> bool:
+        """With leader election: standby until this control plane leads (False: stopped
+        first).  Without: at once."""
+        db = await asyncio.to_thread(self.open_state)
+        if not self.elects_leader:
+            return True
+        from control_plane.runtime.leadership import Leadership
 
         cfg = self.cfg
-        if cfg.triton_servers == 0 and not cfg.devices:
-            return []  # --attach only: no local Triton, whatever this machine has
-        self.nvml = cfg.nvml if cfg.nvml is not None else (load_nvml() if cfg.use_nvml else None)
-        found = discover(self.nvml) if self.nvml is not None else []
-        if cfg.devices and not found:
-            raise InvalidInput(f"--devices {','.join(cfg.devices)} was given but NVML finds no "
-                               "GPU on this machine (is nvidia-ml-py installed and the driver "
-                               "loaded?); leave --devices out to run on CPU")
-        if cfg.device_budgets and not found:
-            raise InvalidInput("--device-budget was given but NVML finds no GPU on this machine; "
-                               "use --memory-budget for CPU servers")
-        return select_devices(found, cfg.devices)
-
-    def _start_device_tritons(self) -> list[TritonServer]:
-        """One Triton per GPU or MIG slice, bound to it by CUDA_VISIBLE_DEVICES=<its UUID>,
-        named after it, its instances run there (KIND_GPU through the load API's override)."""
-        from control_plane.placement import KIND_GPU, ServerLabels, instance_kind_override
-        from control_plane.triton.admin import TritonAdmin
-        from control_plane.triton.devices import device_servers
-
-        cfg = self.cfg
-        if cfg.triton_servers not in (0, 1):
-            log.warning("--triton-servers %d is ignored: one Triton runs per GPU or MIG slice "
-                        "(%d); --devices picks which", cfg.triton_servers, len(self.devices))
-        # Test hook only (fake_nvml): CPU Tritons standing in for devices run on CPU.
-        kind = getattr(self.nvml, "stand_in_instance_kind", None) or KIND_GPU
-        servers = []
-        work_dir = (cfg.state_dir / "triton").resolve()
-        planned = device_servers(self.devices, cfg.memory_budget_bytes, cfg.derive_memory_budget,
-                                 cfg.device_budgets)
-        for i, plan in enumerate(planned):
-            proc = TritonProcess(TritonLaunchConfig(
-                repository=self.repository, work_dir=work_dir,
-                pid_file=work_dir / f"{plan.name}.pid",  # a restart waits for this one to be gone
-                host=cfg.triton_host, http_port=_port(cfg.triton_http_port, i),
-                grpc_port=_port(cfg.triton_grpc_port, i),
-                metrics_port=_port(cfg.triton_metrics_port, i),
-                ready_timeout_s=cfg.triton_ready_timeout_s, env=plan.launch_env(),
-                outlive_parent=self.supervised))
-            log.info("%s: %s %s (%s), budget %s bytes (%s)", plan.name, plan.device.kind,
-                     plan.device.name, plan.device.uuid, plan.budget_bytes, plan.budget_source)
-            proc.start()
-            self.processes.append(proc)
-            spec = ServerSpec(plan.name, proc.grpc_url, proc.http_url, proc.metrics_url,
-                              device=plan.device.id, memory_budget_bytes=plan.budget_bytes,
-                              max_loaded=cfg.max_loaded)
-            admin = TritonAdmin(proc.grpc_url, load_config=instance_kind_override(self.repository, kind))
-            servers.append(ModelManager.make_server(spec, cfg.policy, process=proc, admin=admin))
-            self.labels[plan.name] = ServerLabels.from_device(plan.device)
-        return servers
-
-    def _start_tritons(self) -> list[TritonServer]:
-        cfg = self.cfg
-        if self.devices:
-            return self._start_device_tritons() + self._attached_servers()
-        servers = []
-        local_budget_bytes = self.local_memory_budget_bytes()
-        for i in range(cfg.triton_servers):
-            work_dir = (cfg.state_dir / "triton").resolve()
-            proc = TritonProcess(TritonLaunchConfig(
-                repository=self.repository,
-                work_dir=work_dir,
-                pid_file=work_dir / f"triton{i}.pid",  # a restart waits for this one to be gone
-                host=cfg.triton_host,
-                http_port=_port(cfg.triton_http_port, i),
-                grpc_port=_port(cfg.triton_grpc_port, i),
-                metrics_port=_port(cfg.triton_metrics_port, i),
-                ready_timeout_s=cfg.triton_ready_timeout_s,
-                outlive_parent=self.supervised,
-            ))
-            proc.start()
-            self.processes.append(proc)
-            spec = ServerSpec(f"triton{i}", proc.grpc_url, proc.http_url, proc.metrics_url,
-                              device="cpu", memory_budget_bytes=local_budget_bytes,
-                              max_loaded=cfg.max_loaded)
-            servers.append(ModelManager.make_server(spec, cfg.policy, process=proc))
-        return servers + self._attached_servers()
-
-    def _attached_servers(self) -> list[TritonServer]:
-        cfg = self.cfg
-        servers = []
-        for j, urls in enumerate(cfg.attach):
-            grpc_url, _, http_url = urls.partition(",")
-            spec = ServerSpec(f"attached{j}", grpc_url, http_url, None, device="external",
-                              memory_budget_bytes=cfg.memory_budget_bytes, max_loaded=cfg.max_loaded)
-            servers.append(ModelManager.make_server(spec, cfg.policy))
-        return servers
-
-    def local_memory_budget_bytes(self, devices=None, host_bytes: int | None = None) -> int | None:
-        """Each local Triton's byte budget: --memory-budget, else derived from the machine
-        (devices.default_memory_budget: GPU memory less a reserve, or a share of host RAM)."""
-        cfg = self.cfg
-        if cfg.memory_budget_bytes is not None or not cfg.derive_memory_budget:
-            return cfg.memory_budget_bytes
-        from control_plane.triton.devices import Device, default_memory_budget, host_memory_bytes
-
-        budget, how = default_memory_budget(
-            (self.devices or [Device("cpu")]) if devices is None else devices, cfg.triton_servers,
-            host_memory_bytes() if host_bytes is None else host_bytes)
-        log.info("memory budget per Triton server: %s bytes (%s); --memory-budget overrides",
-                 budget, how)
-        if cfg.attach:
-            log.info("attached Tritons get no byte budget unless --memory-budget is given: their "
-                     "device is not visible from here")
-        return budget
+        self.leadership = Leadership(db, host=cfg.admin_host, port=cfg.admin_port,
+                                     identity=cfg.instance_name, ttl_s=cfg.lease_ttl_s)
+        return await self.leadership.acquire(stop)
 
     async def start(self) -> None:
         from control_plane.placement import Placer, registry_facts
@@ -326,7 +250,7 @@ class Service:
         cfg = self.cfg
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self.repository = cfg.repository_dir
-        store = StateStore(cfg.state_dir / "state.db")
+        store = StateStore(self.open_state())
         stores = [LocalDirStore((cfg.cold_dir or cfg.state_dir / "cold").resolve())]
         if cfg.s3 is not None and getattr(cfg.s3, "bucket", None):
             stores.append(S3Store(cfg.s3))
@@ -341,6 +265,9 @@ class Service:
         # Popen runs on the loop thread: PR_SET_PDEATHSIG fires when the *thread* that
         # forked exits, and executor threads can exit while Triton should live on.
         servers = self._start_tritons()
+        for server in servers:  # model control: with Triton's key, and only while leading
+            server.admin.headers = admin_key_headers(cfg.triton_admin_key)
+            server.admin.guard = self.leadership.check if self.leadership is not None else None
         stager = self.warm
         if self.devices:
             from control_plane.triton.devices import GpuMemoryMeter, reserve_measured, server_name
@@ -353,7 +280,8 @@ class Service:
             config=ManagerConfig(drain_timeout_s=cfg.drain_timeout_s,
                                  unload_timeout_s=cfg.unload_timeout_s, policy=cfg.policy,
                                  headroom_models=cfg.headroom_models,
-                                 headroom_bytes=cfg.headroom_bytes),
+                                 headroom_bytes=cfg.headroom_bytes,
+                                 server_lost_after_s=cfg.server_lost_after_s),
             free_memory=free_memory_probe(self.memory),
             stager=stager, priority_of=self.registry.stage_priority,
             placer=Placer(facts=registry_facts(self.registry), labels=self.labels),
@@ -389,7 +317,7 @@ class Service:
 
         add_adapter_routes(admin_app, AdapterManager(self.manager, self.repository,
                                                      stores=self.registry.stores))
-        if self.supervised:
+        if self.serves_workers:
             await self._start_hub(admin_app, endpoints)
         elif cfg.router:
             await self._start_router(admin_app, endpoints)
@@ -489,13 +417,20 @@ class Service:
             self._loop_task.cancel()
         if self.runner is not None:
             await self.runner.cleanup()
+        if self.leadership is not None:  # a standby takes over now, not at the lease's end
+            await asyncio.to_thread(self.leadership.release)
         if self.manager is not None:
             await self.manager.close()
             self.manager.store.close()
+            self.database = None
+        elif self.database is not None:
+            self.database.close()
+            self.database = None
         loop = asyncio.get_running_loop()
         for proc in self.processes:
             await loop.run_in_executor(None, proc.stop)
-        if self.cfg.repository is None and not self.cfg.attach and self.warm is not None:
+        if (self.cfg.repository is None and not self.cfg.attach and self.cfg.servers_file is None
+                and self.warm is not None):
             # The default warm tier in tmpfs is host RAM; only Tritons launched here read it,
             # and they are stopped.  A crash keeps it for a warm restart.
             from control_plane.tiers.warm import remove_tmpfs_warm_tier
@@ -508,6 +443,8 @@ class Service:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
+            if not await self.become_leader(stop):
+                return
             await self.start()
             print(f"control plane ready: admin API {self.admin_url} (Ctrl-C stops)", flush=True)
             await stop.wait()
@@ -518,8 +455,10 @@ class Service:
 
 # Not carried in the config file: the S3 settings and a fake NVML come from the environment
 # of the control plane's process, the admin token from its file.
-_NOT_IN_FILE = frozenset({"s3", "nvml", "admin_token"})
-_PATH_FIELDS = frozenset({"state_dir", "repository", "cold_dir"})
+# The state URL (it may hold a password) and Triton's admin key come from the environment too.
+_NOT_IN_FILE = frozenset({"s3", "nvml", "admin_token", "state_url", "triton_admin_key"})
+_PATH_FIELDS_EXTRA = frozenset({"servers_file"})
+_PATH_FIELDS = frozenset({"state_dir", "repository", "cold_dir"}) | _PATH_FIELDS_EXTRA
 
 
 def config_to_json(cfg: ServiceConfig) -> str:
@@ -554,6 +493,8 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_json(args.config.read_text())
     cfg.s3 = S3Config.from_env()
+    cfg.state_url = os.environ.get("MMCTL_STATE_URL") or None
+    cfg.triton_admin_key = os.environ.get("MMCTL_TRITON_ADMIN_KEY") or None
     cfg.nvml = from_test_hook()  # TEST HOOK (fake_nvml); None in production
     try:
         asyncio.run(Service(cfg).serve_forever())

@@ -127,8 +127,28 @@ def warmup_plan(config: model_config_pb2.ModelConfig) -> WarmupPlan:
     return WarmupPlan(len(config.model_warmup), enabled, tuple(inputs))
 
 
+ADMIN_KEY_HEADER = "admin-key"
+
+
+def admin_key_headers(key: str | None) -> dict[str, str] | None:
+    """The gRPC metadata that unlocks ``--grpc-restricted-protocol=model-repository:
+    admin-key=<key>`` (Triton expects its ``triton-grpc-protocol-`` prefix on the key)."""
+    return {f"triton-grpc-protocol-{ADMIN_KEY_HEADER}": key} if key else None
+
+
 class TritonAdmin:
-    """Model control for one Triton server, addressed by its gRPC URL."""
+    """Model control for one Triton server, addressed by its gRPC URL.
+
+    ``headers``: sent with every model-repository call; a Triton started with
+    ``--grpc-restricted-protocol=model-repository:admin-key=<key>`` takes load and unload
+    only with ``{"admin-key": <key>}`` (mmctl --triton-admin-key), so processes that reach
+    its ports for inference (router workers) cannot change what it has loaded.
+    ``guard()``: called before each load and unload; raises when this control plane may not
+    act (a leader whose lease may have run out).
+    """
+
+    headers: dict[str, str] | None = None
+    guard: Callable[[], None] | None = None
 
     def __init__(self, grpc_url: str, timeouts: Timeouts = Timeouts(),
                  load_config: Callable[[str], str | None] | None = None):
@@ -151,6 +171,12 @@ class TritonAdmin:
             self._client = None
 
     def _unavailable(self, exc: Exception) -> TritonUnavailable:
+        if "protocol is restricted" in str(exc):
+            return TritonUnavailable(
+                f"Triton at {self.grpc_url} takes model control only with its admin key "
+                f"({'the key given is wrong' if self.headers else 'none was given'}); start the "
+                "control plane with the key its Tritons were started with: --triton-admin-key "
+                "or MMCTL_TRITON_ADMIN_KEY")
         return TritonUnavailable(
             f"Triton at {self.grpc_url} is not reachable ({exc}); check that tritonserver is "
             "running (mmctl endpoints) and restart it with mmctl up"
@@ -165,7 +191,7 @@ class TritonAdmin:
     async def index(self) -> dict[str, IndexEntry]:
         try:
             resp = await self.client.get_model_repository_index(
-                as_json=True, client_timeout=self.timeouts.health_s
+                headers=self.headers, as_json=True, client_timeout=self.timeouts.health_s
             )
         except InferenceServerException as exc:
             raise self._unavailable(exc) from exc
@@ -195,10 +221,13 @@ class TritonAdmin:
         return ModelLoadFailed(f"Triton failed to {action} {model}: {msg}")
 
     async def load(self, model: str) -> None:
+        if self.guard is not None:
+            self.guard()
         config = (await asyncio.to_thread(self.load_config, model)
                   if self.load_config is not None else None)
         try:
-            await self.client.load_model(model, config=config, client_timeout=self.timeouts.load_s)
+            await self.client.load_model(model, headers=self.headers, config=config,
+                                         client_timeout=self.timeouts.load_s)
         except InferenceServerException as exc:
             msg = exc.message() or str(exc)
             if "failed to poll from model repository" in msg or "no version is available" in msg:
@@ -207,8 +236,11 @@ class TritonAdmin:
 
     async def unload(self, model: str) -> None:
         """Ask Triton to unload; returns before memory is freed (see wait_unavailable)."""
+        if self.guard is not None:
+            self.guard()
         try:
-            await self.client.unload_model(model, client_timeout=self.timeouts.unload_s)
+            await self.client.unload_model(model, headers=self.headers,
+                                           client_timeout=self.timeouts.unload_s)
         except InferenceServerException as exc:
             msg = (exc.message() or str(exc)).lower()
             if "not loaded" in msg or "unknown model" in msg or "no model" in msg:

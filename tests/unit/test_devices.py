@@ -215,7 +215,7 @@ def test_service_discovers_through_the_injected_nvml_and_checks_devices(tmp_path
 def test_device_budget_option_parsing():
     import click
 
-    from control_plane.cli.main import _device_budgets
+    from control_plane.cli.serve import _device_budgets
 
     assert _device_budgets(("gpu0=60GiB", "gpu1/mig2 = 8GiB")) == {"gpu0": 60 * GiB, "gpu1/mig2": 8 * GiB}
     for bad in ("gpu0", "=5GiB", "gpu0=", "gpu0=lots"):

@@ -9,7 +9,6 @@ from control_plane.domain.names import validate_model_name
 from control_plane.eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
 from control_plane.registry import (
     _WARM_MANIFEST,
-    SCHEMA,
     Registry,
     concrete_name,
     parse_concrete,
@@ -163,6 +162,9 @@ def test_a_failed_change_leaves_nothing_half_done(reg):
                 boom()
             return real.execute(sql, *args)
 
+        def transaction(self):
+            return real.transaction()
+
     reg.db = Db()
     with pytest.raises(RuntimeError):
         reg.promote("cust017", 2, "production", who="a")
@@ -192,6 +194,42 @@ def test_parse_metrics():
 
 
 # -- one catalogue: concrete names of their own, the repository's folders, logical names ------
+# The registry's tables as releases before versioned migrations created them (with both
+# columns that later releases added; each migration test removes the one it is about).
+RELEASE_1_SCHEMA = """
+CREATE TABLE IF NOT EXISTS registry_versions (
+    model TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    artifact_uri TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    memory_bytes INTEGER,
+    data_fingerprint TEXT,
+    metrics TEXT NOT NULL DEFAULT '{}',
+    sla TEXT NOT NULL,
+    tenant TEXT,
+    stage TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    created_by TEXT NOT NULL,
+    stage_changed_at REAL NOT NULL,
+    stage_changed_by TEXT NOT NULL,
+    triton_name TEXT,
+    synthetic_warmup INTEGER NOT NULL DEFAULT 1,
+    PRIMARY KEY (model, version)
+);
+CREATE TABLE IF NOT EXISTS registry_history (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    model TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    from_stage TEXT,
+    to_stage TEXT NOT NULL,
+    who TEXT NOT NULL,
+    at REAL NOT NULL,
+    note TEXT
+);
+"""
+
+
 def make_model_folder(repo, name, text="w"):
     folder = repo / name
     (folder / "1").mkdir(parents=True)
@@ -204,7 +242,7 @@ def test_a_state_file_from_before_concrete_names_is_migrated(tmp_path):
     import sqlite3
 
     db = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
-    old_schema = SCHEMA.replace("    triton_name TEXT,\n", "")
+    old_schema = RELEASE_1_SCHEMA.replace("    triton_name TEXT,\n", "")
     assert "triton_name" not in old_schema
     db.executescript(old_schema)
     db.execute("INSERT INTO registry_versions (model, version, artifact_uri, sha256, size_bytes, sla, "
@@ -344,7 +382,7 @@ def test_a_state_file_from_before_the_warmup_switch_is_migrated(tmp_path):
     import sqlite3
 
     db = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
-    old_schema = SCHEMA.replace("    synthetic_warmup INTEGER NOT NULL DEFAULT 1,\n", "")
+    old_schema = RELEASE_1_SCHEMA.replace("    synthetic_warmup INTEGER NOT NULL DEFAULT 1,\n", "")
     assert "synthetic_warmup" not in old_schema
     db.executescript(old_schema)
     db.execute("INSERT INTO registry_versions (model, version, artifact_uri, sha256, size_bytes, sla, "

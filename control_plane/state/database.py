@@ -1,0 +1,279 @@
+"""One interface over the two state backends: an embedded SQLite file (the default) and a
+shared PostgreSQL (``--state-url postgresql://...``) for control planes on several machines.
+
+Statements are written once, in the SQL both accept (``?`` placeholders, ``ON CONFLICT``
+upserts, ``RETURNING``); the PostgreSQL side turns ``?`` into psycopg's ``%s``.  Types that
+differ (an auto-increment key) are spelled per dialect in the migrations.
+
+Fencing: a leader sets ``fence`` to the token it won (``control_plane.state.leader``).  From
+then on every write runs in a transaction that first checks the token is still the lease's;
+a deposed leader's write raises ``Deposed`` and changes nothing, even if its process has not
+noticed yet that another control plane took over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import psycopg
+
+from control_plane.domain.errors import ControlPlaneError, InvalidInput
+
+_WRITES = ("INSERT", "UPDATE", "DELETE")
+# What a state store that is away (network, restart, full disk) raises.
+STORE_ERRORS: tuple[type[BaseException], ...] = (sqlite3.Error, psycopg.Error, OSError)
+LEADER_LEASE = "control-plane"
+
+
+class Deposed(ControlPlaneError):
+    """This control plane's leadership token is no longer the lease's: it must not write."""
+
+    status = 409
+
+
+@dataclass(frozen=True)
+class Fence:
+    lease: str
+    token: int
+
+
+class Rows:
+    """A statement's result, read whole (a pooled connection goes back before it is used)."""
+
+    def __init__(self, rows: list[tuple], description, rowcount: int):
+        self._rows = rows
+        self.description = description
+        self.rowcount = rowcount
+
+    def __iter__(self) -> Iterator[tuple]:
+        return iter(self._rows)
+
+    def fetchone(self) -> tuple | None:
+        return self._rows[0] if self._rows else None
+
+    def fetchall(self) -> list[tuple]:
+        return list(self._rows)
+
+
+class Database:
+    """What the stores use: ``execute``, ``transaction``, ``clone`` for another thread."""
+
+    dialect: str
+    url: str
+    fence: Fence | None = None
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        raise NotImplementedError
+        yield
+
+    def clone(self) -> Database:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def now_sql(self) -> str:
+        """The database's clock in seconds since the epoch (one clock for every node)."""
+        raise NotImplementedError
+
+    def columns(self, table: str) -> set[str]:
+        raise NotImplementedError
+
+    def _check_fence(self) -> None:
+        fence = self.fence
+        if fence is None:
+            return
+        row = self.execute("SELECT token FROM leader_lease WHERE name = ?", (fence.lease,)).fetchone()
+        if row is None or int(row[0]) != fence.token:
+            raise Deposed(f"this control plane's leadership (token {fence.token}) was taken over "
+                          f"(the lease's token is now {row[0] if row else 'gone'}); it writes "
+                          "nothing more and restarts as a standby")
+
+    def _is_write(self, sql: str) -> bool:
+        return self.fence is not None and sql.lstrip()[:6].upper() in _WRITES
+
+
+class SqliteDatabase(Database):
+    """The embedded default: one file, WAL, autocommit with explicit transactions."""
+
+    dialect = "sqlite"
+
+    def __init__(self, path: Path | str, connection: sqlite3.Connection | None = None):
+        self.path = Path(path)
+        self.url = f"sqlite:///{self.path}"
+        if connection is None:
+            if str(path) != ":memory:":
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            connection = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False,
+                                         timeout=30.0)
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute("PRAGMA synchronous=NORMAL")
+        self.connection = connection
+        self._depth = 0
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        if self._depth == 0 and self._is_write(sql):
+            with self.transaction():
+                return self.connection.execute(sql, params)
+        return self.connection.execute(sql, params)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        if self._depth:  # nested: part of the outer transaction
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self.connection.execute("BEGIN IMMEDIATE")
+        self._depth = 1
+        try:
+            self._check_fence()
+            yield
+        except BaseException:
+            self.connection.execute("ROLLBACK")
+            raise
+        finally:
+            self._depth = 0
+        self.connection.execute("COMMIT")
+
+    def clone(self) -> SqliteDatabase:
+        other = SqliteDatabase(self.path)
+        other.fence = self.fence
+        return other
+
+    def close(self) -> None:
+        self.connection.close()
+
+    def now_sql(self) -> str:
+        return "((julianday('now') - 2440587.5) * 86400.0)"
+
+    def columns(self, table: str) -> set[str]:
+        return {row[1] for row in self.connection.execute(f"PRAGMA table_info({table})")}
+
+
+_PLACEHOLDER = re.compile(r"\?")
+
+
+def _to_psycopg(sql: str) -> str:
+    # The product's statements carry no literal '?' or '%'; escape '%' all the same.
+    return _PLACEHOLDER.sub("%s", sql.replace("%", "%%"))
+
+
+class PostgresDatabase(Database):
+    """A shared PostgreSQL through a psycopg 3 connection pool.  A transaction holds one
+    pooled connection for the thread that opened it; other statements borrow one each."""
+
+    dialect = "postgresql"
+
+    def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, pool=None):
+        from psycopg_pool import ConnectionPool
+
+        self.url = url
+        self.pool = pool or ConnectionPool(url, min_size=min_size, max_size=max_size,
+                                           kwargs={"autocommit": True}, open=True,
+                                           name="mmserve-state")
+        self._owns_pool = pool is None
+        self._local = threading.local()
+        if pool is None:
+            self.pool.wait(timeout=30.0)
+
+    def _held(self):
+        return getattr(self._local, "conn", None)
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Rows:
+        conn = self._held()
+        if conn is None and self._is_write(sql):
+            with self.transaction():
+                return self.execute(sql, params)
+        if conn is not None:
+            return self._run(conn, sql, params)
+        with self.pool.connection() as conn:
+            return self._run(conn, sql, params)
+
+    @staticmethod
+    def _run(conn, sql: str, params: Sequence[Any]) -> Rows:
+        cur = conn.execute(_to_psycopg(sql), tuple(params))
+        rows = cur.fetchall() if cur.description is not None else []
+        return Rows(rows, cur.description, cur.rowcount)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        if self._held() is not None:  # nested: part of the outer transaction
+            yield
+            return
+        with self.pool.connection() as conn, conn.transaction():
+            self._local.conn = conn
+            try:
+                self._check_fence()
+                yield
+            finally:
+                self._local.conn = None
+
+    def clone(self) -> PostgresDatabase:
+        other = PostgresDatabase(self.url, pool=self.pool)
+        other.fence = self.fence
+        return other
+
+    def close(self) -> None:
+        if self._owns_pool:
+            self.pool.close()
+
+    def now_sql(self) -> str:
+        return "EXTRACT(EPOCH FROM clock_timestamp())::double precision"
+
+    def columns(self, table: str) -> set[str]:
+        return {row[0] for row in self.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = ? "
+            "AND table_schema = current_schema()", (table,))}
+
+
+def open_database(url: str | Path) -> Database:
+    """``sqlite:///path`` (or a plain path) or ``postgresql://user:pw@host/db``."""
+    text = str(url)
+    scheme = urlparse(text).scheme if "://" in text else ""
+    if scheme in ("postgresql", "postgres"):
+        try:
+            return PostgresDatabase(text)
+        except Exception as exc:  # the pool's timeout says little: say what to check
+            raise InvalidInput(
+                f"cannot reach the PostgreSQL state store at {redact(text)} ({exc}); check the "
+                "host, port, database and credentials of --state-url") from exc
+    if scheme == "sqlite":
+        return SqliteDatabase(text[len("sqlite://"):].removeprefix("/") if text.startswith(
+            "sqlite:///:memory:") else text[len("sqlite://"):])
+    if scheme:
+        raise InvalidInput(f"--state-url {redact(text)}: unknown scheme {scheme!r}; use "
+                           "sqlite:///path/state.db or postgresql://user:password@host/database")
+    return SqliteDatabase(Path(text))
+
+
+def redact(url: str) -> str:
+    """A URL without its password, for messages and logs."""
+    parsed = urlparse(url)
+    if parsed.password:
+        return url.replace(f":{parsed.password}@", ":***@", 1)
+    return url
+
+
+def as_database(db: Database | sqlite3.Connection) -> Database:
+    """A ``Database`` for a store given a bare SQLite connection (tests, older callers)."""
+    if isinstance(db, Database):
+        return db
+    if db.in_transaction:
+        db.commit()
+    db.isolation_level = None  # autocommit: transactions are explicit (Database.transaction)
+    return SqliteDatabase(":memory:", connection=db)
