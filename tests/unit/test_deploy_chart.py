@@ -219,6 +219,23 @@ def test_admin_service_stays_inside_the_cluster_and_reaches_the_leader(rendered)
         rendered.container("Deployment", f"{rendered.release}-control-plane"), "MMCTL_TOKEN")
 
 
+def test_rendered_commands_are_ones_mmctl_accepts(rendered):
+    """The pods' args parsed by mmctl's own command line (nothing runs): a renamed or
+    removed option fails here, not in a crash-looping pod."""
+    import click
+
+    from control_plane.cli import cli
+
+    for name in ("control-plane", "router"):
+        args = rendered.container("Deployment", f"{rendered.release}-{name}")["args"]
+        command = cli.get_command(click.Context(cli), args[0])
+        assert command is not None, f"mmctl has no command {args[0]!r}"
+        try:
+            command.make_context(f"mmctl {args[0]}", list(args[1:]))
+        except click.UsageError as exc:
+            pytest.fail(f"mmctl {args[0]} refuses the chart's args: {exc.format_message()}")
+
+
 def test_triton_runs_explicit_model_control_behind_an_admin_key_from_a_secret(rendered):
     name = f"{rendered.release}-triton"
     triton = rendered.container("StatefulSet", name)
