@@ -69,3 +69,31 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory):
+    """A real PostgreSQL (the pgserver wheel), one per test run; tests take databases of
+    their own from it (``fresh_database``)."""
+    import pgserver
+
+    server = pgserver.get_server(str(tmp_path_factory.mktemp("pg")), cleanup_mode="stop")
+    yield server
+    server.cleanup()
+
+
+def fresh_database(server, name: str) -> str:
+    """The URL of a new, empty database ``name`` on ``server``."""
+    import psycopg
+
+    with psycopg.connect(server.get_uri(), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return server.get_uri(name)
+
+
+@pytest.fixture
+def postgres_url(postgres_server, request) -> str:
+    import re
+
+    return fresh_database(postgres_server, re.sub(r"\W", "_", request.node.name)[:60].lower())

@@ -149,6 +149,10 @@ CLUSTER_OPTIONS = [
                       "after the leader's death before it takes over."),
     click.option("--instance-name", default=None,
                  help="This control plane's name in the lease (default host:pid:random)."),
+    click.option("--advertise-url", envvar="MMCTL_ADVERTISE_URL", default=None,
+                 help="How other machines reach this admin API, recorded with the lease so a "
+                      "standby can name the leader (default: http://<admin host>:<port>; in a "
+                      "pod: http://$(POD_IP):8090)."),
     click.option("--servers-file", type=click.Path(path_type=Path, dir_okay=False), default=None,
                  help="JSON list of Tritons running elsewhere (other nodes), registered by "
                       'address: {"servers": [{"name", "grpc_url", "http_url", "metrics_url", '
@@ -213,6 +217,7 @@ def service_config(opts: dict):
         headroom_models=opts["headroom_models"], headroom_bytes=_size(opts["headroom_bytes"]),
         state_url=opts["state_url"], leader_election=opts["leader_election"],
         lease_ttl_s=opts["lease_ttl_s"], instance_name=opts["instance_name"],
+        advertise_url=opts["advertise_url"],
         servers_file=opts["servers_file"], triton_admin_key=opts["triton_admin_key"],
         server_lost_after_s=opts["server_lost_after_s"])
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import threading
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from control_plane.state import Database, LeaderLease, redact
 from control_plane.state.database import STORE_ERRORS
@@ -26,6 +28,22 @@ log = logging.getLogger(__name__)
 
 EXIT_DEPOSED = 75  # EX_TEMPFAIL: restart me (as a standby)
 RETRY_S = 1.0
+
+
+def advertised_url(host: str, port: int) -> str:
+    """How others reach this admin API when no --advertise-url says: the bound address, or
+    the host name where it binds every interface."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"http://{host}:{port}"
+
+
+def standby_metrics() -> bytes:
+    """A standby's /metrics: alive, not leading (so a scrape target is up, not an error)."""
+    registry = CollectorRegistry()
+    Gauge("control_plane_leader", "1 on the leading control plane, 0 on a standby",
+          registry=registry).set(0)
+    return generate_latest(registry)
 
 
 def standby_app(lease: LeaderLease) -> web.Application:
@@ -50,7 +68,11 @@ def standby_app(lease: LeaderLease) -> web.Application:
              "role": "standby", **found}, status=503, headers={"Retry-After": "1"})
 
     app = web.Application()
-    app.add_routes([web.get("/livez", livez), web.route("*", "/{tail:.*}", standby)])
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=standby_metrics(), content_type="text/plain")
+
+    app.add_routes([web.get("/livez", livez), web.get("/metrics", metrics),
+                    web.route("*", "/{tail:.*}", standby)])
     return app
 
 
@@ -58,11 +80,11 @@ class Leadership:
     """Wait for the lease while serving the standby port, then keep it."""
 
     def __init__(self, db: Database, *, host: str, port: int, identity: str | None,
-                 ttl_s: float):
+                 ttl_s: float, advertise_url: str | None = None):
         self.db = db
         self.host, self.port = host, port
-        self.lease = LeaderLease(db, identity=identity, address=f"http://{host}:{port}",
-                                 ttl_s=ttl_s)
+        self.lease = LeaderLease(db, identity=identity,
+                                 address=advertise_url or advertised_url(host, port), ttl_s=ttl_s)
         self._stop = threading.Event()
 
     async def acquire(self, stop: asyncio.Event) -> bool:
@@ -107,3 +129,4 @@ class Leadership:
         self._stop.set()
         self.lease.stop()
         self.lease.release()
+        self.lease.close()

@@ -95,6 +95,7 @@ class ServiceConfig:
     leader_election: bool | None = None
     lease_ttl_s: float = 5.0
     instance_name: str | None = None  # this control plane in the lease (default host:pid:rand)
+    advertise_url: str | None = None  # how standbys and operators reach this admin API
     servers_file: Path | None = None  # Tritons registered by address (runtime.tritons)
     triton_admin_key: str | None = None  # Triton's restricted model-repository protocol key
     # A registered Triton that has not answered for this long is lost: its models are
@@ -233,7 +234,8 @@ class Service(TritonLaunching):
 
         cfg = self.cfg
         self.leadership = Leadership(db, host=cfg.admin_host, port=cfg.admin_port,
-                                     identity=cfg.instance_name, ttl_s=cfg.lease_ttl_s)
+                                     identity=cfg.instance_name, ttl_s=cfg.lease_ttl_s,
+                                     advertise_url=cfg.advertise_url)
         return await self.leadership.acquire(stop)
 
     async def start(self) -> None:

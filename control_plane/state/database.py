@@ -179,7 +179,8 @@ class PostgresDatabase(Database):
 
     dialect = "postgresql"
 
-    def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, pool=None):
+    def __init__(self, url: str, *, min_size: int = 1, max_size: int = 8, pool=None,
+                 connect_timeout_s: float = 15.0):
         from psycopg_pool import ConnectionPool
 
         self.url = url
@@ -189,7 +190,11 @@ class PostgresDatabase(Database):
         self._owns_pool = pool is None
         self._local = threading.local()
         if pool is None:
-            self.pool.wait(timeout=30.0)
+            try:
+                self.pool.wait(timeout=connect_timeout_s)
+            except BaseException:
+                self.pool.close()
+                raise
 
     def _held(self):
         return getattr(self._local, "conn", None)
@@ -241,13 +246,13 @@ class PostgresDatabase(Database):
             "AND table_schema = current_schema()", (table,))}
 
 
-def open_database(url: str | Path) -> Database:
+def open_database(url: str | Path, connect_timeout_s: float = 15.0) -> Database:
     """``sqlite:///path`` (or a plain path) or ``postgresql://user:pw@host/db``."""
     text = str(url)
     scheme = urlparse(text).scheme if "://" in text else ""
     if scheme in ("postgresql", "postgres"):
         try:
-            return PostgresDatabase(text)
+            return PostgresDatabase(text, connect_timeout_s=connect_timeout_s)
         except Exception as exc:  # the pool's timeout says little: say what to check
             raise InvalidInput(
                 f"cannot reach the PostgreSQL state store at {redact(text)} ({exc}); check the "

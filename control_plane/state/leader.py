@@ -45,7 +45,9 @@ class LeaderLease:
                  clock: Callable[[], float] = time.monotonic):
         if ttl_s <= 0:
             raise ValueError("the lease's ttl_s must be > 0")
-        self.db = db
+        # Its own connection, never fenced: the lease's statements check the token themselves.
+        self.db = db.clone()
+        self.db.fence = None
         self.identity = identity or default_identity()
         self.address = address
         self.ttl_s = ttl_s
@@ -158,3 +160,7 @@ class LeaderLease:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(2.0)
+
+    def close(self) -> None:
+        self.stop()
+        self.db.close()

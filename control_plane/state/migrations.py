@@ -144,12 +144,12 @@ def migrate(db: Database) -> list[int]:
     """Apply what this database lacks, in order; the versions applied now."""
     fence, db.fence = db.fence, None  # schema work is not a leader's write
     try:
-        db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "
-                   "name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)")
         applied: list[int] = []
         with db.transaction():
-            if db.dialect == "postgresql":
+            if db.dialect == "postgresql":  # first: even CREATE ... IF NOT EXISTS races
                 db.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK_ID,))
+            db.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY "
+                       "KEY, name TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)")
             done = applied_versions(db)
             newer = max(done, default=0)
             if newer > LATEST_VERSION:

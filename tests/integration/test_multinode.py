@@ -26,7 +26,7 @@ import tritonclient.grpc as grpcclient
 
 from control_plane.triton.admin import admin_key_headers
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess, free_port
-from tests.conftest import triton_log_count
+from tests.conftest import fresh_database, triton_log_count
 
 pytestmark = [pytest.mark.integration, pytest.mark.multinode]
 
@@ -34,15 +34,6 @@ TOKEN = "multinode-admin-token"
 TRITON_KEY = "multinode-triton-key"
 LEASE_TTL_S = 3.0
 LOST_AFTER_S = 3.0
-
-
-@pytest.fixture(scope="module")
-def postgres_url(tmp_path_factory):
-    import pgserver
-
-    server = pgserver.get_server(str(tmp_path_factory.mktemp("pg")), cleanup_mode="stop")
-    yield server.get_uri()
-    server.cleanup()
 
 
 def infer(client: grpcclient.InferenceServerClient, model: str):
@@ -108,9 +99,10 @@ def ready_models(proc: TritonProcess) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(postgres_url, fleet_template, tmp_path_factory):
+def cluster(postgres_server, fleet_template, tmp_path_factory):
     import shutil
 
+    postgres_url = fresh_database(postgres_server, "multinode")
     root = tmp_path_factory.mktemp("cluster")
     repo = root / "repository"  # the nodes' shared model volume
     shutil.copytree(fleet_template, repo)

@@ -245,7 +245,7 @@ def test_triton_runs_explicit_model_control_behind_an_admin_key_from_a_secret(re
                  "--disable-auto-complete-config", "--strict-readiness=true",
                  "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002",
                  "--grpc-restricted-protocol=model-repository:admin-key=$(TRITON_ADMIN_KEY)",
-                 "--http-restricted-protocol=model-repository:admin-key=$(TRITON_ADMIN_KEY)"):
+                 "--http-restricted-api=model-repository:admin-key=$(TRITON_ADMIN_KEY)"):
         assert flag in args
     key = secret_ref(triton, "TRITON_ADMIN_KEY")
     control = rendered.container("Deployment", f"{rendered.release}-control-plane")
