@@ -150,6 +150,7 @@ def cluster(postgres_server, fleet_template, tmp_path_factory):
 
     wait_for(routers_ready, 60, "the router workers did not get ready", logs)
     yield {"tritons": tritons, "planes": planes, "routers": routers, "logs": logs,
+           "postgres_url": postgres_url,
            "grpc": f"127.0.0.1:{grpc_port}", "http": router_url}
     for proc in routers:
         proc.send_signal(signal.SIGTERM)
@@ -260,3 +261,31 @@ def test_leader_killed_under_traffic_standby_takes_over_then_a_node_is_lost(clus
     fleet = {s["server"]: s for s in standby.call("GET", "/v1/fleet").json()}
     assert fleet[lost]["up"] is False and fleet[lost]["lost"] is True
     client.close()
+
+
+def test_a_paused_leader_is_deposed_and_exits_without_acting(cluster):
+    """A leader that stops for longer than its lease (a long GC pause, a frozen VM) finds
+    another in charge when it wakes: it exits before acting (the fence would refuse its
+    writes anyway) and its next life is a standby."""
+    leader = next(cp for cp in cluster["planes"].values() if cp.proc.poll() is None and cp.ready())
+    root = leader.log.parent
+    args = leader.proc.args[leader.proc.args.index("control-plane") + 1:]
+    args = args[:args.index("--state-dir")]
+    env = dict(os.environ, MMCTL_TOKEN=TOKEN, MMCTL_STATE_URL=cluster["postgres_url"],
+               MMCTL_TRITON_ADMIN_KEY=TRITON_KEY)
+    successor = ControlPlane("cp-c", root, args, env)
+    cluster["planes"]["cp-c"] = successor
+    logs = cluster["logs"] + [successor.log]
+    wait_for(lambda: successor.answers("/livez") == 200, 60, "the new standby did not start", logs)
+    loaded_before = {node: ready_models(p) for node, p in cluster["tritons"].items()
+                     if p.alive()}
+    leader.proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(successor.ready, 10.0, "the standby did not lead within 10 s of the pause", logs)
+    finally:
+        leader.proc.send_signal(signal.SIGCONT)
+    assert leader.proc.wait(15) == 75, "the deposed leader did not exit as deposed"
+    assert "leadership lost" in leader.log.read_text()
+    assert {node: ready_models(p) for node, p in cluster["tritons"].items()
+            if p.alive()} == loaded_before
+    assert successor.call("GET", "/v1/models/cust001").json()["pinned"] is True
