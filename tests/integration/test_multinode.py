@@ -5,7 +5,8 @@ workers (`mmctl router`) that know both control planes.
 
 The leader is SIGKILLed under traffic: no client error for loaded models, the standby leads
 within 10 s with pins and routes intact and loads nothing again.  Then one Triton "node" is
-SIGKILLed: its models are placed on the other and served again.
+cut off (frozen): its models are placed on the other and served again, and when it comes
+back the copies it kept are unloaded.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ LEASE_TTL_S = 3.0
 LOST_AFTER_S = 3.0
 
 
-def infer(client: grpcclient.InferenceServerClient, model: str):
+def infer(client: grpcclient.InferenceServerClient, model: str, timeout_s: float = 60):
     x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
     x.set_data_from_numpy(np.ones((1, 64), np.float32))
-    return client.infer(model, [x], client_timeout=60)
+    return client.infer(model, [x], client_timeout=timeout_s)
 
 
 class ControlPlane:
@@ -235,31 +236,39 @@ def test_leader_killed_under_traffic_standby_takes_over_then_a_node_is_lost(clus
         assert standby.call("GET", f"/v1/models/{model}").json()["server"] == node
         assert triton_log_count(cluster["tritons"][node], f"successfully loaded '{model}'") == 1
 
-    # One node is lost: what it held is placed on the other and served again.
+    # One node is cut off (frozen: it neither answers nor refuses, as behind a network
+    # partition): what it held is placed on the other and served again.
     lost = placed["cust002"]
     survivor = next(n for n in cluster["tritons"] if n != lost)
     lost_models = {m for m, n in placed.items() if n == lost}
-    cluster["tritons"][lost].proc.send_signal(signal.SIGKILL)
-    cluster["tritons"][lost].proc.wait()
+    frozen = cluster["tritons"][lost].proc
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        def served_again() -> bool:
+            try:
+                for model in sorted(lost_models) + ["favourite"]:
+                    infer(client, model, timeout_s=5)
+                return True
+            except Exception:  # not yet: the node is not declared lost yet
+                return False
 
-    def served_again() -> bool:
-        try:
-            for model in sorted(lost_models) + ["favourite"]:
-                infer(client, model)
-            return True
-        except Exception:  # not yet: the node is not declared lost yet
-            return False
-
-    wait_for(served_again, LOST_AFTER_S + 60, f"the models of the lost node {lost} were not "
-             "served again", logs)
-    for model in lost_models:
-        assert standby.call("GET", f"/v1/models/{model}").json()["server"] == survivor
-    assert lost_models <= ready_models(cluster["tritons"][survivor])
-    # the pinned model is back wherever it was, without a request for it
-    if "cust001" in lost_models:
-        assert "cust001" in ready_models(cluster["tritons"][survivor])
+        wait_for(served_again, LOST_AFTER_S + 60, f"the models of the lost node {lost} were "
+                 "not served again", logs)
+        for model in lost_models:
+            assert standby.call("GET", f"/v1/models/{model}").json()["server"] == survivor
+        assert lost_models <= ready_models(cluster["tritons"][survivor])
+        fleet = {s["server"]: s for s in standby.call("GET", "/v1/fleet").json()}
+        assert fleet[lost]["up"] is False and fleet[lost]["lost"] is True
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+    # Back: it takes models again, and the copies it kept while cut off are unloaded.
+    wait_for(lambda: not ready_models(cluster["tritons"][lost]) & lost_models, 30,
+             f"{lost} kept its stray copies after it came back", logs)
     fleet = {s["server"]: s for s in standby.call("GET", "/v1/fleet").json()}
-    assert fleet[lost]["up"] is False and fleet[lost]["lost"] is True
+    assert fleet[lost]["up"] is True and fleet[lost]["lost"] is False
+    for model in lost_models:
+        infer(client, model)
+        assert standby.call("GET", f"/v1/models/{model}").json()["server"] == survivor
     client.close()
 
 
