@@ -33,16 +33,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import requests  # noqa: E402
+import requests
 
-from control_plane.tiers.cold import (  # noqa: E402
+from control_plane.tiers.cold import (
     LocalDirStore,
     S3Config,
     S3Store,
     download_verified,
     publish,
 )
-from control_plane.triton.process import free_port  # noqa: E402
+from control_plane.triton.process import free_port
 
 MB = 1_000_000
 BUCKET = "bench"

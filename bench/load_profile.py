@@ -33,16 +33,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from control_plane.demo.fleet import (  # noqa: E402
+from control_plane.demo.fleet import (
     TEMPLATE_DIR,
     FleetSpec,
     generate_fleet,
     hidden_dim_for_size,
 )
-from control_plane.manager import ManagerConfig, ModelManager, ServerSpec  # noqa: E402
-from control_plane.state_store import StateStore  # noqa: E402
-from control_plane.triton.admin import TritonModelState  # noqa: E402
-from control_plane.triton.process import TritonLaunchConfig, TritonProcess  # noqa: E402
+from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
+from control_plane.state_store import StateStore
+from control_plane.triton.admin import TritonModelState
+from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 
 # The wrapper the profiled models get as their 1/model.py.  It adds no work to the model's
 # own path but the timestamps.

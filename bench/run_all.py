@@ -128,31 +128,31 @@ def summary_rows() -> list[tuple[str, str, str]]:
     if profile:
         m = profile["median"]
         rows.append(("load of a demo model: model.py imports", "Triton stub",
-                     f"median {m['imports_s'] * 1000:.0f}ms of {m['ensure_s'] * 1000:.0f}ms; "
+                     (f"median {m['imports_s'] * 1000:.0f}ms of {m['ensure_s'] * 1000:.0f}ms; "
                      f"control plane {(m['warmup_plan_s'] + m['warmup_infer_s'] + m['control_plane_rest_s']) * 1000:.0f}ms; "
-                     f"unload seen {m['polling_lag_s'] * 1000:.0f}ms after Triton freed it"))
+                     f"unload seen {m['polling_lag_s'] * 1000:.0f}ms after Triton freed it")))
     cold = load("cold_bandwidth.json")
     if cold:
         b = cold["mb_per_s"]
         rows.append(("verified cold download", "cold tier",
-                     f"local {b['local']:.0f} MB/s, S3 (moto) one GET {b['s3_one_get']:.0f} MB/s, "
-                     f"ranged {b['s3_ranged']:.0f} MB/s"))
+                     (f"local {b['local']:.0f} MB/s, S3 (moto) one GET {b['s3_one_get']:.0f} MB/s, "
+                     f"ranged {b['s3_ranged']:.0f} MB/s")))
     headroom = load("policy_headroom.json")
     if headroom:
         for r in headroom:
             if r["policy"] == "lru" and r["trace"] in ("seed", "zipf-1.0"):
                 rows.append((f"headroom 1, {r['trace']} ({r['models']} models, {r['slots']} slots)", "lru",
-                             f"hit {r['hit_ratio']:.3f} -> {r['hit_ratio_with_headroom']:.3f}, miss wait "
+                             (f"hit {r['hit_ratio']:.3f} -> {r['hit_ratio_with_headroom']:.3f}, miss wait "
                              f"{r['miss_wait_s_per_request'] * 1000:.0f} -> "
-                             f"{r['miss_wait_s_per_request_with_headroom'] * 1000:.0f}ms per request"))
+                             f"{r['miss_wait_s_per_request_with_headroom'] * 1000:.0f}ms per request")))
     policy = load("policy.json")
     if policy:
         for r in policy:
             if r["is_default"] or r["policy"] == "lru":
                 rows.append((f"policy {r['trace']} ({r['models']} models, {r['slots']} slots)",
                              r["policy"] + (" (default)" if r["is_default"] else ""),
-                             f"hit {r['hit_ratio']:.3f} = {r['hit_ratio_vs_belady']:.3f}x Belady, "
-                             f"miss cost {r['cost_weighted_miss_s']:.0f}s"))
+                             (f"hit {r['hit_ratio']:.3f} = {r['hit_ratio_vs_belady']:.3f}x Belady, "
+                             f"miss cost {r['cost_weighted_miss_s']:.0f}s")))
     router = load("router_latency.json")
     if router:
         paths, ratios = router["paths"], router["router_added_p50_over_nginx_added_p50"]
@@ -179,27 +179,27 @@ def summary_rows() -> list[tuple[str, str, str]]:
                      f"p50 {h['p50_ms']:.1f}ms p99 {h['p99_ms']:.1f}ms"))
         if seed.get("load_only_p50_s"):
             rows.append(("seed scenario: occasional p50 / bare load", "end to end",
-                         f"{seed['occasional_p50_over_load_only']:.2f}x "
-                         f"(bare load {seed['load_only_p50_s'] * 1000:.0f}ms)"))
+                         (f"{seed['occasional_p50_over_load_only']:.2f}x "
+                         f"(bare load {seed['load_only_p50_s'] * 1000:.0f}ms)")))
         rows.append(("seed scenario: cache", "end to end",
-                     f"hit ratio {seed['hit_ratio']:.3f}, {seed['loads_per_minute']:.1f} loads/min, "
-                     f"{seed['errors']} errors"))
+                     (f"hit ratio {seed['hit_ratio']:.3f}, {seed['loads_per_minute']:.1f} loads/min, "
+                     f"{seed['errors']} errors")))
     shadow = load("shadow_overhead.json")
     if shadow:
         p, cpu = shadow["primary"], shadow["cpu_ms_per_primary_request"]
         for c, ratio in shadow["p99_vs_no_shadow_median_of_rounds"].items():
             rows.append((f"primary with a {c} shadow (100%)", "router",
-                         f"p99 {p[c]['p99_ms']:.1f}ms vs {p['none']['p99_ms']:.1f}ms without "
+                         (f"p99 {p[c]['p99_ms']:.1f}ms vs {p['none']['p99_ms']:.1f}ms without "
                          f"({(ratio or 1) * 100 - 100:+.0f}% median of rounds); serving loop "
-                         f"+{cpu[c]['loop'] - cpu['none']['loop']:.2f}ms CPU per mirror"))
+                         f"+{cpu[c]['loop'] - cpu['none']['loop']:.2f}ms CPU per mirror")))
     canary = load("canary_overhead.json")
     if canary:
         ph = canary["phases"]
         rows.append(("requests while a canary is checked", "router",
-                     f"p99 {ph['canary']['p99_ms']:.1f}ms vs {ph['none']['p99_ms']:.1f}ms without; "
+                     (f"p99 {ph['canary']['p99_ms']:.1f}ms vs {ph['none']['p99_ms']:.1f}ms without; "
                      f"serving loop +{ph['canary']['loop_cpu_ms_per_s'] - ph['none']['loop_cpu_ms_per_s']:.1f}"
                      f"ms CPU per second ({sum(canary['conditions']['canary_window_requests'].values())} "
-                     "requests in the window)"))
+                     "requests in the window)")))
     lora = load("lora.json")
     if lora:
         for size, ratios in lora["throughput_ratio_many_vs_one"].items():

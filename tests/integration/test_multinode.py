@@ -201,7 +201,7 @@ def test_leader_killed_under_traffic_standby_takes_over_then_a_node_is_lost(clus
                 try:
                     infer(c, model)
                     served[0] += 1
-                except Exception as exc:  # every failure is the test's finding
+                except Exception as exc:  # noqa: BLE001  (every failure is the test's finding)
                     errors.append(f"{model}: {exc}")
         c.close()
 
@@ -249,7 +249,7 @@ def test_leader_killed_under_traffic_standby_takes_over_then_a_node_is_lost(clus
                 for model in sorted(lost_models) + ["favourite"]:
                     infer(client, model, timeout_s=5)
                 return True
-            except Exception:  # not yet: the node is not declared lost yet
+            except Exception:  # noqa: BLE001  (not yet: the node is not declared lost yet)
                 return False
 
         wait_for(served_again, LOST_AFTER_S + 60, f"the models of the lost node {lost} were "

@@ -114,7 +114,7 @@ def _download_once(store: ColdStore, uri: str, expected_sha256: str, tmp: Path,
         h = hashlib.sha256()
         size = 0
         with open(dest, "wb") as f:
-            def sink(chunk: bytes) -> None:  # in order, as the bytes arrive
+            def sink(chunk: bytes, e=e, h=h, f=f) -> None:  # in order, as the bytes arrive
                 nonlocal size, done, last_report
                 size += len(chunk)
                 if size > e.size_bytes:  # no need to fetch the rest to know it is wrong
