@@ -23,13 +23,17 @@ class Forwarding:
     ``_name_overrides``, and from the other mixins ``serving``, ``send``, ``raw_infer``,
     ``typed_infer``, ``public_name``, ``public_identity`` and the adapter checks."""
 
+    def _asked(self, request: service_pb2.ModelInferRequest) -> tuple[str, str, str]:
+        """The name and version the client asked for, and the public name they serve."""
+        version = parse_version(request.model_version) if request.model_version else ""
+        logical = self.public_name(request.model_name, (i.name for i in request.inputs),
+                                   self._adapter_param(request))
+        return request.model_name, version, logical
+
     async def infer(self, request: service_pb2.ModelInferRequest, user_id: str | None,
                     timeout_s: float | None = None) -> service_pb2.ModelInferResponse:
         """Route one ModelInferRequest.  Raises RouterError (Triton's own answers included)."""
-        version = parse_version(request.model_version) if request.model_version else ""
-        asked = request.model_name
-        logical = self.public_name(asked, (i.name for i in request.inputs),
-                                   self._adapter_param(request))
+        asked, version, logical = self._asked(request)
         async with self.serving(logical, user_id, version) as call:
             decision = call.decision
             if decision.adapter is not None:
@@ -70,10 +74,7 @@ class Forwarding:
             raise InvalidRequest(f"malformed ModelInferRequest: {exc}") from None
         param = request.parameters.get("user_id")
         user_id = param.string_param if param is not None and param.string_param else metadata_user_id()
-        version = parse_version(request.model_version) if request.model_version else ""
-        asked = request.model_name
-        logical = self.public_name(asked, (i.name for i in request.inputs),
-                                   self._adapter_param(request))
+        asked, version, logical = self._asked(request)
         async with self.serving(logical, user_id, version) as call:
             decision = call.decision
             if decision.adapter is not None:
