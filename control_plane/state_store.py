@@ -21,7 +21,7 @@ class StateStore:
 
     def __init__(self, where: Path | Database):
         self.db = where if isinstance(where, Database) else open_database(Path(where))
-        self.path = where if isinstance(where, Path) else getattr(self.db, "path", None)
+        self.path = getattr(self.db, "path", None)
         migrate(self.db)
 
     def clone(self) -> StateStore:

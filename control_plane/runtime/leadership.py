@@ -16,12 +16,11 @@ import asyncio
 import logging
 import os
 import socket
-import threading
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from control_plane.state import Database, LeaderLease, redact
+from control_plane.state import Database, Deposed, LeaderLease, redact
 from control_plane.state.database import STORE_ERRORS
 
 log = logging.getLogger(__name__)
@@ -85,7 +84,6 @@ class Leadership:
         self.host, self.port = host, port
         self.lease = LeaderLease(db, identity=identity,
                                  address=advertise_url or advertised_url(host, port), ttl_s=ttl_s)
-        self._stop = threading.Event()
 
     async def acquire(self, stop: asyncio.Event) -> bool:
         """Standby until the lease is ours (True) or ``stop`` is set (False)."""
@@ -96,11 +94,10 @@ class Leadership:
                  "(state store %s)", self.host, self.port, redact(self.db.url))
         stopper = asyncio.ensure_future(stop.wait())
         try:
-            won = asyncio.ensure_future(asyncio.to_thread(self.lease.wait_until_leader, RETRY_S,
-                                                          self._stop))
+            won = asyncio.ensure_future(asyncio.to_thread(self.lease.wait_until_leader, RETRY_S))
             await asyncio.wait({won, stopper}, return_when=asyncio.FIRST_COMPLETED)
             if not won.done():
-                self._stop.set()
+                self.lease.stop()
                 await won
             if not won.result():
                 return False
@@ -120,13 +117,10 @@ class Leadership:
     def check(self) -> None:
         """Before a load or an unload: refuse unless the lease is certainly still ours."""
         if not self.lease.holds():
-            from control_plane.state import Deposed
-
             raise Deposed("this control plane's leader lease may have run out; it calls no "
                           "load or unload until it has renewed it")
 
     def release(self) -> None:
-        self._stop.set()
         self.lease.stop()
         self.lease.release()
         self.lease.close()

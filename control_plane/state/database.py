@@ -14,7 +14,6 @@ noticed yet that another control plane took over.
 from __future__ import annotations
 
 import contextlib
-import re
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
@@ -69,6 +68,7 @@ class Database:
     dialect: str
     url: str
     fence: Fence | None = None
+    migrated = False  # migrations.migrate ran through this object: the schema is current
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
         raise NotImplementedError
@@ -152,7 +152,7 @@ class SqliteDatabase(Database):
 
     def clone(self) -> SqliteDatabase:
         other = SqliteDatabase(self.path)
-        other.fence = self.fence
+        other.fence, other.migrated = self.fence, self.migrated
         return other
 
     def close(self) -> None:
@@ -165,12 +165,9 @@ class SqliteDatabase(Database):
         return {row[1] for row in self.connection.execute(f"PRAGMA table_info({table})")}
 
 
-_PLACEHOLDER = re.compile(r"\?")
-
-
 def _to_psycopg(sql: str) -> str:
     # The product's statements carry no literal '?' or '%'; escape '%' all the same.
-    return _PLACEHOLDER.sub("%s", sql.replace("%", "%%"))
+    return sql.replace("%", "%%").replace("?", "%s")
 
 
 class PostgresDatabase(Database):
@@ -230,7 +227,7 @@ class PostgresDatabase(Database):
 
     def clone(self) -> PostgresDatabase:
         other = PostgresDatabase(self.url, pool=self.pool)
-        other.fence = self.fence
+        other.fence, other.migrated = self.fence, self.migrated
         return other
 
     def close(self) -> None:
@@ -258,8 +255,8 @@ def open_database(url: str | Path, connect_timeout_s: float = 15.0) -> Database:
                 f"cannot reach the PostgreSQL state store at {redact(text)} ({exc}); check the "
                 "host, port, database and credentials of --state-url") from exc
     if scheme == "sqlite":
-        return SqliteDatabase(text[len("sqlite://"):].removeprefix("/") if text.startswith(
-            "sqlite:///:memory:") else text[len("sqlite://"):])
+        path = text[len("sqlite://"):]  # sqlite:///abs/path -> /abs/path
+        return SqliteDatabase(":memory:" if path == "/:memory:" else path)
     if scheme:
         raise InvalidInput(f"--state-url {redact(text)}: unknown scheme {scheme!r}; use "
                            "sqlite:///path/state.db or postgresql://user:password@host/database")

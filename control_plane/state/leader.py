@@ -122,16 +122,15 @@ class LeaderLease:
         return LeaseHolder(row[0], row[1], int(row[2]), float(row[3]))
 
     # -- the loops ----------------------------------------------------------------------
-    def wait_until_leader(self, retry_s: float = 1.0, stop: threading.Event | None = None) -> bool:
-        """Try every ``retry_s`` until the lease is ours (True) or ``stop`` is set (False)."""
-        stop = stop or self._stop
-        while not stop.is_set():
+    def wait_until_leader(self, retry_s: float = 1.0) -> bool:
+        """Try every ``retry_s`` until the lease is ours (True) or ``stop()`` (False)."""
+        while not self._stop.is_set():
             try:
                 if self.try_acquire() is not None:
                     return True
             except STORE_ERRORS as exc:  # the store is away: keep trying
                 log.warning("leader election: %s", exc)
-            stop.wait(retry_s)
+            self._stop.wait(retry_s)
         return False
 
     def keep(self, on_lost: Callable[[str], None]) -> None:

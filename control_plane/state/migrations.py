@@ -141,7 +141,10 @@ def applied_versions(db: Database) -> set[int]:
 
 
 def migrate(db: Database) -> list[int]:
-    """Apply what this database lacks, in order; the versions applied now."""
+    """Apply what this database lacks, in order; the versions applied now.  Once per
+    ``Database`` object: the stores built on one (state, registry, adapters) each call it."""
+    if db.migrated:
+        return []
     fence, db.fence = db.fence, None  # schema work is not a leader's write
     try:
         applied: list[int] = []
@@ -165,6 +168,7 @@ def migrate(db: Database) -> list[int]:
                 db.execute(f"INSERT INTO schema_migrations(version, name, applied_at) "
                            f"VALUES (?, ?, {db.now_sql()})", (migration.version, migration.name))
                 applied.append(migration.version)
+        db.migrated = True
         if applied:
             log.info("state store %s: schema migrations %s applied", db.dialect, applied)
         return applied
