@@ -65,7 +65,10 @@ def load_servers_file(path: Path) -> list[RemoteServer]:
             raise InvalidInput(f"{where}: server name {entry['name']!r} is not valid ({exc})") from exc
         budget = entry.get("memory_budget")
         if isinstance(budget, str):
-            budget = parse_size(budget)
+            try:
+                budget = parse_size(budget)
+            except InvalidInput as exc:
+                raise InvalidInput(f"{where}: memory_budget {exc.message}") from None
         max_loaded = entry.get("max_loaded")
         if max_loaded is not None and (not isinstance(max_loaded, int) or max_loaded < 1):
             raise InvalidInput(f"{where}: max_loaded must be a whole number >= 1")
