@@ -69,16 +69,16 @@ def host_port(url: str) -> tuple[str, int]:
 class PassthroughProxy:
     """bench/passthrough_proxy.py in a child process."""
 
-    label = "python pass-through"
-
-    def __init__(self, target: str):
+    def __init__(self, target: str, sync: bool = False):
         self.target = target
+        self.sync = sync  # grpc's thread-pool server instead of grpc.aio
+        self.label = "python pass-through (sync grpc)" if sync else "python pass-through"
         self.addr = f"127.0.0.1:{free_port()}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> PassthroughProxy:
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.passthrough_proxy", self.addr,
-                                      self.target], cwd=ROOT)
+                                      self.target, *(["--sync"] if self.sync else [])], cwd=ROOT)
         wait_ready(self.addr, self.proc)
         return self
 

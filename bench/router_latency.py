@@ -1,5 +1,5 @@
-"""What a hop in front of Triton adds to a gRPC request: direct, a Python pass-through, nginx
-and the product's router (in-process, or with N router workers), side by side in one run.
+"""What a hop in front of Triton adds to a gRPC request: direct, Python pass-throughs (grpc.aio
+and grpc's thread-pool server), nginx and the product's router (in-process, or with N router workers), side by side in one run.
 
 Starts the real product (`mmctl up`: tritonserver + control plane + router) in child
 processes, nginx (`grpc_pass`) and bench/passthrough_proxy.py in front of the first product's
@@ -232,7 +232,7 @@ def summarize(hops: list[Hop], latency: dict, tput: dict) -> dict:
     nginx_added = paths["nginx"]["added_p50_us"] if "nginx" in paths else None
     ratio = {}
     for key, p in paths.items():
-        if key.startswith("router"):
+        if key.startswith(("router", "passthrough")):  # the pass-throughs: the Python floor
             # the ratio only means something when nginx measurably adds latency
             ratio[key] = p["added_p50_us"] / nginx_added if nginx_added and nginx_added > 0 else None
     return {"paths": paths, "router_added_p50_over_nginx_added_p50": ratio}
@@ -345,9 +345,10 @@ def main(argv=None) -> dict:
         products = start_products(work, worker_counts, stack)
         direct = products[0].json("endpoints")["triton"][0]["grpc"]
         hops = [Hop("direct", "direct to Triton", direct)]
-        proxy = PassthroughProxy(direct)
-        stack.callback(proxy.stop)
-        hops.append(Hop("passthrough", proxy.label, proxy.start().addr))
+        for key, sync in (("passthrough", False), ("passthrough_sync", True)):
+            proxy = PassthroughProxy(direct, sync=sync)
+            stack.callback(proxy.stop)
+            hops.append(Hop(key, proxy.label, proxy.start().addr))
         if nginx is not None:
             front = NginxGrpcProxy(nginx, direct)
             stack.callback(front.stop)
