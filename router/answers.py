@@ -14,6 +14,7 @@ from tritonclient.grpc import service_pb2
 
 from control_plane.domain import errors as cp
 from control_plane.domain.errors import ControlPlaneError
+from model_runtime.family.protocol import SLOTS_PARAMETER, STATUS_OUTPUT
 from router.errors import (
     ModelUnavailable,
     RouterError,
@@ -29,6 +30,24 @@ from router.serving_state import ServerAddress
 log = logging.getLogger(__name__)
 
 BYTES_CACHE_MAX = 4096
+
+
+def hide_family_metadata(metadata: service_pb2.ModelMetadataResponse) -> None:
+    """A variant's metadata is its family model's without the family's control output: a
+    client cannot tell a variant from a model of its own."""
+    kept = [o for o in metadata.outputs if o.name != STATUS_OUTPUT]
+    if len(kept) != len(metadata.outputs):
+        del metadata.outputs[:]
+        metadata.outputs.extend(kept)
+
+
+def hide_family_config(config) -> None:
+    """A variant's config without the family's status output and slot count."""
+    kept = [o for o in config.output if o.name != STATUS_OUTPUT]
+    if len(kept) != len(config.output):
+        del config.output[:]
+        config.output.extend(kept)
+    config.parameters.pop(SLOTS_PARAMETER, None)
 CONFIG_CACHE_S = 5.0  # how long a model's config.pbtxt, read for a cold model, is reused
 
 
@@ -65,20 +84,27 @@ class Answers:
             return await self.cold_answer(asked, method, target)
         stub = self.stub(server)
         _model, public_version = self.public_identity(target)
+        carrier = self.state.carrier_of(target.model)
+        triton_model = carrier or target.model
         try:
             if method == "metadata":
                 resp = await stub.ModelMetadata(service_pb2.ModelMetadataRequest(
-                    name=target.model, version=target.version))
+                    name=triton_model, version=target.version))
                 resp.name = asked
                 if public_version is not None:
                     resp.versions[:] = [public_version]
+                if carrier is not None:
+                    hide_family_metadata(resp)
             elif method == "config":
                 resp = await stub.ModelConfig(service_pb2.ModelConfigRequest(
-                    name=target.model, version=target.version))
+                    name=triton_model, version=target.version))
                 resp.config.name = asked
+                if carrier is not None:
+                    hide_family_config(resp.config)
             else:
+                # A variant's statistics are its family model's (Triton counts per model).
                 resp = await stub.ModelStatistics(service_pb2.ModelStatisticsRequest(
-                    name=target.model, version=target.version))
+                    name=triton_model, version=target.version))
                 for stats in resp.model_stats:
                     stats.name = asked
                     if public_version is not None:
@@ -108,16 +134,22 @@ class Answers:
 
     async def cold_answer(self, asked: str, method: str, target: Decision):
         """Metadata or config of a model that is not loaded, from its repository folder."""
-        found = await self._folder_config(target.model)
+        carrier = self.state.carrier_of(target.model)
+        found = await self._folder_config(carrier or target.model)
         if found is None:  # no config Triton could load: Triton's answer for an unloaded model
             raise UnknownModel(asked)
         _model, public_version = self.public_identity(target)
         if method == "metadata":
             versions = [public_version] if public_version is not None else list(found.versions[-1:])
-            return metadata_from_config(found.config, asked, versions)
+            response = metadata_from_config(found.config, asked, versions)
+            if carrier is not None:
+                hide_family_metadata(response)
+            return response
         response = service_pb2.ModelConfigResponse()
         response.config.CopyFrom(found.config)
         response.config.name = asked
+        if carrier is not None:
+            hide_family_config(response.config)
         return response
 
     async def _folder_config(self, concrete: str) -> FolderConfig | None:
@@ -199,10 +231,12 @@ class Answers:
                     return found
         return decision.model, None
 
-    @staticmethod
-    def public_text(text: str, concrete: str, asked: str) -> str:
-        """Triton's message about ``concrete`` as one about the model the client asked for
-        (Triton quotes model names: 'simple.v2')."""
+    def public_text(self, text: str, concrete: str, asked: str) -> str:
+        """Triton's message about ``concrete`` (or the family model serving it) as one about
+        the model the client asked for (Triton quotes model names: 'simple.v2')."""
+        carrier = self.state.carrier_of(concrete)
+        if carrier is not None:
+            text = text.replace(f"'{carrier}'", f"'{asked}'")
         if concrete == asked:
             return text
         return text.replace(f"'{concrete}'", f"'{asked}'")

@@ -63,7 +63,7 @@ class RouterConfig:
 class Router(Forwarding, Sending, Deciding, Answers, Recording):
     def __init__(self, state, table: RouteTable, config: RouterConfig | None = None,
                  metrics: RouterMetrics | None = None, rng: random.Random | None = None,
-                 names: PublicNames | None = None):
+                 names: PublicNames | None = None, families=None):
         """``state``: a ServingState, or the control plane's ModelManager in this process.
         ``names``: the registry's public names (None: every name is served as it is, with
         Triton's own versions)."""
@@ -71,7 +71,7 @@ class Router(Forwarding, Sending, Deciding, Answers, Recording):
             self.state: ServingState = state
             self.manager = None
         else:
-            self.state = LocalState(state)
+            self.state = LocalState(state, families)
             self.manager = state
         self.table = table
         self.names = names

@@ -12,10 +12,18 @@ from collections.abc import Callable
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
+from model_runtime.family.protocol import CONTROL_PARAMETER, VARIANT_PARAMETER
 from router.answers import BYTES_CACHE_MAX
-from router.errors import InvalidRequest, parse_version
+from router.errors import InvalidRequest, PermissionDenied, parse_version
 from router.routes import Decision
 from router.shadow import ShadowItem, outputs_of
+
+
+def refuse_family_control(parameters) -> None:
+    """A family's slot control is model control: never from the public port."""
+    if CONTROL_PARAMETER in parameters:
+        raise PermissionDenied(f"parameter {CONTROL_PARAMETER} is model control, not available on "
+                               "the public port; use mmctl load/unload/pin")
 
 
 class Forwarding:
@@ -26,6 +34,7 @@ class Forwarding:
     def _asked(self, request: service_pb2.ModelInferRequest) -> tuple[str, str, str]:
         """The name and version the client asked for, and the public name they serve."""
         version = parse_version(request.model_version) if request.model_version else ""
+        refuse_family_control(request.parameters)
         logical = self.public_name(request.model_name, (i.name for i in request.inputs),
                                    self._adapter_param(request))
         return request.model_name, version, logical
@@ -43,9 +52,8 @@ class Forwarding:
             if decision.shadow:
                 shadow_request = service_pb2.ModelInferRequest()
                 shadow_request.CopyFrom(request)
-                shadow_request.model_name, shadow_request.model_version = decision.shadow, ""
-            request.model_name = decision.model
-            request.model_version = decision.version
+                self._address(shadow_request, decision.shadow, "")
+            self._address(request, decision.model, decision.version)
             response = await self.send(call, self.typed_infer, request, timeout_s, asked)
             public_model, public_version = self.public_identity(decision)
             response.model_name = asked
@@ -82,15 +90,13 @@ class Forwarding:
             if request.model_version != decision.version:
                 # A registry version chose the concrete model; Triton gets no version.  An
                 # empty field cannot be appended (proto3 does not write it): re-serialize.
-                request.model_name = decision.model
-                request.model_version = decision.version
+                self._address(request, decision.model, decision.version)
                 if decision.adapter is not None:
                     request.parameters["adapter"].string_param = decision.adapter
                 body = request.SerializeToString()
-            elif decision.adapter is not None:
+            elif (decision.adapter is not None or decision.model != asked
+                    or self.state.carrier_of(decision.model) is not None):
                 body = raw + self._model_override(decision.model, decision.adapter)
-            elif decision.model != asked:
-                body = raw + self._model_override(decision.model)
             else:
                 body = raw
             response = await self.send(call, self.raw_infer, body, timeout_s, asked)
@@ -98,7 +104,7 @@ class Forwarding:
                 # Bytes as they are (re-addressed by an appended override): the shadow's
                 # analysis thread parses the responses, the loop only sends.
                 if version:  # the version asked of the primary means nothing to the shadow
-                    request.model_name, request.model_version = decision.shadow, ""
+                    self._address(request, decision.shadow, "")
                     if decision.adapter is not None:
                         request.parameters["adapter"].string_param = decision.adapter
                     shadow_body = request.SerializeToString()
@@ -140,13 +146,27 @@ class Forwarding:
             suffix = self._suffixes[key] = r.SerializeToString()
         return suffix
 
+    def _address(self, request: service_pb2.ModelInferRequest, model: str, version: str) -> None:
+        """Address ``request`` to the Triton model that serves ``model``: itself, or for a
+        family's variant its family model with the variant named in ``mms_variant`` (set
+        here whatever the client sent)."""
+        carrier = self.state.carrier_of(model)
+        request.model_name = carrier or model
+        request.model_version = version
+        if carrier is not None:
+            request.parameters[VARIANT_PARAMETER].string_param = model
+
     def _model_override(self, model: str, adapter: str | None = None) -> bytes:
         """Appended to request bytes: for a singular field the last occurrence wins, and a
-        map entry (``parameters["adapter"]``) is added to or replaces the request's own."""
-        key = (model, adapter)
+        map entry (``parameters["adapter"]``, ``parameters["mms_variant"]``) is added to or
+        replaces the request's own."""
+        carrier = self.state.carrier_of(model)
+        key = (model, adapter, carrier)
         suffix = self._name_overrides.get(key)
         if suffix is None:
-            r = service_pb2.ModelInferRequest(model_name=model)
+            r = service_pb2.ModelInferRequest(model_name=carrier or model)
+            if carrier is not None:
+                r.parameters[VARIANT_PARAMETER].string_param = model
             if adapter is not None:
                 r.parameters["adapter"].string_param = adapter
             if len(self._name_overrides) >= BYTES_CACHE_MAX:

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from control_plane.domain.errors import ControlPlaneError
+from model_runtime.family.protocol import VARIANT_PARAMETER
 from router.core import Router
 from router.errors import (
     BackendUnavailable,
@@ -32,8 +33,9 @@ from router.errors import (
     from_control_plane,
     parse_version,
 )
+from router.forward import refuse_family_control
 from router.grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
-from router.http_request import HEADER_LENGTH, read_infer_request, with_adapter
+from router.http_request import HEADER_LENGTH, check_adapter, read_infer_request, with_parameters
 from router.repository_config import triton_json
 from router.serving_state import UNLOADED_PREFIX
 
@@ -154,8 +156,11 @@ async def _forward_get(request: web.Request, method: str) -> web.Response:
     asked = request.match_info["model"]
     version = _version(request)
     target, server = router.answering_server(asked, method, version)
-    if server is None:
-        answer = await router.cold_answer(asked, method, target)
+    if server is None or router.state.carrier_of(target.model) is not None:
+        # Not loaded: from its config.pbtxt.  A family's variant: its family model's answer
+        # without the family's own fields (Router.model_call), whose JSON is Triton's.
+        answer = (await router.cold_answer(asked, method, target) if server is None
+                  else await router.model_call(asked, method, version))
         # Triton's HTTP config is the ModelConfig itself (gRPC wraps it in a response).
         return _json(triton_json(answer.config if method == "config" else answer))
     path = (f"/v2/models/{target.model}" + (f"/versions/{target.version}" if target.version else "")
@@ -221,16 +226,24 @@ async def infer(request: web.Request) -> web.Response:
     parsed = await read_infer_request(await request.read(), request.headers.get("Content-Encoding"),
                                       request.headers.get(HEADER_LENGTH), limit)
     params = parsed.parameters
+    refuse_family_control(params)
     user_id = request.headers.get("x-user-id") or params.get("user_id")
     logical = router.public_name(request.match_info["model"], parsed.input_names,
                                  params.get("adapter") or None)
     async with router.serving(logical, str(user_id) if user_id is not None else None, version) as call:
         decision, server = call.decision, call.server
-        path = (f"/v2/models/{decision.model}" + (f"/versions/{decision.version}" if decision.version else "")
-                + "/infer")
+        carrier = router.state.carrier_of(decision.model)
+        path = (f"/v2/models/{carrier or decision.model}"
+                + (f"/versions/{decision.version}" if decision.version else "") + "/infer")
         body, header_length = parsed.body, parsed.header_length
+        overrides = {}
         if decision.adapter is not None:
-            body, header_length = with_adapter(parsed, decision.adapter, decision.logical)
+            check_adapter(parsed, decision.adapter, decision.logical)
+            overrides["adapter"] = decision.adapter
+        if carrier is not None:
+            overrides[VARIANT_PARAMETER] = decision.model  # a family's variant: its slot
+        if overrides:
+            body, header_length = with_parameters(parsed, overrides)
         # Accept-Encoding is not passed on: Triton would compress on loopback and the
         # session would decompress again.
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}

@@ -39,9 +39,25 @@ from router.strict_json import MAX_JSON_DEPTH, loads
 
 # Names imported from here since before the JSON reading and the checks had modules of
 # their own.
-__all__ = ["DATATYPES", "FLOAT_MAX", "HEADER_LENGTH", "INT_RANGES", "ITEM_BYTES", "MAX_JSON_DEPTH",
-           "PARSE_IN_THREAD_BYTES", "InferRequest", "content_encoding", "decode_body", "loads",
-           "parse_header_length", "parse_infer_request", "read_infer_request", "with_adapter"]
+__all__ = [
+    "DATATYPES",
+    "FLOAT_MAX",
+    "HEADER_LENGTH",
+    "INT_RANGES",
+    "ITEM_BYTES",
+    "MAX_JSON_DEPTH",
+    "PARSE_IN_THREAD_BYTES",
+    "InferRequest",
+    "check_adapter",
+    "content_encoding",
+    "decode_body",
+    "loads",
+    "parse_header_length",
+    "parse_infer_request",
+    "read_infer_request",
+    "with_adapter",
+    "with_parameters",
+]
 
 # Bodies larger than this are parsed in a worker thread, not on the serving event loop.
 PARSE_IN_THREAD_BYTES = 256 * 1024
@@ -158,9 +174,9 @@ def _decode_and_parse(body: bytes, encoding: str, header_length: str | None,
     return parse_infer_request(decode_body(body, encoding, limit_bytes), header_length)
 
 
-def with_adapter(request: InferRequest, adapter: str, logical: str) -> tuple[bytes, int | None]:
-    """The body with ``parameters.adapter`` set for a ``base:adapter`` model name, and its
-    header length: the JSON header is re-serialized, binary tensors after it are kept."""
+def check_adapter(request: InferRequest, adapter: str, logical: str) -> None:
+    """A ``base:adapter`` name needs a JSON header to carry the adapter, and a parameter
+    ``adapter`` naming another one is a contradiction, not a choice."""
     if request.header_length == 0:
         raise InvalidRequest(f"model name {logical!r} selects an adapter, which a raw binary request "
                              f"({HEADER_LENGTH}: 0) cannot carry; send a JSON header")
@@ -169,7 +185,22 @@ def with_adapter(request: InferRequest, adapter: str, logical: str) -> tuple[byt
         raise InvalidRequest(
             f"model name {logical!r} selects adapter {adapter!r} but the request "
             f"parameter adapter is {given!r}; send one of them")
-    doc = dict(request.doc, parameters=dict(request.parameters, adapter=adapter))
+
+
+def with_adapter(request: InferRequest, adapter: str, logical: str) -> tuple[bytes, int | None]:
+    """The body with ``parameters.adapter`` set for a ``base:adapter`` model name, and its
+    header length: the JSON header is re-serialized, binary tensors after it are kept."""
+    check_adapter(request, adapter, logical)
+    return with_parameters(request, {"adapter": adapter})
+
+
+def with_parameters(request: InferRequest, parameters: dict[str, str]) -> tuple[bytes, int | None]:
+    """The body with ``parameters`` added to the JSON header's (replacing the client's), and
+    its header length: the header is re-serialized, binary tensors after it are kept."""
+    if request.header_length == 0:
+        raise InvalidRequest(f"this model needs request parameters, which a raw binary request "
+                             f"({HEADER_LENGTH}: 0) cannot carry; send a JSON header")
+    doc = dict(request.doc, parameters=dict(request.parameters, **parameters))
     header = json.dumps(doc, separators=(",", ":")).encode()
     if request.header_length is None:
         return header, None

@@ -192,8 +192,7 @@ class Sending:
         call.ready_at = time.perf_counter()
         return call.server
 
-    @classmethod
-    def _reraise(cls, call: Call, server: ServerAddress, exc: grpc.aio.AioRpcError, asked: str) -> NoReturn:
+    def _reraise(self, call: Call, server: ServerAddress, exc: grpc.aio.AioRpcError, asked: str) -> NoReturn:
         """Triton's own answer (shape, dtype, ...) passes on with its code, about the model
         the client asked for; a Triton that is down says so."""
         call.code = exc.code().name
@@ -201,7 +200,7 @@ class Sending:
             raise BackendUnavailable(
                 f"Triton {server.name} at {server.grpc_url} is unavailable "
                 f"({exc.details()}); the control plane restarts it, retry shortly") from exc
-        raise UpstreamError(exc.code(), cls.public_text(exc.details() or "", call.decision.model, asked)) from exc
+        raise UpstreamError(exc.code(), self.public_text(exc.details() or "", call.decision.model, asked)) from exc
 
     async def _send_shadow(self, model: str, request: bytes, timeout_s: float) -> bytes:
         server = await self.server_for(model)

@@ -42,6 +42,10 @@ class ServingState(Protocol):
     def touch(self, model: str) -> None:
         """``model`` served a request (drives the eviction policy)."""
 
+    def carrier_of(self, model: str) -> str | None:
+        """The Triton model that serves ``model`` when it is a model family's variant (the
+        request goes there with the parameter ``mms_variant``), else None."""
+
     def servers(self) -> list[ServerAddress]: ...
 
     async def health(self, model: str) -> dict: ...
@@ -50,8 +54,9 @@ class ServingState(Protocol):
 class LocalState:
     """The manager of this process as a state source."""
 
-    def __init__(self, manager):
+    def __init__(self, manager, families=None):
         self.manager = manager
+        self.families = families  # control_plane.families.FamilyCatalog, or None
         self._addresses: dict[str, ServerAddress] = {}
 
     @property
@@ -81,6 +86,9 @@ class LocalState:
 
     def touch(self, model: str) -> None:
         self.manager.touch(model)
+
+    def carrier_of(self, model: str) -> str | None:
+        return None if self.families is None else self.families.carrier_of(model)
 
     def servers(self) -> list[ServerAddress]:
         return [self._address(s) for s in list(self.manager.servers.values())]

@@ -84,6 +84,7 @@ class RemoteState:
         self.table = RouteTable(default_target=self.names.production.get, unrouted=self.names.unrouted)
         self.repository: Path | None = None
         self.placement: dict[str, str] = {}
+        self.carriers: dict[str, str] = {}  # family variant -> the Triton model serving it
         self.addresses: dict[str, ServerAddress] = {}
         self.workers = 1
         self.on_snapshot = lambda: None  # called after each new snapshot is applied
@@ -163,6 +164,7 @@ class RemoteState:
         self.addresses = {name: ServerAddress(name, grpc, http, up)
                           for name, (grpc, http, up) in snapshot["servers"].items()}
         self.placement = snapshot["placement"]
+        self.carriers = snapshot.get("carriers") or {}
         self.repository = Path(snapshot["repository"]) if snapshot.get("repository") else None
         self.workers = max(1, int(snapshot.get("workers") or 1))
         self.version, self.epoch = snapshot["version"], snapshot["epoch"]
@@ -205,6 +207,9 @@ class RemoteState:
         self.addresses.setdefault(address.name, address)
         self.placement = dict(self.placement, **{model: address.name})  # until the next snapshot
         return address
+
+    def carrier_of(self, model: str) -> str | None:
+        return self.carriers.get(model)
 
     def touch(self, model: str) -> None:
         self._uses[model] += 1

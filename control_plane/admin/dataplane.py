@@ -125,8 +125,9 @@ class ShadowReports:
 
 class DataPlaneHub:
     def __init__(self, manager, registry, store, expose_versions: bool = False,
-                 shadow_log_dir: str | None = None, workers_expected: int = 1):
+                 shadow_log_dir: str | None = None, workers_expected: int = 1, families=None):
         self.manager = manager
+        self.families = families  # families.FamilyCatalog: variants re-addressed to their family
         self.names = PublicNames(registry.versions, expose_concrete=expose_versions)
         registry.on_stage_change(self.names.refresh)
         self.route_store = BackgroundStore(store)  # route-table writes off the loop
@@ -164,6 +165,7 @@ class DataPlaneHub:
                       "public": {c: list(v) for c, v in names.public.items()},
                       "models": sorted(names.models), "expose_concrete": names.expose_concrete},
             "placement": placement,
+            "carriers": self.families.carriers() if self.families is not None else {},
             "servers": {s.name: [s.spec.grpc_url, s.spec.http_url, bool(s.up)]
                         for s in manager.servers.values()},
             "repository": str(manager.repository) if manager.repository is not None else None,

@@ -119,8 +119,9 @@ DEMO_VARIANTS = (("cust017-v2", ()), ("cust017-v3", ()), ("cust017-faulty", (("f
 DEMO_VERSIONS = {"cust017-v2": ("cust017", 2), "cust017-v3": ("cust017", 3), "cust017-faulty": ("cust017", 4)}
 
 
-def generate_extras(repository: Path, spec: FleetSpec = FleetSpec()) -> list[str]:
-    """The identity model and cust017's rollout variants, written if missing."""
+def generate_extras(repository: Path, spec: FleetSpec = FleetSpec(), family: bool = False) -> list[str]:
+    """The identity model and cust017's rollout variants, written if missing (``family``:
+    the healthy ones are variants of the demo family, written by generate_family_fleet)."""
     written = []
     if not (repository / "identity" / "config.pbtxt").exists():
         tmp = repository / ".identity.tmp"
@@ -131,7 +132,7 @@ def generate_extras(repository: Path, spec: FleetSpec = FleetSpec()) -> list[str
         written.append("identity")
     base = base_weights(spec)
     for name, params in DEMO_VARIANTS:
-        if (repository / name / "config.pbtxt").exists():
+        if (repository / name).exists() or (family and name in FAMILY_VARIANTS):
             continue
         variant_spec = FleetSpec(**{**spec.__dict__, "extra_parameters": params})
         write_model(repository, name, variant_spec, customer_weights(spec, name, base))
@@ -148,5 +149,46 @@ def generate_fleet(repository: Path, spec: FleetSpec = FleetSpec(), overwrite: b
         if (repository / name / "config.pbtxt").exists() and not overwrite:
             continue
         write_model(repository, name, spec, customer_weights(spec, name, base))
+        written.append(name)
+    return written
+
+
+FAMILY_TEMPLATE_DIR = MODEL_REPOSITORY_DIR / "recommender_family"
+DEMO_FAMILY = "recommender"
+# The rollout drills' healthy versions are variants too; cust017-faulty injects failures
+# through its own config, so it stays a model of its own.
+FAMILY_VARIANTS = ("cust017-v2", "cust017-v3")
+
+
+def render_family_config(spec: FleetSpec) -> str:
+    config = model_config.read_config(FAMILY_TEMPLATE_DIR / model_config.CONFIG_FILE)
+    model_config.set_input_dims(config, FEATURES_INPUT, [spec.feature_dim])
+    config.max_batch_size = spec.max_batch_size
+    model_config.set_instance_kind(config, "KIND_CPU", spec.instance_kind)
+    return model_config.render_config(config)
+
+
+def generate_family_fleet(repository: Path, spec: FleetSpec = FleetSpec(),
+                          family: str = DEMO_FAMILY) -> list[str]:
+    """The demo fleet as one model family: the family folder (the recommender's code once)
+    and one variant folder per customer (weights only).  Folders present are kept."""
+    from control_plane.families import write_family, write_variant
+
+    repository.mkdir(parents=True, exist_ok=True)
+    base = base_weights(spec)
+    written = []
+    if not (repository / family / "config.pbtxt").exists():
+        base_file = repository / f".{family}.base.safetensors"
+        save_file(base, str(base_file))
+        try:
+            write_family(repository, family, config_text=render_family_config(spec),
+                         version_files=FAMILY_TEMPLATE_DIR / "1", base_weights=base_file)
+        finally:
+            base_file.unlink(missing_ok=True)
+        written.append(family)
+    for name in [*spec.names(), *FAMILY_VARIANTS]:
+        if (repository / name).exists():
+            continue
+        write_variant(repository, name, family, customer_weights(spec, name, base))
         written.append(name)
     return written

@@ -18,6 +18,21 @@ log = logging.getLogger(__name__)
 
 # warm_tier.WARM_MANIFEST (that package imports this one): marks a folder the warm tier staged.
 _WARM_MANIFEST = ".mms-warm.json"
+# families.VARIANT_FILE / LAYOUT_FILE: a variant's folder (weights, no config.pbtxt) and a
+# family's (the Triton model that holds the variants: not a model clients call).
+_VARIANT_FILE = "variant.json"
+_FAMILY_FILE = "family.json"
+
+
+def variant_family(folder: Path) -> str | None:
+    """The family a variant folder belongs to, from its variant.json; None for other folders."""
+    import json
+
+    try:
+        family = json.loads((folder / _VARIANT_FILE).read_text())["family"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return family if isinstance(family, str) else None
 
 
 def register_repository(registry: Registry, repository: Path, *, who: str = "mmctl up",
@@ -47,6 +62,7 @@ class FoundFolder:
     version: int
     sha256: str
     size_bytes: int
+    family: str | None = None
 
 
 def collect_repository(registry: Registry, repository: Path,
@@ -63,7 +79,10 @@ def collect_repository(registry: Registry, repository: Path,
         name = child.name
         if name in known or name.startswith(".") or not child.is_dir():
             continue
-        if not (child / "config.pbtxt").is_file() or (child / _WARM_MANIFEST).exists():
+        if (child / _WARM_MANIFEST).exists() or (child / _FAMILY_FILE).exists():
+            continue
+        family = variant_family(child)
+        if family is None and not (child / "config.pbtxt").is_file():
             continue
         try:
             validate_model_name(name)
@@ -74,7 +93,7 @@ def collect_repository(registry: Registry, repository: Path,
         model, version = versions.get(name) or parse_concrete(name) or (name, 1)
         found.append(FoundFolder(name, model, version,
                                  manifest_digest({e.path: e.sha256 for e in entries}),
-                                 sum(e.size_bytes for e in entries)))
+                                 sum(e.size_bytes for e in entries), family))
     elapsed_s = time.monotonic() - started
     if elapsed_s > 5:  # big fleets (--model-size-mb): say where the first start's time went
         log.info("hashed %d new model folders of %s (%d bytes) in %.1fs", len(found), repository,
@@ -95,7 +114,7 @@ def add_repository_versions(registry: Registry, found: Iterable[FoundFolder], *,
         try:
             added.append(registry.add(
                 f.model, version, repository_uri(f.folder), f.sha256, f.size_bytes, who=who,
-                stage=stage, triton_name=f.folder))
+                stage=stage, triton_name=f.folder, family=f.family))
         except ControlPlaneError as exc:
             log.warning("not registering repository folder %s as %s version %d: %s",
                         f.folder, f.model, version, exc.message)

@@ -50,7 +50,7 @@ class Registry:
     _COLUMNS = ("model", "version", "artifact_uri", "sha256", "size_bytes", "memory_bytes",
                 "data_fingerprint", "metrics", "sla", "tenant", "stage", "created_at",
                 "created_by", "stage_changed_at", "stage_changed_by", "triton_name",
-                "synthetic_warmup")
+                "synthetic_warmup", "family")
 
     def _rows(self, where: str = "", args: tuple = ()) -> list[ModelVersion]:
         cur = self.db.execute(
@@ -150,7 +150,7 @@ class Registry:
             who: str, sla: str = DEFAULT_SLA, metrics: dict[str, float] | None = None,
             data_fingerprint: str | None = None, tenant: str | None = None,
             stage: str = "registered", triton_name: str | None = None,
-            synthetic_warmup: bool = True) -> ModelVersion:
+            synthetic_warmup: bool = True, family: str | None = None) -> ModelVersion:
         """Register one version.  Re-adding an existing version is refused (versions are
         immutable: a different artifact is a new version).  ``triton_name`` is the
         concrete name when it is not ``<model>.v<version>`` (a repository folder's name)."""
@@ -191,11 +191,11 @@ class Registry:
             self.db.execute(
                 "INSERT INTO registry_versions (model, version, artifact_uri, sha256, size_bytes, "
                 "memory_bytes, data_fingerprint, metrics, sla, tenant, stage, created_at, created_by, "
-                "stage_changed_at, stage_changed_by, triton_name, synthetic_warmup) "
-                "VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "stage_changed_at, stage_changed_by, triton_name, synthetic_warmup, family) "
+                "VALUES (?, ?, ?, ?, ?, NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (model, version, artifact_uri, sha256, int(size_bytes), data_fingerprint,
                  json.dumps(metrics or {}), sla, tenant, stage, now, who, now, who, name,
-                 int(bool(synthetic_warmup))))
+                 int(bool(synthetic_warmup)), family))
             self.db.execute(
                 "INSERT INTO registry_history (model, version, from_stage, to_stage, who, at, note) "
                 "VALUES (?, ?, NULL, ?, ?, ?, ?)", (model, version, stage, who, now, "registered"))

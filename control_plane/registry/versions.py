@@ -57,6 +57,9 @@ class ModelVersion:
     # False: the control plane sends no synthetic warm-up request after a load (a model
     # whose own inputs reject zeros); Triton still runs the config's model_warmup.
     synthetic_warmup: bool = True
+    # The model family this version is a variant of: its weights go into a slot of that
+    # family's Triton model instead of a Triton model of its own.  None: its own model.
+    family: str | None = None
 
     @property
     def name(self) -> str:

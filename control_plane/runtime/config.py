@@ -44,6 +44,9 @@ class ServiceConfig:
     derive_memory_budget: bool = True  # False (--memory-budget unlimited): no byte budget
     fleet_size: int = 50
     model_size_mb: float | None = None
+    # The demo fleet as one model family ("family": variants in the weight slots of one
+    # Triton model) or one Triton model per customer ("models").
+    fleet_layout: str = "family"
     policy: str = DEFAULT_POLICY
     reconcile_interval_s: float = 2.0
     drain_timeout_s: float = 30.0
@@ -100,6 +103,8 @@ class ServiceConfig:
                                "the byte headroom off)")
         if self.fleet_size < 0:
             raise InvalidInput(f"fleet_size ({self.fleet_size}) must be >= 0")
+        if self.fleet_layout not in ("family", "models"):
+            raise InvalidInput(f"fleet layout {self.fleet_layout!r} must be 'family' or 'models'")
         if self.policy not in POLICIES:
             raise InvalidInput(
                 f"unknown eviction policy {self.policy!r}; choose one of {', '.join(sorted(POLICIES))}")

@@ -23,6 +23,7 @@ from control_plane.demo.fleet import (
     FleetSpec,
     default_instance_kind,
     generate_extras,
+    generate_family_fleet,
     generate_fleet,
     hidden_dim_for_size,
 )
@@ -62,6 +63,7 @@ class Service(TritonLaunching):
         self.hub = None  # dataplane_hub.DataPlaneHub when router workers serve
         self.database = None  # control_plane.state.Database, opened by open_state
         self.leadership = None  # runtime.leadership.Leadership with leader election
+        self.families = None  # families.FamilyCatalog: the repository's model families
 
     @property
     def supervised(self) -> bool:
@@ -82,7 +84,10 @@ class Service(TritonLaunching):
             if self.cfg.model_size_mb:
                 spec = FleetSpec(count=self.cfg.fleet_size, instance_kind=spec.instance_kind,
                                  hidden_dim=hidden_dim_for_size(self.cfg.model_size_mb))
-            written = generate_fleet(repo, spec) + generate_extras(repo, spec)
+            if self.cfg.fleet_layout == "family":
+                written = generate_family_fleet(repo, spec) + generate_extras(repo, spec, family=True)
+            else:
+                written = generate_fleet(repo, spec) + generate_extras(repo, spec)
             if written:
                 log.info("wrote %d demo models into %s", len(written), repo)
             from control_plane.demo.lora import BASES, LoraDemoSpec, generate_lora_demo
@@ -156,6 +161,12 @@ class Service(TritonLaunching):
         await loop.run_in_executor(None, self.prepare_repository)
         self.warm.recover()  # partial downloads from a crash never reach Triton
         await self.register_repository()
+        from control_plane.families import FamilyCatalog
+
+        registry = self.registry
+        self.families = FamilyCatalog(
+            self.repository, lambda: ((v.name, v.family) for v in registry.versions() if v.family))
+        registry.on_stage_change(self.families.refresh)  # a variant registered, or retired
         self.devices = self.discover_devices()
         # Popen runs on the loop thread: PR_SET_PDEATHSIG fires when the *thread* that
         # forked exits, and executor threads can exit while Triton should live on.
@@ -264,7 +275,8 @@ class Service(TritonLaunching):
                            unrouted=names.unrouted)
         self.router = Router(self.manager, table, RouterConfig(
             load_timeout_s=cfg.load_wait_timeout_s, max_request_bytes=cfg.max_request_bytes,
-            shadow_log_dir=(cfg.state_dir / "shadow").resolve()), names=names)
+            shadow_log_dir=(cfg.state_dir / "shadow").resolve()), names=names,
+            families=self.families)
         self.router.canaries.on_promote = registry_promoter(registry)  # one source of truth
         await self.router.start()
         add_router_routes(admin_app, self.router)
@@ -288,7 +300,7 @@ class Service(TritonLaunching):
         self.hub = DataPlaneHub(self.manager, self.registry, self.manager.store,
                                 expose_versions=cfg.expose_versions,
                                 shadow_log_dir=str((cfg.state_dir / "shadow").resolve()),
-                                workers_expected=cfg.router_workers)
+                                workers_expected=cfg.router_workers, families=self.families)
         self.route_store = self.hub.route_store
         await self.hub.start()
         add_router_routes(admin_app, self.hub)

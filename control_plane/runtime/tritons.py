@@ -132,7 +132,6 @@ class TritonLaunching:
         """One Triton per GPU or MIG slice, bound to it by CUDA_VISIBLE_DEVICES=<its UUID>,
         named after it, its instances run there (KIND_GPU through the load API's override)."""
         from control_plane.placement import KIND_GPU, ServerLabels, instance_kind_override
-        from control_plane.triton.admin import TritonAdmin
         from control_plane.triton.devices import device_servers
 
         cfg = self.cfg
@@ -161,7 +160,7 @@ class TritonLaunching:
             spec = ServerSpec(plan.name, proc.grpc_url, proc.http_url, proc.metrics_url,
                               device=plan.device.id, memory_budget_bytes=plan.budget_bytes,
                               max_loaded=cfg.max_loaded)
-            admin = TritonAdmin(proc.grpc_url, load_config=instance_kind_override(self.repository, kind))
+            admin = self.family_admin(spec, load_config=instance_kind_override(self.repository, kind))
             servers.append(ModelManager.make_server(spec, cfg.policy, process=proc, admin=admin))
             self.labels[plan.name] = ServerLabels.from_device(plan.device)
         return servers
@@ -190,7 +189,8 @@ class TritonLaunching:
             spec = ServerSpec(f"triton{i}", proc.grpc_url, proc.http_url, proc.metrics_url,
                               device="cpu", memory_budget_bytes=local_budget_bytes,
                               max_loaded=cfg.max_loaded)
-            servers.append(ModelManager.make_server(spec, cfg.policy, process=proc))
+            servers.append(ModelManager.make_server(spec, cfg.policy, process=proc,
+                                                    admin=self.family_admin(spec)))
         return servers + self._attached_servers()
 
     def remote_servers(self) -> list[RemoteServer]:
@@ -212,8 +212,22 @@ class TritonLaunching:
                                                    if remote.memory_budget_bytes is not None
                                                    else cfg.memory_budget_bytes),
                               max_loaded=remote.max_loaded or cfg.max_loaded)
-            servers.append(ModelManager.make_server(spec, cfg.policy))
+            servers.append(ModelManager.make_server(spec, cfg.policy, admin=self.family_admin(spec)))
         return servers
+
+    def family_admin(self, spec: ServerSpec, load_config=None):
+        """Model control for one server, with model families' variants in weight slots
+        sized from the server's budget (control_plane.families)."""
+        from control_plane.families import family_slots
+        from control_plane.families.admin import FamilyAdmin
+
+        families = self.families
+
+        def slots_for(family) -> int:
+            return family_slots(family, spec.max_loaded, spec.memory_budget_bytes,
+                                len(families.variants(family.name)))
+
+        return FamilyAdmin(spec.grpc_url, families, slots_for, load_config=load_config)
 
     def local_memory_budget_bytes(self, devices=None, host_bytes: int | None = None) -> int | None:
         """Each local Triton's byte budget: --memory-budget, else derived from the machine

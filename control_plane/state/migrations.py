@@ -127,10 +127,17 @@ CREATE TABLE IF NOT EXISTS leader_lease (
 """)
 
 
+def _registry_family(db: Database) -> None:
+    """The model family a version is a variant of (NULL: a Triton model of its own)."""
+    if "family" not in db.columns("registry_versions"):
+        db.execute("ALTER TABLE registry_versions ADD COLUMN family TEXT")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "pins, model history, key-value, registry, adapters", _baseline),
     Migration(2, "registry: Triton names and synthetic warm-up flag", _registry_names),
     Migration(3, "leader lease with fencing token", _leader_lease),
+    Migration(4, "registry: model family of a variant", _registry_family),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -291,6 +291,12 @@ class TritonAdmin:
         the synthetic warm-up off."""
         if plan is None:
             plan = await self.warmup_plan(model)
+        return await self.infer_synthetic(model, plan, model)
+
+    async def infer_synthetic(self, triton_model: str, plan: WarmupPlan, model: str,
+                              parameters: dict[str, str] | None = None) -> float:
+        """One synthetic inference shaped by ``plan`` on ``triton_model`` (``model``: the name
+        errors speak of; ``parameters``: request parameters, e.g. a family's variant)."""
         try:
             inputs = []
             for spec in plan.inputs:
@@ -302,7 +308,8 @@ class TritonAdmin:
                 inp.set_data_from_numpy(data)
                 inputs.append(inp)
             start = time.perf_counter()
-            await self.client.infer(model, inputs, client_timeout=self.timeouts.infer_s)
+            await self.client.infer(triton_model, inputs, parameters=parameters,
+                                    client_timeout=self.timeouts.infer_s)
         except InferenceServerException as exc:
             status = str(exc.status() or "")
             if "UNAVAILABLE" in status:

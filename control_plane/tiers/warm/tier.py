@@ -31,6 +31,7 @@ from control_plane.tiers.warm.location import folder_bytes, staging_dir_for
 log = logging.getLogger(__package__)  # one logger name for the whole package
 
 WARM_MANIFEST = ".mms-warm.json"
+VARIANT_FILE = "variant.json"  # families.VARIANT_FILE: a variant's folder has no config.pbtxt
 LARGE_DOWNLOAD_BYTES = 64 << 20
 
 
@@ -131,7 +132,8 @@ class WarmTier:
                 f"(mmctl registry promote {mv.model} --version {mv.version} --stage canary)")
         if mv is None or mv.in_repository:
             local = self.repository / name
-            if (local / "config.pbtxt").is_file():  # a repository folder: served as it is
+            # A repository folder, served as it is: a model, or a family's variant.
+            if (local / "config.pbtxt").is_file() or (local / VARIANT_FILE).is_file():
                 size = await asyncio.to_thread(folder_bytes, local)  # a file walk: off the loop
                 self.entries[name] = WarmEntry(name, size, False, None, self.clock())
                 return size

@@ -1,0 +1,263 @@
+"""``FamilyAdmin``: a Triton server's model control where a variant's load and unload are
+slot operations in its family's model.
+
+The model manager calls ``load``, ``unload``, ``wait_unavailable``, ``index``,
+``warmup_plan`` and ``warmup`` for every model; for a variant these become:
+
+* ``load``: the family model is loaded through Triton's load API if this server does not
+  have it yet (once; its slot count comes with the load, in the config override), then one
+  control request copies the variant's weights from the warm tier into a free slot.
+* ``unload``: one control request frees the variant's slot.  The slot's bytes are free at
+  once (fixed-size slots: nothing is returned to an allocator), so ``wait_unavailable`` has
+  nothing to wait for.
+* ``index``: Triton's index with each family model replaced by the variants in its slots,
+  so the reconcile adopts and forgets variants as it does models; the family models
+  themselves are never the manager's (not in its catalogue, never a victim).
+* warm-up: the family's config shapes the request, sent with the variant's name.
+
+A family model that restarted (its process crashed) has empty slots: its index lists none,
+so the manager forgets the variants and loads them again on their next request.  When the
+manager asks for more variants than the family has slots (variants registered after its
+load), the family model is loaded again with more slots and its variants refilled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.utils import InferenceServerException, triton_to_np_dtype
+
+from control_plane.domain import model_config
+from control_plane.domain.errors import (
+    CapacityExhausted,
+    ControlPlaneError,
+    InvalidInput,
+    ModelLoadFailed,
+    ModelNotFound,
+)
+from control_plane.families.catalog import WEIGHTS_FILE, Family, FamilyCatalog
+from control_plane.triton.admin import (
+    IndexEntry,
+    Timeouts,
+    TritonAdmin,
+    TritonModelState,
+    WarmupPlan,
+    warmup_plan,
+)
+from model_runtime.family.protocol import (
+    CONTROL_PARAMETER,
+    SLOTS_PARAMETER,
+    STATUS_OUTPUT,
+    VARIANT_PARAMETER,
+)
+
+log = logging.getLogger(__name__)
+
+
+class FamilyAdmin(TritonAdmin):
+    """TritonAdmin for one server, with the variants of ``families`` held in slots.
+
+    ``slots_for(family)``: how many slots the family gets on this server (sized from the
+    server's budget, ``catalog.family_slots``)."""
+
+    def __init__(self, grpc_url: str, families: FamilyCatalog,
+                 slots_for: Callable[[Family], int], timeouts: Timeouts | None = None,
+                 load_config: Callable[[str], str | None] | None = None):
+        super().__init__(grpc_url, timeouts or Timeouts(), load_config)
+        self.families = families
+        self.slots_for = slots_for
+        self._host_locks: dict[str, asyncio.Lock] = {}
+        self._slots: dict[str, int] = {}  # family -> slots of its loaded instance
+        self._plans: dict[str, WarmupPlan] = {}  # family -> the inputs a request carries
+
+    # ------------------------------------------------------------------ the family model
+    def _family_config(self, family: Family, slots: int) -> str:
+        """The load API's override: the family's config (instance kind as placed) with its
+        slot count."""
+        override = self.load_config(family.name) if self.load_config is not None else None
+        if override is not None:
+            config = json_format.Parse(override, model_config.ModelConfig())
+        else:
+            config = model_config.read_config(family.folder / model_config.CONFIG_FILE)
+        model_config.set_parameter(config, SLOTS_PARAMETER, str(slots))
+        return json_format.MessageToJson(config)
+
+    async def _load_family(self, family: Family, slots: int) -> None:
+        if self.guard is not None:
+            self.guard()
+        config = await asyncio.to_thread(self._family_config, family, slots)
+        try:
+            await self.client.load_model(family.name, headers=self.headers, config=config,
+                                         client_timeout=self.timeouts.load_s)
+        except InferenceServerException as exc:
+            raise self._translate(exc, "load", f"family {family.name}", self.timeouts.load_s) from exc
+        self._slots[family.name] = slots
+        self._plans.pop(family.name, None)
+        log.info("family %s loaded on %s with %d slots of %d bytes", family.name, self.grpc_url,
+                 slots, family.slot_bytes)
+
+    async def _ensure_family(self, family: Family) -> dict:
+        """The family model is loaded here; returns its status."""
+        lock = self._host_locks.setdefault(family.name, asyncio.Lock())
+        async with lock:
+            try:
+                return await self.control(family, {"op": "status"})
+            except ModelNotFound:
+                pass
+            await self._load_family(family, self.slots_for(family))
+            return await self.control(family, {"op": "status"})
+
+    async def _grow(self, family: Family, status: dict) -> dict:
+        """Load the family again with the slots its server's budget allows now (more
+        variants than at its first load) and copy back the variants it held."""
+        wanted = self.slots_for(family)
+        if wanted <= status["slots"]:
+            raise CapacityExhausted(
+                f"all {status['slots']} slots of family {family.name} on {self.grpc_url} hold "
+                f"variants ({', '.join(sorted(status['resident']))}); the server's budget allows "
+                "no more: unload one (mmctl unload) or raise --max-loaded / --memory-budget")
+        lock = self._host_locks.setdefault(family.name, asyncio.Lock())
+        async with lock:
+            log.info("family %s on %s: growing from %d to %d slots", family.name, self.grpc_url,
+                     status["slots"], wanted)
+            await self._load_family(family, wanted)
+            for variant in status["resident"]:
+                await self._fill(family, variant)
+            return await self.control(family, {"op": "status"})
+
+    # ------------------------------------------------------------------ control requests
+    async def _plan(self, family: Family) -> WarmupPlan:
+        plan = self._plans.get(family.name)
+        if plan is None:
+            try:
+                resp = await self.client.get_model_config(family.name,
+                                                          client_timeout=self.timeouts.health_s)
+            except InferenceServerException as exc:
+                msg = exc.message() or str(exc)
+                if "unknown model" in msg.lower() or "not found" in msg.lower():
+                    raise ModelNotFound(f"family {family.name} is not loaded on {self.grpc_url}") from exc
+                raise self._translate(exc, "read the config of", family.name, self.timeouts.health_s) from exc
+            plan = self._plans[family.name] = warmup_plan(resp.config)
+        return plan
+
+    def _inputs(self, plan: WarmupPlan) -> list[InferInput]:
+        inputs = []
+        for spec in plan.inputs:
+            if spec.datatype == "BYTES":
+                data = np.full(spec.shape, b"", dtype=np.object_)
+            else:
+                data = np.zeros(spec.shape, dtype=triton_to_np_dtype(spec.datatype))
+            inp = InferInput(spec.name, list(spec.shape), spec.datatype)
+            inp.set_data_from_numpy(data)
+            inputs.append(inp)
+        return inputs
+
+    async def control(self, family: Family, command: dict) -> dict:
+        """One control request to the family model; its JSON status.  ModelNotFound when the
+        family is not loaded here; InvalidInput / CapacityExhausted for refused commands."""
+        plan = await self._plan(family)
+        try:
+            result = await self.client.infer(
+                family.name, self._inputs(plan), outputs=[InferRequestedOutput(STATUS_OUTPUT)],
+                parameters={CONTROL_PARAMETER: json.dumps(command)},
+                client_timeout=self.timeouts.load_s)
+        except InferenceServerException as exc:
+            status = str(exc.status() or "")
+            msg = (exc.message() or str(exc)).strip()
+            if "NOT_FOUND" in status or "unknown model" in msg.lower():
+                self._plans.pop(family.name, None)
+                raise ModelNotFound(f"family {family.name} is not loaded on {self.grpc_url}") from exc
+            if "UNAVAILABLE" in status and "slots hold" in msg:
+                raise CapacityExhausted(msg) from exc
+            if "INVALID_ARG" in status:
+                raise InvalidInput(msg) from exc
+            if "UNAVAILABLE" in status and "Socket closed" not in msg and "connect" not in msg.lower():
+                raise ModelLoadFailed(f"family {family.name} failed {command.get('op')!r}: {msg}") from exc
+            raise self._translate(exc, command.get("op", "control"), family.name,
+                                  self.timeouts.load_s) from exc
+        raw = result.as_numpy(STATUS_OUTPUT)
+        value = raw.reshape(-1)[0]
+        return json.loads(value.decode() if isinstance(value, bytes) else value)
+
+    async def _fill(self, family: Family, variant: str) -> dict:
+        path = self.families.repository / variant / WEIGHTS_FILE
+        return await self.control(family, {"op": "load", "variant": variant, "path": str(path)})
+
+    # ------------------------------------------------------------------ TritonAdmin
+    async def load(self, model: str) -> None:
+        family = self.families.family_of(model)
+        if family is None:
+            return await super().load(model)
+        if self.guard is not None:
+            self.guard()
+        status = await self._ensure_family(family)
+        if model in status["resident"]:
+            return
+        try:
+            answer = await self._fill(family, model)
+        except CapacityExhausted:
+            status = await self._grow(family, status)
+            if model in status["resident"]:
+                return
+            answer = await self._fill(family, model)
+        except InvalidInput as exc:
+            raise ModelLoadFailed(f"{model} cannot go into a slot of family {family.name}: "
+                                  f"{exc.message}") from exc
+        log.info("%s: copied into slot %s of family %s in %.1f ms (%d bytes)", model,
+                 answer.get("slot"), family.name, 1000 * answer.get("seconds", 0.0),
+                 answer.get("bytes", 0))
+
+    async def unload(self, model: str) -> None:
+        family = self.families.family_of(model)
+        if family is None:
+            return await super().unload(model)
+        if self.guard is not None:
+            self.guard()
+        try:
+            await self.control(family, {"op": "evict", "variant": model})
+        except ModelNotFound:
+            return  # the family model is not loaded: neither is the variant
+
+    async def wait_unavailable(self, model: str, timeout_s: float | None = None) -> float:
+        if self.families.family_of(model) is not None:
+            return 0.0  # a freed slot is free at once
+        return await super().wait_unavailable(model, timeout_s)
+
+    async def index(self) -> dict[str, IndexEntry]:
+        index = await super().index()
+        for name in list(index):
+            family = self.families.family(name)
+            if family is None:
+                continue
+            entry = index.pop(name)
+            if entry.state != TritonModelState.READY:
+                continue
+            try:
+                status = await self.control(family, {"op": "status"})
+            except ControlPlaneError as exc:
+                log.warning("family %s on %s did not report its slots: %s", name, self.grpc_url,
+                            exc.message)
+                continue
+            self._slots[name] = status["slots"]
+            for variant in status["resident"]:
+                index[variant] = IndexEntry(variant, TritonModelState.READY)
+        return index
+
+    async def warmup_plan(self, model: str) -> WarmupPlan:
+        family = self.families.family_of(model)
+        if family is None:
+            return await super().warmup_plan(model)
+        return await self._plan(family)
+
+    async def warmup(self, model: str, plan: WarmupPlan | None = None) -> float:
+        family = self.families.family_of(model)
+        if family is None:
+            return await super().warmup(model, plan)
+        return await self.infer_synthetic(family.name, plan or await self._plan(family), model,
+                                          parameters={VARIANT_PARAMETER: model})

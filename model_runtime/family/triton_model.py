@@ -1,0 +1,191 @@
+"""``FamilyModel``: the Triton python model of a model family, one instance holding K
+weight slots that the family's variants take turns in.
+
+A family's ``model.py`` subclasses it and writes three methods (the contract; nothing in
+it is specific to one architecture):
+
+* ``build(weights)`` -> a callable (usually a ``torch.nn.Module``) whose parameters *are*
+  the given tensors (views of one slot: use ``load_state_dict(..., assign=True)`` on a
+  module made on the meta device; never copy them).  Called once per slot at load.
+* ``parse(request)`` -> the request's input rows as one tensor; raise ``FamilyInputError``
+  for bad input (that request alone gets the error).
+* ``outputs(rows)`` -> the ``pb_utils.Tensor`` list of one request's response, from its rows
+  of the batch's result.
+
+Optionally ``forward(module, batch)`` (default: ``module(batch)`` in inference mode).
+
+Requests name their variant in the request parameter ``mms_variant`` (the router sets it;
+clients name the variant as a model).  A batch is grouped by variant and each group runs
+on its slot.  The control plane sends control requests (parameter ``mms_family_control``,
+JSON) to fill or free slots and to read what is resident; the answer is the output
+``MMS_FAMILY_STATUS``.  Requests are never sent to a slot being written: Triton runs one
+``execute`` at a time per instance and the family runs one instance, so a control request
+waits for the batch before it and the batch after it sees the new weights whole.
+
+A variant that is not in a slot is answered NOT_FOUND "Request for unknown model", as
+Triton answers for a model it has unloaded: the router has the control plane load it and
+sends the request again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from .layout import Layout, LayoutError
+from .protocol import (
+    CONTROL_PARAMETER,
+    LAYOUT_FILE,
+    SLOTS_PARAMETER,
+    STATUS_OUTPUT,
+    UNKNOWN_MODEL_PREFIX,
+    VARIANT_PARAMETER,
+)
+from .slots import SlotBank, SlotError
+
+
+class FamilyInputError(ValueError):
+    """Bad input in one request; only that request fails."""
+
+
+def _pb():
+    import triton_python_backend_utils as pb_utils  # only importable inside Triton's stub
+
+    return pb_utils
+
+
+def _error(message: str, code: str | None = None):
+    pb_utils = _pb()
+    error_code = getattr(pb_utils.TritonError, code, None) if code else None
+    error = (pb_utils.TritonError(message, error_code) if error_code is not None
+             else pb_utils.TritonError(message))
+    return pb_utils.InferenceResponse(error=error)
+
+
+def _parameter(config: dict, key: str, default: str | None = None) -> str | None:
+    value = config.get("parameters", {}).get(key, {}).get("string_value")
+    return value if value not in (None, "") else default
+
+
+class FamilyModel:
+    # ------------------------------------------------------------------ the contract
+    def build(self, weights: dict[str, torch.Tensor]):
+        raise NotImplementedError("a family's model.py defines build(weights)")
+
+    def parse(self, request) -> torch.Tensor:
+        raise NotImplementedError("a family's model.py defines parse(request)")
+
+    def outputs(self, rows: torch.Tensor) -> list:
+        raise NotImplementedError("a family's model.py defines outputs(rows)")
+
+    def forward(self, module, batch: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return module(batch)
+
+    # ------------------------------------------------------------------ Triton
+    def initialize(self, args: dict) -> None:
+        self.model_config = json.loads(args["model_config"])
+        self.family = self.model_config.get("name", "family")
+        groups = self.model_config.get("instance_group") or [{}]
+        if sum(int(g.get("count", 1)) for g in groups) > 1:
+            # Each instance is its own process with its own slots; the control plane fills
+            # the slots of one, so a second would answer from empty slots.
+            raise SlotError(f"family {self.family} must run one instance (instance_group count 1)")
+        if args.get("model_instance_kind") == "GPU" and torch.cuda.is_available():
+            self.device = torch.device("cuda", int(args.get("model_instance_device_id", 0)))
+        else:
+            self.device = torch.device("cpu")
+        model_dir = args["model_repository"]  # the model's folder, where family.json is
+        try:
+            with open(os.path.join(model_dir, LAYOUT_FILE)) as f:
+                layout = Layout.from_json(json.load(f))
+        except (OSError, json.JSONDecodeError, LayoutError) as exc:
+            raise SlotError(f"family {self.family}: cannot read {LAYOUT_FILE}: {exc}") from None
+        slots = int(_parameter(self.model_config, SLOTS_PARAMETER, "1"))
+        self.bank = SlotBank(layout, slots, self.device)
+        self.modules = [self.build(self.bank.views(i)) for i in range(slots)]
+        self.instance = uuid.uuid4().hex[:12]  # a restarted family has empty slots
+        self.swaps = 0
+
+    def execute(self, requests: list) -> list:
+        responses: list = [None] * len(requests)
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, request in enumerate(requests):
+            try:
+                params = json.loads(request.parameters() or "{}")
+            except json.JSONDecodeError:
+                params = {}
+            if CONTROL_PARAMETER in params:
+                responses[i] = self._control(params[CONTROL_PARAMETER])
+                continue
+            variant = params.get(VARIANT_PARAMETER)
+            if not variant:
+                responses[i] = _error(f"{self.family} serves its variants only; ask for a variant "
+                                      "by its model name", "INVALID_ARG")
+                continue
+            slot = self.bank.slot_of.get(variant)
+            if slot is None:
+                responses[i] = _error(f"{UNKNOWN_MODEL_PREFIX}: '{variant}' is not in a slot of "
+                                      f"family {self.family}", "NOT_FOUND")
+                continue
+            groups[slot].append(i)
+        for slot, members in groups.items():
+            self._run(slot, members, requests, responses)
+        return responses
+
+    def _run(self, slot: int, members: list[int], requests: list, responses: list) -> None:
+        rows, ok = [], []
+        for i in members:
+            try:
+                rows.append(self.parse(requests[i]))
+                ok.append(i)
+            except FamilyInputError as exc:
+                responses[i] = _error(str(exc), "INVALID_ARG")
+        if not ok:
+            return
+        batch = torch.cat(rows).to(self.device) if len(rows) > 1 else rows[0].to(self.device)
+        result = self.forward(self.modules[slot], batch).cpu()
+        offset = 0
+        pb_utils = _pb()
+        for i, part in zip(ok, rows):
+            n = part.shape[0]
+            responses[i] = pb_utils.InferenceResponse(output_tensors=self.outputs(result[offset:offset + n]))
+            offset += n
+
+    # ------------------------------------------------------------------ control
+    def status(self) -> dict:
+        return {"family": self.family, "instance": self.instance, "slots": self.bank.count,
+                "slot_bytes": self.bank.layout.data_bytes, "device": str(self.device),
+                "resident": dict(self.bank.slot_of), "swaps": self.swaps}
+
+    def _control(self, raw: str):
+        try:
+            command = json.loads(raw)
+            op = command.get("op")
+            answer: dict = {}
+            if op == "load":
+                swap = self.bank.fill(command["variant"], command["path"])
+                self.swaps += 1 if swap.bytes else 0
+                answer = {"slot": swap.slot, "bytes": swap.bytes, "seconds": swap.seconds}
+            elif op == "evict":
+                answer = {"slot": self.bank.release(command["variant"])}
+            elif op != "status":
+                return _error(f"unknown family control op {op!r}", "INVALID_ARG")
+        except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
+            return _error(f"malformed family control command: {exc}", "INVALID_ARG")
+        except SlotError as exc:
+            return _error(str(exc), "UNAVAILABLE" if "slots hold" in str(exc) else "INVALID_ARG")
+        body = json.dumps({**self.status(), **answer, "at": time.time()})
+        pb_utils = _pb()
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor(STATUS_OUTPUT, np.array([[body.encode()]], dtype=np.object_))])
+
+    def finalize(self) -> None:
+        self.modules = []
+        self.bank = None
