@@ -110,7 +110,8 @@ class Answers:
                     if public_version is not None:
                         stats.version = public_version
         except grpc.aio.AioRpcError as exc:
-            raise UpstreamError(exc.code(), self.public_text(exc.details() or "", target.model, asked)) from exc
+            raise UpstreamError(exc.code(), self.public_text(exc.details() or "", target.model, asked,
+                                                             carrier)) from exc
         return resp
 
     async def all_statistics(self) -> service_pb2.ModelStatisticsResponse:
@@ -231,10 +232,10 @@ class Answers:
                     return found
         return decision.model, None
 
-    def public_text(self, text: str, concrete: str, asked: str) -> str:
-        """Triton's message about ``concrete`` (or the family model serving it) as one about
-        the model the client asked for (Triton quotes model names: 'simple.v2')."""
-        carrier = self.state.carrier_of(concrete)
+    @staticmethod
+    def public_text(text: str, concrete: str, asked: str, carrier: str | None = None) -> str:
+        """Triton's message about ``concrete`` (or ``carrier``, the family model serving it)
+        as one about the model the client asked for (Triton quotes model names: 'simple.v2')."""
         if carrier is not None:
             text = text.replace(f"'{carrier}'", f"'{asked}'")
         if concrete == asked:

@@ -169,7 +169,8 @@ async def _forward_get(request: web.Request, method: str) -> web.Response:
         body = await resp.read()
         status, content_type = resp.status, resp.content_type
     if status != 200 or content_type != "application/json":
-        text = router.public_text(body.decode(errors="replace"), target.model, asked)
+        text = router.public_text(body.decode(errors="replace"), target.model, asked,
+                                  router.state.carrier_of(target.model))
         return web.Response(text=text, status=status, content_type=content_type)
     doc = json.loads(body)
     _model, public_version = router.public_identity(target)
@@ -266,7 +267,8 @@ async def infer(request: web.Request) -> web.Response:
         if status != 200:
             call.code = "INVALID_ARGUMENT" if status == 400 else f"HTTP_{status}"
             # Triton's message about the concrete model, about the one the client asked for.
-            payload = router.public_text(payload.decode(errors="replace"), decision.model, asked).encode()
+            payload = router.public_text(payload.decode(errors="replace"), decision.model, asked,
+                                         carrier).encode()
             return web.Response(body=payload, status=status, content_type="application/json")
         n = int(resp_header_len) if resp_header_len else len(payload)
         out = json.loads(payload[:n])

@@ -200,7 +200,9 @@ class Sending:
             raise BackendUnavailable(
                 f"Triton {server.name} at {server.grpc_url} is unavailable "
                 f"({exc.details()}); the control plane restarts it, retry shortly") from exc
-        raise UpstreamError(exc.code(), self.public_text(exc.details() or "", call.decision.model, asked)) from exc
+        model = call.decision.model
+        raise UpstreamError(exc.code(), self.public_text(exc.details() or "", model, asked,
+                                                         self.state.carrier_of(model))) from exc
 
     async def _send_shadow(self, model: str, request: bytes, timeout_s: float) -> bytes:
         server = await self.server_for(model)

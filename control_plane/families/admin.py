@@ -15,8 +15,9 @@ The model manager calls ``load``, ``unload``, ``wait_unavailable``, ``index``,
   themselves are never the manager's (not in its catalogue, never a victim).
 * warm-up: the family's config shapes the request, sent with the variant's name.
 
-A family model that restarted (its process crashed) has empty slots: its index lists none,
-so the manager forgets the variants and loads them again on their next request.  When the
+A family model whose process died (Triton answers "Stub process ... is not healthy" and
+does not restart it) is loaded again through Triton's load API, and the variants it held
+are copied back into its new slots, so the manager's view stays true.  When the
 manager asks for more variants than the family has slots (variants registered after its
 load), the family model is loaded again with more slots and its variants refilled.
 """
@@ -59,6 +60,13 @@ from model_runtime.family.protocol import (
 
 log = logging.getLogger(__name__)
 
+# Triton's python backend about a stub process that died; it does not start a new one.
+UNHEALTHY_STUB = "is not healthy"
+
+
+class FamilyUnhealthy(ModelLoadFailed):
+    """The family model's process died; a load of the family model starts a new one."""
+
 
 class FamilyAdmin(TritonAdmin):
     """TritonAdmin for one server, with the variants of ``families`` held in slots.
@@ -75,6 +83,9 @@ class FamilyAdmin(TritonAdmin):
         self._host_locks: dict[str, asyncio.Lock] = {}
         self._slots: dict[str, int] = {}  # family -> slots of its loaded instance
         self._plans: dict[str, WarmupPlan] = {}  # family -> the inputs a request carries
+        # family -> the variants its slots held at its last answer: what a family model
+        # whose process died held, copied back once it is loaded again.
+        self._resident: dict[str, set[str]] = {}
 
     # ------------------------------------------------------------------ the family model
     def _family_config(self, family: Family, slots: int) -> str:
@@ -103,14 +114,25 @@ class FamilyAdmin(TritonAdmin):
                  slots, family.slot_bytes)
 
     async def _ensure_family(self, family: Family) -> dict:
-        """The family model is loaded here; returns its status."""
+        """The family model is loaded here and its process alive; returns its status.  A
+        family whose process died is loaded again and gets its variants back."""
         lock = self._host_locks.setdefault(family.name, asyncio.Lock())
         async with lock:
             try:
                 return await self.control(family, {"op": "status"})
             except ModelNotFound:
-                pass
-            await self._load_family(family, self.slots_for(family))
+                held: set[str] = set()
+            except FamilyUnhealthy as exc:
+                held = set(self._resident.get(family.name, ()))
+                log.error("family %s on %s: %s; loading it again with %s", family.name,
+                          self.grpc_url, exc.message, ", ".join(sorted(held)) or "no variants")
+            await self._load_family(family, max(self.slots_for(family), len(held)))
+            for variant in sorted(held):
+                try:
+                    await self._fill(family, variant)
+                except ControlPlaneError as exc:  # the manager sees it gone and reloads it
+                    log.warning("%s could not be copied back into family %s: %s", variant,
+                                family.name, exc.message)
             return await self.control(family, {"op": "status"})
 
     async def _grow(self, family: Family, status: dict) -> dict:
@@ -175,6 +197,9 @@ class FamilyAdmin(TritonAdmin):
                 raise ModelNotFound(f"family {family.name} is not loaded on {self.grpc_url}") from exc
             if "UNAVAILABLE" in status and "slots hold" in msg:
                 raise CapacityExhausted(msg) from exc
+            if UNHEALTHY_STUB in msg:
+                raise FamilyUnhealthy(f"the process of family {family.name} on {self.grpc_url} "
+                                      f"died ({msg})") from exc
             if "INVALID_ARG" in status:
                 raise InvalidInput(msg) from exc
             if "UNAVAILABLE" in status and "Socket closed" not in msg and "connect" not in msg.lower():
@@ -183,7 +208,9 @@ class FamilyAdmin(TritonAdmin):
                                   self.timeouts.load_s) from exc
         raw = result.as_numpy(STATUS_OUTPUT)
         value = raw.reshape(-1)[0]
-        return json.loads(value.decode() if isinstance(value, bytes) else value)
+        answer = json.loads(value.decode() if isinstance(value, bytes) else value)
+        self._resident[family.name] = set(answer.get("resident", ()))
+        return answer
 
     async def _fill(self, family: Family, variant: str) -> dict:
         path = self.families.repository / variant / WEIGHTS_FILE
@@ -223,6 +250,9 @@ class FamilyAdmin(TritonAdmin):
             await self.control(family, {"op": "evict", "variant": model})
         except ModelNotFound:
             return  # the family model is not loaded: neither is the variant
+        except FamilyUnhealthy:
+            self._resident.get(family.name, set()).discard(model)  # not copied back
+            return  # its process died, and its slots with it
 
     async def wait_unavailable(self, model: str, timeout_s: float | None = None) -> float:
         if self.families.family_of(model) is not None:
@@ -239,7 +269,7 @@ class FamilyAdmin(TritonAdmin):
             if entry.state != TritonModelState.READY:
                 continue
             try:
-                status = await self.control(family, {"op": "status"})
+                status = await self._ensure_family(family)
             except ControlPlaneError as exc:
                 log.warning("family %s on %s did not report its slots: %s", name, self.grpc_url,
                             exc.message)

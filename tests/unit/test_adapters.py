@@ -39,6 +39,7 @@ from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256
 from router.core import Router
 from router.errors import InvalidRequest
 from router.routes import RouteTable, split_adapter
+from router.serving_state import LocalState
 from tests.conftest import run
 
 SPEC = LoraDemoSpec(tinylm=TinyLMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64))
@@ -187,6 +188,7 @@ def test_base_adapter_names_resolve_through_the_base_route_and_limit_per_adapter
 def test_appended_request_bytes_set_model_and_adapter_parameter():
     router = Router.__new__(Router)
     router._name_overrides = {}
+    router.state = LocalState(None)  # no model families
     request = service_pb2.ModelInferRequest(model_name="tinylm:acme", id="r1")
     request.parameters["max_new_tokens"].int64_param = 4
     raw = request.SerializeToString() + router._model_override("tinylm", "acme")

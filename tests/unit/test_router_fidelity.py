@@ -141,6 +141,10 @@ def test_triton_messages_name_the_model_the_client_asked_for():
     assert Router.public_text(text, "simple.v2", "simple") == text.replace("'simple.v2'", "'simple'")
     # Only the quoted model name: another model whose name contains it is left alone.
     assert Router.public_text("'cust017-v2' and 'cust017'", "cust017", "rec") == "'cust017-v2' and 'rec'"
+    # A family's variant: Triton speaks of the family model that serves it.
+    assert (Router.public_text("unexpected shape for input 'FEATURES' for model 'recommender'",
+                               "cust007", "cust007", "recommender")
+            == "unexpected shape for input 'FEATURES' for model 'cust007'")
 
 
 # --------------------------------------------------------------------------- never loads

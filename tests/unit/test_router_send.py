@@ -37,6 +37,9 @@ class MovingState:
     def touch(self, model):
         pass
 
+    def carrier_of(self, model):
+        return None
+
     def servers(self):
         return [FIRST, SECOND]
 

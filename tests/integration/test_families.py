@@ -1,0 +1,191 @@
+"""Model families on a real tritonserver: the model manager decides which variants hold the
+family model's slots (LRU, pins, the budget), and a variant's miss is a copy into a slot."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from safetensors.torch import save_file
+
+from control_plane.families import FamilyCatalog, family_slots, write_family, write_variant
+from control_plane.families.admin import FamilyAdmin
+from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
+from control_plane.state_store import StateStore
+from control_plane.triton.process import TritonLaunchConfig, TritonProcess
+from tests.conftest import run
+
+pytestmark = pytest.mark.integration
+
+SCALER = Path(__file__).resolve().parents[1] / "fixtures" / "families" / "scaler"
+VARIANTS = {"acme": (2.0, 1.0), "globex": (3.0, -1.0), "initech": (-1.0, 0.5), "umbrella": (0.5, 4.0)}
+
+
+def scaler_weights(scale: float, shift: float) -> dict[str, torch.Tensor]:
+    return {"scale": torch.full((4,), scale), "shift": torch.full((4,), shift)}
+
+
+@pytest.fixture
+def family_repo(tmp_path) -> Path:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    base = tmp_path / "base.safetensors"
+    save_file(scaler_weights(1.0, 0.0), str(base))
+    config = (SCALER / "config.pbtxt").read_text()
+    if os.environ.get("SCALER_DELAY_S"):
+        config = config.replace('string_value: "0"', f'string_value: "{os.environ["SCALER_DELAY_S"]}"')
+    write_family(repo, "scaler", config_text=config, version_files=SCALER / "1", base_weights=base)
+    for name, (scale, shift) in VARIANTS.items():
+        write_variant(repo, name, "scaler", scaler_weights(scale, shift))
+    return repo
+
+
+@pytest.fixture
+def family_triton(family_repo, tmp_path):
+    proc = TritonProcess(TritonLaunchConfig(repository=family_repo, work_dir=tmp_path / "triton"))
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def make_manager(triton, repo, tmp_path, max_loaded):
+    catalog = FamilyCatalog(repo)
+    spec = ServerSpec("triton0", triton.grpc_url, triton.http_url, max_loaded=max_loaded)
+    admin = FamilyAdmin(triton.grpc_url, catalog,
+                        lambda f: family_slots(f, max_loaded, None, len(catalog.variants(f.name))))
+    server = ModelManager.make_server(spec, "lru", admin=admin)
+    store = StateStore(tmp_path / "state.db")
+    return ModelManager([server], store, repository=repo, config=ManagerConfig(policy="lru"))
+
+
+def infer(url: str, variant: str, x: np.ndarray | None = None) -> np.ndarray:
+    client = grpcclient.InferenceServerClient(url)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4) if x is None else x
+    inp = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    return client.infer("scaler", [inp], parameters={"mms_variant": variant}).as_numpy("OUTPUT0")
+
+
+def expected(variant: str, x: np.ndarray | None = None) -> np.ndarray:
+    x = np.arange(8, dtype=np.float32).reshape(2, 4) if x is None else x
+    scale, shift = VARIANTS[variant]
+    return x * scale + shift
+
+
+def ready(mgr: ModelManager) -> set[str]:
+    return {m["model"] for m in mgr.status() if m["state"] == "ready"}
+
+
+def test_variants_take_slots_by_lru_and_pins_and_each_answers_with_its_own_weights(
+        family_triton, family_repo, tmp_path):
+    async def scenario():
+        mgr = make_manager(family_triton, family_repo, tmp_path, max_loaded=2)
+        await mgr.start()
+        for name in ("acme", "globex"):
+            await mgr.ensure(name)
+        assert ready(mgr) == {"acme", "globex"}
+        await mgr.pin("globex")
+        mgr.touch("acme")
+        start = time.perf_counter()
+        await mgr.ensure("initech")  # evicts acme: globex is pinned
+        miss_s = time.perf_counter() - start
+        assert ready(mgr) == {"globex", "initech"}
+        index = await mgr.servers["triton0"].admin.index()
+        assert {n for n, e in index.items() if e.state.value == "READY"} == {"globex", "initech"}
+        for name in ("globex", "initech"):
+            np.testing.assert_allclose(infer(family_triton.grpc_url, name), expected(name))
+        with pytest.raises(Exception, match="not in a slot"):
+            infer(family_triton.grpc_url, "acme")  # evicted: Triton's unknown-model answer
+        for name in ("umbrella", "acme", "initech"):  # thrash the unpinned slot
+            await mgr.ensure(name)
+            np.testing.assert_allclose(infer(family_triton.grpc_url, name), expected(name))
+            assert "globex" in ready(mgr)
+        await mgr.close()
+        return miss_s
+
+    miss_s = run(scenario())
+    assert miss_s < 1.0, f"a variant's miss took {miss_s:.2f}s: it must be a copy, not a Triton load"
+
+
+def test_every_slot_pinned_is_a_clear_error_and_nothing_is_counted(family_triton, family_repo, tmp_path):
+    from control_plane.domain.errors import CapacityExhausted
+
+    async def scenario():
+        mgr = make_manager(family_triton, family_repo, tmp_path, max_loaded=2)
+        await mgr.start()
+        await mgr.pin("acme")
+        await mgr.pin("globex")
+        with pytest.raises(CapacityExhausted, match="pinned"):
+            await mgr.ensure("initech")
+        assert ready(mgr) == {"acme", "globex"}
+        np.testing.assert_allclose(infer(family_triton.grpc_url, "acme"), expected("acme"))
+        await mgr.close()
+
+    run(scenario())
+
+
+def test_a_slot_is_never_rewritten_under_a_running_batch(family_repo, tmp_path, monkeypatch):
+    """One slot; a slow batch for acme runs while the manager gives the slot to globex: the
+    batch answers with acme's weights, the next request with globex's."""
+    config = family_repo / "scaler" / "config.pbtxt"
+    config.write_text(config.read_text().replace('string_value: "0"', 'string_value: "1.5"'))
+    proc = TritonProcess(TritonLaunchConfig(repository=family_repo, work_dir=tmp_path / "triton"))
+    proc.start()
+    try:
+        async def scenario():
+            mgr = make_manager(proc, family_repo, tmp_path, max_loaded=1)
+            await mgr.start()
+            await mgr.ensure("acme")
+            results: dict[str, np.ndarray] = {}
+            slow = threading.Thread(target=lambda: results.setdefault("acme", infer(proc.grpc_url, "acme")))
+            slow.start()
+            await asyncio.sleep(0.5)  # the batch is running
+            await mgr.ensure("globex")  # takes acme's only slot
+            await asyncio.to_thread(slow.join)
+            np.testing.assert_allclose(results["acme"], expected("acme"))
+            np.testing.assert_allclose(infer(proc.grpc_url, "globex"), expected("globex"))
+            assert ready(mgr) == {"globex"}
+            await mgr.close()
+
+        run(scenario())
+    finally:
+        proc.stop()
+
+
+def test_a_crashed_family_process_comes_back_and_its_variants_are_loaded_again(
+        family_triton, family_repo, tmp_path):
+    async def scenario():
+        mgr = make_manager(family_triton, family_repo, tmp_path, max_loaded=2)
+        await mgr.start()
+        await mgr.ensure("acme")
+        stub = subprocess.run(["pgrep", "-f", "triton_python_backend_stub.*scaler"],
+                              capture_output=True, text=True).stdout.split()
+        assert stub, "the family's stub process was not found"
+        for pid in stub:
+            os.kill(int(pid), signal.SIGKILL)
+        # Requests in flight or sent now fail with an error, never another variant's answer.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            await mgr.step()  # the reconcile reads the family's slots again
+            try:
+                await mgr.ensure("acme")
+                got = infer(family_triton.grpc_url, "acme")
+            except Exception:
+                await asyncio.sleep(0.5)
+                continue
+            np.testing.assert_allclose(got, expected("acme"))
+            break
+        else:
+            pytest.fail("acme was not served again within 60s of its family process crashing")
+        await mgr.close()
+
+    run(scenario())
