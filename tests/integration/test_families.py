@@ -16,7 +16,9 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 from safetensors.torch import save_file
+from tritonclient.utils import InferenceServerException
 
+from control_plane.domain.errors import ControlPlaneError
 from control_plane.families import FamilyCatalog, family_slots, write_family, write_variant
 from control_plane.families.admin import FamilyAdmin
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
@@ -55,6 +57,11 @@ def family_triton(family_repo, tmp_path):
     proc.start()
     yield proc
     proc.stop()
+
+
+def pgrep(pattern: str) -> list[str]:
+    return subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True,
+                          check=False).stdout.split()
 
 
 def make_manager(triton, repo, tmp_path, max_loaded):
@@ -167,8 +174,7 @@ def test_a_crashed_family_process_comes_back_and_its_variants_are_loaded_again(
         mgr = make_manager(family_triton, family_repo, tmp_path, max_loaded=2)
         await mgr.start()
         await mgr.ensure("acme")
-        stub = subprocess.run(["pgrep", "-f", "triton_python_backend_stub.*scaler"],
-                              capture_output=True, text=True).stdout.split()
+        stub = pgrep("triton_python_backend_stub.*scaler")
         assert stub, "the family's stub process was not found"
         for pid in stub:
             os.kill(int(pid), signal.SIGKILL)
@@ -179,7 +185,7 @@ def test_a_crashed_family_process_comes_back_and_its_variants_are_loaded_again(
             try:
                 await mgr.ensure("acme")
                 got = infer(family_triton.grpc_url, "acme")
-            except Exception:
+            except (ControlPlaneError, InferenceServerException):
                 await asyncio.sleep(0.5)
                 continue
             np.testing.assert_allclose(got, expected("acme"))

@@ -1,0 +1,140 @@
+"""The demo fleet as a model family, driven as a person does: `mmctl up` on its defaults,
+unmodified Triton clients through the router, mmctl for pins, experiments and shadows."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import requests
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from control_plane.demo.fleet import FleetSpec, customer_weights
+from tests.product import Product
+
+pytestmark = pytest.mark.integration
+
+FEATURES = np.linspace(-1, 1, 3 * 64, dtype=np.float32).reshape(3, 64)
+
+
+def reference_scores(name: str) -> np.ndarray:
+    """What the customer's own model answers: its weights in the recommender MLP."""
+    weights = customer_weights(FleetSpec(), name)
+    x = torch.from_numpy(FEATURES)
+    layers = len([k for k in weights if k.endswith(".weight")])
+    for i in range(layers):
+        x = x @ weights[f"layers.{i}.weight"].T + weights[f"layers.{i}.bias"]
+        x = torch.relu(x) if i < layers - 1 else torch.sigmoid(x)
+    return x.numpy()
+
+
+def grpc_infer(url: str, model: str, user: str | None = None):
+    client = grpcclient.InferenceServerClient(url)
+    x = grpcclient.InferInput("FEATURES", list(FEATURES.shape), "FP32")
+    x.set_data_from_numpy(FEATURES)
+    result = client.infer(model, [x], headers={"x-user-id": user} if user else None)
+    return result.as_numpy("SCORES"), result.get_response()
+
+
+@pytest.fixture
+def product(tmp_path):
+    p = Product(tmp_path / "state", None, "--fleet-size", "6", "--max-loaded", "3",
+                "--policy", "lru").start()
+    yield p
+    p.stop()
+    p.assert_no_triton_left()
+
+
+def test_the_demo_family_serves_every_variant_by_name_through_the_router(product):
+    endpoints = product.json("endpoints")
+    grpc_url, http_url = endpoints["router_grpc"], endpoints["router_http"]
+    status = {m["model"]: m for m in product.json("status")}
+    assert {f"cust00{i}" for i in range(1, 7)} <= set(status)
+    assert "recommender" not in status  # the family model is the product's, not a model
+
+    # Misses round-robin through more variants than slots: every answer is the customer's own.
+    for name in ["cust001", "cust002", "cust003", "cust004", "cust005", "cust001", "cust006"]:
+        scores, response = grpc_infer(grpc_url, name)
+        np.testing.assert_allclose(scores, reference_scores(name), rtol=1e-5, atol=1e-6)
+        assert response.model_name == name and response.parameters["model"].string_param == name
+    ready = {m["model"] for m in product.json("status") if m["state"] == "ready"}
+    assert len(ready) <= 3 and "cust006" in ready
+
+    # Pinned variants keep their slots through the thrash.
+    assert product.mmctl("pin", "cust002").returncode == 0
+    for name in ["cust003", "cust004", "cust005", "cust001"]:
+        grpc_infer(grpc_url, name)
+    assert next(m for m in product.json("status") if m["model"] == "cust002")["state"] == "ready"
+
+    # Metadata and config describe the variant as a model of its own, loaded or not.
+    client = grpcclient.InferenceServerClient(grpc_url)
+    for name in ("cust002", "cust006"):
+        metadata = client.get_model_metadata(name)
+        assert metadata.name == name
+        assert [o.name for o in metadata.outputs] == ["SCORES"]
+        config = client.get_model_config(name).config
+        assert config.name == name and [o.name for o in config.output] == ["SCORES"]
+        assert "mms_family_slots" not in config.parameters
+    assert client.is_model_ready("cust002") and not client.is_model_ready("cust999")
+
+    # HTTP, unmodified.
+    http = httpclient.InferenceServerClient(http_url)
+    x = httpclient.InferInput("FEATURES", list(FEATURES.shape), "FP32")
+    x.set_data_from_numpy(FEATURES)
+    result = http.infer("cust003", [x])
+    np.testing.assert_allclose(result.as_numpy("SCORES"), reference_scores("cust003"), rtol=1e-5, atol=1e-6)
+    assert http.get_model_metadata("cust003")["outputs"] == [
+        {"name": "SCORES", "datatype": "FP32", "shape": [-1, 1]}]
+
+    # Slot control is model control: refused on the public port, over gRPC and HTTP.
+    refused = requests.post(f"http://{http_url}/v2/models/cust003/infer", timeout=10, json={
+        "parameters": {"mms_family_control": '{"op": "status"}'},
+        "inputs": [{"name": "FEATURES", "shape": [1, 64], "datatype": "FP32", "data": [0.0] * 64}]})
+    assert refused.status_code == 403 and "model control" in refused.text
+    with pytest.raises(Exception, match="PERMISSION_DENIED"):
+        grpcclient.InferenceServerClient(grpc_url).infer(
+            "cust003", [grpcclient.InferInput("FEATURES", [1, 64], "FP32").set_data_from_numpy(
+                np.zeros((1, 64), np.float32))], parameters={"mms_family_control": "{}"})
+
+    # A wrong shape is Triton's own answer, about the variant the client named.
+    bad = grpcclient.InferInput("FEATURES", [1, 32], "FP32")
+    bad.set_data_from_numpy(np.zeros((1, 32), np.float32))
+    with pytest.raises(Exception, match="for model 'cust003'"):
+        client.infer("cust003", [bad])
+
+    metrics = requests.get(product.url + "/metrics", timeout=5).text
+    assert 'mms_loads_total{result="ok",server="triton0"}' in metrics
+
+
+def test_ab_tests_and_shadows_work_on_variant_names(product):
+    grpc_url = product.json("endpoints")["router_grpc"]
+    created = product.mmctl("experiment", "create", "ab", "--control", "cust001", "--treatment",
+                            "cust002", "--treatment-percent", "50", "--sticky")
+    assert created.returncode == 0, created.stderr
+    seen = {}
+    for user in [f"user{i}" for i in range(24)]:
+        scores, response = grpc_infer(grpc_url, "cust001", user=user)
+        model = response.parameters["model"].string_param
+        np.testing.assert_allclose(scores, reference_scores(model), rtol=1e-5, atol=1e-6)
+        seen.setdefault(model, set()).add(user)
+        again, _ = grpc_infer(grpc_url, "cust001", user=user)  # sticky
+        np.testing.assert_allclose(again, scores)
+    assert set(seen) == {"cust001", "cust002"}
+    assert product.mmctl("experiment", "delete", "ab").returncode == 0
+
+    assert product.mmctl("shadow", "start", "cust003", "--model", "cust004", "--percent", "100").returncode == 0
+    for _ in range(10):
+        scores, response = grpc_infer(grpc_url, "cust003")
+        np.testing.assert_allclose(scores, reference_scores("cust003"), rtol=1e-5, atol=1e-6)
+    deadline = time.monotonic() + 20
+    while True:  # workers report every 0.25 s
+        report = product.json("shadow", "report", "cust003")
+        if report.get("compared", 0) >= 10 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    # The shadow ran on cust004's own weights: every answer differs from cust003's.
+    assert report["errors"] == 0 and report["compared"] >= 10, report
+    assert report["diverged"] == report["compared"], report
