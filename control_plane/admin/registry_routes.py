@@ -34,6 +34,7 @@ REGISTRY_KEY = web.AppKey("registry", Registry)
 WARM_KEY = web.AppKey("warm_tier", object)
 LOCATE_KEY = web.AppKey("locate", object)
 STAGING_KEY = web.AppKey("warm_staging", dict)
+FAMILIES_KEY = web.AppKey("families", object)
 
 
 def _who(request: web.Request, body: dict) -> str:
@@ -83,7 +84,9 @@ async def add_version(request: web.Request) -> web.Response:
         metrics=parse_metrics(str(m) for m in metrics),
         data_fingerprint=body.get("data_fingerprint"), tenant=body.get("tenant"),
         stage=body.get("stage") or None,
-        synthetic_warmup=_flag(body.get("synthetic_warmup", True), "synthetic_warmup"))
+        synthetic_warmup=_flag(body.get("synthetic_warmup", True), "synthetic_warmup"),
+        family=body.get("family") or None, weights=body.get("weights") or None,
+        families=request.app.get(FAMILIES_KEY))
     out = mv.to_dict()
     out["serves"] = _serves(model, mv, previous, stage_given=bool(body.get("stage")))
     return web.json_response(out, status=201)
@@ -181,10 +184,13 @@ async def warm_evict(request: web.Request) -> web.Response:
 
 
 def add_registry_routes(app: web.Application, registry: Registry, warm=None,
-                        locate: Callable[[str], dict] | None = None) -> None:
+                        locate: Callable[[str], dict] | None = None, families=None) -> None:
     """Register the routes above.  ``warm`` (a WarmTier) enables /v1/warm; ``locate(name)``
-    adds tier/server to ``registry list`` (``warm.locator(manager)`` gives one)."""
+    adds tier/server to ``registry list`` (``warm.locator(manager)`` gives one);
+    ``families`` (a FamilyCatalog) lets versions be variants of a model family."""
     app[REGISTRY_KEY] = registry
+    if families is not None:
+        app[FAMILIES_KEY] = families
     app[STAGING_KEY] = {}
     if warm is not None:
         app[WARM_KEY] = warm

@@ -196,6 +196,7 @@ def demo_fleet(out: Path, count: int, size_mb: float | None, overwrite: bool):
 
 def _register_subcommands() -> None:
     from control_plane.cli.adapters import adapter
+    from control_plane.cli.families import family
     from control_plane.cli.registry import registry
     from control_plane.cli.routing import register
     from control_plane.cli.serve import add_serving_commands
@@ -204,6 +205,7 @@ def _register_subcommands() -> None:
     add_serving_commands(cli)
     cli.add_command(registry)
     cli.add_command(adapter)
+    cli.add_command(family)
 
 
 _register_subcommands()

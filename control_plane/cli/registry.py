@@ -60,20 +60,28 @@ def registry():
 @click.option("--synthetic-warmup/--no-synthetic-warmup", default=True, show_default=True,
               help="After a load of a model with no model_warmup in its config, send one request "
               "of zeros to check it; turn off for a model whose inputs reject zeros.")
+@click.option("--family", help="The version is a variant of this model family: its weights go "
+              "into a slot of the family's Triton model (mmctl family list).")
+@click.option("--weights", type=click.Path(exists=True, dir_okay=False),
+              help="With --family: the variant's safetensors file; its tensors must be the "
+              "family's (names, shapes, dtypes), checked before anything is stored.")
 @click.option("--who", default=who_am_i, help="Recorded as the author of the change.")
 @click.option("--json", "as_json", is_flag=True)
 def add(model, version, source_dir, artifact_uri, sha256, metrics, data_fingerprint, sla, tenant,
-        stage, synthetic_warmup, who, as_json):
-    """Add a version of MODEL from a model folder (--from-dir) or an artifact (--artifact).
+        stage, synthetic_warmup, family, weights, who, as_json):
+    """Add a version of MODEL from a model folder (--from-dir), an artifact (--artifact), or
+    a family's variant from its weights (--family F --weights FILE).
 
     \b
     mmctl registry add simple --from-dir ./simple     # simple.v1, production: serve it as "simple"
     mmctl registry add simple --from-dir ./simple2    # simple.v2, registered: promote when ready
+    mmctl registry add cust051 --family recommender --weights cust051.safetensors
     """
     body = {"version": version, "artifact_uri": artifact_uri, "sha256": sha256,
             "source_dir": str(Path(source_dir).resolve()) if source_dir else None,
             "metrics": list(metrics), "data_fingerprint": data_fingerprint, "sla": sla,
-            "tenant": tenant, "stage": stage, "who": who, "synthetic_warmup": synthetic_warmup}
+            "tenant": tenant, "stage": stage, "who": who, "synthetic_warmup": synthetic_warmup,
+            "family": family, "weights": str(Path(weights).resolve()) if weights else None}
     mv = _call("POST", f"/v1/registry/models/{model}/versions", body)
     if as_json:
         click.echo(json.dumps(mv, indent=2))

@@ -153,6 +153,13 @@ class FamilyAdmin(TritonAdmin):
                 await self._fill(family, variant)
             return await self.control(family, {"op": "status"})
 
+    def family_slots(self, family: str) -> dict | None:
+        """Slots and resident variants of ``family`` on this server, as last reported; None
+        when it is not loaded here."""
+        if family not in self._slots:
+            return None
+        return {"slots": self._slots[family], "resident": sorted(self._resident.get(family, ()))}
+
     # ------------------------------------------------------------------ control requests
     async def _plan(self, family: Family) -> WarmupPlan:
         plan = self._plans.get(family.name)

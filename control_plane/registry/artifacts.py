@@ -4,15 +4,19 @@ of its folder and config.pbtxt, made before anything is published or recorded.""
 from __future__ import annotations
 
 import asyncio
+import json
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from control_plane.domain import model_config
 from control_plane.domain.errors import InvalidInput
 from control_plane.domain.names import validate_model_name
+from control_plane.families import VARIANT_FILE, WEIGHTS_FILE, check_variant_weights, write_variant
 from control_plane.registry.store import Registry
 from control_plane.registry.versions import DEFAULT_SLA, ModelVersion, concrete_name
 from control_plane.tiers.cold import inspect, normalize_sha256, publish
+from model_runtime.family.layout import LayoutError, layout_of_bytes
 
 
 def check_model_config(text: str, where: str, names: Iterable[str]) -> None:
@@ -62,13 +66,19 @@ async def register_version(registry: Registry, model: str, version: int | None =
                            metrics: dict[str, float] | None = None,
                            data_fingerprint: str | None = None, tenant: str | None = None,
                            stage: str | None = None,
-                           synthetic_warmup: bool = True) -> ModelVersion:
+                           synthetic_warmup: bool = True, family: str | None = None,
+                           weights: str | None = None, families=None) -> ModelVersion:
     """Register a version whose artifact is in the cold store, publishing it first when
     ``source_dir`` is given.  The sha256 recorded is the artifact's (from its manifest, or
     by hashing it); a ``sha256`` given by the caller must match it.
 
     ``version`` None: the next free one.  ``stage`` None: ``production`` when the model has
     no production version yet (so its logical name serves it at once), else ``registered``.
+
+    ``family``: the version is a variant of that model family (``families``, a
+    FamilyCatalog, knows it): its artifact is a variant folder, published from the
+    safetensors file ``weights`` or already at ``artifact_uri``, and its tensors must be the
+    family's (checked before anything is uploaded or recorded).
 
     Store I/O runs in a thread; the registry write happens on the caller's (loop) thread.
     """
@@ -88,7 +98,9 @@ async def register_version(registry: Registry, model: str, version: int | None =
     registry._check_names_free(model, concrete_name(model, int(version)))
     uri = artifact_uri or stores.default_uri(model, int(version))
     store = stores.for_uri(uri)
-    if source_dir is not None:
+    if family is not None or weights is not None:
+        info = await _register_variant(store, uri, model, family, weights, source_dir, families)
+    elif source_dir is not None:
         folder = Path(source_dir)
         await asyncio.to_thread(check_model_folder, folder, model)
         info = await asyncio.to_thread(publish, store, folder, uri)
@@ -104,4 +116,54 @@ async def register_version(registry: Registry, model: str, version: int | None =
                            f"{normalize_sha256(sha256)} you gave; check the upload")
     return registry.add(model, int(version), info.uri, info.sha256, info.size_bytes, who=who,
                         sla=sla, metrics=metrics, data_fingerprint=data_fingerprint,
-                        tenant=tenant, stage=stage, synthetic_warmup=synthetic_warmup)
+                        tenant=tenant, stage=stage, synthetic_warmup=synthetic_warmup,
+                        family=family)
+
+
+async def _register_variant(store, uri: str, model: str, family: str | None, weights: str | None,
+                            source_dir: str | None, families):
+    """Publish (``weights``) or inspect (an uploaded variant folder at ``uri``) a family's
+    variant, refusing tensors that are not the family's before anything is written."""
+    if family is None:
+        raise InvalidInput("--weights registers a variant of a model family: give --family too "
+                           "(mmctl family list shows them)")
+    if source_dir is not None:
+        raise InvalidInput("a family's variant is its weights: give --weights FILE (or an uploaded "
+                           "variant folder with --artifact), not --from-dir")
+    found = families.family(family) if families is not None else None
+    if found is None:
+        known = ", ".join(sorted(families.families)) if families is not None else ""
+        raise InvalidInput(f"unknown model family {family!r} ({'known: ' + known if known else 'none is known'}); "
+                           "add it first: mmctl family add NAME --from-dir DIR --weights BASE.safetensors")
+    if weights is not None:
+        path = Path(weights)
+        if not path.is_file():
+            raise InvalidInput(f"--weights {weights}: no such file")
+        await asyncio.to_thread(check_variant_weights, found, path, model)
+
+        def publish_variant():
+            with tempfile.TemporaryDirectory(prefix="mms-variant-") as tmp:
+                folder = write_variant(Path(tmp), "variant", family, path)
+                return publish(store, folder, uri)
+
+        return await asyncio.to_thread(publish_variant)
+    info = await asyncio.to_thread(inspect, store, uri)
+    marker = await asyncio.to_thread(store.read_bytes, info.uri, VARIANT_FILE)
+    try:
+        named = json.loads(marker)["family"] if marker is not None else None
+    except (ValueError, KeyError, TypeError):
+        named = None
+    if named != family:
+        raise InvalidInput(f"the artifact at {info.uri} is not a variant of {family}: its "
+                           f"{VARIANT_FILE} {'names ' + repr(named) if named else 'is missing or unreadable'}")
+    raw = await asyncio.to_thread(store.read_bytes, info.uri, WEIGHTS_FILE)
+    if raw is None:
+        raise InvalidInput(f"the artifact at {info.uri} has no {WEIGHTS_FILE}")
+    try:
+        layout, _offset = layout_of_bytes(raw, f"{info.uri}{WEIGHTS_FILE}")
+    except LayoutError as exc:
+        raise InvalidInput(str(exc)) from None
+    why = found.layout.mismatch(layout)
+    if why is not None:
+        raise InvalidInput(f"{model}'s weights at {info.uri} do not match family {family}: {why}")
+    return info

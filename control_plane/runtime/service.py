@@ -162,7 +162,10 @@ class Service(TritonLaunching):
         self.warm.recover()  # partial downloads from a crash never reach Triton
         await self.register_repository()
         from control_plane.families import FamilyCatalog
+        from control_plane.families.store import recorded_families, restore_families
 
+        await asyncio.to_thread(restore_families, recorded_families(store), self.registry.stores,
+                                self.repository)
         registry = self.registry
         self.families = FamilyCatalog(
             self.repository, lambda: ((v.name, v.family) for v in registry.versions() if v.family))
@@ -217,12 +220,16 @@ class Service(TritonLaunching):
         from control_plane.admin.registry_routes import add_registry_routes
 
         add_registry_routes(admin_app, self.registry, warm=self.warm,
-                            locate=self.warm.locator(self.manager))
+                            locate=self.warm.locator(self.manager), families=self.families)
         from control_plane.adapters import AdapterManager
         from control_plane.admin.adapter_routes import add_adapter_routes
 
         add_adapter_routes(admin_app, AdapterManager(self.manager, self.repository,
                                                      stores=self.registry.stores))
+        from control_plane.admin.family_routes import add_family_routes
+
+        add_family_routes(admin_app, catalog=self.families, manager=self.manager, state=store,
+                          stores=self.registry.stores, registry=self.registry)
         if self.serves_workers:
             await self._start_hub(admin_app, endpoints)
         elif cfg.router:

@@ -140,6 +140,22 @@ def read_layout(path: str | os.PathLike) -> tuple[Layout, int]:
             size = os.fstat(f.fileno()).st_size
     except OSError as exc:
         raise LayoutError(f"cannot read {where}: {exc.strerror or exc}") from None
+    return _whole(header, length, size, where)
+
+
+def layout_of_bytes(raw: bytes, where: str) -> tuple[Layout, int]:
+    """``read_layout`` of a file read whole (an object from a store)."""
+    if len(raw) < HEADER_LENGTH_BYTES:
+        raise LayoutError(f"{where} is truncated: {len(raw)} bytes, not a safetensors file")
+    (length,) = struct.unpack("<Q", raw[:HEADER_LENGTH_BYTES])
+    if length > MAX_HEADER_BYTES:
+        raise LayoutError(f"{where} is not a safetensors file (header length {length})")
+    return _whole(raw[HEADER_LENGTH_BYTES:HEADER_LENGTH_BYTES + length], length, len(raw), where)
+
+
+def _whole(header: bytes, length: int, size: int, where: str) -> tuple[Layout, int]:
+    """The layout of a file of ``size`` bytes whose header is ``header`` (``length`` bytes
+    long, as its first 8 bytes say); LayoutError for a file shorter than it says."""
     if len(header) < length:
         raise LayoutError(f"{where} is truncated inside its header")
     layout = parse_header(header, where)

@@ -4,6 +4,7 @@ unmodified Triton clients through the router, mmctl for pins, experiments and sh
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import requests
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from safetensors.torch import save_file
 
 from control_plane.demo.fleet import FleetSpec, customer_weights
 from tests.product import Product
@@ -138,3 +140,71 @@ def test_ab_tests_and_shadows_work_on_variant_names(product):
     # The shadow ran on cust004's own weights: every answer differs from cust003's.
     assert report["errors"] == 0 and report["compared"] >= 10, report
     assert report["diverged"] == report["compared"], report
+
+
+SCALER = Path(__file__).resolve().parents[1] / "fixtures" / "families" / "scaler"
+SCALERS = {"acme": (2.0, 1.0), "globex": (3.0, -1.0), "initech": (-1.0, 0.5)}
+
+
+def scaler_file(path: Path, scale: float, shift: float, length: int = 4) -> Path:
+    save_file({"scale": torch.full((length,), scale), "shift": torch.full((4,), shift)}, str(path))
+    return path
+
+
+def scaler_infer(url: str, name: str) -> np.ndarray:
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    inp = grpcclient.InferInput("INPUT0", [2, 4], "FP32")
+    inp.set_data_from_numpy(x)
+    return grpcclient.InferenceServerClient(url).infer(name, [inp]).as_numpy("OUTPUT0")
+
+
+def scaler_expected(name: str) -> np.ndarray:
+    scale, shift = SCALERS[name]
+    return np.arange(8, dtype=np.float32).reshape(2, 4) * scale + shift
+
+
+def test_a_users_family_is_added_and_its_variants_registered_with_mmctl(tmp_path):
+    state = tmp_path / "state"
+    p = Product(state, None, "--fleet-size", "0", "--max-loaded", "2").start()
+    try:
+        base = scaler_file(tmp_path / "base.safetensors", 1.0, 0.0)
+        added = p.mmctl("family", "add", "scaler", "--from-dir", str(SCALER), "--weights", str(base))
+        assert added.returncode == 0, added.stderr
+        for name, (scale, shift) in SCALERS.items():
+            out = p.mmctl("registry", "add", name, "--family", "scaler", "--weights",
+                          str(scaler_file(tmp_path / f"{name}.safetensors", scale, shift)))
+            assert out.returncode == 0, out.stderr
+            assert f"{name}.v1" in out.stdout and "production" in out.stdout
+
+        # Bad input: a clear error, exit 2, nothing registered.
+        wrong = p.mmctl("registry", "add", "wrong", "--family", "scaler", "--weights",
+                        str(scaler_file(tmp_path / "wrong.safetensors", 1.0, 0.0, length=5)))
+        assert wrong.returncode == 2 and "do not match family scaler: scale is F32[5]" in wrong.stderr
+        truncated = tmp_path / "truncated.safetensors"
+        truncated.write_bytes((tmp_path / "acme.safetensors").read_bytes()[:-5])
+        cut = p.mmctl("registry", "add", "cut", "--family", "scaler", "--weights", str(truncated))
+        assert cut.returncode == 2 and "truncated" in cut.stderr
+        unknown = p.mmctl("registry", "add", "stray", "--family", "nosuch", "--weights", str(base))
+        assert unknown.returncode == 2 and "unknown model family 'nosuch'" in unknown.stderr
+        names = {v["model"] for v in p.json("registry", "list")}
+        assert names == set(SCALERS)
+
+        url = p.json("endpoints")["router_grpc"]
+        for name in ["acme", "globex", "initech", "acme"]:  # three variants, two slots
+            np.testing.assert_allclose(scaler_infer(url, name), scaler_expected(name))
+        families = p.json("family", "list")
+        assert families[0]["family"] == "scaler" and families[0]["variants"] == [
+            "acme.v1", "globex.v1", "initech.v1"]
+        assert families[0]["servers"]["triton0"]["slots"] == 2
+    finally:
+        p.stop()
+        p.assert_no_triton_left()
+
+    # A clean stop empties the tmpfs warm tier: the family comes back from the cold store.
+    p = Product(state, None, "--fleet-size", "0", "--max-loaded", "2").start()
+    try:
+        url = p.json("endpoints")["router_grpc"]
+        np.testing.assert_allclose(scaler_infer(url, "globex"), scaler_expected("globex"))
+    finally:
+        p.stop()
+        p.assert_no_triton_left()
