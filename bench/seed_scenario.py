@@ -11,7 +11,12 @@ it), then one request goes to a cold occasional customer, so its latency is the 
 warm-up and inference with no eviction (``load_only_p50_s``): the floor an occasional
 customer's first request could reach.
 
-    .venv/bin/python -m bench.seed_scenario [--rate 4] [--seconds 60] [--slots 15]
+``--layout`` picks how the 50 fine-tunes are served: ``models`` (a Triton model each: a
+miss is a Triton load), ``family`` (one model family: a miss is a copy into a weight slot),
+or ``both`` (the default), one after the other in the same run, with the family's
+occasional p50 put against the separate models' bare load.
+
+    .venv/bin/python -m bench.seed_scenario [--rate 4] [--seconds 60] [--slots 15] [--layout both]
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.traces import seed_scenario
-from control_plane.demo.fleet import FleetSpec, generate_fleet
+from control_plane.demo.fleet import FleetSpec, generate_family_fleet, generate_fleet
 from tests.product import Product
 
 TOP = 12
@@ -145,9 +150,37 @@ def main(argv=None) -> dict:
                     help="keep the control plane's log there (the work folder is deleted)")
     ap.add_argument("--up-args", default="",
                     help="extra `mmctl up` options, e.g. \"--headroom-models 0\"")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "seed_scenario.json")
+    ap.add_argument("--layout", choices=("models", "family", "both"), default="both",
+                    help="a Triton model per customer, one model family, or both in turn")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "seed_scenario.json",
+                    help="the models layout's result; the family's goes beside it (_family)")
     args = ap.parse_args(argv)
+    layouts = ("models", "family") if args.layout == "both" else (args.layout,)
+    results = {}
+    for layout in layouts:
+        out = args.out if layout == "models" else args.out.with_name(args.out.stem + "_family.json")
+        results[layout] = run(args, layout, out)
+    if len(results) == 2 and results["models"]["load_only_p50_s"]:
+        fam = results["family"]["mixed"]["occasional"]["p50_ms"]
+        bare = results["models"]["load_only_p50_s"] * 1000
+        models_occ = results["models"]["mixed"]["occasional"]["p50_ms"]
+        comparison = {
+            "family_occasional_p50_ms": fam, "models_occasional_p50_ms": models_occ,
+            "models_bare_load_p50_ms": bare,
+            "family_occasional_p50_over_models_bare_load": round(fam / bare, 4) if fam else None,
+            "errors": {k: r["errors"] for k, r in results.items()},
+        }
+        path = args.out.with_name(args.out.stem + "_compare.json")
+        path.write_text(json.dumps(comparison, indent=2))
+        print(f"same run: occasional customers' p50 {fam:.1f} ms as a family vs {models_occ:.1f} ms "
+              f"as separate models; a bare Triton load of one of them {bare:.0f} ms: family / bare "
+              f"load = {comparison['family_occasional_p50_over_models_bare_load']}")
+        print(f"wrote {path}")
+    return results
 
+
+def run(args, layout: str, out_path: Path) -> dict:
+    """One layout's scenario; writes ``out_path`` and returns its result."""
     n_mixed = int(args.rate * args.seconds)
     n_hot = int(args.rate * args.hot_seconds)
     trace = seed_scenario(n_customers=args.customers, n_requests=n_mixed, seed=args.seed, top=TOP,
@@ -158,7 +191,10 @@ def main(argv=None) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="bench-seed-"))
     repo = work / "repository"
-    generate_fleet(repo, FleetSpec(count=args.customers))
+    if layout == "family":
+        generate_family_fleet(repo, FleetSpec(count=args.customers))
+    else:
+        generate_fleet(repo, FleetSpec(count=args.customers))
     product = Product(work / "state", repo, "--max-loaded", str(args.slots),
                       *args.up_args.split()).start()
     load_before = os.getloadavg()
@@ -207,7 +243,7 @@ def main(argv=None) -> dict:
         "benchmark": "seed_scenario",
         "conditions": {
             "machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "customers": args.customers, "pinned": TOP, "slots": args.slots,
+            "customers": args.customers, "pinned": TOP, "slots": args.slots, "layout": layout,
             "rate_per_s": args.rate, "mixed_requests": n_mixed, "hot_requests": len(hot_names),
             "traffic": "top 12 customers send 80% (trace 'seed', Zipf 0.6 within groups)",
             "model": "recommender MLP 64-128-128-1, python backend, KIND_CPU",
@@ -244,9 +280,9 @@ def main(argv=None) -> dict:
                            if r["ok"] and r["model"] not in frequent],
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"seed scenario: {args.customers} customers, top {TOP} pinned ({pin_s:.1f}s to load them), "
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2))
+    print(f"seed scenario ({layout}): {args.customers} customers, top {TOP} pinned ({pin_s:.1f}s to load them), "
           f"{args.slots} slots, {args.rate:g} req/s open loop, {os.cpu_count()} CPUs")
     print(f"  {'phase / group':<26} {'requests':>8} {'errors':>6} {'p50 ms':>8} {'p99 ms':>9}")
     rows = [("hot path (frequent only)", hot_summary), ("mixed: frequent", groups["frequent"]),
@@ -266,7 +302,7 @@ def main(argv=None) -> dict:
           f"{load_after_mixed[0]:.2f}")
     for e in errors[:3]:
         print(f"  error: {e}")
-    print(f"wrote {args.out}")
+    print(f"wrote {out_path}")
     return result
 
 

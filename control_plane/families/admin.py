@@ -261,6 +261,9 @@ class FamilyAdmin(TritonAdmin):
             self._resident.get(family.name, set()).discard(model)  # not copied back
             return  # its process died, and its slots with it
 
+    def measured(self, model: str) -> bool:
+        return self.families.family_of(model) is None  # a slot's bytes are its size
+
     async def wait_unavailable(self, model: str, timeout_s: float | None = None) -> float:
         if self.families.family_of(model) is not None:
             return 0.0  # a freed slot is free at once

@@ -181,7 +181,7 @@ class Loader(ManagerState):
         start = time.monotonic()
         rec.loads += 1
         try:
-            async with self.memory.measuring(server, name) as measured:
+            async with self._meter(server, name).measuring(server, name) as measured:
                 await server.admin.load(name)
                 warmup = await self._warm_up(server, name)
             if measured.bytes is not None:
@@ -288,7 +288,7 @@ class Loader(ManagerState):
         try:
             await server.admin.unload(rec.name)
             await server.admin.wait_unavailable(rec.name, self.config.unload_timeout_s)
-            await self.memory.released(server, rec.name)
+            await self._meter(server, rec.name).released(server, rec.name)
         except ControlPlaneError as cleanup_exc:
             # Triton may still hold it: keep the bytes counted, the reconcile loop retries.
             log.error("%s failed (%s) and could not be unloaded: %s", rec.name, reason, cleanup_exc)

@@ -62,6 +62,12 @@ class ManagerState:
         self.metrics.loaded_bytes.labels(server.name).set(server.planner.used_bytes)
         self.metrics.loaded_models.labels(server.name).set(server.planner.used_slots)
 
+    def _meter(self, server: TritonServer, name: str):
+        """The memory meter for ``name`` on ``server``: the configured one, or none for a
+        model whose size is fixed in advance (a family's variant: a slot allocated when its
+        family loaded, whose bytes never come and go with the variant)."""
+        return self.memory if server.admin.measured(name) else NoMemoryMeter()
+
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)

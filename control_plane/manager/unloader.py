@@ -96,7 +96,7 @@ class Unloader(ManagerState):
             log.error("unload of %s on %s failed: %s", name, server.name, exc.message)
             raise
         # Free only once NVML shows the memory back (on a GPU; what is not back stays counted).
-        await self.memory.released(server, name)
+        await self._meter(server, name).released(server, name)
         freed_s = time.monotonic() - start
         self.metrics.unload_free_seconds.labels(server.name).observe(freed_s)
         self.metrics.unloads.labels(server.name, reason).inc()

@@ -182,6 +182,11 @@ class TritonAdmin:
             "running (mmctl endpoints) and restart it with mmctl up"
         )
 
+    def measured(self, model: str) -> bool:
+        """Whether a load of ``model`` is measured on a GPU (its memory comes with the load
+        and goes with the unload); FamilyAdmin says no for a family's variants."""
+        return True
+
     async def is_live(self) -> bool:
         try:
             return await self.client.is_server_live(client_timeout=self.timeouts.health_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 
@@ -35,6 +36,9 @@ class FakeAdmin:
         self.fail_unload: set[str] = set()
         self.plans: dict = {}  # model -> WarmupPlan; default: no own warm-up, synthetic on
         self.warmup_calls: list[str] = []
+
+    def measured(self, model):
+        return True
 
     async def index(self):
         return {m: IndexEntry(m, s) for m, s in self.states.items()}
@@ -599,5 +603,48 @@ def test_known_refuses_an_unknown_name_once_per_ttl_and_keeps_the_old_name(tmp_p
         with pytest.raises(ModelNotFound, match="nosuch"):
             await mgr._known("nosuch")  # the old name is the same check
         assert len(index_calls) == asked  # remembered: no index RPC for a repeated bad name
+
+    run(go())
+
+
+class RecordingMeter:
+    """A GPU memory meter that records which loads and unloads it was asked to measure."""
+
+    def __init__(self):
+        self.measured: list[str] = []
+        self.released_models: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def measuring(self, server, model):
+        from control_plane.triton.devices.meter import Measurement
+
+        self.measured.append(model)
+        yield Measurement()
+
+    async def released(self, server, model):
+        self.released_models.append(model)
+        return True
+
+    def describe(self, server):
+        return {}
+
+
+def test_a_familys_variant_is_never_measured_on_a_gpu_its_slot_is_its_size(tmp_path):
+    """A variant's slot was allocated when its family loaded: measuring its load would count
+    the family's whole allocation to it, and waiting for its unload's memory would wait
+    forever."""
+    async def go():
+        admin = FakeAdmin(MODELS)
+        admin.measured = lambda model: model != "m1"  # m1 is a family's variant
+        meter = RecordingMeter()
+        spec = ServerSpec("s0", "fake:1", "fake:2", max_loaded=1)
+        server = ModelManager.make_server(spec, "lru", admin=admin)
+        mgr = ModelManager([server], StateStore(tmp_path / "s.db"), memory=meter,
+                           config=ManagerConfig(policy="lru", unload_timeout_s=0.3))
+        await mgr.start()
+        await mgr.ensure("m1")
+        await mgr.ensure("m2")  # evicts m1
+        await mgr.ensure("m1")  # evicts m2
+        assert meter.measured == ["m2"] and meter.released_models == ["m2"]
 
     run(go())

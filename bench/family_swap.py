@@ -1,0 +1,177 @@
+"""Model families vs separate models, in one run: what a miss costs against a plain memcpy
+of the same bytes, what a hit costs, and a family's resident memory over many swaps.
+
+Two `mmctl up` stacks in turn on their defaults (host-DRAM warm tier), each serving
+``--variants`` demo fine-tunes of ``--size-mb`` MB with room for ``--slots`` of them:
+``--fleet-layout family`` (one Triton model with weight slots: a miss is a copy into a
+slot) and ``--fleet-layout models`` (a Triton model per customer: a miss is a Triton load).
+Unmodified tritonclient gRPC through the router measures:
+
+* hits: ``--hits`` requests to one loaded variant (p50/p99);
+* misses: round-robin over every variant, so each request finds its variant out of the
+  slots (p50/p99/max), and miss p50 minus hit p50;
+* memcpy: a plain copy of the same bytes in this process (numpy ``copyto`` and torch
+  ``copy_`` between preallocated buffers), p50 of 20;
+* swap cycles (family): ``--cycles`` more misses; the family process's resident memory
+  (VmRSS) after the first round and after the cycles, against one slot's bytes.
+
+    .venv/bin/python -m bench.family_swap [--variants 20] [--size-mb 100] [--slots 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import tritonclient.grpc as grpcclient
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.product import Product
+
+
+def percentiles(samples_s: list[float]) -> dict:
+    ms = np.array(samples_s) * 1000
+    return {"n": len(ms), "p50_ms": round(float(np.percentile(ms, 50)), 3),
+            "p99_ms": round(float(np.percentile(ms, 99)), 3), "max_ms": round(float(ms.max()), 3)}
+
+
+def memcpy_baseline(size_bytes: int, repeats: int = 20) -> dict:
+    src = np.random.default_rng(0).integers(0, 255, size_bytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # pages committed before timing
+    numpy_s = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        numpy_s.append(time.perf_counter() - t0)
+    tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
+    torch_s = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tdst.copy_(tsrc)
+        torch_s.append(time.perf_counter() - t0)
+    return {"bytes": size_bytes, "numpy_copyto": percentiles(numpy_s), "torch_copy_": percentiles(torch_s)}
+
+
+def family_rss_bytes() -> int | None:
+    pids = subprocess.run(["pgrep", "-f", "triton_python_backend_stub.*recommender"],
+                          capture_output=True, text=True, check=False).stdout.split()
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total or None
+
+
+def run_layout(layout: str, args, work: Path) -> dict:
+    product = Product(work / layout, None, "--fleet-size", str(args.variants), "--model-size-mb",
+                      str(args.size_mb), "--max-loaded", str(args.slots), "--fleet-layout", layout,
+                      "--policy", "lru", "--router-workers", "1").start()
+    try:
+        client = grpcclient.InferenceServerClient(product.json("endpoints")["router_grpc"])
+        x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
+        x.set_data_from_numpy(np.ones((1, 64), np.float32))
+        names = [f"cust{i:03d}" for i in range(1, args.variants + 1)]
+
+        def timed(name: str) -> float:
+            t0 = time.perf_counter()
+            client.infer(name, [x], client_timeout=300)
+            return time.perf_counter() - t0
+
+        first_s = timed(names[0])  # the family model's own load (once per server), or a load
+        for _ in range(20):
+            timed(names[0])
+        hits = [timed(names[0]) for _ in range(args.hits)]
+        misses = []
+        for _ in range(args.rounds):
+            misses += [timed(n) for n in names]
+        out = {"layout": layout, "first_request_s": round(first_s, 3), "hit": percentiles(hits),
+               "miss": percentiles(misses)}
+        out["miss_minus_hit_p50_ms"] = round(out["miss"]["p50_ms"] - out["hit"]["p50_ms"], 3)
+        if layout == "family":
+            rss_before = family_rss_bytes()
+            t0 = time.perf_counter()
+            cycles = [timed(names[i % len(names)]) for i in range(args.cycles)]
+            out["cycles"] = {"count": args.cycles, "seconds": round(time.perf_counter() - t0, 1),
+                             "latency": percentiles(cycles), "rss_before_bytes": rss_before,
+                             "rss_after_bytes": family_rss_bytes()}
+            families = product.json("family", "list")
+            out["slot_bytes"] = families[0]["slot_bytes"]
+            out["slots"] = families[0]["servers"]["triton0"]["slots"]
+        return out
+    finally:
+        product.stop()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", type=int, default=20)
+    ap.add_argument("--size-mb", type=float, default=100.0)
+    ap.add_argument("--slots", type=int, default=4, help="--max-loaded")
+    ap.add_argument("--hits", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=2, help="round-robin passes over the variants")
+    ap.add_argument("--cycles", type=int, default=1000, help="family swap cycles for the memory check")
+    ap.add_argument("--layouts", default="family,models")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "family_swap.json")
+    args = ap.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="bench-family-"))
+    try:
+        results = {layout: run_layout(layout, args, work) for layout in args.layouts.split(",")}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    slot_bytes = results.get("family", {}).get("slot_bytes") or int(args.size_mb * 1e6)
+    memcpy = memcpy_baseline(slot_bytes)
+    result = {"benchmark": "family_swap", "conditions": {
+        "machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "variants": args.variants, "size_mb": args.size_mb, "slots": args.slots,
+        "client": "tritonclient gRPC through the router (1 worker), batch 1, sequential",
+        "warm tier": "host DRAM (tmpfs), every variant staged", "loadavg": os.getloadavg()},
+        "memcpy": memcpy, **results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+
+    copy_ms = memcpy["numpy_copyto"]["p50_ms"]
+    print(f"family_swap: {args.variants} variants of {args.size_mb:g} MB, room for {args.slots}, "
+          f"{os.cpu_count()} CPUs; plain memcpy of {slot_bytes / 1e6:.1f} MB: numpy {copy_ms:.1f} ms, "
+          f"torch {memcpy['torch_copy_']['p50_ms']:.1f} ms (p50)")
+    print(f"  {'layout':<8} {'first':>8} {'hit p50':>9} {'hit p99':>9} {'miss p50':>9} "
+          f"{'miss p99':>9} {'miss max':>9} {'miss-hit':>9} {'/memcpy':>8}")
+    for layout, r in results.items():
+        print(f"  {layout:<8} {r['first_request_s'] * 1000:>7.0f}ms {r['hit']['p50_ms']:>8.1f}ms "
+              f"{r['hit']['p99_ms']:>8.1f}ms {r['miss']['p50_ms']:>8.1f}ms {r['miss']['p99_ms']:>8.1f}ms "
+              f"{r['miss']['max_ms']:>8.1f}ms {r['miss_minus_hit_p50_ms']:>8.1f}ms "
+              f"{r['miss_minus_hit_p50_ms'] / copy_ms:>7.2f}x")
+    if "family" in results and "models" in results:
+        f, m = results["family"], results["models"]
+        print(f"  same run: family hit p50 / models hit p50 = {f['hit']['p50_ms'] / m['hit']['p50_ms']:.2f}; "
+              f"models miss p50 / family miss p50 = {m['miss']['p50_ms'] / f['miss']['p50_ms']:.0f}x")
+    cycles = results.get("family", {}).get("cycles")
+    if cycles and cycles["rss_before_bytes"] and cycles["rss_after_bytes"]:
+        growth = cycles["rss_after_bytes"] - cycles["rss_before_bytes"]
+        print(f"  {cycles['count']} swap cycles in {cycles['seconds']}s (p50 {cycles['latency']['p50_ms']:.1f} ms): "
+              f"family process RSS {cycles['rss_before_bytes'] / 1e6:.0f} MB -> "
+              f"{cycles['rss_after_bytes'] / 1e6:.0f} MB ({growth / 1e6:+.1f} MB; one slot is "
+              f"{slot_bytes / 1e6:.1f} MB)")
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
