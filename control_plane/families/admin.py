@@ -113,45 +113,51 @@ class FamilyAdmin(TritonAdmin):
         log.info("family %s loaded on %s with %d slots of %d bytes", family.name, self.grpc_url,
                  slots, family.slot_bytes)
 
+    def _lock(self, family: Family) -> asyncio.Lock:
+        """One lock per family on this server around everything that changes its slots or
+        reloads it (fill, evict, load, grow, recovery), so a status read under it is what
+        the next step acts on."""
+        return self._host_locks.setdefault(family.name, asyncio.Lock())
+
     async def _ensure_family(self, family: Family) -> dict:
         """The family model is loaded here and its process alive; returns its status.  A
-        family whose process died is loaded again and gets its variants back."""
-        lock = self._host_locks.setdefault(family.name, asyncio.Lock())
-        async with lock:
-            try:
-                return await self.control(family, {"op": "status"})
-            except ModelNotFound:
-                held: set[str] = set()
-            except FamilyUnhealthy as exc:
-                held = set(self._resident.get(family.name, ()))
-                log.error("family %s on %s: %s; loading it again with %s", family.name,
-                          self.grpc_url, exc.message, ", ".join(sorted(held)) or "no variants")
-            await self._load_family(family, max(self.slots_for(family), len(held)))
-            for variant in sorted(held):
-                try:
-                    await self._fill(family, variant)
-                except ControlPlaneError as exc:  # the manager sees it gone and reloads it
-                    log.warning("%s could not be copied back into family %s: %s", variant,
-                                family.name, exc.message)
+        family whose process died is loaded again and gets its variants back.  Call with
+        the family's lock held."""
+        try:
             return await self.control(family, {"op": "status"})
+        except ModelNotFound:
+            held: set[str] = set()
+        except FamilyUnhealthy as exc:
+            held = set(self._resident.get(family.name, ()))
+            log.error("family %s on %s: %s; loading it again with %s", family.name,
+                      self.grpc_url, exc.message, ", ".join(sorted(held)) or "no variants")
+        return await self._reload(family, max(self.slots_for(family), len(held)), held)
+
+    async def _reload(self, family: Family, slots: int, held: set[str]) -> dict:
+        """Load the family with ``slots`` slots (a fresh instance: empty slots) and copy
+        ``held`` back into them.  Call with the family's lock held."""
+        await self._load_family(family, slots)
+        for variant in sorted(held):
+            try:
+                await self._fill(family, variant)
+            except ControlPlaneError as exc:  # the manager sees it gone and loads it again
+                log.warning("%s could not be copied back into family %s: %s", variant,
+                            family.name, exc.message)
+        return await self.control(family, {"op": "status"})
 
     async def _grow(self, family: Family, status: dict) -> dict:
         """Load the family again with the slots its server's budget allows now (more
-        variants than at its first load) and copy back the variants it held."""
+        variants than at its first load) and copy back the variants it holds.  Call with
+        the family's lock held (``status`` read under it)."""
         wanted = self.slots_for(family)
         if wanted <= status["slots"]:
             raise CapacityExhausted(
                 f"all {status['slots']} slots of family {family.name} on {self.grpc_url} hold "
                 f"variants ({', '.join(sorted(status['resident']))}); the server's budget allows "
                 "no more: unload one (mmctl unload) or raise --max-loaded / --memory-budget")
-        lock = self._host_locks.setdefault(family.name, asyncio.Lock())
-        async with lock:
-            log.info("family %s on %s: growing from %d to %d slots", family.name, self.grpc_url,
-                     status["slots"], wanted)
-            await self._load_family(family, wanted)
-            for variant in status["resident"]:
-                await self._fill(family, variant)
-            return await self.control(family, {"op": "status"})
+        log.info("family %s on %s: growing from %d to %d slots", family.name, self.grpc_url,
+                 status["slots"], wanted)
+        return await self._reload(family, wanted, set(status["resident"]))
 
     def family_slots(self, family: str) -> dict | None:
         """Slots and resident variants of ``family`` on this server, as last reported; None
@@ -194,7 +200,7 @@ class FamilyAdmin(TritonAdmin):
         try:
             result = await self.client.infer(
                 family.name, self._inputs(plan), outputs=[InferRequestedOutput(STATUS_OUTPUT)],
-                parameters={CONTROL_PARAMETER: json.dumps(command)},
+                parameters={CONTROL_PARAMETER: json.dumps({**command, "key": self.families.control_key})},
                 client_timeout=self.timeouts.load_s)
         except InferenceServerException as exc:
             status = str(exc.status() or "")
@@ -224,42 +230,50 @@ class FamilyAdmin(TritonAdmin):
         return await self.control(family, {"op": "load", "variant": variant, "path": str(path)})
 
     # ------------------------------------------------------------------ TritonAdmin
+    def _refuse_family_model(self, model: str) -> None:
+        if self.families.family(model) is not None:
+            raise ModelNotFound(f"{model} is a model family, served through its variants; "
+                                "load, pin or call a variant by its name (mmctl family list)")
+
     async def load(self, model: str) -> None:
+        self._refuse_family_model(model)
         family = self.families.family_of(model)
         if family is None:
             return await super().load(model)
         if self.guard is not None:
             self.guard()
-        status = await self._ensure_family(family)
-        if model in status["resident"]:
-            return
-        try:
-            answer = await self._fill(family, model)
-        except CapacityExhausted:
-            status = await self._grow(family, status)
+        async with self._lock(family):
+            status = await self._ensure_family(family)
             if model in status["resident"]:
                 return
-            answer = await self._fill(family, model)
-        except InvalidInput as exc:
-            raise ModelLoadFailed(f"{model} cannot go into a slot of family {family.name}: "
-                                  f"{exc.message}") from exc
+            if len(status["resident"]) >= status["slots"]:
+                status = await self._grow(family, status)
+                if model in status["resident"]:
+                    return
+            try:
+                answer = await self._fill(family, model)
+            except InvalidInput as exc:
+                raise ModelLoadFailed(f"{model} cannot go into a slot of family {family.name}: "
+                                      f"{exc.message}") from exc
         log.info("%s: copied into slot %s of family %s in %.1f ms (%d bytes)", model,
                  answer.get("slot"), family.name, 1000 * answer.get("seconds", 0.0),
                  answer.get("bytes", 0))
 
     async def unload(self, model: str) -> None:
+        self._refuse_family_model(model)
         family = self.families.family_of(model)
         if family is None:
             return await super().unload(model)
         if self.guard is not None:
             self.guard()
-        try:
-            await self.control(family, {"op": "evict", "variant": model})
-        except ModelNotFound:
-            return  # the family model is not loaded: neither is the variant
-        except FamilyUnhealthy:
-            self._resident.get(family.name, set()).discard(model)  # not copied back
-            return  # its process died, and its slots with it
+        async with self._lock(family):
+            try:
+                await self.control(family, {"op": "evict", "variant": model})
+            except ModelNotFound:
+                return  # the family model is not loaded: neither is the variant
+            except FamilyUnhealthy:
+                self._resident.get(family.name, set()).discard(model)  # not copied back
+                return  # its process died, and its slots with it
 
     def measured(self, model: str) -> bool:
         return self.families.family_of(model) is None  # a slot's bytes are its size
@@ -279,7 +293,8 @@ class FamilyAdmin(TritonAdmin):
             if entry.state != TritonModelState.READY:
                 continue
             try:
-                status = await self._ensure_family(family)
+                async with self._lock(family):
+                    status = await self._ensure_family(family)
             except ControlPlaneError as exc:
                 log.warning("family %s on %s did not report its slots: %s", name, self.grpc_url,
                             exc.message)
@@ -288,6 +303,23 @@ class FamilyAdmin(TritonAdmin):
             for variant in status["resident"]:
                 index[variant] = IndexEntry(variant, TritonModelState.READY)
         return index
+
+    async def statistics(self) -> dict[str, dict]:
+        """Triton's statistics with each family model replaced by its variants' use (the
+        manager's recency and auto-pinning read these; Triton counts the family as one)."""
+        stats = await super().statistics()
+        for name in list(stats):
+            family = self.families.family(name)
+            if family is None:
+                continue
+            del stats[name]
+            try:
+                status = await self.control(family, {"op": "status"})
+            except ControlPlaneError:
+                continue
+            for variant, (count, last_ms) in status.get("usage", {}).items():
+                stats[variant] = {"name": variant, "inference_count": count, "last_inference": last_ms}
+        return stats
 
     async def warmup_plan(self, model: str) -> WarmupPlan:
         family = self.families.family_of(model)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from model_runtime.family.layout import Layout, LayoutError
-from model_runtime.family.protocol import LAYOUT_FILE
+from model_runtime.family.protocol import CONTROL_KEY_FILE, LAYOUT_FILE
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,27 @@ def family_slots(family: Family, max_loaded: int | None, budget_bytes: int | Non
     return max(1, min(min(limits), max(variants + variants // 2, 1)))
 
 
+def control_key(repository: Path) -> str:
+    """The key family models take control commands with: read from Triton's repository, or
+    written there (owner-only) the first time.  Every Triton serving the repository and the
+    control plane share it; clients that only reach Triton's inference port do not."""
+    path = repository / CONTROL_KEY_FILE
+    try:
+        key = path.read_text().strip()
+        if key:
+            return key
+    except FileNotFoundError:
+        pass
+    repository.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_hex(16)
+    tmp = repository / f"{CONTROL_KEY_FILE}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    os.replace(tmp, path)
+    return path.read_text().strip()
+
+
 class FamilyCatalog:
     """Families found in Triton's repository and the variant -> family map.
 
@@ -59,6 +82,7 @@ class FamilyCatalog:
         self.families: dict[str, Family] = {}
         self.family_of_variant: dict[str, str] = {}
         self.generation = 0
+        self.control_key = control_key(self.repository)
         self.refresh()
 
     def refresh(self, *_args) -> None:

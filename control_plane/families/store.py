@@ -94,13 +94,15 @@ async def add_family(name: str, source_dir: str | None, weights: str | None, *, 
             if staged.exists():
                 shutil.rmtree(staged)
             shutil.copytree(family.folder, staged)
-            _move_in(staged, catalog.repository / name)
-            return info, family
+            return info, family, staged
 
-    info, family = await asyncio.to_thread(build_and_publish)
+    info, family, staged = await asyncio.to_thread(build_and_publish)
     entries = recorded_families(state)
     entries[name] = {"uri": info.uri, "sha256": info.sha256, "added_by": who}
     state.put(FAMILIES_KEY, json.dumps(entries))
+    # The rename and the catalogue's refresh with no await between: a reconcile never sees
+    # the family's folder in Triton's repository before it is known as a family.
+    _move_in(staged, catalog.repository / name)
     catalog.refresh()
     log.info("model family %s added by %s: %d tensors, %d bytes per slot, %s", name, who,
              len(family.layout.tensors), family.slot_bytes, info.uri)

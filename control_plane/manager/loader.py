@@ -240,7 +240,8 @@ class Loader(ManagerState):
                     raise fut.exception()
             if self.room.fits_held(server, size_bytes):
                 return False
-            if self.room.fits_measured(server, size_bytes):
+            # A fixed-size slot (a family's variant) is free only once its evict is done.
+            if server.admin.measured(name) and self.room.fits_measured(server, size_bytes):
                 return True
             freeing = [t for n, t in self._unloads.items()
                        if not t.done() and (r := self.records.get(n)) is not None and r.server == server.name]

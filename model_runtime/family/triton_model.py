@@ -29,6 +29,7 @@ sends the request again.
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import time
@@ -40,6 +41,7 @@ import torch
 
 from .layout import Layout, LayoutError
 from .protocol import (
+    CONTROL_KEY_FILE,
     CONTROL_PARAMETER,
     LAYOUT_FILE,
     SLOTS_PARAMETER,
@@ -66,6 +68,14 @@ def _error(message: str, code: str | None = None):
     error = (pb_utils.TritonError(message, error_code) if error_code is not None
              else pb_utils.TritonError(message))
     return pb_utils.InferenceResponse(error=error)
+
+
+def _read_key(repository: str) -> str | None:
+    try:
+        with open(os.path.join(repository, CONTROL_KEY_FILE)) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def _parameter(config: dict, key: str, default: str | None = None) -> str | None:
@@ -112,32 +122,54 @@ class FamilyModel:
         self.modules = [self.build(self.bank.views(i)) for i in range(slots)]
         self.instance = uuid.uuid4().hex[:12]  # a restarted family has empty slots
         self.swaps = 0
+        # Only the control plane may change the slots: control commands carry the key it
+        # wrote beside the families in Triton's repository (clients that reach Triton's
+        # inference port cannot read it).
+        self.control_key = _read_key(os.path.dirname(os.path.abspath(model_dir)))
+        # variant -> [inferences, last inference in ms since the epoch], for the control
+        # plane's recency and auto-pinning (Triton counts the family model as one).
+        self.usage: dict[str, list[int]] = {}
 
     def execute(self, requests: list) -> list:
         responses: list = [None] * len(requests)
+        params = [self._parameters(r) for r in requests]
+        # Control first, then the slots the requests use: a batch may carry a swap of the
+        # very slot another of its requests names, and that request must then meet its
+        # variant gone (retried by the router), never the new variant's weights.
+        for i, p in enumerate(params):
+            if CONTROL_PARAMETER in p:
+                responses[i] = self._control(p[CONTROL_PARAMETER])
         groups: dict[int, list[int]] = defaultdict(list)
-        for i, request in enumerate(requests):
-            try:
-                params = json.loads(request.parameters() or "{}")
-            except json.JSONDecodeError:
-                params = {}
-            if CONTROL_PARAMETER in params:
-                responses[i] = self._control(params[CONTROL_PARAMETER])
+        for i, p in enumerate(params):
+            if responses[i] is not None:
                 continue
-            variant = params.get(VARIANT_PARAMETER)
+            variant = p.get(VARIANT_PARAMETER)
             if not variant:
                 responses[i] = _error(f"{self.family} serves its variants only; ask for a variant "
                                       "by its model name", "INVALID_ARG")
                 continue
             slot = self.bank.slot_of.get(variant)
             if slot is None:
-                responses[i] = _error(f"{UNKNOWN_MODEL_PREFIX}: '{variant}' is not in a slot of "
-                                      f"family {self.family}", "NOT_FOUND")
+                responses[i] = _error(f"{UNKNOWN_MODEL_PREFIX}: '{variant}' is not loaded "
+                                      "(its weights left their slot)", "NOT_FOUND")
                 continue
             groups[slot].append(i)
         for slot, members in groups.items():
-            self._run(slot, members, requests, responses)
+            try:
+                self._run(slot, members, requests, responses)
+            except Exception as exc:  # noqa: BLE001  (one group's failure is its requests' only)
+                for i in members:
+                    if responses[i] is None:
+                        responses[i] = _error(f"{self.bank.holder[slot]} failed: {exc}", "INTERNAL")
         return responses
+
+    @staticmethod
+    def _parameters(request) -> dict:
+        try:
+            params = json.loads(request.parameters() or "{}")
+        except json.JSONDecodeError:
+            return {}
+        return params if isinstance(params, dict) else {}
 
     def _run(self, slot: int, members: list[int], requests: list, responses: list) -> None:
         rows, ok = [], []
@@ -157,16 +189,25 @@ class FamilyModel:
             n = part.shape[0]
             responses[i] = pb_utils.InferenceResponse(output_tensors=self.outputs(result[offset:offset + n]))
             offset += n
+        usage = self.usage.setdefault(self.bank.holder[slot], [0, 0])
+        usage[0] += offset
+        usage[1] = int(time.time() * 1000)
 
     # ------------------------------------------------------------------ control
     def status(self) -> dict:
         return {"family": self.family, "instance": self.instance, "slots": self.bank.count,
                 "slot_bytes": self.bank.layout.data_bytes, "device": str(self.device),
-                "resident": dict(self.bank.slot_of), "swaps": self.swaps}
+                "resident": dict(self.bank.slot_of), "swaps": self.swaps,
+                "usage": {v: u for v, u in self.usage.items() if v in self.bank.slot_of}}
 
     def _control(self, raw: str):
         try:
             command = json.loads(raw)
+            if not isinstance(command, dict):
+                raise TypeError("a control command is a JSON object")
+            if self.control_key is None or not hmac.compare_digest(
+                    str(command.get("key", "")), self.control_key):
+                return _error("family control refused: wrong or missing key", "INVALID_ARG")
             op = command.get("op")
             answer: dict = {}
             if op == "load":
@@ -181,6 +222,8 @@ class FamilyModel:
             return _error(f"malformed family control command: {exc}", "INVALID_ARG")
         except SlotError as exc:
             return _error(str(exc), "UNAVAILABLE" if "slots hold" in str(exc) else "INVALID_ARG")
+        except (OSError, ValueError, RuntimeError) as exc:  # a copy that failed: the slot is free
+            return _error(f"family control {raw[:200]!r} failed: {exc}", "INTERNAL")
         body = json.dumps({**self.status(), **answer, "at": time.time()})
         pb_utils = _pb()
         return pb_utils.InferenceResponse(output_tensors=[

@@ -110,7 +110,7 @@ def test_variants_take_slots_by_lru_and_pins_and_each_answers_with_its_own_weigh
         assert {n for n, e in index.items() if e.state.value == "READY"} == {"globex", "initech"}
         for name in ("globex", "initech"):
             np.testing.assert_allclose(infer(family_triton.grpc_url, name), expected(name))
-        with pytest.raises(Exception, match="not in a slot"):
+        with pytest.raises(Exception, match="is not loaded"):
             infer(family_triton.grpc_url, "acme")  # evicted: Triton's unknown-model answer
         for name in ("umbrella", "acme", "initech"):  # thrash the unpinned slot
             await mgr.ensure(name)

@@ -236,7 +236,15 @@ def test_the_demo_fleet_is_registered_at_first_start_and_only_once(tmp_path):
     assert rows["cust017-v2"] == ("cust017", 2, "registered")
     assert rows["cust017-faulty"] == ("cust017", 4, "registered")
     assert {"cust002", "cust003", "identity", "tinylm", "recommender_lora"} <= set(rows)
-    assert set(rows) == {p.name for p in service.repository.iterdir() if (p / "config.pbtxt").is_file()}
+    # One catalogue: every model folder and every variant of the demo family is registered;
+    # the family's own folder (the Triton model that holds the variants' slots) is not.
+    folders = list(service.repository.iterdir())
+    families = {p.name for p in folders if (p / "family.json").is_file()}
+    assert families == {"recommender"}
+    assert set(rows) == {p.name for p in folders if p.name not in families
+                         and ((p / "config.pbtxt").is_file() or (p / "variant.json").is_file())}
+    assert {v.name for v in service.registry.versions() if v.family == "recommender"} == {
+        "cust001", "cust002", "cust003", "cust017-v2", "cust017-v3"}
     history = len(service.registry.history())
     asyncio.run(service.register_repository())  # a restart registers nothing again
     assert len(service.registry.history()) == history

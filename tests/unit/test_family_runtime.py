@@ -1,0 +1,122 @@
+"""The family runtime's execute() without Triton: a stand-in for triton_python_backend_utils,
+a user-style family over real slots.  Control commands in a batch, their key, and one
+group's failure."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from control_plane.families import FamilyCatalog, write_family, write_variant
+
+SCALER = Path(__file__).resolve().parents[1] / "fixtures" / "families" / "scaler"
+
+
+class TritonError:
+    INVALID_ARG, NOT_FOUND, UNAVAILABLE, INTERNAL = "INVALID_ARG", "NOT_FOUND", "UNAVAILABLE", "INTERNAL"
+
+    def __init__(self, message, code=None):
+        self.message, self.code = message, code
+
+
+class Tensor:
+    def __init__(self, name, array):
+        self.name, self.array = name, np.asarray(array)
+
+    def as_numpy(self):
+        return self.array
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors=(), error=None):
+        self.outputs, self.error = {t.name: t.array for t in output_tensors}, error
+
+
+class Request:
+    def __init__(self, params: dict, x: np.ndarray | None = None):
+        self.params, self.x = params, x
+
+    def parameters(self):
+        return json.dumps(self.params)
+
+
+@pytest.fixture
+def pb_utils(monkeypatch):
+    module = types.ModuleType("triton_python_backend_utils")
+    module.TritonError, module.Tensor, module.InferenceResponse = TritonError, Tensor, InferenceResponse
+    module.get_input_tensor_by_name = lambda request, name: Tensor(name, request.x)
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", module)
+    return module
+
+
+@pytest.fixture
+def family(tmp_path, pb_utils, monkeypatch):
+    """The scaler family's own model.py, initialized as Triton would, with 1 slot."""
+    base = tmp_path / "base.safetensors"
+    save_file({"scale": torch.ones(4), "shift": torch.zeros(4)}, str(base))
+    repo = tmp_path / "repo"
+    catalog_key = FamilyCatalog(repo).control_key  # writes the key beside the families
+    write_family(repo, "scaler", config_text=(SCALER / "config.pbtxt").read_text(),
+                 version_files=SCALER / "1", base_weights=base)
+    for name, scale in (("acme", 2.0), ("globex", 100.0)):
+        write_variant(repo, name, "scaler", {"scale": torch.full((4,), scale), "shift": torch.zeros(4)})
+    monkeypatch.syspath_prepend(str(repo / "scaler" / "1"))
+    for mod in [m for m in sys.modules if m == "_mms_family" or m.startswith("_mms_family.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    source = (repo / "scaler" / "1" / "model.py").read_text()
+    namespace: dict = {}
+    exec(compile(source, "model.py", "exec"), namespace)  # noqa: S102  (the family's own file)
+    model = namespace["TritonPythonModel"]()
+    config = {"name": "scaler", "instance_group": [{"count": 1}],
+              "parameters": {"forward_delay_s": {"string_value": "0"},
+                             "mms_family_slots": {"string_value": "1"}}}
+    model.initialize({"model_config": json.dumps(config), "model_repository": str(repo / "scaler"),
+                      "model_version": "1", "model_instance_kind": "CPU"})
+    return model, repo, catalog_key
+
+
+def control(key, op, **fields):
+    return Request({"mms_family_control": json.dumps({"op": op, "key": key, **fields})},
+                   np.zeros((1, 4), np.float32))
+
+
+def infer(variant):
+    return Request({"mms_variant": variant}, np.ones((1, 4), np.float32))
+
+
+def test_a_swap_in_the_same_batch_never_answers_a_request_with_the_new_weights(family):
+    model, repo, key = family
+    model.execute([control(key, "load", variant="acme", path=str(repo / "acme" / "weights.safetensors"))])
+    assert model.execute([infer("acme")])[0].outputs["OUTPUT0"].tolist() == [[2.0] * 4]
+    # One dynamic batch: a request for acme, then acme's slot given to globex.
+    out = model.execute([infer("acme"), control(key, "evict", variant="acme"),
+                         control(key, "load", variant="globex",
+                                 path=str(repo / "globex" / "weights.safetensors"))])
+    assert out[0].error is not None and out[0].error.code == "NOT_FOUND"
+    assert out[0].error.message.startswith("Request for unknown model: 'acme'")
+    assert model.execute([infer("globex")])[0].outputs["OUTPUT0"].tolist() == [[100.0] * 4]
+
+
+def test_control_without_the_key_is_refused_and_changes_nothing(family):
+    model, repo, _key = family
+    out = model.execute([control("guess", "load", variant="acme",
+                                 path=str(repo / "acme" / "weights.safetensors"))])
+    assert out[0].error.code == "INVALID_ARG" and "key" in out[0].error.message
+    assert model.bank.slot_of == {}
+
+
+def test_a_failing_forward_fails_its_own_requests_only(family):
+    model, repo, key = family
+    model.execute([control(key, "load", variant="acme", path=str(repo / "acme" / "weights.safetensors"))])
+    model.forward = lambda module, batch: (_ for _ in ()).throw(RuntimeError("kernel fault"))
+    out = model.execute([infer("acme"), control(key, "status"), infer("nobody")])
+    assert out[0].error.code == "INTERNAL" and "kernel fault" in out[0].error.message
+    assert json.loads(out[1].outputs["MMS_FAMILY_STATUS"][0][0])["resident"] == {"acme": 0}
+    assert out[2].error.code == "NOT_FOUND"
