@@ -11,6 +11,7 @@ Each benchmark is its own module and can run alone with its own options:
     python -m bench.shadow_overhead  the primary's latency with and without a shadow, same run
     python -m bench.canary_overhead  request latency and serving-loop CPU while a canary runs
     python bench/lora_bench.py       LoRA: 1 vs 100 adapters per batch, swap-in, memory
+    python -m bench.family_swap      model families vs separate models: miss vs memcpy, hits
 
 This runner uses shorter settings (`--full` uses each benchmark's defaults), writes
 bench/results/summary.json (machine, versions, conditions, headline numbers) and the plots
@@ -43,6 +44,8 @@ QUICK = {
     "shadow_overhead": ["-m", "bench.shadow_overhead", "--rounds", "8"],
     "canary_overhead": ["-m", "bench.canary_overhead", "--seconds", "10", "--fill", "20000"],
     "lora": ["bench/lora_bench.py", "--quick", "--no-wide"],
+    "family_swap": ["-m", "bench.family_swap", "--variants", "8", "--size-mb", "20", "--slots", "3",
+                    "--hits", "50", "--rounds", "1", "--cycles", "100"],
 }
 FULL = {
     "load_unload": ["-m", "bench.load_unload"],
@@ -54,6 +57,7 @@ FULL = {
     "shadow_overhead": ["-m", "bench.shadow_overhead"],
     "canary_overhead": ["-m", "bench.canary_overhead"],
     "lora": ["bench/lora_bench.py"],
+    "family_swap": ["-m", "bench.family_swap"],
 }
 
 
@@ -184,6 +188,22 @@ def summary_rows() -> list[tuple[str, str, str]]:
         rows.append(("seed scenario: cache", "end to end",
                      (f"hit ratio {seed['hit_ratio']:.3f}, {seed['loads_per_minute']:.1f} loads/min, "
                      f"{seed['errors']} errors")))
+    compare = load("seed_scenario_compare.json")
+    if compare and compare.get("family_occasional_p50_over_models_bare_load") is not None:
+        rows.append(("seed scenario: occasional p50, family / separate models' bare load",
+                     "end to end", (f"{compare['family_occasional_p50_over_models_bare_load']:.3f}x "
+                                    f"({compare['family_occasional_p50_ms']:.1f}ms vs "
+                                    f"{compare['models_bare_load_p50_ms']:.0f}ms)")))
+    family = load("family_swap.json")
+    if family and "family" in family:
+        copy_ms = family["memcpy"]["numpy_copyto"]["p50_ms"]
+        for layout in ("family", "models"):
+            r = family.get(layout)
+            if r:
+                rows.append((f"{layout}: miss - hit p50 ({family['conditions']['size_mb']:g} MB)",
+                             "end to end", (f"{r['miss_minus_hit_p50_ms']:.1f}ms = "
+                                            f"{r['miss_minus_hit_p50_ms'] / copy_ms:.1f}x memcpy "
+                                            f"({copy_ms:.1f}ms); hit p50 {r['hit']['p50_ms']:.1f}ms")))
     shadow = load("shadow_overhead.json")
     if shadow:
         p, cpu = shadow["primary"], shadow["cpu_ms_per_primary_request"]

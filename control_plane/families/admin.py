@@ -25,6 +25,7 @@ load), the family model is loaded again with more slots and its variants refille
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -86,6 +87,8 @@ class FamilyAdmin(TritonAdmin):
         # family -> the variants its slots held at its last answer: what a family model
         # whose process died held, copied back once it is loaded again.
         self._resident: dict[str, set[str]] = {}
+        self._instance: dict[str, str] = {}  # family -> the instance id of its last answer
+        self._warmed: dict[str, str] = {}  # family -> the instance a variant warmed up
 
     # ------------------------------------------------------------------ the family model
     def _family_config(self, family: Family, slots: int) -> str:
@@ -223,6 +226,7 @@ class FamilyAdmin(TritonAdmin):
         value = raw.reshape(-1)[0]
         answer = json.loads(value.decode() if isinstance(value, bytes) else value)
         self._resident[family.name] = set(answer.get("resident", ()))
+        self._instance[family.name] = answer.get("instance", "")
         return answer
 
     async def _fill(self, family: Family, variant: str) -> dict:
@@ -325,11 +329,21 @@ class FamilyAdmin(TritonAdmin):
         family = self.families.family_of(model)
         if family is None:
             return await super().warmup_plan(model)
-        return await self._plan(family)
+        plan = await self._plan(family)
+        instance = self._instance.get(family.name)
+        if instance and self._warmed.get(family.name) == instance:
+            return dataclasses.replace(plan, warm_already=(
+                f"family {family.name}'s code is warm (warmed up with a variant since it loaded); "
+                "a swap changes only the weights in a slot"))
+        return plan
 
     async def warmup(self, model: str, plan: WarmupPlan | None = None) -> float:
         family = self.families.family_of(model)
         if family is None:
             return await super().warmup(model, plan)
-        return await self.infer_synthetic(family.name, plan or await self._plan(family), model,
-                                          parameters={VARIANT_PARAMETER: model})
+        instance = self._instance.get(family.name)
+        ms = await self.infer_synthetic(family.name, plan or await self._plan(family), model,
+                                        parameters={VARIANT_PARAMETER: model})
+        if instance:
+            self._warmed[family.name] = instance
+        return ms

@@ -19,6 +19,8 @@ async def warm_up(server: TritonServer, name: str, config: ManagerConfig,
     if not config.warmup:
         return {**result, "mode": "off", "note": "warm-up is off in the control plane's configuration"}
     plan = await server.admin.warmup_plan(name)
+    if plan.warm_already:
+        return {**result, "mode": "family", "note": plan.warm_already}
     if plan.model_samples:
         return {**result, "mode": "model",
                 "note": f"Triton ran the model's own model_warmup ({plan.model_samples} "

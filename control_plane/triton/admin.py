@@ -109,6 +109,9 @@ class WarmupPlan:
     model_samples: int = 0
     synthetic_enabled: bool = True
     inputs: tuple[WarmupInput, ...] = ()
+    # Why no warm-up is needed: the code that serves the model is warm already (a family's
+    # variant after the first one since the family model loaded: a swap changes weights only).
+    warm_already: str | None = None
 
 
 def warmup_plan(config: model_config_pb2.ModelConfig) -> WarmupPlan:

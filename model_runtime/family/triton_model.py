@@ -231,4 +231,6 @@ class FamilyModel:
 
     def finalize(self) -> None:
         self.modules = []
+        if self.bank is not None:
+            self.bank.close()
         self.bank = None
