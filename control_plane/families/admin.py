@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -61,6 +62,10 @@ from model_runtime.family.protocol import (
 
 log = logging.getLogger(__name__)
 
+# How old the variants' use may be when statistics are read: every load reads them first
+# (recency before placement), and a status request waits behind the family's running batch.
+USAGE_MAX_AGE_S = 1.0
+
 # Triton's python backend about a stub process that died; it does not start a new one.
 UNHEALTHY_STUB = "is not healthy"
 
@@ -89,6 +94,7 @@ class FamilyAdmin(TritonAdmin):
         self._resident: dict[str, set[str]] = {}
         self._instance: dict[str, str] = {}  # family -> the instance id of its last answer
         self._warmed: dict[str, str] = {}  # family -> the instance a variant warmed up
+        self._usage: dict[str, tuple[float, dict]] = {}  # family -> (monotonic, its usage)
 
     # ------------------------------------------------------------------ the family model
     def _family_config(self, family: Family, slots: int) -> str:
@@ -115,6 +121,21 @@ class FamilyAdmin(TritonAdmin):
         self._plans.pop(family.name, None)
         log.info("family %s loaded on %s with %d slots of %d bytes", family.name, self.grpc_url,
                  slots, family.slot_bytes)
+
+    def _not_loaded(self, family: Family) -> ModelNotFound:
+        """The family model is not loaded here: nothing known of its slots holds."""
+        for known in (self._slots, self._resident, self._plans, self._usage):
+            known.pop(family.name, None)
+        return ModelNotFound(f"family {family.name} is not loaded on {self.grpc_url}")
+
+    def _known_status(self, family: Family) -> dict | None:
+        """What the family's last answer said (slots, resident), or None when it is not
+        known to be loaded.  Accurate while the family's lock is held: every change of its
+        slots goes through this admin under that lock; a process that died meanwhile fails
+        the next command, which then reloads it."""
+        if family.name not in self._slots or family.name not in self._resident:
+            return None
+        return {"slots": self._slots[family.name], "resident": sorted(self._resident[family.name])}
 
     def _lock(self, family: Family) -> asyncio.Lock:
         """One lock per family on this server around everything that changes its slots or
@@ -179,7 +200,7 @@ class FamilyAdmin(TritonAdmin):
             except InferenceServerException as exc:
                 msg = exc.message() or str(exc)
                 if "unknown model" in msg.lower() or "not found" in msg.lower():
-                    raise ModelNotFound(f"family {family.name} is not loaded on {self.grpc_url}") from exc
+                    raise self._not_loaded(family) from exc
                 raise self._translate(exc, "read the config of", family.name, self.timeouts.health_s) from exc
             plan = self._plans[family.name] = warmup_plan(resp.config)
         return plan
@@ -209,8 +230,7 @@ class FamilyAdmin(TritonAdmin):
             status = str(exc.status() or "")
             msg = (exc.message() or str(exc)).strip()
             if "NOT_FOUND" in status or "unknown model" in msg.lower():
-                self._plans.pop(family.name, None)
-                raise ModelNotFound(f"family {family.name} is not loaded on {self.grpc_url}") from exc
+                raise self._not_loaded(family) from exc
             if "UNAVAILABLE" in status and "slots hold" in msg:
                 raise CapacityExhausted(msg) from exc
             if UNHEALTHY_STUB in msg:
@@ -227,6 +247,7 @@ class FamilyAdmin(TritonAdmin):
         answer = json.loads(value.decode() if isinstance(value, bytes) else value)
         self._resident[family.name] = set(answer.get("resident", ()))
         self._instance[family.name] = answer.get("instance", "")
+        self._slots[family.name] = int(answer.get("slots", 0))
         return answer
 
     async def _fill(self, family: Family, variant: str) -> dict:
@@ -247,7 +268,9 @@ class FamilyAdmin(TritonAdmin):
         if self.guard is not None:
             self.guard()
         async with self._lock(family):
-            status = await self._ensure_family(family)
+            status = self._known_status(family)
+            if status is None:  # not loaded here as far as this admin knows: ask
+                status = await self._ensure_family(family)
             if model in status["resident"]:
                 return
             if len(status["resident"]) >= status["slots"]:
@@ -255,7 +278,13 @@ class FamilyAdmin(TritonAdmin):
                 if model in status["resident"]:
                     return
             try:
-                answer = await self._fill(family, model)
+                try:
+                    answer = await self._fill(family, model)
+                except (ModelNotFound, FamilyUnhealthy):  # unloaded, or its process died
+                    status = await self._ensure_family(family)
+                    if model in status["resident"]:
+                        return
+                    answer = await self._fill(family, model)
             except InvalidInput as exc:
                 raise ModelLoadFailed(f"{model} cannot go into a slot of family {family.name}: "
                                       f"{exc.message}") from exc
@@ -317,11 +346,14 @@ class FamilyAdmin(TritonAdmin):
             if family is None:
                 continue
             del stats[name]
-            try:
-                status = await self.control(family, {"op": "status"})
-            except ControlPlaneError:
-                continue
-            for variant, (count, last_ms) in status.get("usage", {}).items():
+            cached = self._usage.get(name)
+            if cached is None or time.monotonic() - cached[0] > USAGE_MAX_AGE_S:
+                try:
+                    status = await self.control(family, {"op": "status"})
+                except ControlPlaneError:
+                    continue
+                cached = self._usage[name] = (time.monotonic(), status.get("usage", {}))
+            for variant, (count, last_ms) in cached[1].items():
                 stats[variant] = {"name": variant, "inference_count": count, "last_inference": last_ms}
         return stats
 
