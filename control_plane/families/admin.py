@@ -255,18 +255,22 @@ class FamilyAdmin(TritonAdmin):
         return await self.control(family, {"op": "load", "variant": variant, "path": str(path)})
 
     # ------------------------------------------------------------------ TritonAdmin
-    def _refuse_family_model(self, model: str) -> None:
+    def _changing(self, model: str) -> Family | None:
+        """The family whose slots a load or unload of ``model`` changes (None: a model of its
+        own, Triton's load API), once this control plane may act.  A family model itself is
+        never loaded or unloaded as a model."""
         if self.families.family(model) is not None:
             raise ModelNotFound(f"{model} is a model family, served through its variants; "
                                 "load, pin or call a variant by its name (mmctl family list)")
+        family = self.families.family_of(model)
+        if family is not None and self.guard is not None:
+            self.guard()
+        return family
 
     async def load(self, model: str) -> None:
-        self._refuse_family_model(model)
-        family = self.families.family_of(model)
+        family = self._changing(model)
         if family is None:
             return await super().load(model)
-        if self.guard is not None:
-            self.guard()
         async with self._lock(family):
             status = self._known_status(family)
             if status is None:  # not loaded here as far as this admin knows: ask
@@ -293,12 +297,9 @@ class FamilyAdmin(TritonAdmin):
                  answer.get("bytes", 0))
 
     async def unload(self, model: str) -> None:
-        self._refuse_family_model(model)
-        family = self.families.family_of(model)
+        family = self._changing(model)
         if family is None:
             return await super().unload(model)
-        if self.guard is not None:
-            self.guard()
         async with self._lock(family):
             try:
                 await self.control(family, {"op": "evict", "variant": model})

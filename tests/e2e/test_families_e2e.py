@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from control_plane.demo.fleet import FleetSpec, customer_weights
 from tests.product import Product
+from tests.reference import mlp_scores
 
 pytestmark = pytest.mark.integration
 
@@ -24,13 +25,7 @@ FEATURES = np.linspace(-1, 1, 3 * 64, dtype=np.float32).reshape(3, 64)
 
 def reference_scores(name: str) -> np.ndarray:
     """What the customer's own model answers: its weights in the recommender MLP."""
-    weights = customer_weights(FleetSpec(), name)
-    x = torch.from_numpy(FEATURES)
-    layers = len([k for k in weights if k.endswith(".weight")])
-    for i in range(layers):
-        x = x @ weights[f"layers.{i}.weight"].T + weights[f"layers.{i}.bias"]
-        x = torch.relu(x) if i < layers - 1 else torch.sigmoid(x)
-    return x.numpy()
+    return mlp_scores(customer_weights(FleetSpec(), name), FEATURES)
 
 
 def grpc_infer(url: str, model: str, user: str | None = None):

@@ -4,24 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 import tritonclient.grpc as grpcclient
 from safetensors.torch import load_file
 
 from control_plane.demo.fleet import WEIGHTS_FILE
+from tests.reference import mlp_scores
 
 pytestmark = pytest.mark.integration
 
 
 def reference_scores(weights_path, features: np.ndarray) -> np.ndarray:
     """The MLP computed here with plain tensor ops: relu hidden layers, sigmoid output."""
-    w = load_file(str(weights_path))
-    x = torch.from_numpy(features)
-    layers = len([k for k in w if k.endswith(".weight")])
-    for i in range(layers):
-        x = x @ w[f"layers.{i}.weight"].T + w[f"layers.{i}.bias"]
-        x = torch.relu(x) if i < layers - 1 else torch.sigmoid(x)
-    return x.numpy()
+    return mlp_scores(load_file(str(weights_path)), features)
 
 
 def test_scores_match_the_weights_file(triton, repository):
