@@ -37,6 +37,7 @@ from router.forward import refuse_family_control
 from router.grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
 from router.http_request import HEADER_LENGTH, check_adapter, read_infer_request, with_parameters
 from router.repository_config import triton_json
+from router.send import MAX_RESENDS
 from router.serving_state import UNLOADED_PREFIX
 
 log = logging.getLogger(__name__)
@@ -253,7 +254,9 @@ async def infer(request: web.Request) -> web.Response:
         try:
             payload, status, resp_header_len, content_type = await _post(
                 request.app[SESSION_KEY], server, path, body, headers)
-            if status == 404 and payload.startswith(UNLOADED_BODY):
+            for _ in range(MAX_RESENDS):
+                if status != 404 or not payload.startswith(UNLOADED_BODY):
+                    break
                 # Unloaded between placement and send: load again, send once more.
                 server = await router.resend_after_unload(call)
                 payload, status, resp_header_len, content_type = await _post(

@@ -32,6 +32,10 @@ from router.routes import Decision
 from router.serving_state import UNLOADED_PREFIX, ServerAddress
 
 GRPC_MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024
+# Sends of one request that may each meet its model unloaded (then loaded again for it): the
+# load held for it keeps the model for its next send, so more than one resend means an
+# explicit unload or a restart in between.
+MAX_RESENDS = 3
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
 
@@ -174,14 +178,20 @@ class Sending:
         Raises RouterError with Triton's answer about ``asked``, the name the client used."""
         server = call.server
         timeout = timeout_s or self.config.request_timeout_s
+        deadline = time.monotonic() + timeout
+        resends = 0
         try:
-            try:
-                return await rpc(server)(message, timeout=timeout)
-            except grpc.aio.AioRpcError as exc:
-                if not unloaded_under(exc):
-                    raise
+            while True:
+                try:
+                    return await rpc(server)(message, timeout=max(0.001, deadline - time.monotonic()))
+                except grpc.aio.AioRpcError as exc:
+                    # Unloaded between placement and send (under thrash, again after a
+                    # resend): have it loaded again, within the request's deadline.
+                    if (not unloaded_under(exc) or resends >= MAX_RESENDS
+                            or time.monotonic() >= deadline):
+                        raise
+                resends += 1
                 server = await self.resend_after_unload(call)
-                return await rpc(server)(message, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             self._reraise(call, server, exc, asked)
 

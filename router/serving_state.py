@@ -76,12 +76,7 @@ class LocalState:
 
     async def ensure(self, model: str) -> ServerAddress:
         # Shielded: a client that gives up does not cancel a load others may wait for.
-        await asyncio.shield(self.manager.ensure(model))
-        server = self.manager.ready_server_of(model)
-        if server is None:
-            from router.errors import BackendUnavailable
-
-            raise BackendUnavailable(f"'{model}' was unloaded before the request could be sent; retry")
+        server = await asyncio.shield(self.manager.ensure_for_request(model))
         return self._address(server)
 
     def touch(self, model: str) -> None:

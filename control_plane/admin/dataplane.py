@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from aiohttp import web
 
 from control_plane.admin.api import json_body
-from control_plane.domain.errors import InvalidInput, TritonUnavailable
+from control_plane.domain.errors import InvalidInput
 from router.canary import CanaryController, registry_promoter
 from router.limits import GlobalBuckets
 from router.public_names import PublicNames
@@ -287,10 +287,7 @@ class DataPlaneHub:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidInput("give the model to load as 'model'")
-        await self.manager.ensure(model)
-        server = self.manager.ready_server_of(model)
-        if server is None:
-            raise TritonUnavailable(f"{model} was unloaded again before it could be used; retry")
+        server = await self.manager.ensure_for_request(model)
         return web.json_response({"model": model, "server": server.name, "grpc_url": server.spec.grpc_url,
                                   "http_url": server.spec.http_url, "up": bool(server.up)})
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
-from control_plane.domain.errors import ModelLoadFailed
+from control_plane.domain.errors import ModelLoadFailed, OperationTimeout
 from control_plane.domain.names import validate_model_name
 from control_plane.manager.records import ModelRecord, ModelState, TritonServer
 from control_plane.manager.state import ManagerState
@@ -39,6 +41,26 @@ class Leases(ManagerState):
                 rec.active -= 1
         finally:
             self.release(rec)
+
+    async def ensure_for_request(self, name: str) -> TritonServer:
+        """The server where ``name`` is READY for a request about to be sent there (the
+        router's miss).  The model is held from before its load until the request has had
+        ``ManagerConfig.on_its_way_s`` to reach Triton, so no other load or the headroom
+        evicts it in between; one unloaded anyway (an explicit unload) is loaded again,
+        within ``capacity_wait_s``."""
+        rec = await self.acquire(name)
+        try:
+            deadline = time.monotonic() + self.config.capacity_wait_s
+            while True:
+                await self.ensure(name)
+                server = self.ready_server_of(name)
+                if server is not None:
+                    return server
+                if time.monotonic() >= deadline:
+                    raise OperationTimeout(f"{name} was unloaded again each time it was loaded for "
+                                           f"{self.config.capacity_wait_s:.0f}s; retry")
+        finally:
+            asyncio.get_running_loop().call_later(self.config.on_its_way_s, self.release, rec)
 
     async def acquire(self, name: str) -> ModelRecord:
         """Count one request for ``name`` as in flight *before* it waits for a load, so the

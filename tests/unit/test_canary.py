@@ -55,6 +55,10 @@ class FakeManager:
         await asyncio.sleep(LOAD_S)
         self.ready.add(name)
 
+    async def ensure_for_request(self, name):
+        await self.ensure(name)
+        return self.server
+
     def touch(self, name):
         pass
 

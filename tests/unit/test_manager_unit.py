@@ -648,3 +648,22 @@ def test_a_familys_variant_is_never_measured_on_a_gpu_its_slot_is_its_size(tmp_p
         assert meter.measured == ["m2"] and meter.released_models == ["m2"]
 
     run(go())
+
+
+def test_a_model_loaded_for_a_request_is_not_a_victim_while_the_request_is_on_its_way(tmp_path):
+    """The router's miss: between the load answering and the request reaching Triton, another
+    load must not evict it (under thrash that lost requests)."""
+    async def go():
+        mgr, _admin = make(tmp_path, max_loaded=1, on_its_way_s=0.3)
+        await mgr.start()
+        server = await mgr.ensure_for_request("m1")
+        assert server.name == "s0"
+        started = time.monotonic()
+        other = asyncio.create_task(mgr.ensure("m2"))
+        await asyncio.sleep(0.15)
+        assert mgr.records["m1"].state == ModelState.READY  # still there for its request
+        await other
+        assert time.monotonic() - started >= 0.25  # m2 waited for the hold, not refused
+        assert mgr.records["m1"].state != ModelState.READY
+
+    run(go())

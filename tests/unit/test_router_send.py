@@ -12,6 +12,7 @@ from tritonclient.grpc import service_pb2
 from router.core import Router
 from router.errors import BackendUnavailable, UpstreamError
 from router.routes import RouteTable
+from router.send import MAX_RESENDS
 from router.serving_state import UNLOADED_PREFIX, ServerAddress
 from tests.conftest import run
 
@@ -101,14 +102,25 @@ def test_the_typed_path_sends_again_after_an_unload_too():
     assert response.model_name == "m" and response.parameters["variant"].string_param == "default"
 
 
-def test_a_second_unload_in_a_row_reaches_the_client_after_one_resend_only():
-    triton = Triton(triton0=[UNLOADED], triton1=[UNLOADED])
+def test_under_thrash_a_request_is_sent_again_each_time_its_model_was_unloaded_again():
+    triton = Triton(triton0=[UNLOADED], triton1=[UNLOADED, UNLOADED, b""])
+    router, state = raw_router(triton)
+
+    response = run(router.infer_raw(raw_request(), lambda: None))
+
+    assert triton.sent == ["triton0", "triton1", "triton1", "triton1"]
+    assert state.ensured == ["m"] * 3
+    assert service_pb2.ModelInferResponse.FromString(response).model_name == "m"
+
+
+def test_a_model_unloaded_at_every_send_reaches_the_client_after_a_bounded_number_of_resends():
+    triton = Triton(triton0=[UNLOADED], triton1=[UNLOADED] * MAX_RESENDS)
     router, _state = raw_router(triton)
 
     with pytest.raises(UpstreamError) as info:
         run(router.infer_raw(raw_request(), lambda: None))
 
-    assert triton.sent == ["triton0", "triton1"]
+    assert triton.sent == ["triton0"] + ["triton1"] * MAX_RESENDS
     assert info.value.grpc_code == grpc.StatusCode.NOT_FOUND
 
 
