@@ -36,6 +36,11 @@ MAX_PENDING_SAMPLES = 100_000  # kept while the control plane is away; the oldes
 RETRY_MIN_S, RETRY_MAX_S = 0.1, 2.0
 
 
+# Longest pause between asks for a miss while the control plane is away: a restarted one
+# answers within a second or two of being up.
+ENSURE_RETRY_MAX_S = 1.0
+
+
 class ControlPlaneAway(Exception):
     """The control plane did not answer (restarting, or down)."""
 
@@ -197,12 +202,25 @@ class RemoteState:
         return await asyncio.shield(task)
 
     async def _ensure(self, model: str) -> ServerAddress:
-        try:
-            data = await self._call("POST", "/v1/dataplane/ensure", {"model": model},
-                                    timeout_s=self.request_timeout_s)
-        except ControlPlaneAway:
-            raise BackendUnavailable(f"'{model}' is not loaded and the control plane is not answering "
-                                     "(restarting?); retry shortly") from None
+        # A control plane that is away (restarting under the supervisor, or a standby taking
+        # over) is waited for: the miss is asked again, of the next control plane too, until
+        # the request's own wait for its load (the router's load timeout) runs out.
+        deadline = time.monotonic() + self.request_timeout_s
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                data = await self._call("POST", "/v1/dataplane/ensure", {"model": model},
+                                        timeout_s=max(1.0, deadline - time.monotonic()))
+                break
+            except ControlPlaneAway as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise BackendUnavailable(
+                        f"'{model}' is not loaded and the control plane has not answered for "
+                        f"{self.request_timeout_s:.0f}s; retry later") from None
+                log.info("ensure of %s: control plane away (%s); asking again in %.1fs", model,
+                         exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, ENSURE_RETRY_MAX_S)
         address = ServerAddress(data["server"], data["grpc_url"], data["http_url"], data["up"])
         self.addresses.setdefault(address.name, address)
         self.placement = dict(self.placement, **{model: address.name})  # until the next snapshot

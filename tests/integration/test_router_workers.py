@@ -138,6 +138,40 @@ def test_routers_serve_through_a_control_plane_sigkill_with_zero_errors(product)
     assert p.mmctl("unpin", "cust004").returncode == 0
 
 
+def test_misses_wait_through_a_control_plane_sigkill_and_succeed(product):
+    """Clients waiting for cold loads when the control plane is SIGKILLed: their misses are
+    asked again of its next life (the supervisor starts it) and succeed."""
+    p = product
+    cold = ["cust005", "cust006", "cust007", "cust008"]
+    for model in cold:
+        assert p.mmctl("unload", model).returncode == 0
+    before = roles(p)
+    errors: list[str] = []
+    served: list[str] = []
+
+    def client(model: str) -> None:
+        c = grpcclient.InferenceServerClient(p.endpoints["router_grpc"])
+        x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
+        x.set_data_from_numpy(np.ones((1, 64), np.float32))
+        try:
+            c.infer(model, [x], client_timeout=200)
+            served.append(model)
+        except Exception as exc:  # noqa: BLE001  every failure counts, whatever its kind
+            errors.append(f"{model}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=client, args=(m,)) for m in cold * 2]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # the misses are waiting for their loads
+    os.kill(before["control-plane"][0], signal.SIGKILL)
+    for t in threads:
+        t.join()
+    assert errors == [], errors[:5]
+    assert sorted(served) == sorted(cold * 2)
+    wait_for(lambda: roles(p)["control-plane"] != before["control-plane"], 120,
+             "the supervisor to start the control plane again")
+
+
 def test_a_killed_worker_is_restarted_while_the_other_serves(product):
     p = product
     before = roles(p)["router-worker"]
