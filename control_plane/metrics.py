@@ -32,5 +32,9 @@ class ControlPlaneMetrics:
                                     ["server"], registry=r)
         self.server_up = Gauge("mms_triton_up", "1 if the Triton server answers", ["server"],
                                registry=r)
+        self.warmup_failures = Counter(
+            "mms_warmup_failures_total",
+            "Loads whose synthetic warm-up the model refused (it is served; mmctl health says why)",
+            ["server"], registry=r)
         self.capacity_errors = Counter("mms_capacity_errors_total",
                                        "Loads refused because nothing was evictable", registry=r)

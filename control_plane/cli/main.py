@@ -133,7 +133,7 @@ def health(api: Api, model: str, probe: bool, as_json: bool):
     if warm.get("ok"):
         detail = f"warm-up ok ({warm['latency_ms']:.1f} ms)" if warm.get("latency_ms") else "warm-up ok"
     elif warm:
-        detail = f"warm-up failed: {warm.get('error')}"
+        detail = f"warm-up failed: {warm.get('error')}" + (f" ({warm['note']})" if warm.get("note") else "")
     else:
         detail = "no warm-up yet" + (f" ({body['failure']})" if body.get("failure") else "")
     verdict = "healthy" if body["healthy"] else "unhealthy"

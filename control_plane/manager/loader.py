@@ -193,6 +193,9 @@ class Loader(ManagerState):
         self.room.finish(name)
         rec.load_time_s = time.monotonic() - start
         rec.warmup = warmup
+        if not warmup.get("ok", True):
+            self.metrics.warmup_failures.labels(server.name).inc()
+            log.warning("%s is served, but its synthetic warm-up failed: %s", name, warmup.get("error"))
         rec.state = ModelState.READY
         self._sync_evictable(rec)
         self._maintain_headroom(server)

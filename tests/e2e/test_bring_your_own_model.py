@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
@@ -115,9 +116,10 @@ def test_unknown_and_unserved_logical_names_say_what_to_do(product, tmp_path):
     assert product.mmctl("load", "simple.v1").returncode == 0  # the concrete name always works
 
 
-def test_a_model_that_refuses_zeros_loads_once_its_synthetic_warmup_is_off(product, tmp_path):
+def test_a_model_that_refuses_zeros_is_served_and_its_check_can_be_turned_off(product, tmp_path):
     """No model_warmup in its config: the control plane checks it with one request of zeros,
-    which this model refuses.  The registry's switch turns that request off."""
+    which this model refuses.  Triton loaded it, so it is served; `mmctl health` says the
+    check failed and how to turn it off, and the registry's switch does."""
     src = tmp_path / "picky"
     shutil.copytree(FIXTURE, src, ignore=shutil.ignore_patterns("__pycache__"))
     config = (src / "config.pbtxt").read_text()
@@ -132,19 +134,44 @@ def test_a_model_that_refuses_zeros_loads_once_its_synthetic_warmup_is_off(produ
         "            out0 = np.add(in0, in1)"))
 
     assert product.mmctl("registry", "add", "picky", "--from-dir", str(src)).returncode == 0
-    failed = product.mmctl("load", "picky")
-    assert failed.returncode == 6, failed.stdout + failed.stderr
-    assert "INPUT0" in failed.stderr and "mms_warmup" in failed.stderr, failed.stderr
-
-    off = product.mmctl("registry", "warmup", "picky", "--version", "1", "off")
-    assert off.returncode == 0 and "synthetic warm-up off" in off.stdout, off.stdout + off.stderr
     load = product.mmctl("load", "picky")
     assert load.returncode == 0 and load.stdout.startswith("picky.v1: ready"), load.stdout + load.stderr
     _client, in0, in1, result = add_sub(grpcclient, product.json("endpoints")["router_grpc"], "picky")
-    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), in0 + in1)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), in0 + in1)  # served
+    health = product.mmctl("health", "picky")
+    assert health.returncode == 8, health.stdout + health.stderr
+    assert "INPUT0" in health.stdout and "mms_warmup" in health.stdout, health.stdout
+    assert "mms_warmup_failures_total" in requests.get(product.url + "/metrics", timeout=5).text
+
+    off = product.mmctl("registry", "warmup", "picky", "--version", "1", "off")
+    assert off.returncode == 0 and "synthetic warm-up off" in off.stdout, off.stdout + off.stderr
+    assert product.mmctl("unload", "picky").returncode == 0
+    load = product.mmctl("load", "picky")
+    assert load.returncode == 0 and load.stdout.startswith("picky.v1: ready"), load.stdout + load.stderr
+    assert product.mmctl("health", "picky").returncode == 0
 
     # Registered with the switch off from the start: loads at once.
     (src / "config.pbtxt").write_text((src / "config.pbtxt").read_text().replace('"picky"', '"picky2"'))
     assert product.mmctl("registry", "add", "picky2", "--from-dir", str(src),
                          "--no-synthetic-warmup").returncode == 0
     assert product.mmctl("load", "picky2").returncode == 0
+
+
+def test_a_model_of_numbers_in_strings_is_served_though_the_synthetic_warmup_is_not_a_number(product):
+    """Like Triton's simple_string example: BYTES inputs holding numbers.  Triton loads it; the
+    control plane's b"warmup" request fails, which is reported, not held against it."""
+    folder = FIXTURE.parent / "strings"
+    assert product.mmctl("registry", "add", "strings", "--from-dir", str(folder)).returncode == 0
+    load = product.mmctl("load", "strings")
+    assert load.returncode == 0 and load.stdout.startswith("strings.v1: ready"), load.stdout + load.stderr
+    client = grpcclient.InferenceServerClient(product.json("endpoints")["router_grpc"])
+    a = np.array([[str(i).encode() for i in range(16)]], dtype=np.object_)
+    b = np.array([[b"1"] * 16], dtype=np.object_)
+    inputs = [grpcclient.InferInput("INPUT0", [1, 16], "BYTES"), grpcclient.InferInput("INPUT1", [1, 16], "BYTES")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    result = client.infer("strings", inputs)
+    assert [int(v) for v in result.as_numpy("OUTPUT0").ravel()] == [i + 1 for i in range(16)]
+    assert [int(v) for v in result.as_numpy("OUTPUT1").ravel()] == [i - 1 for i in range(16)]
+    health = product.mmctl("health", "strings")
+    assert health.returncode == 8 and "warm-up failed" in health.stdout and "served anyway" in health.stdout
