@@ -31,8 +31,9 @@ for _name, _dtype in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
         TORCH_DTYPES[_name] = getattr(torch, _dtype)
 
 
-# Parallel parts of a swap-in's read (preadv releases the GIL): 2 threads copied 100 MB out
-# of tmpfs in 6.3 ms on the 2-core test machine, 1 thread in 9.8 ms, numpy's memcpy 5.2 ms.
+# Parallel parts of a swap-in's read (preadv releases the GIL): one thread's copy out of the
+# page cache is well short of a memcpy's speed, a few in parallel come close to it
+# (bench.family_swap puts a whole miss beside a memcpy of the same bytes).
 READ_THREADS = max(1, min(4, os.cpu_count() or 1))
 MIN_PART_BYTES = 8 << 20
 
@@ -124,8 +125,7 @@ class SlotBank:
 
     def _read_into(self, path: str | os.PathLike, offset: int, target: torch.Tensor) -> None:
         """Read ``target.numel()`` bytes of the file from ``offset`` into ``target`` (host
-        memory), in up to ``READ_THREADS`` parts at once: one thread's copy out of the page
-        cache runs at about half a memcpy's speed here."""
+        memory), in up to ``READ_THREADS`` parts at once."""
         view = memoryview(target.numpy())
         size = len(view)
         parts = max(1, min(READ_THREADS, size // MIN_PART_BYTES))
