@@ -43,25 +43,23 @@ def thrash(url: str, models: list[str]) -> list[str]:
     return errors
 
 
+def assert_thrash_loses_nothing(p: Product) -> None:
+    """Thrash the started product ``p`` over cust001..cust008; stop it; no request failed."""
+    try:
+        errors = thrash(p.json("endpoints")["router_grpc"], [f"cust00{i}" for i in range(1, 9)])
+        assert errors == [], f"{len(errors)} of {CLIENTS * REQUESTS_EACH} requests failed: {errors[:5]}"
+    finally:
+        p.stop()
+        p.assert_no_triton_left()
+
+
 def test_thrash_over_separate_models_loses_no_request(fleet_template, tmp_path):
     repo = tmp_path / "repository"
     shutil.copytree(fleet_template, repo)
-    p = Product(tmp_path / "state", repo, "--max-loaded", "3", "--router-workers", "1",
-                "--policy", "lru").start()
-    try:
-        errors = thrash(p.json("endpoints")["router_grpc"], [f"cust00{i}" for i in range(1, 9)])
-        assert errors == [], f"{len(errors)} of {CLIENTS * REQUESTS_EACH} requests failed: {errors[:5]}"
-    finally:
-        p.stop()
-        p.assert_no_triton_left()
+    assert_thrash_loses_nothing(Product(tmp_path / "state", repo, "--max-loaded", "3",
+                                        "--router-workers", "1", "--policy", "lru").start())
 
 
 def test_thrash_over_a_family_loses_no_request(tmp_path):
-    p = Product(tmp_path / "state", None, "--fleet-size", "8", "--max-loaded", "3",
-                "--router-workers", "1", "--policy", "lru").start()
-    try:
-        errors = thrash(p.json("endpoints")["router_grpc"], [f"cust00{i}" for i in range(1, 9)])
-        assert errors == [], f"{len(errors)} of {CLIENTS * REQUESTS_EACH} requests failed: {errors[:5]}"
-    finally:
-        p.stop()
-        p.assert_no_triton_left()
+    assert_thrash_loses_nothing(Product(tmp_path / "state", None, "--fleet-size", "8", "--max-loaded",
+                                        "3", "--router-workers", "1", "--policy", "lru").start())
