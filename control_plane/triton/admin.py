@@ -197,6 +197,11 @@ class TritonAdmin:
             return False
 
     async def index(self) -> dict[str, IndexEntry]:
+        """What this server has, by model (FamilyAdmin lists a family's variants here)."""
+        return await self.triton_index()
+
+    async def triton_index(self) -> dict[str, IndexEntry]:
+        """Triton's own repository index."""
         try:
             resp = await self.client.get_model_repository_index(
                 headers=self.headers, as_json=True, client_timeout=self.timeouts.health_s
@@ -264,7 +269,7 @@ class TritonAdmin:
         # index RPC costs ~1 ms), so the wait ends ~12 ms after the stub exits, not ~50.
         delay = 0.005
         while True:
-            entry = (await self.index()).get(model)
+            entry = (await self.triton_index()).get(model)
             if entry is None or entry.state in (TritonModelState.UNAVAILABLE, TritonModelState.ABSENT):
                 return time.monotonic() - start
             if time.monotonic() - start > timeout_s:

@@ -24,7 +24,7 @@ def test_the_wait_ends_soon_after_triton_frees_the_model():
                      else TritonModelState.UNLOADING)
             return {"m": IndexEntry("m", state)}
 
-        admin.index = index
+        admin.triton_index = index
         await admin.wait_unavailable("m", timeout_s=5)
         lag_s = loop.time() - freed_at
         assert lag_s < 0.05, f"saw the model gone {lag_s * 1000:.0f} ms after it was"
