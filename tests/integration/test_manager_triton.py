@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from control_plane.domain.errors import (
     CapacityExhausted,
@@ -200,9 +201,13 @@ def test_bad_input_gets_clear_errors(triton, repository, tmp_path):
         assert mgr.servers["triton0"].planner.used_slots == 0
         health = await mgr.health("broken")
         assert health["healthy"] is False and "broken on purpose" in health["failure"]
-        # Wrong input shape: the model answers with an error for that request only.
+        # Wrong input shape: an error for that request only; the next one is served.
         await mgr.ensure("cust001")
         client = grpcclient.InferenceServerClient(triton.grpc_url)
+        wrong = grpcclient.InferInput("FEATURES", [1, 32], "FP32")
+        wrong.set_data_from_numpy(np.zeros((1, 32), np.float32))
+        with pytest.raises(InferenceServerException, match="unexpected shape for input 'FEATURES'"):
+            client.infer("cust001", [wrong])
         x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
         x.set_data_from_numpy(np.zeros((1, 64), np.float32))
         assert client.infer("cust001", [x]).as_numpy("SCORES").shape == (1, 1)

@@ -205,7 +205,8 @@ def test_healthy_canary_is_promoted(product):
     p = product
     assert p.mmctl("canary", "start", "cust006", "--to", "cust017-v3", "--stages", "50,100",
                    "--stage-seconds", "1", "--check-interval", "0.3", "--min-requests", "5").returncode == 0
-    _drive(p, "cust006", 90, until=lambda: canary_status(p, "cust006")["status"] != "running")
+    errors = _drive(p, "cust006", 90, until=lambda: canary_status(p, "cust006")["status"] != "running")
+    assert errors == 0, f"{errors} requests failed during a healthy canary"
     status = canary_status(p, "cust006")
     assert status["status"] == "promoted", status["history"]
     assert status["serving"] == "cust017-v3"

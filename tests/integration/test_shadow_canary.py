@@ -70,14 +70,15 @@ def test_a_healthy_candidate_that_starts_cold_is_promoted_through_the_registry(p
                    "--stage-seconds", "1", "--check-interval", "0.3", "--min-requests", "5",
                    "--max-failed-checks", "1", "--max-p99-ms", "500").returncode == 0
     stop = threading.Event()
+    errors: list[str] = []
 
     def traffic():
         client = grpcclient.InferenceServerClient(p.endpoints["router_grpc"])
         while not stop.is_set():
             try:
                 infer(client, "cust001")
-            except InferenceServerException:
-                pass
+            except InferenceServerException as exc:  # a healthy rollout: clients see none
+                errors.append(str(exc))
             time.sleep(0.01)
 
     threads = [threading.Thread(target=traffic) for _ in range(4)]  # several wait for the load
@@ -92,6 +93,7 @@ def test_a_healthy_candidate_that_starts_cold_is_promoted_through_the_registry(p
         stop.set()
         for t in threads:
             t.join()
+    assert errors == [], errors[:5]
     canary = p.json("canary", "status", "cust001")
     assert canary["status"] == "promoted", canary["history"][-3:]
     assert canary["serving"] == CANDIDATE
