@@ -203,3 +203,41 @@ def test_a_users_family_is_added_and_its_variants_registered_with_mmctl(tmp_path
     finally:
         p.stop()
         p.assert_no_triton_left()
+
+
+def test_canaries_and_rate_limits_work_on_variant_names(tmp_path):
+    """A canary from one variant of the family to another is promoted with no client error;
+    a rate limit on a variant refuses its overflow only."""
+    p = Product(tmp_path / "state", None, "--fleet-size", "6", "--max-loaded", "3").start()
+    try:
+        url = p.json("endpoints")["router_grpc"]
+        grpc_infer(url, "cust003")  # the baseline is loaded; the candidate starts cold
+        started = p.mmctl("canary", "start", "cust003", "--to", "cust004", "--stages", "50,100",
+                          "--stage-seconds", "1", "--check-interval", "0.3", "--min-requests", "5")
+        assert started.returncode == 0, started.stderr
+        served_by, deadline = set(), time.monotonic() + 90
+        while p.json("canary", "status", "cust003")["status"] == "running":
+            assert time.monotonic() < deadline, p.json("canary", "status", "cust003")["history"][-3:]
+            scores, response = grpc_infer(url, "cust003")  # any error fails the test
+            model = response.parameters["model"].string_param
+            np.testing.assert_allclose(scores, reference_scores(model), rtol=1e-5, atol=1e-6)
+            served_by.add(model)
+        assert served_by == {"cust003", "cust004"}
+        status = p.json("canary", "status", "cust003")
+        assert status["status"] == "promoted" and status["serving"] == "cust004"
+
+        grpc_infer(url, "cust005")
+        assert p.mmctl("limit", "set", "cust005", "--qps", "0.5", "--burst", "3").returncode == 0
+        outcomes = []
+        for _ in range(6):
+            try:
+                grpc_infer(url, "cust005")
+                outcomes.append("ok")
+            except Exception as exc:  # noqa: BLE001  (the refusals are what is counted)
+                assert "RESOURCE_EXHAUSTED" in str(exc)
+                outcomes.append("limited")
+        assert outcomes.count("ok") == 3 and outcomes.count("limited") == 3, outcomes
+        grpc_infer(url, "cust006")  # another variant of the family is unaffected
+    finally:
+        p.stop()
+        p.assert_no_triton_left()
