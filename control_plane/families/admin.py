@@ -111,12 +111,7 @@ class FamilyAdmin(TritonAdmin):
     async def _load_family(self, family: Family, slots: int) -> None:
         if self.guard is not None:
             self.guard()
-        config = await asyncio.to_thread(self._family_config, family, slots)
-        try:
-            await self.client.load_model(family.name, headers=self.headers, config=config,
-                                         client_timeout=self.timeouts.load_s)
-        except InferenceServerException as exc:
-            raise self._translate(exc, "load", f"family {family.name}", self.timeouts.load_s) from exc
+        await self.load_with(family.name, await asyncio.to_thread(self._family_config, family, slots))
         self._slots[family.name] = slots
         self._plans.pop(family.name, None)
         log.info("family %s loaded on %s with %d slots of %d bytes", family.name, self.grpc_url,
@@ -133,9 +128,7 @@ class FamilyAdmin(TritonAdmin):
         known to be loaded.  Accurate while the family's lock is held: every change of its
         slots goes through this admin under that lock; a process that died meanwhile fails
         the next command, which then reloads it."""
-        if family.name not in self._slots or family.name not in self._resident:
-            return None
-        return {"slots": self._slots[family.name], "resident": sorted(self._resident[family.name])}
+        return self.family_slots(family.name) if family.name in self._resident else None
 
     def _lock(self, family: Family) -> asyncio.Lock:
         """One lock per family on this server around everything that changes its slots or

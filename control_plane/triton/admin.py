@@ -238,6 +238,11 @@ class TritonAdmin:
             self.guard()
         config = (await asyncio.to_thread(self.load_config, model)
                   if self.load_config is not None else None)
+        await self.load_with(model, config)
+
+    async def load_with(self, model: str, config: str | None) -> None:
+        """Triton's load of ``model`` with the load API's config override ``config`` (JSON;
+        None: its config.pbtxt as it is), its refusals translated once."""
         try:
             await self.client.load_model(model, headers=self.headers, config=config,
                                          client_timeout=self.timeouts.load_s)

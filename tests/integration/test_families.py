@@ -37,26 +37,18 @@ def scaler_weights(scale: float, shift: float) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture
-def family_repo(tmp_path) -> Path:
+def repository(tmp_path) -> Path:
+    """Triton's repository for these tests (conftest's ``triton`` serves it): the scaler
+    family and its variants."""
     repo = tmp_path / "repo"
     repo.mkdir()
     base = tmp_path / "base.safetensors"
     save_file(scaler_weights(1.0, 0.0), str(base))
-    config = (SCALER / "config.pbtxt").read_text()
-    if os.environ.get("SCALER_DELAY_S"):
-        config = config.replace('string_value: "0"', f'string_value: "{os.environ["SCALER_DELAY_S"]}"')
-    write_family(repo, "scaler", config_text=config, version_files=SCALER / "1", base_weights=base)
+    write_family(repo, "scaler", config_text=(SCALER / "config.pbtxt").read_text(),
+                 version_files=SCALER / "1", base_weights=base)
     for name, (scale, shift) in VARIANTS.items():
         write_variant(repo, name, "scaler", scaler_weights(scale, shift))
     return repo
-
-
-@pytest.fixture
-def family_triton(family_repo, tmp_path):
-    proc = TritonProcess(TritonLaunchConfig(repository=family_repo, work_dir=tmp_path / "triton"))
-    proc.start()
-    yield proc
-    proc.stop()
 
 
 def pgrep(pattern: str) -> list[str]:
@@ -93,9 +85,9 @@ def ready(mgr: ModelManager) -> set[str]:
 
 
 def test_variants_take_slots_by_lru_and_pins_and_each_answers_with_its_own_weights(
-        family_triton, family_repo, tmp_path):
+        triton, repository, tmp_path):
     async def scenario():
-        mgr = make_manager(family_triton, family_repo, tmp_path, max_loaded=2)
+        mgr = make_manager(triton, repository, tmp_path, max_loaded=2)
         await mgr.start()
         for name in ("acme", "globex"):
             await mgr.ensure(name)
@@ -109,12 +101,12 @@ def test_variants_take_slots_by_lru_and_pins_and_each_answers_with_its_own_weigh
         index = await mgr.servers["triton0"].admin.index()
         assert {n for n, e in index.items() if e.state.value == "READY"} == {"globex", "initech"}
         for name in ("globex", "initech"):
-            np.testing.assert_allclose(infer(family_triton.grpc_url, name), expected(name))
+            np.testing.assert_allclose(infer(triton.grpc_url, name), expected(name))
         with pytest.raises(Exception, match="is not loaded"):
-            infer(family_triton.grpc_url, "acme")  # evicted: Triton's unknown-model answer
+            infer(triton.grpc_url, "acme")  # evicted: Triton's unknown-model answer
         for name in ("umbrella", "acme", "initech"):  # thrash the unpinned slot
             await mgr.ensure(name)
-            np.testing.assert_allclose(infer(family_triton.grpc_url, name), expected(name))
+            np.testing.assert_allclose(infer(triton.grpc_url, name), expected(name))
             assert "globex" in ready(mgr)
         await mgr.close()
         return miss_s
@@ -123,33 +115,33 @@ def test_variants_take_slots_by_lru_and_pins_and_each_answers_with_its_own_weigh
     assert miss_s < 1.0, f"a variant's miss took {miss_s:.2f}s: it must be a copy, not a Triton load"
 
 
-def test_every_slot_pinned_is_a_clear_error_and_nothing_is_counted(family_triton, family_repo, tmp_path):
+def test_every_slot_pinned_is_a_clear_error_and_nothing_is_counted(triton, repository, tmp_path):
     from control_plane.domain.errors import CapacityExhausted
 
     async def scenario():
-        mgr = make_manager(family_triton, family_repo, tmp_path, max_loaded=2)
+        mgr = make_manager(triton, repository, tmp_path, max_loaded=2)
         await mgr.start()
         await mgr.pin("acme")
         await mgr.pin("globex")
         with pytest.raises(CapacityExhausted, match="pinned"):
             await mgr.ensure("initech")
         assert ready(mgr) == {"acme", "globex"}
-        np.testing.assert_allclose(infer(family_triton.grpc_url, "acme"), expected("acme"))
+        np.testing.assert_allclose(infer(triton.grpc_url, "acme"), expected("acme"))
         await mgr.close()
 
     run(scenario())
 
 
-def test_a_slot_is_never_rewritten_under_a_running_batch(family_repo, tmp_path, monkeypatch):
+def test_a_slot_is_never_rewritten_under_a_running_batch(repository, tmp_path):
     """One slot; a slow batch for acme runs while the manager gives the slot to globex: the
     batch answers with acme's weights, the next request with globex's."""
-    config = family_repo / "scaler" / "config.pbtxt"
+    config = repository / "scaler" / "config.pbtxt"
     config.write_text(config.read_text().replace('string_value: "0"', 'string_value: "1.5"'))
-    proc = TritonProcess(TritonLaunchConfig(repository=family_repo, work_dir=tmp_path / "triton"))
+    proc = TritonProcess(TritonLaunchConfig(repository=repository, work_dir=tmp_path / "triton"))
     proc.start()
     try:
         async def scenario():
-            mgr = make_manager(proc, family_repo, tmp_path, max_loaded=1)
+            mgr = make_manager(proc, repository, tmp_path, max_loaded=1)
             await mgr.start()
             await mgr.ensure("acme")
             results: dict[str, np.ndarray] = {}
@@ -169,9 +161,9 @@ def test_a_slot_is_never_rewritten_under_a_running_batch(family_repo, tmp_path, 
 
 
 def test_a_crashed_family_process_comes_back_and_its_variants_are_loaded_again(
-        family_triton, family_repo, tmp_path):
+        triton, repository, tmp_path):
     async def scenario():
-        mgr = make_manager(family_triton, family_repo, tmp_path, max_loaded=2)
+        mgr = make_manager(triton, repository, tmp_path, max_loaded=2)
         await mgr.start()
         await mgr.ensure("acme")
         stub = pgrep("triton_python_backend_stub.*scaler")
@@ -184,7 +176,7 @@ def test_a_crashed_family_process_comes_back_and_its_variants_are_loaded_again(
             await mgr.step()  # the reconcile reads the family's slots again
             try:
                 await mgr.ensure("acme")
-                got = infer(family_triton.grpc_url, "acme")
+                got = infer(triton.grpc_url, "acme")
             except (ControlPlaneError, InferenceServerException):
                 await asyncio.sleep(0.5)
                 continue
