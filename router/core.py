@@ -41,6 +41,7 @@ from router.routes import RouteTable
 from router.send import GRPC_MESSAGE_LIMIT_BYTES, INFER_METHOD, Call, Sending, unloaded_under
 from router.serving_state import LocalState, ServingState
 from router.shadow import ShadowMirror
+from router.shared_memory import SystemSharedMemory
 from router.stats import StatsBook
 
 # Names other modules import from here since before the mixins had modules of their own.
@@ -58,6 +59,9 @@ class RouterConfig:
     shadow_timeout_s: float = 5.0
     shadow_log_dir: Path | None = None
     canary_interval_s: float = 1.0  # 0: canaries are judged elsewhere (the control plane)
+    # Shared-memory registrations, shared by the router workers of one host (None: this
+    # process's own, in a temporary directory).
+    shared_memory_dir: Path | None = None
 
 
 class Router(Forwarding, Sending, Deciding, Answers, Recording):
@@ -94,6 +98,7 @@ class Router(Forwarding, Sending, Deciding, Answers, Recording):
                                    self.config.shadow_timeout_s, self.metrics,
                                    primary_inflight=lambda: self.inflight)
         self._canary_task: asyncio.Task | None = None
+        self.shared_memory = SystemSharedMemory(self.config.shared_memory_dir)
 
     async def start(self) -> None:
         self.shadow.start()
@@ -106,6 +111,7 @@ class Router(Forwarding, Sending, Deciding, Answers, Recording):
         await self.shadow.stop()
         for channel, *_ in self._channels.values():
             await channel.close()
+        self.shared_memory.close()
 
     async def _canary_loop(self) -> None:
         while True:

@@ -17,6 +17,7 @@ from router.answers import BYTES_CACHE_MAX
 from router.errors import InvalidRequest, PermissionDenied, parse_version
 from router.routes import Decision
 from router.shadow import ShadowItem, outputs_of
+from router.shared_memory import uses_shared_memory
 
 
 def refuse_family_control(parameters) -> None:
@@ -41,10 +42,14 @@ class Forwarding:
 
     async def infer(self, request: service_pb2.ModelInferRequest, user_id: str | None,
                     timeout_s: float | None = None) -> service_pb2.ModelInferResponse:
-        """Route one ModelInferRequest.  Raises RouterError (Triton's own answers included)."""
+        """Route one ModelInferRequest.  Raises RouterError (Triton's own answers included).
+
+        Tensors in the client's shared memory are read here and sent inline; outputs asked
+        for in shared memory are written there once Triton answers (``router.shared_memory``)."""
         asked, version, logical = self._asked(request)
         async with self.serving(logical, user_id, version) as call:
             decision = call.decision
+            output_places = self.shared_memory.inline(request)
             if decision.adapter is not None:
                 self._check_adapter_parameter(request, decision)
                 request.parameters["adapter"].string_param = decision.adapter
@@ -71,6 +76,8 @@ class Forwarding:
                                              shadow_request.SerializeToString(),
                                              outputs_of(response),
                                              (time.perf_counter() - call.start) * 1000))
+            if output_places:
+                self.shared_memory.deliver(response, output_places)
             return response
 
     async def infer_raw(self, raw: bytes, metadata_user_id: Callable[[], str | None],
@@ -82,6 +89,8 @@ class Forwarding:
             raise InvalidRequest(f"malformed ModelInferRequest: {exc}") from None
         param = request.parameters.get("user_id")
         user_id = param.string_param if param is not None and param.string_param else metadata_user_id()
+        if uses_shared_memory(request):  # tensors are read and written here: the typed path
+            return (await self.infer(request, user_id, timeout_s)).SerializeToString()
         asked, version, logical = self._asked(request)
         async with self.serving(logical, user_id, version) as call:
             decision = call.decision

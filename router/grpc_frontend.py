@@ -1,8 +1,9 @@
 """Triton's GRPCInferenceService on the public port, built on tritonclient's generated stubs.
 
-Each RPC converts and hands off to ``Router``.  Model control, repository, shared-memory,
-logging and trace RPCs are refused with PERMISSION_DENIED: the public port never controls
-what is loaded (that is remote code execution).
+Each RPC converts and hands off to ``Router``.  Model control, repository, logging and
+trace RPCs are refused with PERMISSION_DENIED: the public port never controls what is
+loaded (that is remote code execution).  System shared memory is served for clients on this
+host (``router.shared_memory``); CUDA shared memory is refused with what to use instead.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from router.core import GRPC_MESSAGE_LIMIT_BYTES, Router
 from router.errors import PermissionDenied, RateLimited, RouterError
+from router.shared_memory import CUDA_REFUSAL, loopback_peer
 
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "triton"  # what Triton clients expect to see
 SERVER_VERSION = "2.51.0"
-EXTENSIONS = ["classification", "model_configuration", "statistics", "parameters"]
+EXTENSIONS = ["classification", "model_configuration", "system_shared_memory", "statistics", "parameters"]
 
 
 def _metadata_user_id(context) -> str | None:
@@ -47,8 +49,8 @@ def _refuse(name: str):
     async def refused(self, request, context):
         self.router.metrics.refused.labels(name).inc()
         exc = PermissionDenied(
-            f"{name} is not available on the public port: model control, repository, shared-memory, "
-            "log and trace APIs go through the control plane's admin API (mmctl)")
+            f"{name} is not available on the public port: model control, repository, log and "
+            "trace APIs go through the control plane's admin API (mmctl)")
         await context.abort(exc.grpc_code, exc.message)
 
     return refused
@@ -107,15 +109,49 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             except RouterError as exc:
                 yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
 
+    async def SystemSharedMemoryStatus(self, request, context):
+        try:
+            regions = self.router.shared_memory.status(request.name)
+        except RouterError as exc:
+            await _abort(context, exc)
+        response = service_pb2.SystemSharedMemoryStatusResponse()
+        for region in regions:
+            response.regions[region.name].CopyFrom(service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(
+                name=region.name, key=region.key, offset=region.offset, byte_size=region.byte_size))
+        return response
+
+    async def SystemSharedMemoryRegister(self, request, context):
+        if not loopback_peer(context.peer()):
+            self.router.metrics.refused.labels("SystemSharedMemoryRegister").inc()
+            exc = PermissionDenied("system shared memory is only for clients on the router's host "
+                                   "(loopback); send the tensors in the request instead")
+            await _abort(context, exc)
+        try:
+            self.router.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+        except RouterError as exc:
+            await _abort(context, exc)
+        return service_pb2.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request, context):
+        self.router.shared_memory.unregister(request.name)
+        return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, request, context):
+        if request.name:  # nothing is ever registered
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"Unable to find cuda shared memory region: '{request.name}'")
+        return service_pb2.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(self, request, context):
+        self.router.metrics.refused.labels("CudaSharedMemoryRegister").inc()
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, CUDA_REFUSAL)
+
+    async def CudaSharedMemoryUnregister(self, request, context):
+        return service_pb2.CudaSharedMemoryUnregisterResponse()
+
     RepositoryIndex = _refuse("RepositoryIndex")
     RepositoryModelLoad = _refuse("RepositoryModelLoad")
     RepositoryModelUnload = _refuse("RepositoryModelUnload")
-    SystemSharedMemoryStatus = _refuse("SystemSharedMemoryStatus")
-    SystemSharedMemoryRegister = _refuse("SystemSharedMemoryRegister")
-    SystemSharedMemoryUnregister = _refuse("SystemSharedMemoryUnregister")
-    CudaSharedMemoryStatus = _refuse("CudaSharedMemoryStatus")
-    CudaSharedMemoryRegister = _refuse("CudaSharedMemoryRegister")
-    CudaSharedMemoryUnregister = _refuse("CudaSharedMemoryUnregister")
     TraceSetting = _refuse("TraceSetting")
     LogSettings = _refuse("LogSettings")
 

@@ -3,8 +3,10 @@
 Inference bodies (JSON, or JSON header + binary tensors) are forwarded to the chosen
 Triton's HTTP endpoint unchanged, except that a ``base:adapter`` name adds
 ``parameters.adapter`` to the request's JSON header; the response's JSON header gains the
-routing parameters (``model``, ``variant``, ``experiment``, ``adapter``).  Repository, shared-memory, logging
-and trace endpoints answer 403.
+routing parameters (``model``, ``variant``, ``experiment``, ``adapter``).  Tensors in
+system shared memory are read and written by the router (``router.shared_memory``) and sent
+inline.  Repository, logging and trace endpoints answer 403; CUDA shared memory is refused
+with what to use instead.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import replace
 
 import aiohttp
+import grpc
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -36,9 +40,17 @@ from router.errors import (
 from router.forward import refuse_family_control
 from router.grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
 from router.http_request import HEADER_LENGTH, check_adapter, read_infer_request, with_parameters
+from router.http_request_checks import json_kind
 from router.repository_config import triton_json
 from router.send import MAX_RESENDS
 from router.serving_state import UNLOADED_PREFIX
+from router.shared_memory import (
+    CUDA_REFUSAL,
+    SharedMemoryError,
+    json_uses_shared_memory,
+    loopback_peer,
+)
+from router.strict_json import loads
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +249,9 @@ async def infer(request: web.Request) -> web.Response:
         carrier = router.state.carrier_of(decision.model)
         path = (f"/v2/models/{carrier or decision.model}"
                 + (f"/versions/{decision.version}" if decision.version else "") + "/infer")
+        output_places = {}
+        if json_uses_shared_memory(parsed.doc):
+            parsed, output_places = _inline_shared_memory(router, parsed)
         body, header_length = parsed.body, parsed.header_length
         overrides = {}
         if decision.adapter is not None:
@@ -275,6 +290,10 @@ async def infer(request: web.Request) -> web.Response:
             return web.Response(body=payload, status=status, content_type="application/json")
         n = int(resp_header_len) if resp_header_len else len(payload)
         out = json.loads(payload[:n])
+        binary = payload[n:]
+        if output_places:
+            binary = router.shared_memory.deliver_json(out, binary, output_places)
+            resp_header_len = resp_header_len if binary else None
         public_model, public_version = router.public_identity(decision)
         params = out.setdefault("parameters", {})
         params.update(model=public_model, variant=decision.variant)
@@ -289,8 +308,18 @@ async def infer(request: web.Request) -> web.Response:
         resp_headers = {}
         if resp_header_len:
             resp_headers[HEADER_LENGTH] = str(len(header))
-        return web.Response(body=header + payload[n:], status=200, headers=resp_headers,
-                            content_type=content_type.split(";")[0])
+        return web.Response(body=header + binary, status=200, headers=resp_headers,
+                            content_type=content_type.split(";")[0] if binary else "application/json")
+
+
+def _inline_shared_memory(router: Router, parsed):
+    """The request with its shared-memory inputs as binary tensors, and where its
+    shared-memory outputs go (``router.shared_memory``)."""
+    binary = parsed.body[parsed.header_length:] if parsed.header_length else b""
+    doc, binary, places = router.shared_memory.inline_json(parsed.doc, binary)
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    return replace(parsed, doc=doc, body=header + binary,
+                   header_length=len(header) if binary else None), places
 
 
 async def model_health(request: web.Request) -> web.Response:
@@ -318,11 +347,65 @@ async def metrics(request: web.Request) -> web.Response:
     return resp
 
 
+def _regions_json(regions) -> web.Response:
+    return _json([r.as_json() for r in regions])
+
+
+async def shm_status(request: web.Request) -> web.Response:
+    return _regions_json(_router(request).shared_memory.status(request.match_info.get("name", "")))
+
+
+async def shm_register(request: web.Request) -> web.Response:
+    """Triton's body: {"key": ..., "offset": ..., "byte_size": ...}, from a client on this host."""
+    router = _router(request)
+    if not loopback_peer(request.remote):
+        router.metrics.refused.labels("systemsharedmemory").inc()
+        raise PermissionDenied("system shared memory is only for clients on the router's host "
+                               "(loopback); send the tensors in the request instead")
+    doc = loads(await request.read() or b"{}")
+    if not isinstance(doc, dict):
+        raise InvalidRequest(f"Shared memory register request must be a JSON object, got {json_kind(doc)}")
+    for field, kind in (("key", str), ("offset", int), ("byte_size", int)):
+        if field not in doc:
+            if field == "offset":
+                continue
+            raise InvalidRequest(f"Shared memory register request has no '{field}' field")
+        value = doc[field]
+        if not isinstance(value, kind) or type(value) is bool or (kind is int and value < 0):
+            raise InvalidRequest(f"Unable to parse '{field}' of the shared memory register request: "
+                                 f"expected {'a string' if kind is str else 'an unsigned integer'}, "
+                                 f"got {json_kind(value)}")
+    router.shared_memory.register(request.match_info["name"], doc["key"], doc.get("offset", 0),
+                                  doc["byte_size"])
+    return web.Response(status=200)
+
+
+async def shm_unregister(request: web.Request) -> web.Response:
+    _router(request).shared_memory.unregister(request.match_info.get("name", ""))
+    return web.Response(status=200)
+
+
+async def cuda_shm_status(request: web.Request) -> web.Response:
+    name = request.match_info.get("name")
+    if name:  # nothing is ever registered
+        raise SharedMemoryError(grpc.StatusCode.NOT_FOUND, f"Unable to find cuda shared memory region: '{name}'")
+    return _json([])
+
+
+async def shm_noop(request: web.Request) -> web.Response:
+    return web.Response(status=200)  # unregistering what was never registered
+
+
+async def cuda_shm_register(request: web.Request) -> web.Response:
+    _router(request).metrics.refused.labels("cudasharedmemory").inc()
+    raise SharedMemoryError(grpc.StatusCode.UNIMPLEMENTED, CUDA_REFUSAL)
+
+
 async def refused(request: web.Request) -> web.Response:
     _router(request).metrics.refused.labels(request.path.split("/")[2] if request.path.count("/") > 1 else "?").inc()
     raise PermissionDenied(
         f"{request.method} {request.path} is not available on the public port: model control, "
-        "repository, shared-memory, log and trace APIs go through the control plane (mmctl)")
+        "repository, log and trace APIs go through the control plane (mmctl)")
 
 
 def make_http_app(router: Router) -> web.Application:
@@ -355,8 +438,16 @@ def make_http_app(router: Router) -> web.Application:
         web.get("/health/{model}", model_health),
         web.get("/metrics", metrics),
         web.route("*", "/v2/repository/{tail:.*}", refused),
-        web.route("*", "/v2/systemsharedmemory{tail:.*}", refused),
-        web.route("*", "/v2/cudasharedmemory{tail:.*}", refused),
+        web.get("/v2/systemsharedmemory/status", shm_status),
+        web.get("/v2/systemsharedmemory/region/{name}/status", shm_status),
+        web.post("/v2/systemsharedmemory/region/{name}/register", shm_register),
+        web.post("/v2/systemsharedmemory/region/{name}/unregister", shm_unregister),
+        web.post("/v2/systemsharedmemory/unregister", shm_unregister),
+        web.get("/v2/cudasharedmemory/status", cuda_shm_status),
+        web.get("/v2/cudasharedmemory/region/{name}/status", cuda_shm_status),
+        web.post("/v2/cudasharedmemory/region/{name}/register", cuda_shm_register),
+        web.post("/v2/cudasharedmemory/region/{name}/unregister", shm_noop),
+        web.post("/v2/cudasharedmemory/unregister", shm_noop),
         web.route("*", "/v2/logging", refused),
         web.route("*", "/v2/trace/setting", refused),
         web.route("*", m + "/trace/setting", refused),

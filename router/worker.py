@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
     p.add_argument("--load-timeout", type=float, default=120.0)
     p.add_argument("--shadow-log-dir", type=Path, default=None)
+    p.add_argument("--shared-memory-dir", type=Path, default=None,
+                   help="Clients' system shared-memory registrations, shared with the other workers "
+                        "of this host (default: this worker's own).")
     p.add_argument("--ready-file", type=Path, default=None,
                    help="Written once the ports are bound (the supervisor waits for it).")
     p.add_argument("--log-level", default="INFO")
@@ -61,7 +64,8 @@ async def serve(args: argparse.Namespace) -> None:
     await state.start()
     router = Router(state, state.table, RouterConfig(
         load_timeout_s=args.load_timeout, max_request_bytes=args.max_request_bytes,
-        shadow_log_dir=args.shadow_log_dir, canary_interval_s=0), names=state.names)
+        shadow_log_dir=args.shadow_log_dir, canary_interval_s=0,
+        shared_memory_dir=args.shared_memory_dir), names=state.names)
     router.stats = state  # outcomes are judged by the control plane, over every worker
 
     def refreshed() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -344,6 +345,10 @@ def supervise(cfg, log_level: str) -> int:
     config_file.write_text(config_to_json(cfg))
     admin_url = f"http://{_connect_host(cfg.admin_host)}:{cfg.admin_port}"
     metrics_dir = run_dir / "metrics"
+    # Clients' shared-memory registrations, shared by the workers; a previous run's name
+    # memory of clients that have gone (Triton forgets them on a restart too).
+    shared_memory_dir = run_dir / "shared-memory"
+    shutil.rmtree(shared_memory_dir, ignore_errors=True)
     secrets = {"MMCTL_STATE_URL": cfg.state_url, "MMCTL_TRITON_ADMIN_KEY": cfg.triton_admin_key}
     control_plane = Child("control-plane", "control-plane", python_module(
         "control_plane.runtime.service", "--config", str(config_file), "--log-level", log_level),
@@ -355,6 +360,7 @@ def supervise(cfg, log_level: str) -> int:
             "--grpc-port", str(cfg.router_grpc_port), "--http-port", str(cfg.router_http_port),
             "--max-request-bytes", str(cfg.max_request_bytes), "--load-timeout", str(cfg.load_wait_timeout_s),
             "--shadow-log-dir", str(cfg.state_dir / "shadow" / f"w{i}"),
+            "--shared-memory-dir", str(shared_memory_dir),
             "--ready-file", str(run_dir / f"w{i}.ready"), "--log-level", log_level),
             worker_env, ready_file=run_dir / f"w{i}.ready")
         for i in range(cfg.router_workers)]

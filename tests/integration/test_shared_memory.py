@@ -1,0 +1,220 @@
+"""System shared memory through the router, as Triton serves it: the same client calls (the
+ones Triton's shared-memory example clients make) against a real tritonserver directly and
+through `mmctl up` with two router workers give the same outputs, in the same regions, and
+the same status codes and texts for every mistake.  CUDA shared memory is refused with what
+to use instead."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
+
+from control_plane.triton.process import TritonLaunchConfig, TritonProcess
+from tests.integration.test_fidelity import copy_model
+from tests.product import Product
+
+pytestmark = pytest.mark.integration
+
+CLIENTS = {"grpc": grpcclient, "http": httpclient}
+A = np.arange(16, dtype=np.int32)
+B = np.full(16, 3, dtype=np.int32)
+TENSOR_BYTES = A.nbytes
+
+
+@pytest.fixture(scope="module")
+def urls(tmp_path_factory):
+    """{"direct": (grpc, http), "routed": (grpc, http)}"""
+    root = tmp_path_factory.mktemp("shm")
+    copy_model(root / "direct", "simple")
+    copy_model(root / "repository", "simple")
+    triton = TritonProcess(TritonLaunchConfig(repository=root / "direct", work_dir=root / "triton"))
+    triton.start()
+    product = Product(root / "state", root / "repository", "--router-workers", "2")
+    try:
+        product.start()
+        grpcclient.InferenceServerClient(triton.grpc_url).load_model("simple")
+        endpoints = product.json("endpoints")
+        yield {"direct": (triton.grpc_url, triton.http_url),
+               "routed": (endpoints["router_grpc"], endpoints["router_http"])}
+    finally:
+        product.stop()
+        triton.stop()
+
+
+@pytest.fixture
+def regions():
+    """Two POSIX shared-memory objects of the client: inputs (A then B) and outputs."""
+    tag = uuid.uuid4().hex[:8]
+    made = {}
+    for role, size in (("in", 2 * TENSOR_BYTES), ("out", 2 * TENSOR_BYTES)):
+        made[role] = (f"/mms_test_{role}_{tag}", shm.create_shared_memory_region(
+            f"{role}_{tag}", f"/mms_test_{role}_{tag}", size))
+    shm.set_shared_memory_region(made["in"][1], [A, B])
+    yield made
+    for _key, handle in made.values():
+        shm.destroy_shared_memory_region(handle)
+
+
+def client(urls, side: str, protocol: str):
+    grpc_url, http_url = urls[side]
+    return CLIENTS[protocol].InferenceServerClient(grpc_url if protocol == "grpc" else http_url)
+
+
+def outcome(call, *args, **kwargs):
+    try:
+        return "OK", call(*args, **kwargs)
+    except InferenceServerException as exc:
+        return str(exc.status()), exc.message()
+
+
+def shm_input(module, name: str, region: str, offset: int, byte_size: int = TENSOR_BYTES):
+    tensor = module.InferInput(name, [16], "INT32")
+    tensor.set_shared_memory(region, byte_size, offset=offset)
+    return tensor
+
+
+def shm_output(module, name: str, region: str, offset: int, byte_size: int = TENSOR_BYTES):
+    kwargs = {"binary_data": True} if module is httpclient else {}
+    output = module.InferRequestedOutput(name, **kwargs)
+    output.set_shared_memory(region, byte_size, offset=offset)
+    return output
+
+
+def answer_outputs(result, protocol: str):
+    """The outputs of an answer as the client sees them, and any data it carries."""
+    if protocol == "grpc":
+        response = result.get_response()
+        return ([(o.name, o.datatype, list(o.shape), dict(o.parameters)) for o in response.outputs],
+                list(response.raw_output_contents))
+    return result.get_response()["outputs"]
+
+
+def session(urls, side: str, protocol: str, regions) -> list:
+    """One client's shared-memory session; returns what it saw, step by step."""
+    c = client(urls, side, protocol)
+    m = CLIENTS[protocol]
+    (in_key, _), (out_key, out_handle) = regions["in"], regions["out"]
+    seen = []
+
+    def step(label, value):
+        seen.append((label, value))
+
+    def outputs():
+        return [shm.get_contents_as_numpy(out_handle, np.int32, [16], offset=o).tolist()
+                for o in (0, TENSOR_BYTES)]
+
+    def clear_outputs():
+        shm.set_shared_memory_region(out_handle, [np.zeros(32, dtype=np.int32)])
+
+    c.unregister_system_shared_memory()
+    step("register in", outcome(c.register_system_shared_memory, "input_data", in_key, 2 * TENSOR_BYTES)[0])
+    step("register out", outcome(c.register_system_shared_memory, "output_data", out_key, 2 * TENSOR_BYTES)[0])
+    status = c.get_system_shared_memory_status()
+    if protocol == "grpc":
+        status = [{"name": r.name, "key": r.key, "byte_size": r.byte_size} for r in status.regions.values()]
+    step("status", sorted((r["name"], r["key"], int(r["byte_size"])) for r in status))
+
+    # Every input and output in shared memory (simple_*_shm_client).
+    clear_outputs()
+    code, result = outcome(c.infer, "simple",
+                           [shm_input(m, "INPUT0", "input_data", 0),
+                            shm_input(m, "INPUT1", "input_data", TENSOR_BYTES)],
+                           outputs=[shm_output(m, "OUTPUT0", "output_data", 0),
+                                    shm_output(m, "OUTPUT1", "output_data", TENSOR_BYTES)])
+    step("all in shm", code)
+    step("all in shm: outputs in the region", outputs())
+    step("all in shm: the answer's outputs, without data", answer_outputs(result, protocol))
+
+    # Mixed: one input inline, one output in the answer.
+    clear_outputs()
+    inline = m.InferInput("INPUT1", [16], "INT32")
+    inline.set_data_from_numpy(B * 2)
+    code, result = outcome(c.infer, "simple", [shm_input(m, "INPUT0", "input_data", 0), inline],
+                           outputs=[shm_output(m, "OUTPUT0", "output_data", 0),
+                                    m.InferRequestedOutput("OUTPUT1")])
+    step("mixed", code)
+    step("mixed: OUTPUT0 in the region", outputs()[0])
+    step("mixed: OUTPUT1 in the answer", result.as_numpy("OUTPUT1").tolist())
+
+    # Mistakes, each with Triton's code and text.
+    step("register twice", outcome(c.register_system_shared_memory, "input_data", in_key, 2 * TENSOR_BYTES))
+    step("register a key that is no region",
+         outcome(c.register_system_shared_memory, "nokey", "/mms_test_no_such_key", 64))
+    step("register past the end", outcome(c.register_system_shared_memory, "big", in_key, 4096))
+    step("register an offset past the end",
+         outcome(c.register_system_shared_memory, "far", in_key, 64, offset=4096))
+    step("status of an unknown region", outcome(c.get_system_shared_memory_status, "nosuch")[1:])
+    step("infer from an unknown region",
+         outcome(c.infer, "simple", [shm_input(m, "INPUT0", "nosuch", 0),
+                                     shm_input(m, "INPUT1", "input_data", TENSOR_BYTES)]))
+    step("infer past the region's end",
+         outcome(c.infer, "simple", [shm_input(m, "INPUT0", "input_data", TENSOR_BYTES + 8),
+                                     shm_input(m, "INPUT1", "input_data", 0)]))
+    step("output region too small",
+         outcome(c.infer, "simple", [shm_input(m, "INPUT0", "input_data", 0),
+                                     shm_input(m, "INPUT1", "input_data", TENSOR_BYTES)],
+                 outputs=[shm_output(m, "OUTPUT0", "output_data", 0, byte_size=TENSOR_BYTES // 2)]))
+    step("unregister an unknown region", outcome(c.unregister_system_shared_memory, "nosuch")[0])
+    step("unregister one", outcome(c.unregister_system_shared_memory, "output_data")[0])
+    step("infer into an unregistered region",
+         outcome(c.infer, "simple", [shm_input(m, "INPUT0", "input_data", 0),
+                                     shm_input(m, "INPUT1", "input_data", TENSOR_BYTES)],
+                 outputs=[shm_output(m, "OUTPUT0", "output_data", 0)]))
+    step("unregister all", outcome(c.unregister_system_shared_memory)[0])
+    status = c.get_system_shared_memory_status()
+    step("status after", len(status.regions) if protocol == "grpc" else len(status))
+    return seen
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_shared_memory_session_as_against_triton(urls, regions, protocol):
+    direct = session(urls, "direct", protocol, regions)
+    routed = session(urls, "routed", protocol, regions)
+    assert dict(direct)["all in shm: outputs in the region"] == [(A + B).tolist(), (A - B).tolist()]
+    assert dict(direct)["mixed: OUTPUT1 in the answer"] == (A - 2 * B).tolist()
+    assert dict(direct)["all in shm"] == "OK"
+    for (label, want), (_, got) in zip(direct, routed, strict=True):
+        assert got == want, f"{label}: Triton {want!r}, router {got!r}"
+
+
+def test_registration_reaches_every_worker(urls, regions):
+    """Registered on one connection, used and unregistered on fresh connections, which the
+    kernel spreads over both router workers."""
+    (in_key, _), (out_key, out_handle) = regions["in"], regions["out"]
+    first = client(urls, "routed", "grpc")
+    first.unregister_system_shared_memory()
+    first.register_system_shared_memory("input_data", in_key, 2 * TENSOR_BYTES)
+    first.register_system_shared_memory("output_data", out_key, 2 * TENSOR_BYTES)
+    for i in range(12):
+        protocol = ("grpc", "http")[i % 2]
+        m = CLIENTS[protocol]
+        fresh = client(urls, "routed", protocol)
+        fresh.infer("simple", [shm_input(m, "INPUT0", "input_data", 0),
+                               shm_input(m, "INPUT1", "input_data", TENSOR_BYTES)],
+                    outputs=[shm_output(m, "OUTPUT0", "output_data", 0)])
+        assert shm.get_contents_as_numpy(out_handle, np.int32, [16]).tolist() == (A + B).tolist()
+        shm.set_shared_memory_region(out_handle, [np.zeros(16, dtype=np.int32)])
+    client(urls, "routed", "http").unregister_system_shared_memory("input_data")
+    for _ in range(6):
+        code, message = outcome(client(urls, "routed", "grpc").infer, "simple",
+                                [shm_input(grpcclient, "INPUT0", "input_data", 0),
+                                 shm_input(grpcclient, "INPUT1", "input_data", TENSOR_BYTES)])
+        assert (code, message) == ("StatusCode.NOT_FOUND", "Unable to find shared memory region: 'input_data'")
+    first.unregister_system_shared_memory()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_cuda_shared_memory_refused_with_what_to_use(urls, protocol):
+    c = client(urls, "routed", protocol)
+    status = c.get_cuda_shared_memory_status()
+    assert (len(status.regions) if protocol == "grpc" else len(status)) == 0
+    code, message = outcome(c.register_cuda_shared_memory, "gpu_region", b"AAAA", 0, 64)
+    assert code in ("StatusCode.UNIMPLEMENTED", "501"), (code, message)
+    assert "system shared memory" in message and "send the tensors in the request" in message
+    c.unregister_cuda_shared_memory()  # nothing registered: no error, as on Triton
