@@ -27,6 +27,15 @@ def refuse_family_control(parameters) -> None:
                                "the public port; use mmctl load/unload/pin")
 
 
+def routing_shown(asked: str, decision: Decision) -> bool:
+    """Whether the answer says how it was routed (``parameters``: model, variant, experiment,
+    adapter).  A request for a model served as itself gets Triton's answer unchanged, so a
+    client cannot tell the router from Triton; one that a route, an experiment, a canary,
+    an adapter or a registry version answered says which."""
+    return (decision.model != asked or decision.variant != "default" or bool(decision.experiment)
+            or decision.adapter is not None)
+
+
 class Forwarding:
     """Needs ``table``, ``names``, ``shadow``, ``_suffixes``, ``_suffixes_of`` and
     ``_name_overrides``, and from the other mixins ``serving``, ``send``, ``raw_infer``,
@@ -64,13 +73,14 @@ class Forwarding:
             response.model_name = asked
             if public_version is not None:
                 response.model_version = public_version
-            params = response.parameters
-            params["model"].string_param = public_model
-            params["variant"].string_param = decision.variant
-            if decision.experiment:
-                params["experiment"].string_param = decision.experiment
-            if decision.adapter is not None:
-                params["adapter"].string_param = decision.adapter
+            if routing_shown(asked, decision):
+                params = response.parameters
+                params["model"].string_param = public_model
+                params["variant"].string_param = decision.variant
+                if decision.experiment:
+                    params["experiment"].string_param = decision.experiment
+                if decision.adapter is not None:
+                    params["adapter"].string_param = decision.adapter
             if shadow_request is not None:
                 self.shadow.offer(ShadowItem(decision.logical.split(":", 1)[0], decision.shadow,
                                              shadow_request.SerializeToString(),
@@ -125,7 +135,7 @@ class Forwarding:
             return response + self._response_suffix(asked, decision)
 
     def _response_suffix(self, asked: str, decision: Decision) -> bytes:
-        """Serialized name, version and routing parameters, appended to Triton's response
+        """Serialized name, version and routing parameters (``routing_shown``), appended to Triton's response
         bytes.
 
         Protobuf merges concatenated messages (the last value of a singular field wins, map
@@ -144,12 +154,13 @@ class Forwarding:
             r = service_pb2.ModelInferResponse(model_name=asked)
             if public_version is not None:
                 r.model_version = public_version
-            r.parameters["model"].string_param = public_model
-            r.parameters["variant"].string_param = decision.variant
-            if decision.experiment:
-                r.parameters["experiment"].string_param = decision.experiment
-            if decision.adapter is not None:
-                r.parameters["adapter"].string_param = decision.adapter
+            if routing_shown(asked, decision):
+                r.parameters["model"].string_param = public_model
+                r.parameters["variant"].string_param = decision.variant
+                if decision.experiment:
+                    r.parameters["experiment"].string_param = decision.experiment
+                if decision.adapter is not None:
+                    r.parameters["adapter"].string_param = decision.adapter
             if len(self._suffixes) >= BYTES_CACHE_MAX:  # keys include client-chosen adapters
                 self._suffixes.clear()
             suffix = self._suffixes[key] = r.SerializeToString()

@@ -22,7 +22,11 @@ log = logging.getLogger(__name__)
 
 SERVER_NAME = "triton"  # what Triton clients expect to see
 SERVER_VERSION = "2.51.0"
-EXTENSIONS = ["classification", "model_configuration", "system_shared_memory", "statistics", "parameters"]
+# Triton's extensions that the public port offers, in Triton's order: not model_repository,
+# trace, logging (control, refused here) or cuda_shared_memory (refused, see
+# router.shared_memory).
+EXTENSIONS = ["classification", "sequence", "schedule_policy", "model_configuration",
+              "system_shared_memory", "binary_tensor_data", "parameters", "statistics"]
 
 
 def _metadata_user_id(context) -> str | None:

@@ -37,7 +37,7 @@ from router.errors import (
     from_control_plane,
     parse_version,
 )
-from router.forward import refuse_family_control
+from router.forward import refuse_family_control, routing_shown
 from router.grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
 from router.http_request import HEADER_LENGTH, check_adapter, read_infer_request, with_parameters
 from router.http_request_checks import json_kind
@@ -295,12 +295,13 @@ async def infer(request: web.Request) -> web.Response:
             binary = router.shared_memory.deliver_json(out, binary, output_places)
             resp_header_len = resp_header_len if binary else None
         public_model, public_version = router.public_identity(decision)
-        params = out.setdefault("parameters", {})
-        params.update(model=public_model, variant=decision.variant)
-        if decision.experiment:
-            params["experiment"] = decision.experiment
-        if decision.adapter is not None:
-            params["adapter"] = decision.adapter
+        if routing_shown(asked, decision):
+            params = out.setdefault("parameters", {})
+            params.update(model=public_model, variant=decision.variant)
+            if decision.experiment:
+                params["experiment"] = decision.experiment
+            if decision.adapter is not None:
+                params["adapter"] = decision.adapter
         out["model_name"] = asked
         if public_version is not None:
             out["model_version"] = public_version

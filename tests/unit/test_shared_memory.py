@@ -25,7 +25,7 @@ def region():
 
 
 def test_two_workers_share_registrations(tmp_path, region):
-    key, handle = region
+    key, _handle = region
     one, other = SystemSharedMemory(tmp_path), SystemSharedMemory(tmp_path)
     one.register("r", key, 0, 64)
     assert other.read("r", 4, 8) == np.arange(1, 3, dtype=np.int32).tobytes()
