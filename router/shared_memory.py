@@ -95,11 +95,17 @@ def loopback_peer(address: str | None) -> bool:
         return False
 
 
+# Objects of the serving processes themselves (Triton's python-backend stubs, PostgreSQL,
+# POSIX semaphores): a client may not name them as its region.
+PRIVATE_PREFIXES = ("triton_python_backend", "PostgreSQL", "sem.")
+
+
 def _object_path(key: str) -> Path | None:
     """The file of POSIX shared-memory object ``key`` (shm_open's name), or None for a key
-    that names no object in /dev/shm (a path, "..")."""
+    that names no client object in /dev/shm (a path, "..", a serving process's own)."""
     name = key.removeprefix("/")
-    if not name or "/" in name or name in (".", "..") or "\0" in name:
+    if (not name or "/" in name or name in (".", "..") or "\0" in name
+            or name.startswith(PRIVATE_PREFIXES)):
         return None
     return SHM_ROOT / name
 

@@ -45,7 +45,7 @@ def test_two_workers_share_registrations(tmp_path, region):
 
 def test_keys_that_name_no_shared_memory_object_are_refused(tmp_path):
     memory = SystemSharedMemory(tmp_path)
-    for key in ("/../etc/passwd", "/a/b", "/", "/.."):
+    for key in ("/../etc/passwd", "/a/b", "/", "/..", "/triton_python_backend_shm_region_1", "/sem.x"):
         with pytest.raises(SharedMemoryError, match="Unable to open shared memory region"):
             memory.register("r", key, 0, 4)
     assert memory.status() == []
