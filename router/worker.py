@@ -24,6 +24,7 @@ from aiohttp import web
 from router.core import Router, RouterConfig
 from router.grpc_frontend import start_grpc
 from router.http_frontend import make_http_app
+from router.http_site import HalfCloseTCPSite
 from router.state_client import GrantedLimiter, RemoteState
 
 log = logging.getLogger("router.worker")
@@ -81,7 +82,7 @@ async def serve(args: argparse.Namespace) -> None:
                                               reuse_port=True)
     runner = web.AppRunner(make_http_app(router), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.http_port, reuse_port=True).start()
+    await HalfCloseTCPSite(runner, args.host, args.http_port, reuse_port=True).start()
     log.info("router worker %s (pid %d): gRPC %s:%d, HTTP %s:%d, snapshot %d", args.worker, os.getpid(),
              args.host, grpc_port, args.host, args.http_port, state.version)
     if args.ready_file is not None:

@@ -268,6 +268,7 @@ class Service(TritonLaunching):
         from router.core import Router, RouterConfig
         from router.grpc_frontend import start_grpc
         from router.http_frontend import make_http_app
+        from router.http_site import HalfCloseTCPSite
         from router.public_names import PublicNames
         from router.routes import RouteTable
         from router.state_writer import BackgroundStore
@@ -291,7 +292,7 @@ class Service(TritonLaunching):
             self.router, cfg.router_host, cfg.router_grpc_port, cfg.max_request_bytes)
         self.router_runner = web.AppRunner(make_http_app(self.router), access_log=None)
         await self.router_runner.setup()
-        await web.TCPSite(self.router_runner, cfg.router_host, cfg.router_http_port).start()
+        await HalfCloseTCPSite(self.router_runner, cfg.router_host, cfg.router_http_port).start()
         http_port = self.router_runner.addresses[0][1]
         endpoints["router_grpc"] = f"{cfg.router_host}:{grpc_port}"
         endpoints["router_http"] = f"{cfg.router_host}:{http_port}"
