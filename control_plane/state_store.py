@@ -1,10 +1,11 @@
 """Durable control-plane state: pins, per-model history and a key-value table, in the
 state store (an embedded SQLite file by default, a shared PostgreSQL with --state-url).
 
-Small writes, called from the event-loop thread (a few hundred microseconds on local disk,
-about a millisecond to a PostgreSQL on the network, far below a model load).  What Triton
-has loaded is *not* trusted from here: on start the manager reconciles with each server's
-index.
+Small writes (a few hundred microseconds on local disk, about a millisecond to a
+PostgreSQL on the network), but one that waits in the database (a lock, a slow disk) must
+not stall the event loop: the manager and the admin API write through
+``Database.off_loop``, in order, in the store's own thread.  What Triton has loaded is
+*not* trusted from here: on start the manager reconciles with each server's index.
 """
 
 from __future__ import annotations

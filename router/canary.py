@@ -13,6 +13,13 @@ progress (stage, status, failed-check count), not on every "hold" or "pass"; the
 service gives the route table writes in its own thread.  A restart resumes from the last
 change (the holds since then are only in the log).
 
+The observations a check judges are saved too: each running canary's window (since its
+stage began) goes to the route table's store under ``WINDOW_KEY_PREFIX + name`` when it
+changed, at most every ``WINDOW_SAVE_INTERVAL_S``, and a new controller (a restart, or a
+standby control plane that takes over) restores it, so the next check goes on from the
+requests seen before instead of starting over.  A takeover loses at most the outcomes of
+the last interval.
+
 Promotion has one source of truth: when the candidate is a registry version of the route's
 model, ``on_promote(route, candidate)`` makes it the registry's production version and the
 route keeps no alias of its own; otherwise the route gets an alias to the candidate.
@@ -20,6 +27,7 @@ route keeps no alias of its own; otherwise the route gets an alias to the candid
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +40,10 @@ log = logging.getLogger(__name__)
 # Slack added to the relative error gate so a baseline with 0 errors does not turn one
 # canary error into a failure.
 RELATIVE_ERROR_SLACK = 0.01
+WINDOW_KEY_PREFIX = "router.canary_window."
+# A full window is ~1 MB to encode and write; more often would cost the serving loop more
+# than the few seconds of outcomes a takeover could lose.
+WINDOW_SAVE_INTERVAL_S = 2.0
 
 
 def gate_failures(c: Canary, cand: WindowSummary, base: WindowSummary) -> list[str]:
@@ -63,6 +75,10 @@ def _progress(c: Canary) -> tuple:
     return c.status, c.stage_index, c.stage_started_at, c.failed_checks
 
 
+def window_key(route: str) -> str:
+    return WINDOW_KEY_PREFIX + route
+
+
 class CanaryController:
     def __init__(self, table: RouteTable, stats: StatsBook, clock: Callable[[], float] = time.time,
                  on_promote: OnPromote | None = None):
@@ -70,6 +86,9 @@ class CanaryController:
         self.stats = stats
         self.clock = clock
         self.on_promote = on_promote
+        # route -> (stats revision, stage start, when) of the window last saved for it
+        self._saved: dict[str, tuple[int, float, float]] = {}
+        self._restore_windows()
 
     def step(self) -> None:
         now = self.clock()
@@ -81,6 +100,62 @@ class CanaryController:
                 self._check(route, c, now)
             except Exception:  # one broken canary never stops the others
                 log.exception("canary check of %s failed", route.name)
+        self._save_windows(now)
+
+    # ------------------------------------------------------------------ saved windows
+    def _restore_windows(self) -> None:
+        store = self.table.store
+        if store is None:
+            return
+        for route in self.table.routes.values():
+            c = route.canary
+            if c is None or c.status != "running":
+                continue
+            scope = f"canary:{route.name}"
+            text = store.get(window_key(route.name))
+            if not text:
+                continue
+            try:
+                # Samples from before the current stage (it moved on after the save) stay
+                # out of every check: a window starts at the stage's start.
+                self.stats.restore(scope, json.loads(text)["variants"])
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.error("canary %s: its saved statistics window is unreadable (%s); it is "
+                          "judged on new requests only", route.name, exc)
+                continue
+            self._saved[route.name] = (self.stats.revision(scope), c.stage_started_at, self.clock())
+            log.info("canary %s: restored its statistics window (%s)", route.name,
+                     {v: s["requests"] for v, s in self.stats.scope(scope).items()})
+
+    def _save_windows(self, now: float) -> None:
+        """Write each running canary's window when it changed and its last write is older
+        than ``WINDOW_SAVE_INTERVAL_S`` (at once when its stage moved on)."""
+        store = self.table.store
+        if store is None:
+            return
+        for route in list(self.table.routes.values()):
+            c = route.canary
+            if c is None or c.status != "running":
+                if route.name in self._saved:  # over: its window is of no use to anyone
+                    store.put(window_key(route.name), "")
+                    del self._saved[route.name]
+                continue
+            scope = f"canary:{route.name}"
+            revision = self.stats.revision(scope)
+            last = self._saved.get(route.name)
+            if last is None and not self.stats.outcomes(scope):
+                continue  # nothing seen yet, nothing saved: nothing to write
+            if last is not None and (last[:2] == (revision, c.stage_started_at)
+                                     or (last[1] == c.stage_started_at
+                                         and now - last[2] < WINDOW_SAVE_INTERVAL_S)):
+                continue
+            try:
+                store.put(window_key(route.name), json.dumps(
+                    {"variants": self.stats.saved(scope, c.stage_started_at)}, separators=(",", ":")))
+            except Exception:  # the judgement goes on; the next step tries again
+                log.exception("saving the statistics window of canary %s failed", route.name)
+                continue
+            self._saved[route.name] = (revision, c.stage_started_at, now)
 
     def _decide(self, route: Route, c: Canary, now: float, decision: str, **numbers) -> None:
         entry = {"at": now, "decision": decision, "stage": c.stage_index, "percent": c.percent,

@@ -266,21 +266,32 @@ async def infer(request: web.Request) -> web.Response:
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         if header_length is not None:
             headers[HEADER_LENGTH] = str(header_length)
-        try:
-            payload, status, resp_header_len, content_type = await _post(
-                request.app[SESSION_KEY], server, path, body, headers)
-            for _ in range(MAX_RESENDS):
-                if status != 404 or not payload.startswith(UNLOADED_BODY):
-                    break
-                # Unloaded between placement and send: load again, send once more.
-                server = await router.resend_after_unload(call)
+        resends = 0
+        while True:
+            try:
                 payload, status, resp_header_len, content_type = await _post(
                     request.app[SESSION_KEY], server, path, body, headers)
-        except aiohttp.ClientConnectionError as exc:
-            call.code = "UNAVAILABLE"
-            raise BackendUnavailable(
-                f"Triton {server.name} at {server.http_url} is unavailable ({exc}); "
-                "the control plane restarts it, retry shortly") from exc
+            except aiohttp.ClientConnectionError as exc:
+                unavailable = BackendUnavailable(
+                    f"Triton {server.name} at {server.http_url} is unavailable ({exc}); "
+                    "the control plane restarts it, retry shortly")
+                if resends >= MAX_RESENDS:
+                    call.code = "UNAVAILABLE"
+                    raise unavailable from exc
+                # Its server is down: placed on one that is up, sent there (router.send).
+                resends += 1
+                try:
+                    server = await router.resend_after_unavailable(call, server)
+                except BackendUnavailable:
+                    call.code = "UNAVAILABLE"
+                    raise unavailable from exc
+                continue
+            if status == 404 and payload.startswith(UNLOADED_BODY) and resends < MAX_RESENDS:
+                # Unloaded between placement and send: load again, send once more.
+                resends += 1
+                server = await router.resend_after_unload(call)
+                continue
+            break
         asked = request.match_info["model"]
         if status != 200:
             call.code = "INVALID_ARGUMENT" if status == 400 else f"HTTP_{status}"

@@ -1,6 +1,7 @@
 """Serving one request and sending it to Triton: find the server that holds the model
 (asking the control plane to load it on a miss), send, send once more after an ensure when
-Triton unloaded the model in between, turn Triton's failures into the client's answer, and
+Triton unloaded the model in between or its server could not be reached (the control plane
+places it on a server that is up), turn Triton's failures into the client's answer, and
 record the outcome.  Mixed into ``router.core.Router``.
 
 Every retry of a request sent to Triton lives here (``send``, ``resend_after_unload``);
@@ -83,19 +84,27 @@ class Sending:
         return self.stub(server).ModelInfer
 
     # ------------------------------------------------------------------ where
-    async def server_for(self, model: str, asked: str | None = None, fresh: bool = False) -> ServerAddress:
+    async def server_for(self, model: str, asked: str | None = None, fresh: bool = False,
+                         unreachable: str | None = None) -> ServerAddress:
         """The server with ``model`` READY; waits (bounded) for a load on a miss.
 
         ``fresh``: ask the control plane even if this process believes the model loaded
-        (Triton just said it is not).  Errors name ``asked``, the model as the client knows it."""
+        (Triton just said it is not).  ``unreachable``: the server this request could not
+        reach.  A model on a server the control plane reports down is a miss too: the
+        control plane places it on one that is up.  Errors name ``asked``, the model as the
+        client knows it."""
         server = None if fresh else self.state.ready_server(model)
         if server is not None:
-            return server
+            if server.up:
+                return server
+            unreachable = server.name
         asked = asked or model
         start = time.perf_counter()
         counted = False
         try:
-            server = await asyncio.wait_for(self.state.ensure(model), self.config.load_timeout_s)
+            ensuring = (self.state.ensure(model) if unreachable is None
+                        else self.state.ensure(model, unreachable=unreachable))
+            server = await asyncio.wait_for(ensuring, self.config.load_timeout_s)
             counted = True
         except RouterError:
             counted = True
@@ -174,8 +183,9 @@ class Sending:
     async def send(self, call: Call, rpc: Callable[[ServerAddress], Callable], message,
                    timeout_s: float | None, asked: str):
         """``rpc(server)(message)`` on the call's server; once more, after an ensure, when
-        Triton unloaded the model in between.  ``rpc``: ``raw_infer`` or ``typed_infer``.
-        Raises RouterError with Triton's answer about ``asked``, the name the client used."""
+        Triton unloaded the model in between or could not be reached.  ``rpc``:
+        ``raw_infer`` or ``typed_infer``.  Raises RouterError with Triton's answer about
+        ``asked``, the name the client used."""
         server = call.server
         timeout = timeout_s or self.config.request_timeout_s
         deadline = time.monotonic() + timeout
@@ -185,13 +195,28 @@ class Sending:
                 try:
                     return await rpc(server)(message, timeout=max(0.001, deadline - time.monotonic()))
                 except grpc.aio.AioRpcError as exc:
+                    if resends >= MAX_RESENDS or time.monotonic() >= deadline:
+                        raise
                     # Unloaded between placement and send (under thrash, again after a
                     # resend): have it loaded again, within the request's deadline.
-                    if (not unloaded_under(exc) or resends >= MAX_RESENDS
-                            or time.monotonic() >= deadline):
+                    if unloaded_under(exc):
+                        resend = self.resend_after_unload(call)
+                    # The server is down (its node died): the control plane places the
+                    # model on a server that is up, so the request does not fail until the
+                    # server is declared lost.  A Triton that cannot be reached did not run
+                    # the request; one whose connection broke mid-request may have, and
+                    # inference is sent again as a client retry would send it.
+                    elif exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        try:
+                            resends += 1
+                            server = await self.resend_after_unavailable(call, server)
+                            continue
+                        except BackendUnavailable:
+                            raise exc from None  # nowhere else to serve it: Triton's own answer
+                    else:
                         raise
                 resends += 1
-                server = await self.resend_after_unload(call)
+                server = await resend
         except grpc.aio.AioRpcError as exc:
             self._reraise(call, server, exc, asked)
 
@@ -199,6 +224,15 @@ class Sending:
         """Triton no longer holds the model the request was sent to (evicted in between):
         have it loaded again and return where; the caller sends once more."""
         call.server = await self.server_for(call.decision.model, call.decision.logical, fresh=True)
+        call.ready_at = time.perf_counter()
+        return call.server
+
+    async def resend_after_unavailable(self, call: Call, server: ServerAddress) -> ServerAddress:
+        """``server`` could not be reached for the request: the control plane checks it and,
+        when it is down, places the model on a server that is up; returns where to send
+        once more (``server`` again when it was alive after all)."""
+        call.server = await self.server_for(call.decision.model, call.decision.logical, fresh=True,
+                                            unreachable=server.name)
         call.ready_at = time.perf_counter()
         return call.server
 

@@ -36,8 +36,10 @@ class ServingState(Protocol):
     def ready_server(self, model: str) -> ServerAddress | None:
         """The server that has ``model`` READY now, from what this process knows."""
 
-    async def ensure(self, model: str) -> ServerAddress:
-        """Have ``model`` loaded (ControlPlaneError subclasses when it cannot be)."""
+    async def ensure(self, model: str, unreachable: str | None = None) -> ServerAddress:
+        """Have ``model`` loaded (ControlPlaneError subclasses when it cannot be).
+        ``unreachable``: the server a request for it could not reach; the control plane
+        places the model on another server when that one is down."""
 
     def touch(self, model: str) -> None:
         """``model`` served a request (drives the eviction policy)."""
@@ -74,9 +76,11 @@ class LocalState:
         server = self.manager.ready_server_of(model)
         return None if server is None else self._address(server)
 
-    async def ensure(self, model: str) -> ServerAddress:
+    async def ensure(self, model: str, unreachable: str | None = None) -> ServerAddress:
         # Shielded: a client that gives up does not cancel a load others may wait for.
-        server = await asyncio.shield(self.manager.ensure_for_request(model))
+        ensuring = (self.manager.ensure_for_request(model) if unreachable is None
+                    else self.manager.ensure_for_request(model, unreachable=unreachable))
+        server = await asyncio.shield(ensuring)
         return self._address(server)
 
     def touch(self, model: str) -> None:

@@ -94,7 +94,7 @@ class RemoteState:
         self.workers = 1
         self.on_snapshot = lambda: None  # called after each new snapshot is applied
         self.shadow_counts = dict  # () -> route -> cumulative ShadowReport counts
-        self._ensures: dict[str, asyncio.Task] = {}
+        self._ensures: dict[tuple[str, str | None], asyncio.Task] = {}  # (model, unreachable)
         self._uses: collections.Counter[str] = collections.Counter()
         self._requests = 0
         self._samples: collections.deque = collections.deque(maxlen=MAX_PENDING_SAMPLES)
@@ -194,14 +194,18 @@ class RemoteState:
         name = self.placement.get(model)
         return None if name is None else self.addresses.get(name)
 
-    async def ensure(self, model: str) -> ServerAddress:
-        task = self._ensures.get(model)
+    async def ensure(self, model: str, unreachable: str | None = None) -> ServerAddress:
+        # Requests that could not reach the model's server do not share a plain miss's
+        # answer: it may name that server again.
+        key = (model, unreachable)
+        task = self._ensures.get(key)
         if task is None:
-            task = self._ensures[model] = asyncio.get_running_loop().create_task(self._ensure(model))
-            task.add_done_callback(lambda _t: self._ensures.pop(model, None))
+            task = self._ensures[key] = asyncio.get_running_loop().create_task(
+                self._ensure(model, unreachable))
+            task.add_done_callback(lambda _t: self._ensures.pop(key, None))
         return await asyncio.shield(task)
 
-    async def _ensure(self, model: str) -> ServerAddress:
+    async def _ensure(self, model: str, unreachable: str | None = None) -> ServerAddress:
         # A control plane that is away (restarting under the supervisor, or a standby taking
         # over) is waited for: the miss is asked again, of the next control plane too, until
         # the request's own wait for its load (the router's load timeout) runs out.
@@ -209,7 +213,8 @@ class RemoteState:
         delay = RETRY_MIN_S
         while True:
             try:
-                data = await self._call("POST", "/v1/dataplane/ensure", {"model": model},
+                body = {"model": model} if unreachable is None else {"model": model, "unreachable": unreachable}
+                data = await self._call("POST", "/v1/dataplane/ensure", body,
                                         timeout_s=max(1.0, deadline - time.monotonic()))
                 break
             except ControlPlaneAway as exc:
@@ -222,7 +227,7 @@ class RemoteState:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, ENSURE_RETRY_MAX_S)
         address = ServerAddress(data["server"], data["grpc_url"], data["http_url"], data["up"])
-        self.addresses.setdefault(address.name, address)
+        self.addresses[address.name] = address  # its "up" is newer than the snapshot's
         self.placement = dict(self.placement, **{model: address.name})  # until the next snapshot
         return address
 

@@ -11,10 +11,14 @@ Feeds A/B experiments and canary verdicts, so what it counts is what judges a mo
 Samples live in fixed-size numpy ring buffers, so recording is a few array stores and a
 window summary is a vectorized mask plus a percentile over a bounded sample: it never sorts
 tens of thousands of Python tuples on the serving event loop.
+
+A window can be saved and restored (``VariantStats.saved`` / ``restored``), so another
+process judges the same observations: a standby control plane that takes over a canary.
 """
 
 from __future__ import annotations
 
+import base64
 import enum
 import math
 import time
@@ -120,6 +124,43 @@ class VariantStats:
         self.client_errors += 1
         self.random_assignments += 1 if randomly_assigned else 0
 
+    def _in_time_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The held samples, oldest first (a full ring starts at ``_next``)."""
+        n = self._count
+        order = np.arange(n) if n < self.max_samples else np.roll(np.arange(n), -self._next)
+        return self._at[order], self._latency_ms[order], self._ok[order]
+
+    def saved(self, since: float) -> dict:
+        """The totals and the samples at or after ``since``, JSON-ready (arrays as base64 of
+        their little-endian bytes: a full window is ~1 MB, not tens of MB of JSON numbers)."""
+        at, latency_ms, ok = self._in_time_order()
+        picked = at >= since
+        return {"requests": self.requests, "errors": self.errors,
+                "client_errors": self.client_errors, "random_assignments": self.random_assignments,
+                "at": _packed(at[picked], "<f8"), "latency_ms": _packed(latency_ms[picked], "<f8"),
+                "ok": _packed(ok[picked], "u1")}
+
+    @classmethod
+    def restored(cls, saved: dict, max_samples: int = WINDOW_MAX_SAMPLES) -> VariantStats:
+        """Stats from ``saved()``.  Raises ValueError (or KeyError, TypeError) when it is not
+        what ``saved()`` writes."""
+        at = _unpacked(saved["at"], "<f8")
+        latency_ms = _unpacked(saved["latency_ms"], "<f8")
+        ok = _unpacked(saved["ok"], "u1")
+        if not len(at) == len(latency_ms) == len(ok):
+            raise ValueError(f"saved window arrays differ in length ({len(at)}, {len(latency_ms)}, "
+                             f"{len(ok)})")
+        stats = cls(max_samples)
+        keep = slice(max(0, len(at) - max_samples), None)  # the newest, as the ring would
+        n = len(at[keep])
+        stats._at[:n], stats._latency_ms[:n], stats._ok[:n] = at[keep], latency_ms[keep], ok[keep]
+        stats._count, stats._next = n, n % max_samples
+        stats.requests = int(saved["requests"])
+        stats.errors = int(saved["errors"])
+        stats.client_errors = int(saved["client_errors"])
+        stats.random_assignments = int(saved["random_assignments"])
+        return stats
+
     def window(self, since: float) -> WindowSummary:
         """Requests at or after ``since`` among the last ``max_samples``."""
         n = self._count
@@ -143,6 +184,14 @@ class VariantStats:
                 "p50_ms": summary.p50_ms, "p99_ms": summary.p99_ms}
 
 
+def _packed(values: np.ndarray, dtype: str) -> str:
+    return base64.b64encode(values.astype(dtype).tobytes()).decode("ascii")
+
+
+def _unpacked(text: str, dtype: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text, validate=True), dtype=dtype)
+
+
 class StatsBook:
     """Statistics keyed by (scope, variant), e.g. ("exp:rec-ab", "treatment")."""
 
@@ -151,6 +200,8 @@ class StatsBook:
         self.clock = clock
         self.max_samples = max_samples
         self._stats: dict[tuple[str, str], VariantStats] = {}
+        # Per scope, bumped by every outcome and reset: whether a saved copy is out of date.
+        self._revisions: dict[str, int] = {}
 
     def get(self, scope: str, variant: str) -> VariantStats:
         key = (scope, variant)
@@ -162,6 +213,7 @@ class StatsBook:
     def record(self, scope: str, variant: str, latency_ms: float | None, ok: bool,
                randomly_assigned=False):
         self.get(scope, variant).record(self.clock(), latency_ms, ok, randomly_assigned)
+        self._revisions[scope] = self._revisions.get(scope, 0) + 1
 
     def record_outcome(self, scope: str, variant: str, code: str, served_ms: float | None,
                        randomly_assigned: bool = False) -> Outcome:
@@ -170,6 +222,7 @@ class StatsBook:
         outcome = classify(code, served_ms is not None)
         if outcome is Outcome.CLIENT:
             self.get(scope, variant).record_client_error(randomly_assigned)
+            self._revisions[scope] = self._revisions.get(scope, 0) + 1
         else:
             self.record(scope, variant, served_ms, outcome is Outcome.OK, randomly_assigned)
         return outcome
@@ -180,3 +233,24 @@ class StatsBook:
     def reset(self, scope: str) -> None:
         for key in [k for k in self._stats if k[0] == scope]:
             del self._stats[key]
+        self._revisions[scope] = self._revisions.get(scope, 0) + 1
+
+    def outcomes(self, scope: str) -> int:
+        """Outcomes ``scope`` holds, client mistakes included."""
+        return sum(s.requests + s.client_errors for (sc, _), s in self._stats.items() if sc == scope)
+
+    def revision(self, scope: str) -> int:
+        """Changes whenever ``scope`` records an outcome or is reset."""
+        return self._revisions.get(scope, 0)
+
+    def saved(self, scope: str, since: float) -> dict[str, dict]:
+        """Each variant of ``scope`` as ``VariantStats.saved(since)``."""
+        return {v: s.saved(since) for (sc, v), s in self._stats.items() if sc == scope}
+
+    def restore(self, scope: str, saved: dict[str, dict]) -> None:
+        """Put ``saved()``'s variants back in place of what ``scope`` holds.  Raises as
+        ``VariantStats.restored`` does, before anything is replaced."""
+        restored = {v: VariantStats.restored(d, self.max_samples) for v, d in saved.items()}
+        self.reset(scope)
+        for variant, stats in restored.items():
+            self._stats[(scope, variant)] = stats

@@ -77,6 +77,11 @@ class AdapterManager:
     async def _blocking(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
+    def _write(self, fn, *args, **kwargs) -> asyncio.Future:
+        """An adapter-table write (``AdapterStore``) in the state store's thread, in the order
+        asked for: a slow database holds up the caller, never the event loop."""
+        return self.store.db.off_loop(fn, *args, **kwargs)
+
     def _known(self, base: LoraBase, name: str) -> dict | None:
         """The registry row (None for an adapter only in the directory); ModelNotFound if
         neither knows ``name``."""
@@ -104,8 +109,8 @@ class AdapterManager:
         self.metrics.update(base, status)
         used = {a["name"]: a["last_used_unix"] for a in status.get("adapters", [])
                 if a.get("last_used_unix")}
-        if used:
-            self.store.touch(base, used)
+        if used:  # recency for the listing: nothing waits for it
+            self._write(self.store.touch, base, used).add_done_callback(_log_failed_touch)
 
     @staticmethod
     def _entry(status: dict | None, name: str) -> dict | None:
@@ -136,9 +141,9 @@ class AdapterManager:
                                    "replacing it")
             staged = await self._blocking(self.files.stage, base, name, source)
             await self._blocking(install, base, name, staged.path)
-            self.store.put(base.name, name, label=label, uri=staged.uri, sha256=staged.sha256,
-                           rank=staged.rank, nbytes=staged.nbytes, added_by=who, added_at=self.clock(),
-                           pinned=False)
+            await self._write(self.store.put, base.name, name, label=label, uri=staged.uri,
+                              sha256=staged.sha256, rank=staged.rank, nbytes=staged.nbytes,
+                              added_by=who, added_at=self.clock(), pinned=False)
             if exists:  # the model may hold the old weights in memory
                 with contextlib.suppress(ControlPlaneError):
                     await self._control(base.name, {"op": "unload", "adapter": name})
@@ -215,7 +220,7 @@ class AdapterManager:
             before = read_base_manifest(base)
             write_base_manifest(base, pinned=[*before.pinned, name], preload=before.preload,
                                  disabled=[d for d in before.disabled if d != name])
-            self.store.set_pinned(base.name, name, True, self.clock())
+            await self._write(self.store.set_pinned, base.name, name, True, self.clock())
             try:
                 status = await self._control(base.name, {"op": "sync"})
                 entry = self._entry(status, name)
@@ -229,7 +234,8 @@ class AdapterManager:
             except BaseException:
                 write_base_manifest(base, pinned=before.pinned, preload=before.preload,
                                      disabled=before.disabled)
-                self.store.set_pinned(base.name, name, name in before.pinned, self.clock())
+                await self._write(self.store.set_pinned, base.name, name, name in before.pinned,
+                                  self.clock())
                 with contextlib.suppress(ControlPlaneError):
                     await self._control(base.name, {"op": "sync"})
                 raise
@@ -245,7 +251,7 @@ class AdapterManager:
             write_base_manifest(base, pinned=[p for p in before.pinned if p != name],
                                  preload=before.preload, disabled=before.disabled)
             if self.store.get(base.name, name) is not None:
-                self.store.set_pinned(base.name, name, False, self.clock())
+                await self._write(self.store.set_pinned, base.name, name, False, self.clock())
             status = await self._control(base.name, {"op": "sync"})
         return await self.describe(base.name, name, status)
 
@@ -295,7 +301,7 @@ class AdapterManager:
                 doomed = base.adapter_dir / f".{name}.removed.{uuid.uuid4().hex[:8]}"
                 os.rename(folder, doomed)
                 await self._blocking(remove_tree, doomed)
-            self.store.delete(base.name, name)
+            await self._write(self.store.delete, base.name, name)
             write_base_manifest(base, pinned=before.pinned,
                                  preload=[p for p in before.preload if p != name],
                                  disabled=[d for d in before.disabled if d != name])
@@ -384,3 +390,8 @@ class AdapterManager:
                 await self.step()
             except Exception:
                 log.exception("adapter refresh failed")
+
+
+def _log_failed_touch(done: asyncio.Future) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.error("recording when adapters were last used failed: %s", done.exception())

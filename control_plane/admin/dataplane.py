@@ -287,7 +287,10 @@ class DataPlaneHub:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidInput("give the model to load as 'model'")
-        server = await self.manager.ensure_for_request(model)
+        unreachable = body.get("unreachable")
+        if unreachable is not None and not isinstance(unreachable, str):
+            raise InvalidInput("'unreachable' names the server a request could not reach")
+        server = await self.manager.ensure_for_request(model, unreachable=unreachable)
         return web.json_response({"model": model, "server": server.name, "grpc_url": server.spec.grpc_url,
                                   "http_url": server.spec.http_url, "up": bool(server.up)})
 

@@ -111,8 +111,9 @@ async def promote(request: web.Request) -> web.Response:
     body = await _json(request)
     if not body.get("stage"):
         raise InvalidInput("say which stage: {\"stage\": \"canary\"}")
-    mv = registry.promote(request.match_info["model"], _version(request.match_info["version"]),
-                          str(body["stage"]), who=_who(request, body), note=body.get("note"))
+    mv = await registry.db.off_loop(
+        registry.promote, request.match_info["model"], _version(request.match_info["version"]),
+        str(body["stage"]), who=_who(request, body), note=body.get("note"))
     return web.json_response(mv.to_dict())
 
 
@@ -127,9 +128,9 @@ async def set_warmup(request: web.Request) -> web.Response:
     body = await _json(request)
     if "synthetic_warmup" not in body:
         raise InvalidInput('say whether to send it: {"synthetic_warmup": false}')
-    mv = registry.set_synthetic_warmup(request.match_info["model"],
-                                       _version(request.match_info["version"]),
-                                       _flag(body["synthetic_warmup"], "synthetic_warmup"))
+    mv = await registry.db.off_loop(registry.set_synthetic_warmup, request.match_info["model"],
+                                    _version(request.match_info["version"]),
+                                    _flag(body["synthetic_warmup"], "synthetic_warmup"))
     return web.json_response(mv.to_dict())
 
 

@@ -99,7 +99,7 @@ async def add_family(name: str, source_dir: str | None, weights: str | None, *, 
     info, family, staged = await asyncio.to_thread(build_and_publish)
     entries = recorded_families(state)
     entries[name] = {"uri": info.uri, "sha256": info.sha256, "added_by": who}
-    state.put(FAMILIES_KEY, json.dumps(entries))
+    await state.db.off_loop(state.put, FAMILIES_KEY, json.dumps(entries))  # a slow database holds up this call only
     # The rename and the catalogue's refresh with no await between: a reconcile never sees
     # the family's folder in Triton's repository before it is known as a family.
     _move_in(staged, catalog.repository / name)

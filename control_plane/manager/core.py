@@ -99,6 +99,7 @@ class ModelManager(Catalog, Leases, Loader, Unloader, Pins, Reconciler):
         self._unknown: dict[str, float] = {}  # name -> when it was last found unknown
         self._pin_repairs: set[str] = set()  # pinned models the reconcile is loading
         self._pin_retry_at: dict[str, float] = {}  # monotonic; after a failed pin repair
+        self._probes: dict[str, asyncio.Task] = {}  # server name -> liveness probe in flight
         pins = store.pins()
         for name, row in store.model_rows().items():
             rec = self._record(name)

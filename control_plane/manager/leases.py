@@ -42,16 +42,24 @@ class Leases(ManagerState):
         finally:
             self.release(rec)
 
-    async def ensure_for_request(self, name: str) -> TritonServer:
+    async def ensure_for_request(self, name: str, unreachable: str | None = None) -> TritonServer:
         """The server where ``name`` is READY for a request about to be sent there (the
         router's miss).  The model is held from before its load until the request has had
         ``ManagerConfig.on_its_way_s`` to reach Triton, so no other load or the headroom
         evicts it in between; one unloaded anyway (an explicit unload) is loaded again,
-        within ``capacity_wait_s``."""
+        within ``capacity_wait_s``.
+
+        A model whose server is down is placed on another server for the request, without
+        waiting for that server to be declared lost (``Reconciler.place_off_down``).
+        ``unreachable``: the server the router could not reach for this request; it is
+        asked at once whether it is alive (``Reconciler.check_reachable``)."""
         rec = await self.acquire(name)
         try:
+            if unreachable is not None:
+                await self.check_reachable(unreachable)
             deadline = time.monotonic() + self.config.capacity_wait_s
             while True:
+                self.place_off_down(rec)
                 await self.ensure(name)
                 server = self.ready_server_of(name)
                 if server is not None:

@@ -203,8 +203,8 @@ class Loader(ManagerState):
         self.metrics.loads.labels(server.name, "ok").inc()
         self.metrics.load_seconds.labels(server.name).observe(rec.load_time_s)
         self._update_gauges(server)
-        self.store.save_model(name, last_used=rec.last_used, load_time_s=rec.load_time_s,
-                              memory_bytes=rec.memory_bytes, server=server.name, failure=None)
+        self._save_row(name, last_used=rec.last_used, load_time_s=rec.load_time_s,
+                       memory_bytes=rec.memory_bytes, server=server.name, failure=None)
         log.info("loaded %s on %s in %.2fs", name, server.name, rec.load_time_s)
         for listener in self._load_listeners:
             listener(name, rec)
@@ -303,5 +303,5 @@ class Loader(ManagerState):
         rec.state = ModelState.FAILED
         rec.server = None
         self._update_gauges(server)
-        self.store.save_model(rec.name, failure=reason)
+        self._save_row(rec.name, failure=reason)
         log.warning("load of %s on %s failed: %s", rec.name, server.name, reason)

@@ -32,13 +32,15 @@ class Pins(ManagerState):
             raise
         if rec.pinned:  # not unpinned while the load ran
             self._set_pinned(rec, True)
-            self.store.set_pin(name, True)
+            # In the state store's thread: a slow database holds up this call, not the
+            # event loop; an unpin asked for meanwhile is written after it.
+            await self.store.db.off_loop(self.store.set_pin, name, True)
         return rec
 
     async def unpin(self, name: str) -> ModelRecord:
         rec = self.get(name)
         self._set_pinned(rec, False)
-        self.store.set_pin(name, False)
+        await self.store.db.off_loop(self.store.set_pin, name, False)
         return rec
 
     def _set_pinned(self, rec: ModelRecord, pinned: bool) -> None:

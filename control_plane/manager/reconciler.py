@@ -47,7 +47,7 @@ class Reconciler(ManagerState):
             self.metrics.server_up.labels(server.name).set(0)
             self._maybe_lost(server)
             return
-        was_down, returning = not server.up, server.lost
+        was_down = not server.up
         if server.lost:
             log.warning("Triton %s at %s answers again; it takes models again", server.name,
                         server.spec.grpc_url)
@@ -72,7 +72,7 @@ class Reconciler(ManagerState):
                 rec = self._record(name)
                 if entry.state == TritonModelState.READY and not ours(rec):
                     if rec.state == ModelState.READY and rec.server != server.name:
-                        if returning:  # re-placed while this server was lost: drop its copy
+                        if was_down:  # re-placed while this server was down or lost: drop its copy
                             self._spawn(self._unload_stray(server, name))
                         continue  # loaded on another server too; keep our placement
                     size = sizes.get(name)
@@ -158,6 +158,43 @@ class Reconciler(ManagerState):
                   "elsewhere", server.name, server.spec.grpc_url, now - server.down_since, len(held))
         self._forget_server_models(server, f"server {server.name} lost")
         self._spawn(self.load_pinned())
+
+    async def check_reachable(self, name: str) -> None:
+        """A router could not reach server ``name``: ask it now instead of at the next pass.
+        One that does not answer is down (and, past ``server_lost_after_s``, lost).  Probes
+        asked for meanwhile share one."""
+        server = self.servers.get(name)
+        if server is None or not server.up:
+            return
+        probe = self._probes.get(name)
+        if probe is None:
+            probe = self._probes[name] = asyncio.get_running_loop().create_task(server.admin.is_live())
+            probe.add_done_callback(lambda _t: self._probes.pop(name, None))
+        if await asyncio.shield(probe) or not server.up:
+            return
+        log.error("Triton %s at %s is not answering (a request could not reach it)", server.name,
+                  server.spec.grpc_url)
+        server.up = False
+        self.metrics.server_up.labels(server.name).set(0)
+        self._maybe_lost(server)
+
+    def place_off_down(self, rec: ModelRecord) -> None:
+        """A request needs ``rec``'s model and its server is down: forget it there, so the
+        next ensure places it on a server that is up.  The down server keeps its other
+        models until it is lost (``_maybe_lost``); the copy it kept is unloaded when it
+        answers again (``_reconcile_server``)."""
+        server = self.servers.get(rec.server) if rec.server is not None else None
+        if server is None or server.up or rec.state != ModelState.READY:
+            return
+        if not any(other.up for other in self.servers.values() if other is not server):
+            return  # nowhere else to go: it stays where it is until its server answers again
+        log.warning("%s is needed by a request and its server %s is down: placing it on "
+                    "another server", rec.name, server.name)
+        server.planner.remove(rec.name)
+        self._release_warm(rec.name)
+        rec.state, rec.server = ModelState.WARM, None
+        rec.failure = f"server {server.name} was down when a request needed it"
+        self._update_gauges(server)
 
     async def _unload_stray(self, server: TritonServer, name: str) -> None:
         try:

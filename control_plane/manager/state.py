@@ -11,6 +11,7 @@ sets every attribute declared here.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from control_plane.metrics import ControlPlaneMetrics
 from control_plane.placement import Placer
 from control_plane.state_store import StateStore
 from control_plane.triton.devices import GpuMemoryMeter, NoMemoryMeter
+
+log = logging.getLogger(__name__)
 
 
 class ManagerState:
@@ -46,6 +49,7 @@ class ManagerState:
     _unknown: dict[str, float]  # name -> when it was last found unknown
     _pin_repairs: set[str]  # pinned models the reconcile is loading
     _pin_retry_at: dict[str, float]  # monotonic; after a failed pin repair
+    _probes: dict[str, asyncio.Task]  # server name -> liveness probe a request asked for
 
     def _record(self, name: str) -> ModelRecord:
         rec = self.records.get(name)
@@ -67,6 +71,16 @@ class ManagerState:
         model whose size is fixed in advance (a family's variant: a slot allocated when its
         family loaded, whose bytes never come and go with the variant)."""
         return self.memory if server.admin.measured(name) else NoMemoryMeter()
+
+    def _save_row(self, name: str, **fields) -> None:
+        """Write ``name``'s history row (``StateStore.save_model``) in the state store's
+        thread: a load or an unload never waits on the database, and rows land in the
+        order they were written.  A failed write is logged; the model is served anyway."""
+        def logged(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                log.error("recording %s in the state store failed: %s", name, done.exception())
+
+        self.store.db.off_loop(self.store.save_model, name, **fields).add_done_callback(logged)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -104,7 +104,7 @@ class Unloader(ManagerState):
         self._release_warm(name)
         rec.state, rec.server, rec.warmup = ModelState.WARM, None, None
         self._update_gauges(server)
-        self.store.save_model(name, server=None)
+        self._save_row(name, server=None)
         log.info("unloaded %s from %s (%s); memory free after %.2fs", name, server.name, reason, freed_s)
 
     async def _retry_unload(self, server: TritonServer, name: str) -> None:

@@ -80,7 +80,8 @@ async def register_version(registry: Registry, model: str, version: int | None =
     safetensors file ``weights`` or already at ``artifact_uri``, and its tensors must be the
     family's (checked before anything is uploaded or recorded).
 
-    Store I/O runs in a thread; the registry write happens on the caller's (loop) thread.
+    Store I/O runs in a thread; so does the registry write, in the state store's
+    (``Database.off_loop``: a slow database never holds up the event loop).
     """
     validate_model_name(model)
     stores = registry.stores
@@ -114,10 +115,10 @@ async def register_version(registry: Registry, model: str, version: int | None =
     if sha256 is not None and normalize_sha256(sha256) != info.sha256:
         raise InvalidInput(f"the artifact at {info.uri} has sha256 {info.sha256}, not the "
                            f"{normalize_sha256(sha256)} you gave; check the upload")
-    return registry.add(model, int(version), info.uri, info.sha256, info.size_bytes, who=who,
-                        sla=sla, metrics=metrics, data_fingerprint=data_fingerprint,
-                        tenant=tenant, stage=stage, synthetic_warmup=synthetic_warmup,
-                        family=family)
+    return await registry.db.off_loop(
+        registry.add, model, int(version), info.uri, info.sha256, info.size_bytes, who=who,
+        sla=sla, metrics=metrics, data_fingerprint=data_fingerprint, tenant=tenant, stage=stage,
+        synthetic_warmup=synthetic_warmup, family=family)
 
 
 async def _register_variant(store, uri: str, model: str, family: str | None, weights: str | None,

@@ -3,6 +3,7 @@ are created by ``control_plane.state.migrations``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -37,14 +38,20 @@ class Registry:
         self.clock = clock
         self.stores = stores  # ColdStores, used by the admin API to inspect/publish artifacts
         self._listeners: list[Callable[[str, str], None]] = []
+        # The event loop the listeners belong to (they change what it serves from): a
+        # change written in the state store's thread (Database.off_loop) is announced there.
+        self._listeners_loop: asyncio.AbstractEventLoop | None = None
 
     def _transaction(self) -> contextlib.AbstractContextManager[None]:
         """All-or-nothing (and, on a leader, fenced)."""
         return self.db.transaction()
 
     def on_stage_change(self, listener: Callable[[str, str], None]) -> None:
-        """``listener(concrete name, new stage)`` after each committed change."""
+        """``listener(concrete name, new stage)`` after each committed change, on the event
+        loop it was added from (if any)."""
         self._listeners.append(listener)
+        with contextlib.suppress(RuntimeError):  # added outside a loop: called where it happens
+            self._listeners_loop = asyncio.get_running_loop()
 
     # -- reads --------------------------------------------------------------------------
     _COLUMNS = ("model", "version", "artifact_uri", "sha256", "size_bytes", "memory_bytes",
@@ -280,8 +287,27 @@ class Registry:
                         (int(memory_bytes), name))
 
     def _notify(self, name: str, stage: str) -> None:
+        loop = self._listeners_loop
+        if loop is not None and loop.is_running() and not _in_a_loop():
+            # Written in another thread (the state store's).  Queued before the write's own
+            # result: the loop runs the listeners before the caller that awaits the write
+            # goes on, so its answer sees the change served.
+            loop.call_soon_threadsafe(self._call_listeners, name, stage)
+            return
+        self._call_listeners(name, stage)
+
+    def _call_listeners(self, name: str, stage: str) -> None:
         for listener in self._listeners:
             try:
                 listener(name, stage)
             except Exception:  # a listener's bug must not undo a committed change
                 log.exception("stage-change listener failed for %s", name)
+
+
+def _in_a_loop() -> bool:
+    """Whether this thread runs an event loop (else it is a worker thread)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -9,17 +9,27 @@ Fencing: a leader sets ``fence`` to the token it won (``control_plane.state.lead
 then on every write runs in a transaction that first checks the token is still the lease's;
 a deposed leader's write raises ``Deposed`` and changes nothing, even if its process has not
 noticed yet that another control plane took over.
+
+Off the event loop: a statement blocks its thread for as long as the database takes (a
+PostgreSQL that waits on a lock, a slow network, a checkpoint).  ``off_loop(fn, ...)`` runs
+``fn`` in the database's own thread, one call at a time in the order they were asked for,
+so a slow write holds up the writes after it (which must land after it) but never the
+event loop that serves requests.  The same object serves both threads: SQLite's one
+connection is shared under a lock that keeps a transaction's statements together.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import psycopg
@@ -30,6 +40,8 @@ _WRITES = ("INSERT", "UPDATE", "DELETE")
 # What a state store that is away (network, restart, full disk) raises.
 STORE_ERRORS: tuple[type[BaseException], ...] = (sqlite3.Error, psycopg.Error, OSError)
 LEADER_LEASE = "control-plane"
+
+T = TypeVar("T")
 
 
 class Deposed(ControlPlaneError):
@@ -69,6 +81,33 @@ class Database:
     url: str
     fence: Fence | None = None
     migrated = False  # migrations.migrate ran through this object: the schema is current
+    _worker: concurrent.futures.ThreadPoolExecutor | None = None
+    # False for a connection handed in by its creator (``as_database``): it may be bound to
+    # the thread that made it, so off_loop calls run where they are asked for.
+    other_threads_allowed = True
+
+    def off_loop(self, fn: Callable[..., T], /, *args, **kwargs) -> asyncio.Future[T]:
+        """``fn(*args, **kwargs)`` in this database's own thread, after every call asked for
+        before it (module docstring): queued now, so the order is the order of the calls,
+        whenever (or whether) the caller awaits the result."""
+        loop = asyncio.get_running_loop()
+        if not self.other_threads_allowed:
+            done = loop.create_future()
+            try:
+                done.set_result(fn(*args, **kwargs))
+            except Exception as exc:  # noqa: BLE001  (handed to the caller, as the thread would)
+                done.set_exception(exc)
+            return done
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="state-store")
+        return loop.run_in_executor(self._worker, functools.partial(fn, *args, **kwargs))
+
+    def _stop_worker(self) -> None:
+        """Let the calls already asked for finish, then stop the thread."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
         raise NotImplementedError
@@ -122,33 +161,39 @@ class SqliteDatabase(Database):
             connection.execute("PRAGMA synchronous=NORMAL")
         self.connection = connection
         self._depth = 0
+        # One connection, used by the event loop's thread and the off_loop thread: held for
+        # a statement, and for a whole transaction, so that no other thread's statement
+        # lands inside a transaction (and is committed or rolled back with it).
+        self._using = threading.RLock()
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        if self._depth == 0 and self._is_write(sql):
-            with self.transaction():
-                return self.connection.execute(sql, params)
-        return self.connection.execute(sql, params)
+        with self._using:
+            if self._depth == 0 and self._is_write(sql):
+                with self.transaction():
+                    return self.connection.execute(sql, params)
+            return self.connection.execute(sql, params)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
-        if self._depth:  # nested: part of the outer transaction
-            self._depth += 1
+        with self._using:
+            if self._depth:  # nested: part of the outer transaction
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            self.connection.execute("BEGIN IMMEDIATE")
+            self._depth = 1
             try:
+                self._check_fence()
                 yield
+            except BaseException:
+                self.connection.execute("ROLLBACK")
+                raise
             finally:
-                self._depth -= 1
-            return
-        self.connection.execute("BEGIN IMMEDIATE")
-        self._depth = 1
-        try:
-            self._check_fence()
-            yield
-        except BaseException:
-            self.connection.execute("ROLLBACK")
-            raise
-        finally:
-            self._depth = 0
-        self.connection.execute("COMMIT")
+                self._depth = 0
+            self.connection.execute("COMMIT")
 
     def clone(self) -> SqliteDatabase:
         other = SqliteDatabase(self.path)
@@ -156,13 +201,15 @@ class SqliteDatabase(Database):
         return other
 
     def close(self) -> None:
+        self._stop_worker()
         self.connection.close()
 
     def now_sql(self) -> str:
         return "((julianday('now') - 2440587.5) * 86400.0)"
 
     def columns(self, table: str) -> set[str]:
-        return {row[1] for row in self.connection.execute(f"PRAGMA table_info({table})")}
+        with self._using:
+            return {row[1] for row in self.connection.execute(f"PRAGMA table_info({table})")}
 
 
 def _to_psycopg(sql: str) -> str:
@@ -231,6 +278,7 @@ class PostgresDatabase(Database):
         return other
 
     def close(self) -> None:
+        self._stop_worker()
         if self._owns_pool:
             self.pool.close()
 
@@ -278,4 +326,6 @@ def as_database(db: Database | sqlite3.Connection) -> Database:
     if db.in_transaction:
         db.commit()
     db.isolation_level = None  # autocommit: transactions are explicit (Database.transaction)
-    return SqliteDatabase(":memory:", connection=db)
+    wrapped = SqliteDatabase(":memory:", connection=db)
+    wrapped.other_threads_allowed = False
+    return wrapped

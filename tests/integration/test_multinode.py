@@ -257,8 +257,13 @@ def test_leader_killed_under_traffic_standby_takes_over_then_a_node_is_lost(clus
         for model in lost_models:
             assert standby.call("GET", f"/v1/models/{model}").json()["server"] == survivor
         assert lost_models <= ready_models(cluster["tritons"][survivor])
-        fleet = {s["server"]: s for s in standby.call("GET", "/v1/fleet").json()}
-        assert fleet[lost]["up"] is False and fleet[lost]["lost"] is True
+
+        def declared_lost() -> bool:  # requests had their models placed before: only down
+            fleet = {s["server"]: s for s in standby.call("GET", "/v1/fleet").json()}
+            assert fleet[lost]["up"] is False
+            return fleet[lost]["lost"]
+
+        wait_for(declared_lost, LOST_AFTER_S + 30, f"{lost} was not declared lost", logs)
     finally:
         frozen.send_signal(signal.SIGCONT)
     # Back: it takes models again, and the copies it kept while cut off are unloaded.

@@ -18,7 +18,7 @@ from control_plane.admin.rollout_routes import ROUTER_ADMIN_KEY, canary_action, 
 from control_plane.domain.errors import ModelNotFound as CpModelNotFound
 from control_plane.registry import Registry
 from control_plane.state_store import StateStore
-from router.canary import CanaryController, registry_promoter
+from router.canary import WINDOW_KEY_PREFIX, CanaryController, registry_promoter
 from router.core import Router
 from router.errors import BackendUnavailable, InvalidRequest, ModelNotFound, RouterError
 from router.routes import ROUTES_KEY, RouteTable
@@ -234,13 +234,17 @@ def test_promotion_by_hand_goes_through_the_registry(tmp_path):
 class CountingStore:
     def __init__(self):
         self.data: dict[str, str] = {}
-        self.puts = 0
+        self.puts = 0  # of the route table
+        self.window_puts = 0  # of the canaries' statistics windows
 
     def get(self, key, default=None):
         return self.data.get(key, default)
 
     def put(self, key, value):
-        self.puts += 1
+        if key.startswith(WINDOW_KEY_PREFIX):
+            self.window_puts += 1
+        else:
+            self.puts += 1
         self.data[key] = value
 
 
@@ -265,6 +269,7 @@ def test_canary_checks_write_the_route_table_only_when_progress_changes():
         clock.now += 1
         ctl.step()
     assert store.puts == written
+    assert store.window_puts == 1, "the window is written once: nothing new came after"
     clock.now += 60
     ctl.step()  # advance: progress changed
     assert store.puts > written
@@ -289,3 +294,16 @@ def test_window_summary_of_a_full_window_is_cheap_and_right():
     assert w.requests == 40_000 and w.errors == sum(1 for i in range(20_000, 60_000) if i % 50 == 0)
     assert w.p99_ms == pytest.approx(np.percentile(kept, 99), rel=0.05)
     assert w.p50_ms == pytest.approx(np.percentile(kept, 50), rel=0.05)
+
+
+def test_a_saved_window_restores_to_the_same_judgement():
+    stats = VariantStats(max_samples=8)
+    for i in range(12):  # the ring wraps: the 8 newest are kept
+        stats.record(1000.0 + i, None if i == 9 else float(i), i % 3 != 0)
+    stats.record_client_error()
+    again = VariantStats.restored(json.loads(json.dumps(stats.saved(1005.0))), max_samples=8)
+    assert again.window(1005.0) == stats.window(1005.0)
+    assert again.window(-1.0).requests == 7, "only the samples at or after 'since' are saved"
+    assert (again.requests, again.errors, again.client_errors) == (12, 4, 1)
+    again.record(2000.0, 1.0, True)  # goes on recording after the restored samples
+    assert again.window(1005.0).requests == 8

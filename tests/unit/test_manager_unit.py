@@ -14,6 +14,7 @@ from control_plane.domain.errors import (
     ModelLoadFailed,
     ModelNotFound,
     OperationTimeout,
+    TritonUnavailable,
 )
 from control_plane.eviction import STAGE_PRIORITY
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
@@ -669,5 +670,50 @@ def test_a_model_loaded_for_a_request_is_not_a_victim_while_the_request_is_on_it
         await other
         assert time.monotonic() - started >= 0.25  # m2 waited for the hold, not refused
         assert mgr.records["m1"].state != ModelState.READY
+
+    run(go())
+
+
+class NodeAdmin(FakeAdmin):
+    """A Triton on another node, which can die (``down``): it answers nothing then."""
+
+    down = False
+
+    async def is_live(self):
+        return not self.down
+
+    async def index(self):
+        if self.down:
+            raise TritonUnavailable("Triton at fake is not reachable (connection refused)")
+        return await super().index()
+
+
+def test_a_request_for_a_model_on_a_dead_server_has_it_placed_on_another_at_once(tmp_path):
+    """Not after server_lost_after_s: the request needs it now.  The dead server is only
+    down; when it answers again the copy it kept is unloaded."""
+    async def go():
+        admins = {"s0": NodeAdmin(MODELS), "s1": NodeAdmin(MODELS)}
+        servers = [ModelManager.make_server(ServerSpec(name, f"{name}:1", f"{name}:2", max_loaded=2),
+                                            "lru", admin=admin) for name, admin in admins.items()]
+        mgr = ModelManager(servers, StateStore(tmp_path / "s.db"),
+                           config=ManagerConfig(policy="lru", unload_timeout_s=0.3,
+                                                server_lost_after_s=600))
+        await mgr.start()
+        dead = (await mgr.ensure_for_request("m1")).name
+        admins[dead].down = True
+
+        server = await mgr.ensure_for_request("m1", unreachable=dead)
+
+        assert server.name != dead and mgr.ready_server_of("m1") is server
+        assert mgr.servers[dead].up is False and mgr.servers[dead].lost is False
+        assert "m1" not in mgr.servers[dead].planner.residents
+        admins[dead].down = False
+        await mgr.step()  # it answers again, with its copy of m1 still loaded
+        for _ in range(100):
+            if admins[dead].states["m1"] != TritonModelState.READY:
+                break
+            await asyncio.sleep(0.01)
+        assert admins[dead].states["m1"] != TritonModelState.READY
+        assert mgr.ready_server_of("m1") is server
 
     run(go())

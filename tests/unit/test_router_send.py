@@ -1,7 +1,8 @@
-"""Sending to Triton: a request that meets its model unloaded under it is sent once more,
-after an ensure, to wherever the model is now; every other Triton failure reaches the
-client as Triton's answer (about the name the client asked for) or as a Triton that is
-down, without a second send."""
+"""Sending to Triton: a request that meets its model unloaded under it, or its Triton
+unreachable, is sent once more, after an ensure, to wherever the model is now (the
+control plane places it on a server that is up); every other Triton failure reaches the
+client as Triton's answer (about the name the client asked for) without a second send,
+and a Triton that stays down as one that is down."""
 
 from __future__ import annotations
 
@@ -25,14 +26,18 @@ class MovingState:
 
     repository = None
 
-    def __init__(self):
+    def __init__(self, first: ServerAddress = FIRST):
+        self.first = first
         self.ensured: list[str] = []
+        self.unreachable: list[str] = []  # servers the ensures said a request could not reach
 
     def ready_server(self, model):
-        return FIRST
+        return self.first
 
-    async def ensure(self, model):
+    async def ensure(self, model, unreachable=None):
         self.ensured.append(model)
+        if unreachable is not None:
+            self.unreachable.append(unreachable)
         return SECOND
 
     def touch(self, model):
@@ -66,8 +71,8 @@ class Triton:
         return model_infer
 
 
-def raw_router(triton: Triton) -> tuple[Router, MovingState]:
-    state = MovingState()
+def raw_router(triton: Triton, state: MovingState | None = None) -> tuple[Router, MovingState]:
+    state = state or MovingState()
     router = Router(state, RouteTable())
     router.raw_infer = triton.rpc  # the bytes path sends through raw_infer(server)
     return router, state
@@ -99,7 +104,7 @@ def test_the_typed_path_sends_again_after_an_unload_too():
     response = run(router.infer(service_pb2.ModelInferRequest(model_name="m"), None))
 
     assert triton.sent == ["triton0", "triton1"] and state.ensured == ["m"]
-    assert response.model_name == "m" and response.parameters["variant"].string_param == "default"
+    assert response.model_name == "m" and not response.parameters  # served as itself: Triton's answer
 
 
 def test_under_thrash_a_request_is_sent_again_each_time_its_model_was_unloaded_again():
@@ -137,10 +142,36 @@ def test_tritons_own_answer_passes_on_about_the_asked_name_without_a_resend():
     assert "for model 'm'" in str(info.value)
 
 
-def test_a_triton_that_stays_down_is_unavailable_and_named():
-    down = rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
-    triton = Triton(triton0=[down], triton1=[down])
-    router, _state = raw_router(triton)
+DOWN = rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
 
-    with pytest.raises(BackendUnavailable, match="triton[01] at .* is unavailable"):
+
+def test_a_request_whose_triton_is_down_is_sent_again_where_the_control_plane_placed_it():
+    triton = Triton(triton0=[DOWN], triton1=[b""])
+    router, state = raw_router(triton)
+
+    response = run(router.infer_raw(raw_request(), lambda: None))
+
+    assert triton.sent == ["triton0", "triton1"]
+    assert state.unreachable == ["triton0"]  # the control plane is told which one
+    assert service_pb2.ModelInferResponse.FromString(response).model_name == "m"
+
+
+def test_a_model_on_a_server_reported_down_is_a_miss_and_never_sent_there():
+    triton = Triton(triton1=[b""])
+    router, state = raw_router(triton, MovingState(ServerAddress("triton0", "first:8001",
+                                                                 "first:8000", up=False)))
+
+    run(router.infer_raw(raw_request(), lambda: None))
+
+    assert triton.sent == ["triton1"] and state.unreachable == ["triton0"]
+
+
+def test_a_triton_that_stays_down_is_unavailable_and_named():
+    triton = Triton(triton0=[DOWN], triton1=[DOWN] * MAX_RESENDS)
+    router, state = raw_router(triton)
+
+    with pytest.raises(BackendUnavailable, match="triton1 at .* is unavailable"):
         run(router.infer_raw(raw_request(), lambda: None))
+
+    assert triton.sent == ["triton0"] + ["triton1"] * MAX_RESENDS  # bounded
+    assert state.unreachable == ["triton0"] + ["triton1"] * (MAX_RESENDS - 1)

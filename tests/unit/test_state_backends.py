@@ -106,3 +106,31 @@ def test_upserts_keep_other_columns(tmp_path):
     store.put("k", "1")
     store.put("k", "2")
     assert store.get("k") == "2"
+
+
+def test_a_write_from_another_thread_never_lands_inside_a_transaction(tmp_path):
+    """The loop's thread and the state store's thread (Database.off_loop) share SQLite's one
+    connection: a statement of one waits for the other's transaction instead of joining it
+    (and being rolled back with it)."""
+    import threading
+
+    store = StateStore(tmp_path / "state.db")
+    inside = threading.Event()
+    wrote = threading.Event()
+
+    def failing_transaction():
+        with pytest.raises(RuntimeError), store.db.transaction():
+            store.set_pin("in-the-transaction", True)
+            inside.set()
+            wrote.wait(0.5)  # the other thread's write, had it not waited, would be in here
+            raise RuntimeError("rolled back")
+
+    thread = threading.Thread(target=failing_transaction)
+    thread.start()
+    assert inside.wait(10)
+    writer = threading.Thread(target=lambda: (store.set_pin("on-its-own", True), wrote.set()))
+    writer.start()
+    thread.join(10)
+    writer.join(10)
+    assert store.pins() == {"on-its-own"}
+    store.close()
