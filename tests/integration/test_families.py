@@ -24,7 +24,7 @@ from control_plane.families.admin import FamilyAdmin
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
 from control_plane.state_store import StateStore
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
-from tests.conftest import run
+from tests.conftest import run, triton_log_count
 
 pytestmark = pytest.mark.integration
 
@@ -94,9 +94,10 @@ def test_variants_take_slots_by_lru_and_pins_and_each_answers_with_its_own_weigh
         assert ready(mgr) == {"acme", "globex"}
         await mgr.pin("globex")
         mgr.touch("acme")
-        start = time.perf_counter()
+        loads_before = triton_log_count(triton, "successfully loaded")
         await mgr.ensure("initech")  # evicts acme: globex is pinned
-        miss_s = time.perf_counter() - start
+        # A copy into acme's slot: Triton loaded nothing (no new process, no model load).
+        assert triton_log_count(triton, "successfully loaded") == loads_before
         assert ready(mgr) == {"globex", "initech"}
         index = await mgr.servers["triton0"].admin.index()
         assert {n for n, e in index.items() if e.state.value == "READY"} == {"globex", "initech"}
@@ -108,11 +109,10 @@ def test_variants_take_slots_by_lru_and_pins_and_each_answers_with_its_own_weigh
             await mgr.ensure(name)
             np.testing.assert_allclose(infer(triton.grpc_url, name), expected(name))
             assert "globex" in ready(mgr)
+        assert triton_log_count(triton, "successfully loaded") == loads_before
         await mgr.close()
-        return miss_s
 
-    miss_s = run(scenario())
-    assert miss_s < 1.0, f"a variant's miss took {miss_s:.2f}s: it must be a copy, not a Triton load"
+    run(scenario())
 
 
 def test_every_slot_pinned_is_a_clear_error_and_nothing_is_counted(triton, repository, tmp_path):
