@@ -47,6 +47,7 @@ class Call:
     server: ServerAddress | None = None
     code: str = "OK"
     ready_at: float | None = None  # perf_counter when the model was ready (after any load)
+    holds: int = 0  # ensures made for this request: the model is held until it is answered
 
 
 def unloaded_under(exc: grpc.aio.AioRpcError) -> bool:
@@ -85,14 +86,15 @@ class Sending:
 
     # ------------------------------------------------------------------ where
     async def server_for(self, model: str, asked: str | None = None, fresh: bool = False,
-                         unreachable: str | None = None) -> ServerAddress:
+                         unreachable: str | None = None, call: Call | None = None) -> ServerAddress:
         """The server with ``model`` READY; waits (bounded) for a load on a miss.
 
         ``fresh``: ask the control plane even if this process believes the model loaded
         (Triton just said it is not).  ``unreachable``: the server this request could not
         reach.  A model on a server the control plane reports down is a miss too: the
         control plane places it on one that is up.  Errors name ``asked``, the model as the
-        client knows it."""
+        client knows it.  ``call``: the request the model is ensured for; it counts the hold
+        (``Call.holds``) that ``serving`` ends once the request is answered."""
         server = None if fresh else self.state.ready_server(model)
         if server is not None:
             if server.up:
@@ -106,6 +108,8 @@ class Sending:
                         else self.state.ensure(model, unreachable=unreachable))
             server = await asyncio.wait_for(ensuring, self.config.load_timeout_s)
             counted = True
+            if call is not None:
+                call.holds += 1
         except RouterError:
             counted = True
             raise
@@ -156,7 +160,7 @@ class Sending:
         self.inflight += 1
         try:
             try:
-                call.server = await self.server_for(decision.model, decision.logical)
+                call.server = await self.server_for(decision.model, decision.logical, call=call)
             except UnknownModel:
                 known = False  # names that turned out unknown get no series (label cardinality)
                 raise
@@ -174,6 +178,8 @@ class Sending:
                 call.code = "INTERNAL"
             raise
         finally:
+            if call.holds:  # answered (or given up): the model need not be held for it now
+                self.state.requests_answered(decision.model, call.holds)
             self.metrics.inflight.dec()
             self.inflight -= 1
             end = time.perf_counter()
@@ -223,7 +229,8 @@ class Sending:
     async def resend_after_unload(self, call: Call) -> ServerAddress:
         """Triton no longer holds the model the request was sent to (evicted in between):
         have it loaded again and return where; the caller sends once more."""
-        call.server = await self.server_for(call.decision.model, call.decision.logical, fresh=True)
+        call.server = await self.server_for(call.decision.model, call.decision.logical, fresh=True,
+                                            call=call)
         call.ready_at = time.perf_counter()
         return call.server
 
@@ -232,7 +239,7 @@ class Sending:
         when it is down, places the model on a server that is up; returns where to send
         once more (``server`` again when it was alive after all)."""
         call.server = await self.server_for(call.decision.model, call.decision.logical, fresh=True,
-                                            unreachable=server.name)
+                                            unreachable=server.name, call=call)
         call.ready_at = time.perf_counter()
         return call.server
 

@@ -44,6 +44,10 @@ class ServingState(Protocol):
     def touch(self, model: str) -> None:
         """``model`` served a request (drives the eviction policy)."""
 
+    def requests_answered(self, model: str, ensures: int) -> None:
+        """A request that made ``ensures`` ensures of ``model`` has its answer: the control
+        plane need not hold the model for it any longer."""
+
     def carrier_of(self, model: str) -> str | None:
         """The Triton model that serves ``model`` when it is a model family's variant (the
         request goes there with the parameter ``mms_variant``), else None."""
@@ -85,6 +89,9 @@ class LocalState:
 
     def touch(self, model: str) -> None:
         self.manager.touch(model)
+
+    def requests_answered(self, model: str, ensures: int) -> None:
+        self.manager.requests_answered(model, ensures)
 
     def carrier_of(self, model: str) -> str | None:
         return None if self.families is None else self.families.carrier_of(model)

@@ -95,6 +95,12 @@ class RemoteState:
         self.on_snapshot = lambda: None  # called after each new snapshot is applied
         self.shadow_counts = dict  # () -> route -> cumulative ShadowReport counts
         self._ensures: dict[tuple[str, str | None], asyncio.Task] = {}  # (model, unreachable)
+        # Holds the control plane keeps for this worker's ensures, and the requests served
+        # from them that are not answered yet: when none is left, the holds end
+        # (``requests_answered``).  Concurrent misses share one ensure, so one hold.
+        self._ensured_holds: collections.Counter[str] = collections.Counter()
+        self._awaiting_answer: collections.Counter[str] = collections.Counter()
+        self._notices: set[asyncio.Task] = set()
         self._uses: collections.Counter[str] = collections.Counter()
         self._requests = 0
         self._samples: collections.deque = collections.deque(maxlen=MAX_PENDING_SAMPLES)
@@ -203,7 +209,27 @@ class RemoteState:
             task = self._ensures[key] = asyncio.get_running_loop().create_task(
                 self._ensure(model, unreachable))
             task.add_done_callback(lambda _t: self._ensures.pop(key, None))
-        return await asyncio.shield(task)
+        address = await asyncio.shield(task)
+        self._awaiting_answer[model] += 1
+        return address
+
+    def requests_answered(self, model: str, ensures: int) -> None:
+        self._awaiting_answer[model] -= ensures
+        if self._awaiting_answer[model] > 0:
+            return
+        del self._awaiting_answer[model]
+        holds = self._ensured_holds.pop(model, 0)
+        if holds:
+            task = asyncio.get_running_loop().create_task(self._tell_answered(model, holds))
+            self._notices.add(task)
+            task.add_done_callback(self._notices.discard)
+
+    async def _tell_answered(self, model: str, holds: int) -> None:
+        try:
+            await self._call("POST", "/v1/dataplane/answered", {"model": model, "count": holds},
+                             timeout_s=5.0)
+        except (ControlPlaneAway, ControlPlaneError) as exc:  # the hold ends on its own
+            log.debug("could not end the hold of %s: %s", model, exc)
 
     async def _ensure(self, model: str, unreachable: str | None = None) -> ServerAddress:
         # A control plane that is away (restarting under the supervisor, or a standby taking
@@ -227,6 +253,7 @@ class RemoteState:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, ENSURE_RETRY_MAX_S)
         address = ServerAddress(data["server"], data["grpc_url"], data["http_url"], data["up"])
+        self._ensured_holds[model] += 1
         self.addresses[address.name] = address  # its "up" is newer than the snapshot's
         self.placement = dict(self.placement, **{model: address.name})  # until the next snapshot
         return address

@@ -294,6 +294,16 @@ class DataPlaneHub:
         return web.json_response({"model": model, "server": server.name, "grpc_url": server.spec.grpc_url,
                                   "http_url": server.spec.http_url, "up": bool(server.up)})
 
+    async def answered(self, request: web.Request) -> web.Response:
+        """A worker's requests that ensured a model have their answers: their holds end."""
+        body = await json_body(request)
+        model, count = body.get("model"), body.get("count", 1)
+        if not isinstance(model, str) or not model:
+            raise InvalidInput("give the model whose requests were answered as 'model'")
+        if type(count) is not int or count < 1:
+            raise InvalidInput("'count' is the number of ensures answered, a whole number >= 1")
+        return web.json_response({"model": model, "ended": self.manager.requests_answered(model, count)})
+
     async def report(self, request: web.Request) -> web.Response:
         report = parse_report(await json_body(request))  # all checked before anything is applied
         seen = self._seen(report.worker, report.pid)
@@ -339,6 +349,7 @@ def add_dataplane_routes(app: web.Application, hub: DataPlaneHub) -> None:
     app.add_routes([
         web.get("/v1/dataplane/snapshot", hub.snapshot),
         web.post("/v1/dataplane/ensure", hub.ensure),
+        web.post("/v1/dataplane/answered", hub.answered),
         web.post("/v1/dataplane/report", hub.report),
         web.post("/v1/dataplane/tokens", hub.tokens),
         web.get("/v1/dataplane/workers", hub.worker_list),

@@ -66,6 +66,8 @@ class ModelManager(Catalog, Leases, Loader, Unloader, Pins, Reconciler):
         if not servers:
             raise InvalidInput("the fleet needs at least one Triton server")
         self.servers = {s.name: s for s in servers}
+        # Holds of models loaded for requests, per model, oldest first (Leases.ensure_for_request).
+        self.request_holds: dict[str, list[asyncio.TimerHandle]] = {}
         self.store = store
         self.repository = repository
         self.config = config or ManagerConfig()

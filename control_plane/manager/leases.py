@@ -44,10 +44,11 @@ class Leases(ManagerState):
 
     async def ensure_for_request(self, name: str, unreachable: str | None = None) -> TritonServer:
         """The server where ``name`` is READY for a request about to be sent there (the
-        router's miss).  The model is held from before its load until the request has had
-        ``ManagerConfig.on_its_way_s`` to reach Triton, so no other load or the headroom
-        evicts it in between; one unloaded anyway (an explicit unload) is loaded again,
-        within ``capacity_wait_s``.
+        router's miss).  The model is held from before its load until the router says the
+        request has its answer (``requests_answered``), or at most
+        ``ManagerConfig.on_its_way_s``, so no other load or the headroom evicts it in
+        between; one unloaded anyway (an explicit unload) is loaded again, within
+        ``capacity_wait_s``.
 
         A model whose server is down is placed on another server for the request, without
         waiting for that server to be declared lost (``Reconciler.place_off_down``).
@@ -68,7 +69,35 @@ class Leases(ManagerState):
                     raise OperationTimeout(f"{name} was unloaded again each time it was loaded for "
                                            f"{self.config.capacity_wait_s:.0f}s; retry")
         finally:
-            asyncio.get_running_loop().call_later(self.config.on_its_way_s, self.release, rec)
+            self._hold_for_request(rec)
+
+    def _hold_for_request(self, rec: ModelRecord) -> None:
+        holds = self.request_holds.setdefault(rec.name, [])
+
+        def expire() -> None:  # the router never said: the hold ends anyway
+            holds.remove(handle)
+            if not holds and self.request_holds.get(rec.name) is holds:
+                del self.request_holds[rec.name]
+            self.release(rec)
+
+        handle = asyncio.get_running_loop().call_later(self.config.on_its_way_s, expire)
+        holds.append(handle)
+
+    def requests_answered(self, name: str, count: int = 1) -> int:
+        """Requests that ensured ``name`` have Triton's answer: up to ``count`` of its holds
+        end now rather than at ``on_its_way_s``, so under thrash a slot turns over as soon as
+        the requests it was loaded for are served.  Returns the holds ended."""
+        holds = self.request_holds.get(name)
+        if not holds:
+            return 0
+        ended = holds[:max(0, count)]
+        del holds[:len(ended)]
+        if not holds:
+            del self.request_holds[name]
+        for handle in ended:
+            handle.cancel()
+            self.release(self.records[name])
+        return len(ended)
 
     async def acquire(self, name: str) -> ModelRecord:
         """Count one request for ``name`` as in flight *before* it waits for a load, so the

@@ -59,6 +59,9 @@ class FakeManager:
         await self.ensure(name)
         return self.server
 
+    def requests_answered(self, name, count):
+        pass
+
     def touch(self, name):
         pass
 

@@ -674,6 +674,26 @@ def test_a_model_loaded_for_a_request_is_not_a_victim_while_the_request_is_on_it
     run(go())
 
 
+def test_a_hold_ends_as_soon_as_its_request_is_answered(tmp_path):
+    """Under thrash a slot turns over when the requests it was loaded for are answered, not
+    after the whole ``on_its_way_s``."""
+    async def go():
+        mgr, _admin = make(tmp_path, max_loaded=1, on_its_way_s=30)
+        await mgr.start()
+        await mgr.ensure_for_request("m1")
+        await mgr.ensure_for_request("m1")  # a second request: a second hold
+        assert mgr.requests_answered("m1", 1) == 1
+        other = asyncio.create_task(mgr.ensure("m2"))
+        await asyncio.sleep(0.1)
+        assert not other.done()  # the other request's hold still keeps m1
+        assert mgr.requests_answered("m1", 5) == 1  # only the holds there are
+        await asyncio.wait_for(other, 5)  # long before on_its_way_s
+        assert mgr.records["m1"].state != ModelState.READY
+        assert mgr.requests_answered("m1") == 0 and mgr.request_holds == {}
+
+    run(go())
+
+
 class NodeAdmin(FakeAdmin):
     """A Triton on another node, which can die (``down``): it answers nothing then."""
 

@@ -30,6 +30,7 @@ class MovingState:
         self.first = first
         self.ensured: list[str] = []
         self.unreachable: list[str] = []  # servers the ensures said a request could not reach
+        self.answered: list[tuple[str, int]] = []  # (model, ensures) of answered requests
 
     def ready_server(self, model):
         return self.first
@@ -42,6 +43,9 @@ class MovingState:
 
     def touch(self, model):
         pass
+
+    def requests_answered(self, model, ensures):
+        self.answered.append((model, ensures))
 
     def carrier_of(self, model):
         return None
@@ -94,6 +98,7 @@ def test_a_request_that_meets_its_model_unloaded_is_sent_again_where_it_is_now()
     assert triton.sent == ["triton0", "triton1"]
     assert state.ensured == ["m"]  # asked again although this process believed it loaded
     assert service_pb2.ModelInferResponse.FromString(response).model_name == "m"
+    assert state.answered == [("m", 1)]  # answered: the hold of its ensure ends now
 
 
 def test_the_typed_path_sends_again_after_an_unload_too():
