@@ -12,6 +12,7 @@ Each benchmark is its own module and can run alone with its own options:
     python -m bench.canary_overhead  request latency and serving-loop CPU while a canary runs
     python bench/lora_bench.py       LoRA: 1 vs 100 adapters per batch, swap-in, memory
     python -m bench.family_swap      model families vs separate models: miss vs memcpy, hits
+    python -m bench.thrash           failed requests and latency under thrash (models, family)
 
 This runner uses shorter settings (`--full` uses each benchmark's defaults), writes
 bench/results/summary.json (machine, versions, conditions, headline numbers) and the plots
@@ -46,6 +47,8 @@ QUICK = {
     "lora": ["bench/lora_bench.py", "--quick", "--no-wide"],
     "family_swap": ["-m", "bench.family_swap", "--variants", "8", "--size-mb", "20", "--slots", "3",
                     "--hits", "50", "--rounds", "1", "--cycles", "100"],
+    "thrash": ["-m", "bench.thrash", "--clients", "16", "--requests", "4", "--models", "12",
+               "--workers", "1"],
 }
 FULL = {
     "load_unload": ["-m", "bench.load_unload"],
@@ -58,6 +61,7 @@ FULL = {
     "canary_overhead": ["-m", "bench.canary_overhead"],
     "lora": ["bench/lora_bench.py"],
     "family_swap": ["-m", "bench.family_swap"],
+    "thrash": ["-m", "bench.thrash"],
 }
 
 
@@ -204,6 +208,15 @@ def summary_rows() -> list[tuple[str, str, str]]:
                              "end to end", (f"{r['miss_minus_hit_p50_ms']:.1f}ms = "
                                             f"{r['miss_minus_hit_p50_ms'] / copy_ms:.1f}x memcpy "
                                             f"({copy_ms:.1f}ms); hit p50 {r['hit']['p50_ms']:.1f}ms")))
+    thrash = load("thrash.json")
+    if thrash:
+        c = thrash["conditions"]
+        for r in thrash["results"]:
+            workers = f"{r['router_workers']} worker{'s' if r['router_workers'] > 1 else ''}"
+            label = f"thrash: {c['clients']} clients over {c['models']} models, {c['max_loaded']} fit"
+            rows.append((f"{label} ({r['layout']}, {workers})",
+                         "end to end", (f"{r['failed']} of {r['requests']} failed, p50 {r['p50_ms']:.0f}ms "
+                                        f"p99 {r['p99_ms']:.0f}ms, {r['requests_per_s']:.0f} req/s")))
     shadow = load("shadow_overhead.json")
     if shadow:
         p, cpu = shadow["primary"], shadow["cpu_ms_per_primary_request"]
