@@ -133,16 +133,28 @@ class SystemSharedMemory:
 
     def __init__(self, directory: Path | None = None):
         self._own = directory is None
-        self.directory = Path(tempfile.mkdtemp(prefix="mms-shm-")) if directory is None else directory
-        self.directory.mkdir(parents=True, exist_ok=True)
+        # This process's own directory is made at the first registration: most routers
+        # never see one.
+        self._directory = directory
+        self._made = False
         self._maps: dict[str, _Mapping] = {}
 
     def close(self) -> None:
         for mapping in self._maps.values():
             mapping.close()
         self._maps.clear()
-        if self._own:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        if self._own and self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
+            self._directory, self._made = None, False
+
+    @property
+    def directory(self) -> Path:
+        if self._directory is None:
+            self._directory = Path(tempfile.mkdtemp(prefix="mms-shm-"))
+        elif not self._made:
+            self._directory.mkdir(parents=True, exist_ok=True)
+        self._made = True
+        return self._directory
 
     # ------------------------------------------------------------------ registrations
     def _file(self, name: str) -> Path:
