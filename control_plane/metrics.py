@@ -2,6 +2,8 @@
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from control_plane.domain.periodic import loop_failures_counter
+
 LOAD_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -9,6 +11,7 @@ class ControlPlaneMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self.loop_failures = loop_failures_counter("mms", r)
         self.loads = Counter("mms_loads_total", "Triton loads started by the control plane",
                              ["server", "result"], registry=r)
         self.evictions = Counter("mms_evictions_total", "Models unloaded to make room",

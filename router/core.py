@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 from tritonclient.grpc import service_pb2_grpc
 
+from control_plane.domain.periodic import run_periodically
 from router.answers import Answers
 from router.canary import CanaryController
 from router.decide import Deciding
@@ -114,6 +115,5 @@ class Router(Forwarding, Sending, Deciding, Answers, Recording):
         self.shared_memory.close()
 
     async def _canary_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.canary_interval_s)
-            self.canaries.step()
+        await run_periodically("canary", lambda: self.canaries.step(), self.config.canary_interval_s,
+                               self.metrics.loop_failures)

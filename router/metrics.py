@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from control_plane.domain.periodic import loop_failures_counter
 from router.routes import Decision
 
 LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -33,6 +34,7 @@ class RouterMetrics:
                                ["api"], registry=r)
         self.inflight = Gauge("mmr_inflight_requests", "Requests in flight", registry=r,
                               multiprocess_mode="livesum")  # summed over live router workers
+        self.loop_failures = loop_failures_counter("mmr", r)
 
 
 class Recording:

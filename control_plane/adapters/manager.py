@@ -34,6 +34,7 @@ from control_plane.domain.errors import (
     ModelLoadFailed,
     ModelNotFound,
 )
+from control_plane.domain.periodic import guarded_step, run_periodically
 from control_plane.tiers.cold import ColdStores
 
 log = logging.getLogger(__name__)
@@ -379,17 +380,11 @@ class AdapterManager:
             except ControlPlaneError as exc:  # one failing base never stops the loop
                 log.warning("adapter status of %s failed: %s", name, exc.message)
 
-    async def run_forever(self) -> None:
-        try:
-            await self.recover()
-        except Exception:
-            log.exception("adapter recovery failed")
-        while True:
-            await asyncio.sleep(self.refresh_interval_s)
-            try:
-                await self.step()
-            except Exception:
-                log.exception("adapter refresh failed")
+    async def run_forever(self, failures=None) -> None:
+        """Recover once, then refresh every ``refresh_interval_s`` (a failing pass is logged
+        and counted in ``failures``; the next one runs)."""
+        await guarded_step("adapter-recovery", self.recover, failures)
+        await run_periodically("adapter-refresh", self.step, lambda: self.refresh_interval_s, failures)
 
 
 def _log_failed_touch(done: asyncio.Future) -> None:

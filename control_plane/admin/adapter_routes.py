@@ -59,7 +59,7 @@ def add_adapter_routes(app: web.Application, adapters: AdapterManager) -> None:
     app[ADAPTERS_KEY] = adapters
 
     async def refresh_loop(_app: web.Application):
-        task = asyncio.get_running_loop().create_task(adapters.run_forever())
+        task = asyncio.get_running_loop().create_task(adapters.run_forever(adapters.manager.metrics.loop_failures))
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from control_plane.admin.api import json_body
 from control_plane.domain.errors import InvalidInput
+from control_plane.domain.periodic import run_periodically
 from router.canary import CanaryController, registry_promoter
 from router.limits import GlobalBuckets
 from router.public_names import PublicNames
@@ -31,6 +32,7 @@ from router.stats import StatsBook
 log = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 0.1  # how often placement and tables are compared with the last snapshot
+CANARY_INTERVAL_S = 1.0  # how often running canaries are judged
 WORKER_LIVE_S = 10.0  # a worker not heard from for this long no longer counts
 SETTLE_TIMEOUT_S = 2.0  # an admin change waits this long at most for workers to have it
 MAX_WAIT_S = 30.0
@@ -240,21 +242,17 @@ class DataPlaneHub:
         async with self._changed:
             self._changed.notify_all()
 
+    @property
+    def _loop_failures(self):
+        return None if self.manager is None else self.manager.metrics.loop_failures
+
     async def _publish_loop(self) -> None:
-        while True:
-            await asyncio.sleep(PUBLISH_INTERVAL_S)
-            try:
-                self.publish()
-            except Exception:  # one failing pass never stops publishing
-                log.exception("publishing the data-plane snapshot failed")
+        await run_periodically("publish", lambda: self.publish(), PUBLISH_INTERVAL_S,
+                               self._loop_failures)
 
     async def _canary_loop(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            try:
-                self.canaries.step()
-            except Exception:
-                log.exception("canary step failed")
+        await run_periodically("canary", lambda: self.canaries.step(), CANARY_INTERVAL_S,
+                               self._loop_failures)
 
     # ------------------------------------------------------------------ HTTP handlers
     async def snapshot(self, request: web.Request) -> web.Response:

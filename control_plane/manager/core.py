@@ -45,8 +45,8 @@ from control_plane.triton.process import TritonProcess
 
 class ModelManager(Catalog, Leases, Loader, Unloader, Pins, Reconciler):
     """What is loaded on which Triton server: ``ensure``/``lease`` for requests,
-    ``unload``/``pin``/``unpin`` for operators, ``step``/``run_forever`` for the reconcile
-    loop.  The rules it keeps are in the package docstring."""
+    ``unload``/``pin``/``unpin`` for operators, ``step`` for the reconcile loop (run
+    by the service through ``control_plane.domain.periodic``).  The rules it keeps are in the package docstring."""
 
     def __init__(
         self,

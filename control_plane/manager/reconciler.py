@@ -214,7 +214,3 @@ class Reconciler(ManagerState):
                 rec.failure = reason
         self._update_gauges(server)
 
-    async def run_forever(self, interval_s: float = 2.0) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            await self.step()

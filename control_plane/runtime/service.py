@@ -27,6 +27,7 @@ from control_plane.demo.fleet import (
     generate_fleet,
     hidden_dim_for_size,
 )
+from control_plane.domain.periodic import guarded_step, run_periodically
 from control_plane.manager import ManagerConfig, ModelManager
 from control_plane.runtime.config import ServiceConfig, config_from_json, config_to_json  # noqa: F401  (their import path)
 from control_plane.runtime.supervisor import PROCESSES_FILE
@@ -246,21 +247,23 @@ class Service(TritonLaunching):
         log.info("control plane ready: admin API %s", self.admin_url)
 
     async def _control_loop(self) -> None:
-        """Reconcile Triton state, then promotion (auto-pin / prefetch) when configured."""
-        while True:
-            await asyncio.sleep(self.cfg.reconcile_interval_s)
-            await self.manager.step()
-            if self.memory is not None:
-                try:  # unreturned GPU memory back in the budget; measured sizes that drifted
-                    self.memory.step(self.manager.servers.values())
-                    self.reconciler.step()
-                except Exception:  # one failing subsystem never stops the loop
-                    log.exception("GPU memory pass failed")
-            if self.cfg.auto_pin_top_k or self.cfg.prefetch_min_miss_rate:
-                try:
-                    await self.promoter.step()
-                except Exception:  # one failing subsystem never stops the loop
-                    log.exception("promotion step failed")
+        """Reconcile Triton state, then the GPU memory pass and promotion (auto-pin /
+        prefetch) when configured; each is its own guarded step, so one failing never
+        skips the others or ends the loop (``control_plane.domain.periodic``)."""
+        await run_periodically("control", self._control_step, self.cfg.reconcile_interval_s,
+                               self.manager.metrics.loop_failures)
+
+    async def _control_step(self) -> None:
+        failures = self.manager.metrics.loop_failures
+        await guarded_step("reconcile", self.manager.step, failures)
+        if self.memory is not None:  # unreturned GPU memory back in the budget; drifted sizes
+            await guarded_step("gpu-memory", self._memory_step, failures)
+        if self.cfg.auto_pin_top_k or self.cfg.prefetch_min_miss_rate:
+            await guarded_step("promotion", self.promoter.step, failures)
+
+    def _memory_step(self) -> None:
+        self.memory.step(self.manager.servers.values())
+        self.reconciler.step()
 
     async def _start_router(self, admin_app: web.Application, endpoints: dict) -> None:
         from control_plane.admin.rollout_routes import add_router_routes

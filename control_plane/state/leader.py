@@ -143,7 +143,9 @@ class LeaderLease:
                     if self.renew():
                         continue
                     reason = "another control plane holds the lease"
-                except STORE_ERRORS as exc:
+                except Exception as exc:  # the renewal thread must not die silently
+                    if not isinstance(exc, STORE_ERRORS):
+                        log.exception("leader lease renewal raised")
                     if self.holds():
                         log.warning("leader lease renewal failed (%s); retrying", exc)
                         continue

@@ -21,6 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from control_plane.domain.errors import ControlPlaneError
+from control_plane.domain.periodic import run_periodically
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.state_store import StateStore
 
@@ -153,7 +154,8 @@ def test_random_control_calls_leave_the_control_plane_equal_to_triton(triton, re
 
 
 async def _start_reconcile(mgr: ModelManager) -> asyncio.Task:
-    return asyncio.get_running_loop().create_task(mgr.run_forever(interval_s=0.5))
+    return asyncio.get_running_loop().create_task(run_periodically("reconcile", mgr.step, 0.5,
+                                                                  mgr.metrics.loop_failures))
 
 
 async def _stop(task: asyncio.Task) -> None:
