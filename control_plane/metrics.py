@@ -12,6 +12,9 @@ class ControlPlaneMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.loop_failures = loop_failures_counter("mms", r)
+        self.illegal_transitions = Counter(
+            "mms_illegal_transitions_total", "Model state changes that the state machine does not "
+            "list (made anyway, logged)", ["from_state", "to_state"], registry=r)
         self.loads = Counter("mms_loads_total", "Triton loads started by the control plane",
                              ["server", "result"], registry=r)
         self.evictions = Counter("mms_evictions_total", "Models unloaded to make room",

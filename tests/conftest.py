@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+# A model state change the manager's state machine does not list fails the test (and any
+# `mmctl up` a test starts) instead of being logged and counted.
+os.environ["MMS_STRICT_TRANSITIONS"] = "1"
+
 from control_plane.demo.fleet import (
     FleetSpec,
     base_weights,

@@ -96,8 +96,8 @@ class Loader(ManagerState):
                 self.stager.set_busy(name, False)
                 if isinstance(exc, ControlPlaneError) and not isinstance(exc, ModelNotFound):
                     # A bad artifact or an unreachable store: back off like a failed load.
-                    rec.state, rec.failure, rec.failed_at = (
-                        ModelState.FAILED, exc.message, time.monotonic())
+                    rec.move(ModelState.FAILED)
+                    rec.failure, rec.failed_at = exc.message, time.monotonic()
                 raise
         else:
             size_bytes = await asyncio.to_thread(self.artifact_bytes, name)  # a file walk
@@ -126,15 +126,15 @@ class Loader(ManagerState):
                     for v in victims:
                         server.planner.residents[v].evictable = False
                         server.planner.residents[v].leaving = True
-                        self.records[v].state = ModelState.UNLOADING
+                        self.records[v].move(ModelState.UNLOADING)
                     server.planner.admit(
                         Resident(name, size_bytes, pinned=rec.pinned, evictable=False,
                                  priority=self.priority_of(name)), now,
                         load_cost_s=rec.load_time_s or 1.0,
                     )
                     previous_state = rec.state
-                    rec.state, rec.server, rec.memory_bytes, rec.failure = (
-                        ModelState.LOADING, server.name, size_bytes, None)
+                    rec.move(ModelState.LOADING)
+                    rec.server, rec.memory_bytes, rec.failure = server.name, size_bytes, None
                     self.room.queue(server, name, size_bytes)
                     self._maintain_headroom(server)  # the next miss finds room again
                     break
@@ -161,7 +161,7 @@ class Loader(ManagerState):
             self.room.unqueue(server, name)
             self._release_warm(name)
             server.planner.remove(name)
-            rec.state = previous_state if previous_state != ModelState.LOADING else ModelState.WARM
+            rec.move(previous_state if previous_state != ModelState.LOADING else ModelState.WARM)
             rec.server = None
             self.metrics.loads.labels(server.name, "evict_failed").inc()
             if isinstance(exc, ControlPlaneError):
@@ -196,7 +196,7 @@ class Loader(ManagerState):
         if not warmup.get("ok", True):
             self.metrics.warmup_failures.labels(server.name).inc()
             log.warning("%s is served, but its synthetic warm-up failed: %s", name, warmup.get("error"))
-        rec.state = ModelState.READY
+        rec.move(ModelState.READY)
         self._sync_evictable(rec)
         self._maintain_headroom(server)
         rec.last_used = self.clock()
@@ -217,7 +217,7 @@ class Loader(ManagerState):
             victims = plan_measured(server.planner, rec.name, measured_bytes)
             for v in victims:
                 server.planner.residents[v].evictable = False
-                self.records[v].state = ModelState.UNLOADING
+                self.records[v].move(ModelState.UNLOADING)
             resident = server.planner.residents.get(rec.name)
             if resident is not None:
                 resident.size_bytes = measured_bytes
@@ -296,11 +296,11 @@ class Loader(ManagerState):
         except ControlPlaneError as cleanup_exc:
             # Triton may still hold it: keep the bytes counted, the reconcile loop retries.
             log.error("%s failed (%s) and could not be unloaded: %s", rec.name, reason, cleanup_exc)
-            rec.state = ModelState.FAILED
+            rec.move(ModelState.FAILED)
             return
         server.planner.remove(rec.name)
         self._release_warm(rec.name)
-        rec.state = ModelState.FAILED
+        rec.move(ModelState.FAILED)
         rec.server = None
         self._update_gauges(server)
         self._save_row(rec.name, failure=reason)

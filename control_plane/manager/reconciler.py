@@ -80,7 +80,8 @@ class Reconciler(ManagerState):
                         continue  # it changed while the others were sized: the next pass
                     server.planner.admit(Resident(name, size, pinned=rec.pinned,
                                                   priority=self.priority_of(name)), self.clock())
-                    rec.state, rec.server, rec.memory_bytes = ModelState.READY, server.name, size
+                    rec.move(ModelState.READY)
+                    rec.server, rec.memory_bytes = server.name, size
                     rec.warmup = rec.warmup or {"ok": True, "latency_ms": None,
                                                 "checked_at": self.clock(), "error": None,
                                                 "note": "adopted from Triton's index"}
@@ -100,15 +101,16 @@ class Reconciler(ManagerState):
                     if rec.state == ModelState.READY:
                         log.warning("%s is no longer loaded on %s (%s)", name, server.name,
                                     entry.reason or entry.state.value)
-                        rec.state = ModelState.WARM
+                        rec.move(ModelState.WARM)
                     else:
-                        rec.state = ModelState.FAILED  # keep the failure reason visible
+                        rec.move(ModelState.FAILED)  # keep the failure reason visible
                     rec.server = None
             for name, rec in self.records.items():
                 if rec.server == server.name and name not in index and name not in busy:
                     server.planner.remove(name)
                     self._release_warm(name)
-                    rec.state, rec.server = ModelState.WARM, None
+                    rec.move(ModelState.WARM)
+                    rec.server = None
         self._update_gauges(server)
         with contextlib.suppress(ControlPlaneError):
             await self.refresh_usage(server)
@@ -192,7 +194,8 @@ class Reconciler(ManagerState):
                     "another server", rec.name, server.name)
         server.planner.remove(rec.name)
         self._release_warm(rec.name)
-        rec.state, rec.server = ModelState.WARM, None
+        rec.move(ModelState.WARM)
+        rec.server = None
         rec.failure = f"server {server.name} was down when a request needed it"
         self._update_gauges(server)
 
@@ -210,7 +213,8 @@ class Reconciler(ManagerState):
             if rec.server == server.name:
                 server.planner.remove(name)
                 self._release_warm(name)
-                rec.state, rec.server = ModelState.WARM, None
+                rec.move(ModelState.WARM)
+                rec.server = None
                 rec.failure = reason
         self._update_gauges(server)
 

@@ -6,13 +6,18 @@ Plain data: no I/O, no event loop.  ``ModelManager`` (core.py) is the only write
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from control_plane.domain.errors import InvalidInput
 from control_plane.eviction import DEFAULT_POLICY, CachePlanner
 from control_plane.triton.admin import TritonAdmin
 from control_plane.triton.process import TritonProcess
+
+log = logging.getLogger(__name__)
 
 
 class ModelState(str, enum.Enum):
@@ -22,6 +27,34 @@ class ModelState(str, enum.Enum):
     READY = "ready"
     UNLOADING = "unloading"
     FAILED = "failed"
+
+
+_S = ModelState
+# Every change of a model's state the manager makes, and why; ``ModelRecord.move`` is the
+# only writer of ``state`` and checks each change against this table.  Staying in a state
+# is always allowed.
+TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
+    _S.COLD: frozenset({_S.WARM, _S.LOADING, _S.FAILED}),  # staged; loaded; staging failed
+    # loaded; Triton already has it (adopted at start); staging failed; gone from the store
+    _S.WARM: frozenset({_S.LOADING, _S.READY, _S.FAILED, _S.COLD}),
+    # Triton answered; the load failed; no room after all (back to where it was); its
+    # server went away mid-load
+    _S.LOADING: frozenset({_S.READY, _S.FAILED, _S.WARM, _S.COLD, _S.UNLOADING}),
+    # evicted or unloaded; Triton no longer has it or its server went down; health failed
+    _S.READY: frozenset({_S.UNLOADING, _S.WARM, _S.FAILED}),
+    # unloaded; the unload failed; Triton still has it (found by the reconcile)
+    _S.UNLOADING: frozenset({_S.WARM, _S.FAILED, _S.READY}),
+    # retried; given up and forgotten; Triton has it after all; a failed unload retried
+    _S.FAILED: frozenset({_S.LOADING, _S.WARM, _S.READY, _S.UNLOADING, _S.COLD}),
+}
+# The test suite sets MMS_STRICT_TRANSITIONS=1: an illegal change fails loudly there.  In
+# production it is logged and counted (``mms_illegal_transitions_total``) and made anyway:
+# serving goes on with what Triton really holds.
+STRICT_ENV = "MMS_STRICT_TRANSITIONS"
+
+
+class IllegalTransition(RuntimeError):
+    """A change of a model's state that ``TRANSITIONS`` does not list."""
 
 
 @dataclass
@@ -40,6 +73,21 @@ class ModelRecord:
     active: int = 0  # of those, requests sent to Triton: what an unload drains
     last_inference_ms: int = 0  # newest Triton-reported inference, to refresh recency
     failed_at: float | None = None  # monotonic time of the last failed load
+    # Called with (from, to) for an illegal change (the manager counts it).
+    on_illegal: Callable[[ModelState, ModelState], None] | None = field(default=None, repr=False,
+                                                                         compare=False)
+
+    def move(self, to: ModelState) -> None:
+        """Change the model's state; the change must be one ``TRANSITIONS`` lists."""
+        now = self.state
+        if to != now and to not in TRANSITIONS[now]:
+            message = f"{self.name}: illegal state change {now.value} -> {to.value}"
+            if os.environ.get(STRICT_ENV) == "1":
+                raise IllegalTransition(message)
+            log.error("%s (made anyway; please report it)", message)
+            if self.on_illegal is not None:
+                self.on_illegal(now, to)
+        self.state = to
 
     def to_dict(self) -> dict:
         return {

@@ -15,7 +15,13 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from control_plane.manager.records import ManagerConfig, ModelRecord, Stager, TritonServer
+from control_plane.manager.records import (
+    ManagerConfig,
+    ModelRecord,
+    ModelState,
+    Stager,
+    TritonServer,
+)
 from control_plane.manager.room import RoomLedger
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.placement import Placer
@@ -54,8 +60,11 @@ class ManagerState:
     def _record(self, name: str) -> ModelRecord:
         rec = self.records.get(name)
         if rec is None:
-            rec = self.records[name] = ModelRecord(name)
+            rec = self.records[name] = ModelRecord(name, on_illegal=self._count_illegal)
         return rec
+
+    def _count_illegal(self, was: ModelState, to: ModelState) -> None:
+        self.metrics.illegal_transitions.labels(was.value, to.value).inc()
 
     def _release_warm(self, name: str) -> None:
         """The warm tier may drop ``name`` again (it is neither loaded nor loading)."""

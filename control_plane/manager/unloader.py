@@ -53,7 +53,7 @@ class Unloader(ManagerState):
                 resident.pinned = False
                 resident.leaving = rec.state == ModelState.READY
             if rec.state == ModelState.READY:
-                rec.state = ModelState.UNLOADING
+                rec.move(ModelState.UNLOADING)
         await self._unload_now(server, name, reason="requested")
         return rec
 
@@ -67,7 +67,7 @@ class Unloader(ManagerState):
 
     async def _do_unload(self, server: TritonServer, name: str, reason: str) -> None:
         rec = self.records[name]
-        rec.state = ModelState.UNLOADING
+        rec.move(ModelState.UNLOADING)
         # Drain: requests holding a lease finish first (bounded by drain_timeout_s).
         deadline = time.monotonic() + self.config.drain_timeout_s
         # Only requests already sent to Triton are drained: requests still waiting for this
@@ -85,7 +85,7 @@ class Unloader(ManagerState):
         except ControlPlaneError as exc:
             # Triton may still hold it: the server, and its room, stay counted until Triton
             # confirms it gone (the reconcile retries after the backoff, as does a load).
-            rec.state = ModelState.FAILED
+            rec.move(ModelState.FAILED)
             rec.failure = f"unload did not complete: {exc.message}"
             rec.failed_at = time.monotonic()
             resident = server.planner.residents.get(name)
@@ -102,7 +102,8 @@ class Unloader(ManagerState):
         self.metrics.unloads.labels(server.name, reason).inc()
         server.planner.remove(name)
         self._release_warm(name)
-        rec.state, rec.server, rec.warmup = ModelState.WARM, None, None
+        rec.move(ModelState.WARM)
+        rec.server, rec.warmup = None, None
         self._update_gauges(server)
         self._save_row(name, server=None)
         log.info("unloaded %s from %s (%s); memory free after %.2fs", name, server.name, reason, freed_s)
@@ -148,7 +149,7 @@ class Unloader(ManagerState):
             resident = server.planner.residents[v]
             resident.evictable = False
             resident.leaving = True
-            self.records[v].state = ModelState.UNLOADING
+            self.records[v].move(ModelState.UNLOADING)
         if victims:
             log.info("%s: unloading %s to keep room for the next miss", server.name, ", ".join(victims))
         for v in victims:

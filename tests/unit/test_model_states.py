@@ -1,0 +1,75 @@
+"""One state machine per model: ``ModelRecord.move`` is the only writer of a model's state,
+and a change that ``TRANSITIONS`` does not list fails loudly under test and is logged and
+counted in production."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from control_plane.manager.records import (
+    STRICT_ENV,
+    TRANSITIONS,
+    IllegalTransition,
+    ModelRecord,
+    ModelState,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_state_has_its_transitions_listed():
+    assert set(TRANSITIONS) == set(ModelState)
+    assert all(to in ModelState and to != state for state, tos in TRANSITIONS.items() for to in tos)
+
+
+def test_an_illegal_change_fails_under_test():
+    rec = ModelRecord("m")
+    rec.move(ModelState.LOADING)
+    rec.move(ModelState.READY)
+    with pytest.raises(IllegalTransition, match="m: illegal state change ready -> loading"):
+        rec.move(ModelState.LOADING)
+    assert rec.state == ModelState.READY
+
+
+def test_in_production_an_illegal_change_is_counted_logged_and_made(monkeypatch, caplog):
+    monkeypatch.delenv(STRICT_ENV)
+    seen = []
+    rec = ModelRecord("m", on_illegal=lambda was, to: seen.append((was, to)))
+    rec.move(ModelState.READY)  # from warm: adopted
+    rec.move(ModelState.LOADING)
+    assert seen == [(ModelState.READY, ModelState.LOADING)]
+    assert rec.state == ModelState.LOADING
+    assert "illegal state change ready -> loading" in caplog.text
+
+
+def test_staying_in_a_state_is_allowed():
+    rec = ModelRecord("m")
+    rec.move(ModelState.WARM)
+    assert rec.state == ModelState.WARM
+
+
+def test_nothing_but_the_record_writes_a_models_state():
+    """Every change goes through ``move`` (so through the table): no assignment elsewhere."""
+    writes = []
+    for path in (ROOT / "control_plane").rglob("*.py"):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\b\w+\.state\s*(,[^=]*)?=[^=].*ModelState\.", line) or \
+                    re.search(r"\.state\s*=\s*ModelState\.", line):
+                writes.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert writes == []
+
+
+def test_the_manager_counts_illegal_changes(monkeypatch, tmp_path):
+    from control_plane.manager import ModelManager, ServerSpec
+    from control_plane.state_store import StateStore
+
+    monkeypatch.delenv(STRICT_ENV)
+    server = ModelManager.make_server(ServerSpec("s0", "fake:1", "fake:2"), "lru")
+    mgr = ModelManager([server], StateStore(tmp_path / "s.db"))
+    rec = mgr._record("m")
+    rec.move(ModelState.READY)
+    rec.move(ModelState.LOADING)
+    assert mgr.metrics.illegal_transitions.labels("ready", "loading")._value.get() == 1
