@@ -54,7 +54,7 @@ SERVICE_OPTIONS = [
                        "each GPU's or MIG slice's memory less 10% (at least 1 GiB), else 50% of "
                        "host RAM shared by the local servers (mmctl fleet shows it)."),
     click.option("--fleet-size", type=int, default=50, show_default=True,
-                  help="Demo models cust001..custNNN to create if missing."),
+                  help="Demo models cust001..custNNN to create if missing (mmctl up's demo)."),
     click.option("--model-size-mb", type=float, default=None,
                   help="Weight size of each demo model (the seed scenario uses 850)."),
     click.option("--fleet-layout", type=click.Choice(["family", "models"]), default="family",
@@ -120,6 +120,12 @@ SERVICE_OPTIONS = [
                   help="Seconds between passes that compare with each Triton and repair."),
     click.option("--log-level", default="INFO", show_default=True,
                   help="DEBUG, INFO, WARNING or ERROR."),
+]
+
+UP_OPTIONS = [
+    click.option("--demo/--no-demo", default=None,
+                 help="Write the demo fleet (--fleet-size models, the LoRA demo) where missing. "
+                      "Default: when no --repository is given."),
 ]
 
 ROUTER_OPTIONS = [
@@ -247,12 +253,13 @@ def _logging(level: str) -> None:
 
 
 @click.command()
-@_options(SERVICE_OPTIONS, ROUTER_OPTIONS, CLUSTER_OPTIONS)
+@_options(SERVICE_OPTIONS, UP_OPTIONS, ROUTER_OPTIONS, CLUSTER_OPTIONS)
 def up(**opts):
     """Start tritonserver(s), the control plane and the router in the foreground; Ctrl-C
     stops all."""
     _logging(opts["log_level"])
     cfg = service_config(opts)
+    cfg.demo = opts["repository"] is None if opts["demo"] is None else opts["demo"]
     cfg.router = opts["router"]
     cfg.router_host = opts["router_host"]
     cfg.router_http_port, cfg.router_grpc_port = opts["router_http_port"], opts["router_grpc_port"]

@@ -1,1 +1,38 @@
-"""Demo model generators (the only code outside models that writes torch weights)."""
+"""Demo model generators (the only code outside models that writes torch weights), and the
+demo repository `mmctl up` serves when it is given no repository of the user's."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def write_demo_repository(repository: Path, fleet_size: int, model_size_mb: float | None = None,
+                          layout: str = "family") -> None:
+    """The demo fleet (cust001..custNNN as one model family, or one Triton model each), its
+    extras and the LoRA demo, each written only where missing."""
+    from control_plane.demo.fleet import (
+        FleetSpec,
+        default_instance_kind,
+        generate_extras,
+        generate_family_fleet,
+        generate_fleet,
+        hidden_dim_for_size,
+    )
+    from control_plane.demo.lora import BASES, LoraDemoSpec, generate_lora_demo
+
+    spec = FleetSpec(count=fleet_size, instance_kind=default_instance_kind())
+    if model_size_mb:
+        spec = FleetSpec(count=fleet_size, instance_kind=spec.instance_kind,
+                         hidden_dim=hidden_dim_for_size(model_size_mb))
+    if layout == "family":
+        written = generate_family_fleet(repository, spec) + generate_extras(repository, spec, family=True)
+    else:
+        written = generate_fleet(repository, spec) + generate_extras(repository, spec)
+    if written:
+        log.info("wrote %d demo models into %s", len(written), repository)
+    if not all((repository / base).is_dir() for base in BASES):  # LoRA bases + demo adapters
+        lora = generate_lora_demo(repository, LoraDemoSpec(adapters=4, instance_kind=spec.instance_kind))
+        log.info("wrote LoRA bases %s with %d demo adapters each", ", ".join(lora), 4)

@@ -117,12 +117,18 @@ DEMO_VARIANTS = (("cust017-v2", ()), ("cust017-v3", ()), ("cust017-faulty", (("f
 # Their place in the registry: versions of cust017 (whose own folder is version 1), so a
 # rollout reads "cust017 -> version 2"; each keeps its folder name as its concrete name.
 DEMO_VERSIONS = {"cust017-v2": ("cust017", 2), "cust017-v3": ("cust017", 3), "cust017-faulty": ("cust017", 4)}
+# Written beside them: only a repository the demo wrote reads those folders as versions of
+# cust017 (in anyone else's, a folder named cust017-v2 is a model of its own).
+DEMO_MARKER = ".mms-demo"
 
 
 def generate_extras(repository: Path, spec: FleetSpec = FleetSpec(), family: bool = False) -> list[str]:
     """The identity model and cust017's rollout variants, written if missing (``family``:
     the healthy ones are variants of the demo family, written by generate_family_fleet)."""
     written = []
+    repository.mkdir(parents=True, exist_ok=True)
+    (repository / DEMO_MARKER).write_text("written by the demo fleet: " + ", ".join(
+        f"{folder} is version {version} of {model}" for folder, (model, version) in DEMO_VERSIONS.items()))
     if not (repository / "identity" / "config.pbtxt").exists():
         tmp = repository / ".identity.tmp"
         if tmp.exists():

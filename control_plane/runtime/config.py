@@ -42,6 +42,10 @@ class ServiceConfig:
     max_loaded: int | None = None
     memory_budget_bytes: int | None = None  # None: derived from the device (local servers)
     derive_memory_budget: bool = True  # False (--memory-budget unlimited): no byte budget
+    # Write the demo fleet (fleet_size models, the LoRA demo) into the repository where
+    # missing: only `mmctl up` sets it (no --repository, or --demo); a control plane of a
+    # cluster never writes demo models.
+    demo: bool = False
     fleet_size: int = 50
     model_size_mb: float | None = None
     # The demo fleet as one model family ("family": variants in the weight slots of one

@@ -18,15 +18,8 @@ from pathlib import Path
 from aiohttp import web
 
 from control_plane.admin.api import TOKEN_FILE_NAME, access_for, ensure_token_file, make_app
-from control_plane.demo.fleet import (
-    DEMO_VERSIONS,
-    FleetSpec,
-    default_instance_kind,
-    generate_extras,
-    generate_family_fleet,
-    generate_fleet,
-    hidden_dim_for_size,
-)
+from control_plane.demo import write_demo_repository
+from control_plane.demo.fleet import DEMO_MARKER, DEMO_VERSIONS
 from control_plane.domain.periodic import guarded_step, run_periodically
 from control_plane.manager import ManagerConfig, ModelManager
 from control_plane.runtime.config import ServiceConfig, config_from_json, config_to_json  # noqa: F401  (their import path)
@@ -78,24 +71,10 @@ class Service(TritonLaunching):
         return self.supervised or self.cfg.external_routers
 
     def prepare_repository(self) -> None:
-        repo = self.repository
-        repo.mkdir(parents=True, exist_ok=True)
-        if self.cfg.fleet_size and self.cfg.repository is None:
-            spec = FleetSpec(count=self.cfg.fleet_size, instance_kind=default_instance_kind())
-            if self.cfg.model_size_mb:
-                spec = FleetSpec(count=self.cfg.fleet_size, instance_kind=spec.instance_kind,
-                                 hidden_dim=hidden_dim_for_size(self.cfg.model_size_mb))
-            if self.cfg.fleet_layout == "family":
-                written = generate_family_fleet(repo, spec) + generate_extras(repo, spec, family=True)
-            else:
-                written = generate_fleet(repo, spec) + generate_extras(repo, spec)
-            if written:
-                log.info("wrote %d demo models into %s", len(written), repo)
-            from control_plane.demo.lora import BASES, LoraDemoSpec, generate_lora_demo
-
-            if not all((repo / base).is_dir() for base in BASES):  # LoRA bases + demo adapters
-                lora = generate_lora_demo(repo, LoraDemoSpec(adapters=4, instance_kind=spec.instance_kind))
-                log.info("wrote LoRA bases %s with %d demo adapters each", ", ".join(lora), 4)
+        self.repository.mkdir(parents=True, exist_ok=True)
+        if self.cfg.demo and self.cfg.fleet_size:
+            write_demo_repository(self.repository, self.cfg.fleet_size, self.cfg.model_size_mb,
+                                  self.cfg.fleet_layout)
 
     async def register_repository(self) -> None:
         """One catalogue: every model folder of Triton's repository (the demo fleet, or what
@@ -104,7 +83,8 @@ class Service(TritonLaunching):
         from control_plane.registry import add_repository_versions, collect_repository
 
         found = await asyncio.get_running_loop().run_in_executor(
-            None, collect_repository, self.registry, self.repository, DEMO_VERSIONS)
+            None, collect_repository, self.registry, self.repository,
+            DEMO_VERSIONS if (self.repository / DEMO_MARKER).is_file() else {})
         add_repository_versions(self.registry, found)
 
     def open_state(self):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -226,7 +228,7 @@ def test_the_demo_fleet_is_registered_at_first_start_and_only_once(tmp_path):
     from control_plane.runtime.service import Service, ServiceConfig
 
     store = StateStore(tmp_path / "state.db")
-    service = Service(ServiceConfig(state_dir=tmp_path / "state", fleet_size=3))
+    service = Service(ServiceConfig(state_dir=tmp_path / "state", fleet_size=3, demo=True))
     service.repository = tmp_path / "repository"
     service.registry = Registry(store.db)
     service.prepare_repository()  # what `mmctl up` writes with no --repository
@@ -249,6 +251,37 @@ def test_the_demo_fleet_is_registered_at_first_start_and_only_once(tmp_path):
     asyncio.run(service.register_repository())  # a restart registers nothing again
     assert len(service.registry.history()) == history
     store.close()
+
+
+def test_a_control_plane_without_the_demo_writes_no_demo_model(tmp_path):
+    """The control plane of a cluster (and `mmctl up --no-demo`) serves only what the
+    repository holds; a folder named like a demo variant is a model of its own."""
+    from control_plane.runtime.service import Service, ServiceConfig
+
+    store = StateStore(tmp_path / "state.db")
+    service = Service(ServiceConfig(state_dir=tmp_path / "state", fleet_size=3))
+    service.repository = tmp_path / "repository"
+    service.registry = Registry(store.db)
+    service.prepare_repository()
+    assert list(service.repository.iterdir()) == []
+    shutil.copytree(Path(__file__).resolve().parents[1] / "fixtures" / "models" / "simple",
+                    service.repository / "cust017-v2")
+    asyncio.run(service.register_repository())
+    rows = {v.name: (v.model, v.version) for v in service.registry.versions()}
+    assert rows == {"cust017-v2": ("cust017-v2", 1)}
+
+
+def test_only_mmctl_up_writes_the_demo(monkeypatch):
+    from control_plane.cli import serve
+
+    seen = {}
+    monkeypatch.setattr(serve, "_run_service", lambda cfg, level: seen.setdefault("demo", []).append(cfg.demo))
+    for args in (["up"], ["up", "--repository", "repo"], ["up", "--repository", "repo", "--demo"],
+                 ["up", "--no-demo"], ["control-plane"]):
+        command = serve.up if args[0] == "up" else serve.control_plane_command
+        result = CliRunner().invoke(command, args[1:])
+        assert result.exit_code == 0, result.output
+    assert seen["demo"] == [True, False, True, False, False]
 
 
 @pytest.mark.parametrize("config_name", [
