@@ -40,7 +40,8 @@ bench-gpu: setup
 
 check: setup
 	$(BIN)/python -m pip install -q ruff
-	$(BIN)/ruff check control_plane router bench tests
+	$(BIN)/ruff check control_plane router model_runtime bench tests
+	$(BIN)/lint-imports --no-cache
 
 up-docker:
 	docker compose -f docker/compose.yaml up --build
