@@ -1,7 +1,7 @@
 """LoRA multi-adapter serving: throughput with 1 vs 100 distinct adapters per batch, adapter
 swap-in latency, and memory of base + adapters vs one full model per customer.
 
-Runs the model-side serving core in-process (``control_plane.lora``: cache lease, mixed
+Runs the model-side serving core in-process (``model_runtime.lora``: cache lease, mixed
 batch forward, per-request replies), i.e. what the Triton models run per ``execute``,
 without the gRPC transport, so the numbers isolate the LoRA cost.
 
@@ -34,17 +34,17 @@ from control_plane.demo.lora import (
     generate_adapters,
     tinylm_base_weights,
 )
-from control_plane.lora.bank import LoraBank
-from control_plane.lora.models import RecommenderMLP, TinyLM, TinyLMConfig
-from control_plane.lora.peft import read_adapter
-from control_plane.lora.runtime import (
+from model_runtime.lora.bank import LoraBank
+from model_runtime.lora.models import RecommenderMLP, TinyLM, TinyLMConfig
+from model_runtime.lora.peft import read_adapter
+from model_runtime.lora.runtime import (
     LoraSettings,
     TextPayload,
     build_server,
     recommender_runner,
     tinylm_runner,
 )
-from control_plane.lora.server import Job
+from model_runtime.lora.server import Job
 
 SPEC = LoraDemoSpec()
 # A wider base of the same shape, where rank 16 is a realistic fraction of the width.

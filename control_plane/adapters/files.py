@@ -66,7 +66,7 @@ def install(base: LoraBase, name: str, staged: Path) -> None:
 
 def read_base_manifest(base: LoraBase):
     """The manifest in the base's adapter directory; InvalidInput when it is malformed."""
-    from control_plane.lora import LoraError, read_manifest
+    from model_runtime.lora import LoraError, read_manifest
 
     try:
         return read_manifest(base.adapter_dir)
@@ -77,7 +77,7 @@ def read_base_manifest(base: LoraBase):
 def write_base_manifest(base: LoraBase, *, pinned: Iterable[str], preload: Iterable[str],
                         disabled: Iterable[str]):
     """The next generation of the base's manifest, written atomically by ``lora``."""
-    from control_plane.lora import Manifest, write_manifest
+    from model_runtime.lora import Manifest, write_manifest
 
     current = read_base_manifest(base)
     manifest = Manifest(generation=current.generation + 1, pinned=tuple(sorted(set(pinned))),
@@ -98,7 +98,7 @@ class AdapterFiles:
     def targets_of(self, base: LoraBase) -> tuple[dict, tuple]:
         """``module -> (out, in)`` of the base's linear layers and the modules excluded from
         ``all-linear``, from its weights file (cached until the file changes)."""
-        from control_plane.lora.models import linear_targets, load_recommender, load_tinylm
+        from model_runtime.lora.models import linear_targets, load_recommender, load_tinylm
 
         try:
             st = base.weights.stat()
@@ -127,7 +127,7 @@ class AdapterFiles:
 
     def stage(self, base: LoraBase, name: str, source: str) -> StagedAdapter:
         """Copy or download into ``.<name>.tmp``, validate, publish."""
-        from control_plane.lora import AdapterRefused, read_adapter
+        from model_runtime.lora import AdapterRefused, read_adapter
 
         targets, excluded = self.targets_of(base)
         base.adapter_dir.mkdir(parents=True, exist_ok=True)

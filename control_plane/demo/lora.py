@@ -1,7 +1,7 @@
 """Generate the LoRA demo: the two LoRA base model folders and N PEFT adapters for each.
 
 * ``tinylm``: ``model_repository/tinylm`` + ``1/weights.safetensors`` (seeded) + ``1/_lora``
-  (a copy of ``control_plane/lora``, so the folder is self-contained wherever it is staged).
+  (a copy of ``model_runtime/lora``, so the folder is self-contained wherever it is staged).
 * ``recommender_lora``: ``model_repository/recommender_lora`` + the fleet's recommender base
   weights (``demo_fleet.base_weights``) + ``1/_lora``.
 * adapters ``cust001``..: PEFT directories in each model's adapter directory (default
@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from control_plane.demo.fleet import FEATURES_INPUT, FleetSpec, base_weights, default_instance_kind
 from control_plane.domain import model_config
 from control_plane.domain.names import validate_model_name
-from control_plane.lora.models import (
+from model_runtime.lora.models import (
     RecommenderMLP,
     TinyLM,
     TinyLMConfig,
@@ -34,10 +34,10 @@ from control_plane.lora.models import (
     save_tinylm,
     tinylm_random_weights,
 )
-from control_plane.lora.peft import write_adapter
+from model_runtime.lora.peft import write_adapter
 
 REPO_MODELS = Path(__file__).resolve().parents[2] / "model_repository"
-LORA_PACKAGE = Path(__file__).resolve().parents[1] / "lora"
+LORA_PACKAGE = Path(__file__).resolve().parents[2] / "model_runtime" / "lora"
 RUNTIME_DIR = "_lora"
 WEIGHTS_FILE = "weights.safetensors"
 ADAPTER_DIR = "adapters"
@@ -63,7 +63,7 @@ class LoraDemoSpec:
     instance_kind: str = "KIND_CPU"  # KIND_GPU when the models are for a GPU server
     tinylm: TinyLMConfig = field(default_factory=TinyLMConfig)
     recommender: FleetSpec = field(default_factory=FleetSpec)
-    # Model config parameters for both models (see control_plane/lora/runtime.py).
+    # Model config parameters for both models (see model_runtime/lora/runtime.py).
     parameters: Mapping[str, str] = field(default_factory=dict)
 
     def names(self) -> list[str]:

@@ -1,7 +1,7 @@
 """LoRA serving through a real tritonserver: tinylm and recommender_lora end to end.
 
 One Triton for the module (free loopback ports), stopped in teardown.  Expected outputs come
-from the same runtime in-process (``control_plane.lora``) on the same files, so the test
+from the same runtime in-process (``model_runtime.lora``) on the same files, so the test
 checks the transport, batching and per-request errors, not just "something came back".
 """
 
@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 
 from control_plane.demo.lora import LoraDemoSpec, generate_lora_demo, write_demo_adapter
-from control_plane.lora.manifest import Manifest, write_manifest
-from control_plane.lora.models import load_recommender, load_tinylm
-from control_plane.lora.runtime import (
+from control_plane.triton.process import TritonLaunchConfig, TritonProcess, which_tritonserver
+from model_runtime.lora.manifest import Manifest, write_manifest
+from model_runtime.lora.models import load_recommender, load_tinylm
+from model_runtime.lora.runtime import (
     LoraSettings,
     TextPayload,
     build_server,
     recommender_runner,
     tinylm_runner,
 )
-from control_plane.lora.server import Job
-from control_plane.triton.process import TritonLaunchConfig, TritonProcess, which_tritonserver
+from model_runtime.lora.server import Job
 
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException

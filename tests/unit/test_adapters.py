@@ -33,9 +33,9 @@ from control_plane.domain.errors import (
     InvalidModelName,
     ModelNotFound,
 )
-from control_plane.lora.manifest import read_manifest
-from control_plane.lora.models import TinyLMConfig
 from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256
+from model_runtime.lora.manifest import read_manifest
+from model_runtime.lora.models import TinyLMConfig
 from router.core import Router
 from router.errors import InvalidRequest
 from router.routes import RouteTable, split_adapter
@@ -131,7 +131,7 @@ def test_merge_rows_prefers_live_status_and_falls_back_to_registry_and_disk():
 def test_cold_summary_matches_the_loaded_adapter(tmp_path):
     from control_plane.adapters import _peft_summary
     from control_plane.demo.lora import base_targets
-    from control_plane.lora.peft import read_adapter
+    from model_runtime.lora.peft import read_adapter
 
     path = write_demo_adapter(tmp_path, "tinylm", "acme", rank=4, spec=SPEC)
     adapter = read_adapter(path, base_targets("tinylm", SPEC))

@@ -8,18 +8,18 @@ import pytest
 
 from control_plane.demo.fleet import FleetSpec, base_weights
 from control_plane.demo.lora import LoraDemoSpec, write_demo_adapter
-from control_plane.lora.errors import (
+from model_runtime.lora.errors import (
     AdapterCapacityExhausted,
     AdapterNotFound,
     AdapterRefused,
     InvalidRequest,
 )
-from control_plane.lora.manifest import Manifest, write_manifest
-from control_plane.lora.models import RecommenderMLP, TinyLMConfig
-from control_plane.lora.peft import read_adapter
-from control_plane.lora.policy import LruTier
-from control_plane.lora.runtime import LoraSettings, build_server, recommender_runner
-from control_plane.lora.server import Job
+from model_runtime.lora.manifest import Manifest, write_manifest
+from model_runtime.lora.models import RecommenderMLP, TinyLMConfig
+from model_runtime.lora.peft import read_adapter
+from model_runtime.lora.policy import LruTier
+from model_runtime.lora.runtime import LoraSettings, build_server, recommender_runner
+from model_runtime.lora.server import Job
 
 SPEC = LoraDemoSpec(
     tinylm=TinyLMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64),

@@ -20,15 +20,15 @@ from control_plane.demo.lora import (
     tinylm_base_weights,
     write_demo_adapter,
 )
-from control_plane.lora.models import RecommenderMLP, TinyLM, TinyLMConfig
-from control_plane.lora.runtime import (
+from model_runtime.lora.models import RecommenderMLP, TinyLM, TinyLMConfig
+from model_runtime.lora.runtime import (
     LoraSettings,
     TextPayload,
     build_server,
     recommender_runner,
     tinylm_runner,
 )
-from control_plane.lora.server import Job
+from model_runtime.lora.server import Job
 
 TINY = TinyLMConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=64)
 SPEC = LoraDemoSpec(tinylm=TINY, recommender=FleetSpec(feature_dim=16, hidden_dim=32))
@@ -282,9 +282,9 @@ def test_single_adapter_dense_path_equals_per_row_path(tmp_path, with_base_rows,
 def test_reused_slot_keeps_nothing_of_its_previous_adapter(tmp_path):
     """globex (rank 8, q/v only) written over initech (rank 16, every layer) in the same
     slot computes exactly what globex computes in a fresh bank."""
-    from control_plane.lora.bank import LoraBank
-    from control_plane.lora.models import linear_targets
-    from control_plane.lora.peft import read_adapter
+    from model_runtime.lora.bank import LoraBank
+    from model_runtime.lora.models import linear_targets
+    from model_runtime.lora.peft import read_adapter
 
     adapter_dir = make_adapters(tmp_path, "tinylm")
     model = TinyLM(TINY).to(torch.float64)

@@ -8,12 +8,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from control_plane.demo.lora import LoraDemoSpec, base_targets, write_demo_adapter
-from control_plane.lora.errors import AdapterRefused, InvalidAdapterName, InvalidRequest
-from control_plane.lora.manifest import Manifest, ManifestWatcher, read_manifest, write_manifest
-from control_plane.lora.models import TinyLMConfig
-from control_plane.lora.names import validate_adapter_name
-from control_plane.lora.peft import LoraConfig, read_adapter, target_matches, write_adapter
-from control_plane.lora.runtime import LoraSettings, adapter_from
+from model_runtime.lora.errors import AdapterRefused, InvalidAdapterName, InvalidRequest
+from model_runtime.lora.manifest import Manifest, ManifestWatcher, read_manifest, write_manifest
+from model_runtime.lora.models import TinyLMConfig
+from model_runtime.lora.names import validate_adapter_name
+from model_runtime.lora.peft import LoraConfig, read_adapter, target_matches, write_adapter
+from model_runtime.lora.runtime import LoraSettings, adapter_from
 
 SPEC = LoraDemoSpec(tinylm=TinyLMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64))
 TINY_TARGETS = base_targets("tinylm", SPEC)

@@ -3,7 +3,7 @@
 Same contract as ``model_repository/recommender`` (``FEATURES`` fp32 [batch, F] ->
 ``SCORES`` fp32 [batch, 1]) plus adapter selection: request parameter ``adapter`` or input
 ``ADAPTER`` (none = the base model).  LoRA applies to every ``layers.{i}`` linear layer.  The
-runtime is the ``_lora`` package next to this file (a copy of ``control_plane/lora`` made by
+runtime is the ``_lora`` package next to this file (a copy of ``model_runtime/lora`` made by
 ``control_plane/demo/lora.py``); see README.md.
 """
 

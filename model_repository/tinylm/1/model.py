@@ -3,7 +3,7 @@
 Text in (``TEXT``, one prompt per row), greedy continuation out (``GENERATED_TEXT``).
 The budget is input ``MAX_NEW_TOKENS`` or request parameter ``max_new_tokens``; the adapter
 is request parameter ``adapter`` or input ``ADAPTER`` (none = the base model).  The LoRA
-runtime is the ``_lora`` package next to this file (a copy of ``control_plane/lora`` made by
+runtime is the ``_lora`` package next to this file (a copy of ``model_runtime/lora`` made by
 ``control_plane/demo/lora.py``); see README.md for adapters, control and errors.
 """
 
