@@ -1,8 +1,9 @@
 """Rate limits per logical name and per model.
 
 ``LocalLimiter``: token buckets in this process, the limit as configured (one router).
-``GlobalBuckets``: the control plane's buckets from which router workers are granted tokens
-in small batches, so a limit holds across every worker (``router.state_client``).
+Router workers are granted tokens in small batches (``grant_batch``) from the control
+plane's buckets (``control_plane.admin.global_limits``), so a limit holds across every
+worker (``router.state_client``).
 """
 
 from __future__ import annotations
@@ -56,28 +57,3 @@ def grant_batch(qps: float, workers: int) -> int:
     """Tokens a worker asks for at once: about 5% of a second's worth shared by the
     workers, so that what idle workers hold unused stays a few percent of the limit."""
     return max(1, math.floor(qps * 0.05 / max(1, workers)))
-
-
-class GlobalBuckets:
-    """The control plane's side: one bucket per limited name, tokens granted in batches."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self.clock = clock
-        self._buckets: dict[str, tuple[dict, TokenBucket]] = {}
-
-    def grant(self, name: str, spec: dict | None, want: int) -> tuple[int, float]:
-        """(tokens granted, seconds until the next one) for a worker asking ``want``."""
-        if spec is None:  # no limit (any more): the worker may serve freely
-            return want, 0.0
-        cached = self._buckets.get(name)
-        if cached is None or cached[0] != spec:
-            cached = self._buckets[name] = (spec, TokenBucket(spec["qps"], spec["burst"], self.clock))
-        bucket = cached[1]
-        granted = 0
-        retry_after_s = 0.0
-        while granted < want:
-            ok, retry_after_s = bucket.try_acquire()
-            if not ok:
-                break
-            granted += 1
-        return granted, retry_after_s

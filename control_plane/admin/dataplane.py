@@ -19,14 +19,14 @@ from dataclasses import asdict, dataclass, field, fields
 from aiohttp import web
 
 from control_plane.admin.api import json_body
+from control_plane.admin.global_limits import GlobalBuckets
 from control_plane.domain.errors import InvalidInput
 from control_plane.domain.periodic import run_periodically
+from control_plane.state.background import BackgroundStore
 from router.canary import CanaryController, registry_promoter
-from router.limits import GlobalBuckets
 from router.public_names import PublicNames
 from router.routes import RouteTable
 from router.shadow import ShadowReport
-from router.state_writer import BackgroundStore
 from router.stats import StatsBook
 
 log = logging.getLogger(__name__)

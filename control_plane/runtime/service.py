@@ -46,7 +46,7 @@ class Service(TritonLaunching):
         self.promoter = None
         self.admin_url = ""
         self.router = None
-        self.route_store = None  # router.state_writer.BackgroundStore
+        self.route_store = None  # control_plane.state.background.BackgroundStore
         self.grpc_server = None
         self.router_runner: web.AppRunner | None = None
         self.devices: list = []  # devices.Device: the GPUs / MIG slices with a Triton each
@@ -247,6 +247,7 @@ class Service(TritonLaunching):
 
     async def _start_router(self, admin_app: web.Application, endpoints: dict) -> None:
         from control_plane.admin.rollout_routes import add_router_routes
+        from control_plane.state.background import BackgroundStore
         from router.canary import registry_promoter
         from router.core import Router, RouterConfig
         from router.grpc_frontend import start_grpc
@@ -254,7 +255,6 @@ class Service(TritonLaunching):
         from router.http_site import HalfCloseTCPSite
         from router.public_names import PublicNames
         from router.routes import RouteTable
-        from router.state_writer import BackgroundStore
 
         cfg = self.cfg
         registry = self.registry

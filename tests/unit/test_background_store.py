@@ -6,9 +6,9 @@ import json
 import threading
 import time
 
+from control_plane.state.background import BackgroundStore
 from control_plane.state_store import StateStore
 from router.routes import ROUTES_KEY, RouteTable
-from router.state_writer import BackgroundStore
 
 
 def test_route_table_writes_happen_in_the_writer_thread_even_while_the_db_is_locked(tmp_path):
@@ -34,7 +34,7 @@ def test_route_table_writes_happen_in_the_writer_thread_even_while_the_db_is_loc
 
 
 def test_a_failed_write_is_retried_and_the_newest_value_wins(tmp_path, monkeypatch):
-    from router import state_writer
+    from control_plane.state import background as state_writer
 
     monkeypatch.setattr(state_writer, "RETRY_PAUSE_S", 0.05)
     store = StateStore(tmp_path / "state.db")
