@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import datetime as dt
 import getpass
-import os
 import sys
-from pathlib import Path
 
 import click
-import requests
+
+from control_plane.client import (  # noqa: F401  (DEFAULT_*: the CLI's options)
+    DEFAULT_TOKEN_FILE,
+    DEFAULT_URL,
+    AdminClient,
+    ControlPlaneUnreachable,
+)
+from control_plane.domain.errors import ControlPlaneError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 EXIT_NOT_FOUND, EXIT_CAPACITY, EXIT_LOAD_FAILED, EXIT_TIMEOUT, EXIT_UNHEALTHY = 4, 5, 6, 7, 8
@@ -26,68 +31,24 @@ EXIT_BY_ERROR = {
     "forbidden": EXIT_USAGE,
     "unsupported_media_type": EXIT_USAGE,
 }
-DEFAULT_URL = "http://127.0.0.1:8090"
-DEFAULT_TOKEN_FILE = Path(".state") / "admin.token"  # where `mmctl up` (default --state-dir) writes it
 
 
-def find_token(token_file: Path | None) -> tuple[str | None, str]:
-    """The admin token and where it came from: env MMCTL_TOKEN, else ``token_file``
-    (``--token-file`` / MMCTL_TOKEN_FILE, default .state/admin.token) if it exists."""
-    token = os.environ.get("MMCTL_TOKEN", "").strip()
-    if token:
-        return token, "MMCTL_TOKEN"
-    path = token_file or DEFAULT_TOKEN_FILE
-    try:
-        token = path.read_text().strip()
-    except FileNotFoundError:
-        return None, f"no MMCTL_TOKEN and no token file at {path}"
-    except OSError as exc:
-        click.echo(f"error: cannot read the admin token file {path}: {exc.strerror}; run mmctl as "
-                   "the user that started `mmctl up`, or set MMCTL_TOKEN", err=True)
-        sys.exit(EXIT_USAGE)
-    return token or None, str(path)
-
-
-class Api:
-    def __init__(self, url: str, timeout_s: float, token_file: Path | None = None):
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-        self.token_file = token_file
-        self._token: tuple[str | None, str] | None = None  # read at the first call
-
-    @property
-    def token(self) -> str | None:
-        if self._token is None:
-            self._token = find_token(self.token_file)
-        return self._token[0]
+class Api(AdminClient):
+    """The admin client of one ``mmctl`` invocation: an error is printed, with what to do,
+    and ends mmctl with its documented exit code (``EXIT_BY_ERROR``)."""
 
     def call(self, method: str, path: str, ok_statuses=(200,), body: dict | None = None, **params):
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        if body is None and method.upper() not in ("GET", "HEAD"):
-            body = {}  # the admin API takes state changes only as JSON, even with nothing to say
         try:
-            resp = requests.request(method, self.url + path, params=params or None, json=body,
-                                    headers=headers, timeout=self.timeout_s)
-        except requests.ConnectionError:
-            click.echo(f"error: the control plane is not running at {self.url}; start it with "
-                       "`make up` (or `mmctl up`), or point --url / MMCTL_URL at it", err=True)
+            return super().call(method, path, ok_statuses, body, **params)
+        except ControlPlaneUnreachable as exc:
+            click.echo(f"error: {exc.message}", err=True)
             sys.exit(EXIT_UNREACHABLE)
-        except requests.Timeout:
-            click.echo(f"error: no answer from {self.url} within {self.timeout_s:.0f}s "
-                       "(raise --timeout for big models)", err=True)
-            sys.exit(EXIT_TIMEOUT)
-        try:
-            body = resp.json()
-        except ValueError:
-            body = {"error": "internal", "message": resp.text[:500]}
-        if resp.status_code not in ok_statuses:
-            click.echo(f"error: {body.get('message', body)}", err=True)
-            if resp.status_code == 401:
-                source = self._token[1] if self._token else ""
-                sent = f"the token from {source}" if self.token else source
-                click.echo(f"(mmctl sent {sent})", err=True)
-            sys.exit(EXIT_BY_ERROR.get(body.get("error"), EXIT_ERROR))
-        return resp.status_code, body
+        except ControlPlaneError as exc:
+            click.echo(f"error: {exc.message}", err=True)
+            if exc.code == "unauthorized":
+                token, source = self.token_source
+                click.echo(f"(mmctl sent {f'the token from {source}' if token else source})", err=True)
+            sys.exit(EXIT_BY_ERROR.get(exc.code, EXIT_ERROR))
 
 
 pass_api = click.make_pass_decorator(Api)

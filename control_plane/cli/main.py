@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import click
-import requests
 
 from control_plane.cli.common import (  # noqa: F401  (exit codes are part of this module's surface)
     DEFAULT_TOKEN_FILE,
@@ -67,7 +66,7 @@ def _one_line(rec: dict) -> str:
 @pass_api
 def status(api: Api, as_json: bool, show_all: bool):
     """Models: state, pinned, last used, load time, memory."""
-    _, models = api.call("GET", "/v1/status")
+    models = api.status()
     if as_json:
         _emit(models, True, "")
         return
@@ -83,13 +82,14 @@ def status(api: Api, as_json: bool, show_all: bool):
         click.echo(f"({hidden} more warm models; --all shows them)")
 
 
-def _model_command(name: str, help_text: str, method: str, path: str):
+def _model_command(name: str, help_text: str):
+    """``mmctl NAME MODEL``: the admin client's method of that name (load, pin, unpin)."""
     @cli.command(name=name, help=help_text)
     @click.argument("model")
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     @pass_api
     def command(api: Api, model: str, as_json: bool):
-        _, body = api.call(method, path.format(model=requests.utils.quote(model, safe="")))
+        body = getattr(api, name)(model)
         _emit(body, as_json, _one_line(body))
 
     return command
@@ -97,12 +97,9 @@ def _model_command(name: str, help_text: str, method: str, path: str):
 
 _model_command("load", "Load MODEL; if its server is full, first evict unpinned models chosen "
                "by the eviction policy (least recently used, unless `mmctl up --policy` says "
-               "otherwise).",
-               "POST", "/v1/models/{model}/load")
-_model_command("pin", "Pin MODEL: loaded and never evicted, across restarts.",
-               "POST", "/v1/models/{model}/pin")
-_model_command("unpin", "Unpin MODEL (it stays loaded until evicted).",
-               "POST", "/v1/models/{model}/unpin")
+               "otherwise).")
+_model_command("pin", "Pin MODEL: loaded and never evicted, across restarts.")
+_model_command("unpin", "Unpin MODEL (it stays loaded until evicted).")
 
 
 @cli.command()
@@ -114,8 +111,7 @@ _model_command("unpin", "Unpin MODEL (it stays loaded until evicted).",
 @pass_api
 def unload(api: Api, model: str, force: bool, as_json: bool):
     """Unload MODEL (waits for in-flight requests and for the memory to be freed)."""
-    params = {"force": "1"} if force else {}
-    _, body = api.call("POST", f"/v1/models/{requests.utils.quote(model, safe='')}/unload", **params)
+    body = api.unload(model, force=force)
     _emit(body, as_json, _one_line(body))
 
 
@@ -126,9 +122,7 @@ def unload(api: Api, model: str, force: bool, as_json: bool):
 @pass_api
 def health(api: Api, model: str, probe: bool, as_json: bool):
     """Per-model health: state and the result of the warm-up inference (exit 8 if unhealthy)."""
-    params = {"probe": "1"} if probe else {}
-    code, body = api.call("GET", f"/health/{requests.utils.quote(model, safe='')}",
-                          ok_statuses=(200, 503), **params)
+    body = api.health(model, probe=probe)
     warm = body.get("warmup") or {}
     if warm.get("ok"):
         detail = f"warm-up ok ({warm['latency_ms']:.1f} ms)" if warm.get("latency_ms") else "warm-up ok"
@@ -138,7 +132,7 @@ def health(api: Api, model: str, probe: bool, as_json: bool):
         detail = "no warm-up yet" + (f" ({body['failure']})" if body.get("failure") else "")
     verdict = "healthy" if body["healthy"] else "unhealthy"
     _emit(body, as_json, f"{body['model']}: {verdict}, {body['state']}, {detail}")
-    if code != 200:
+    if not body["healthy"]:
         sys.exit(EXIT_UNHEALTHY)
 
 
@@ -147,7 +141,7 @@ def health(api: Api, model: str, probe: bool, as_json: bool):
 @pass_api
 def fleet(api: Api, as_json: bool):
     """Triton servers: device, capacity, used, models."""
-    _, servers = api.call("GET", "/v1/fleet")
+    servers = api.fleet()
     rows = [[s["server"], s["device"] + (" (isolated)" if s.get("isolated") else ""),
              s["grpc_url"], "up" if s["up"] else "DOWN",
              str(s["max_loaded"] or "-"), _bytes(s["memory_budget_bytes"]), _bytes(s["used_bytes"]),
@@ -161,7 +155,7 @@ def fleet(api: Api, as_json: bool):
 @pass_api
 def endpoints(api: Api, as_json: bool):
     """Where the admin API and each Triton's gRPC/HTTP endpoints listen."""
-    _, body = api.call("GET", "/v1/endpoints")
+    body = api.endpoints()
     lines = [f"admin API   {body.get('admin')}"]
     for key in ("router_grpc", "router_http"):
         if body.get(key):

@@ -19,7 +19,7 @@ from control_plane.admin.api import (
     ensure_token_file,
     error_middleware,
 )
-from control_plane.cli.common import find_token
+from control_plane.client import find_token
 
 TOKEN = "s3cret-token"
 ACCESS = AdminAccess(token=TOKEN, bind_host="127.0.0.1")

@@ -1,0 +1,149 @@
+"""A Python client of the control plane's admin API: what ``mmctl`` uses, and what any
+program that drives the product uses.
+
+Every failure is an exception, never an exit: the admin API's own errors arrive as the
+``control_plane.domain.errors`` class of their code (``ModelNotFound``,
+``CapacityExhausted``, ...); a control plane that cannot be reached is
+``ControlPlaneUnreachable``; no answer in time is ``NoAnswerInTime`` (an
+``OperationTimeout``); a refused token or call is ``AdminRefused`` with the API's code
+(``unauthorized``, ``forbidden``, ...).
+
+    from control_plane.client import AdminClient
+    admin = AdminClient("http://127.0.0.1:8090", token_file=Path(".state/admin.token"))
+    admin.load("cust007")["state"]   # "ready"
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from urllib.parse import quote
+
+import requests
+
+from control_plane.domain.errors import (
+    ERRORS_BY_CODE,
+    ControlPlaneError,
+    InvalidInput,
+    OperationTimeout,
+)
+
+DEFAULT_URL = "http://127.0.0.1:8090"
+DEFAULT_TOKEN_FILE = Path(".state") / "admin.token"  # where `mmctl up` (default --state-dir) writes it
+
+
+class ControlPlaneUnreachable(ControlPlaneError):
+    code = "unreachable"
+
+
+class NoAnswerInTime(OperationTimeout):
+    """The control plane did not answer within the client's timeout."""
+
+
+class AdminRefused(ControlPlaneError):
+    """The admin API refused the call itself (token, Host, Origin, content type)."""
+
+    def __init__(self, code: str, message: str, status: int):
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+def find_token(token_file: Path | None = None) -> tuple[str | None, str]:
+    """The admin token and where it came from: env MMCTL_TOKEN, else ``token_file``
+    (default .state/admin.token) if it exists.  An unreadable file is InvalidInput."""
+    token = os.environ.get("MMCTL_TOKEN", "").strip()
+    if token:
+        return token, "MMCTL_TOKEN"
+    path = token_file or DEFAULT_TOKEN_FILE
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        return None, f"no MMCTL_TOKEN and no token file at {path}"
+    except OSError as exc:
+        raise InvalidInput(f"cannot read the admin token file {path}: {exc.strerror}; run as the "
+                           "user that started `mmctl up`, or set MMCTL_TOKEN") from None
+    return token or None, str(path)
+
+
+class AdminClient:
+    def __init__(self, url: str = DEFAULT_URL, timeout_s: float = 600.0, token_file: Path | None = None,
+                 token: str | None = None):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.token_file = token_file
+        # (token, where it came from), read once at the first call unless given.
+        self._token: tuple[str | None, str] | None = None if token is None else (token, "the caller")
+
+    @property
+    def token(self) -> str | None:
+        return self.token_source[0]
+
+    @property
+    def token_source(self) -> tuple[str | None, str]:
+        if self._token is None:
+            self._token = find_token(self.token_file)
+        return self._token
+
+    def call(self, method: str, path: str, ok_statuses=(200,), body: dict | None = None,
+             **params) -> tuple[int, dict | list]:
+        """(status, JSON body) of one admin call; raises a ControlPlaneError otherwise."""
+        token = self.token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if body is None and method.upper() not in ("GET", "HEAD"):
+            body = {}  # the admin API takes state changes only as JSON, even with nothing to say
+        try:
+            resp = requests.request(method, self.url + path, params=params or None, json=body,
+                                    headers=headers, timeout=self.timeout_s)
+        except requests.ConnectionError:
+            raise ControlPlaneUnreachable(
+                f"the control plane is not running at {self.url}; start it with `make up` (or "
+                "`mmctl up`), or point --url / MMCTL_URL at it") from None
+        except requests.Timeout:
+            raise NoAnswerInTime(f"no answer from {self.url} within {self.timeout_s:.0f}s (raise "
+                                 "--timeout for big models)") from None
+        try:
+            answer = resp.json()
+        except ValueError:
+            answer = {"error": "internal", "message": resp.text[:500]}
+        if resp.status_code in ok_statuses:
+            return resp.status_code, answer
+        code = answer.get("error", "internal") if isinstance(answer, dict) else "internal"
+        message = answer.get("message", str(answer)) if isinstance(answer, dict) else str(answer)
+        cls = ERRORS_BY_CODE.get(code)
+        if cls is None:
+            raise AdminRefused(code, message, resp.status_code)
+        raise cls(message)
+
+    # ------------------------------------------------------------------ typed calls
+    def status(self) -> list[dict]:
+        """Every model: state, tier, server, pinned, last use, load time, memory."""
+        return self.call("GET", "/v1/status")[1]
+
+    def load(self, model: str) -> dict:
+        return self.call("POST", f"/v1/models/{_q(model)}/load")[1]
+
+    def unload(self, model: str, force: bool = False) -> dict:
+        return self.call("POST", f"/v1/models/{_q(model)}/unload", **({"force": "1"} if force else {}))[1]
+
+    def pin(self, model: str) -> dict:
+        return self.call("POST", f"/v1/models/{_q(model)}/pin")[1]
+
+    def unpin(self, model: str) -> dict:
+        return self.call("POST", f"/v1/models/{_q(model)}/unpin")[1]
+
+    def health(self, model: str, probe: bool = False) -> dict:
+        """The model's health (``healthy``, state, warm-up); an unhealthy model is an answer,
+        not an error."""
+        return self.call("GET", f"/health/{_q(model)}", ok_statuses=(200, 503),
+                         **({"probe": "1"} if probe else {}))[1]
+
+    def fleet(self) -> list[dict]:
+        return self.call("GET", "/v1/fleet")[1]
+
+    def endpoints(self) -> dict:
+        return self.call("GET", "/v1/endpoints")[1]
+
+
+def _q(model: str) -> str:
+    return quote(model, safe="")
