@@ -24,6 +24,7 @@ from control_plane.manager.catalog import Catalog
 from control_plane.manager.leases import Leases
 from control_plane.manager.loader import Loader
 from control_plane.manager.pins import Pins
+from control_plane.manager.placement import Placer
 from control_plane.manager.reconciler import Reconciler
 from control_plane.manager.records import (
     ManagerConfig,
@@ -36,8 +37,7 @@ from control_plane.manager.records import (
 from control_plane.manager.room import RoomLedger
 from control_plane.manager.unloader import Unloader
 from control_plane.metrics import ControlPlaneMetrics
-from control_plane.placement import Placer
-from control_plane.state_store import StateStore
+from control_plane.state.store import StateStore
 from control_plane.triton.admin import TritonAdmin, TritonModelState
 from control_plane.triton.devices import NoMemoryMeter
 from control_plane.triton.process import TritonProcess

@@ -17,11 +17,11 @@ from control_plane.domain.errors import (
 )
 from control_plane.domain.names import validate_model_name
 from control_plane.eviction import Resident, victim_priority_limit
+from control_plane.manager.placement import plan_measured
 from control_plane.manager.records import ModelRecord, ModelState, TritonServer
 from control_plane.manager.state import ManagerState
 from control_plane.manager.unloader import retrieve
 from control_plane.manager.warmup import warm_up
-from control_plane.placement import plan_measured
 
 log = logging.getLogger(__name__)
 

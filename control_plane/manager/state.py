@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from control_plane.manager.placement import Placer
 from control_plane.manager.records import (
     ManagerConfig,
     ModelRecord,
@@ -24,8 +25,7 @@ from control_plane.manager.records import (
 )
 from control_plane.manager.room import RoomLedger
 from control_plane.metrics import ControlPlaneMetrics
-from control_plane.placement import Placer
-from control_plane.state_store import StateStore
+from control_plane.state.store import StateStore
 from control_plane.triton.devices import GpuMemoryMeter, NoMemoryMeter
 
 log = logging.getLogger(__name__)

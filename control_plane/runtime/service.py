@@ -25,7 +25,7 @@ from control_plane.manager import ManagerConfig, ModelManager
 from control_plane.runtime.config import ServiceConfig, config_from_json, config_to_json  # noqa: F401  (their import path)
 from control_plane.runtime.supervisor import PROCESSES_FILE
 from control_plane.runtime.tritons import TritonLaunching, free_memory_probe
-from control_plane.state_store import StateStore
+from control_plane.state.store import StateStore
 from control_plane.triton.admin import admin_key_headers
 from control_plane.triton.process import TritonProcess
 
@@ -118,13 +118,13 @@ class Service(TritonLaunching):
         return await self.leadership.acquire(stop)
 
     async def start(self) -> None:
-        from control_plane.placement import Placer, registry_facts
-        from control_plane.promotion import Promoter
+        from control_plane.manager.placement import Placer, registry_facts
         from control_plane.registry import (
             Registry,
             apply_stage_priorities,
             resident_priority_updater,
         )
+        from control_plane.runtime.promotion import Promoter
         from control_plane.tiers.cold import ColdStores, LocalDirStore, S3Store
         from control_plane.tiers.warm import WarmTier
 
@@ -371,7 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         asyncio.run(Service(cfg).serve_forever())
     except ControlPlaneError as exc:
-        from control_plane.cli.common import EXIT_BY_ERROR, EXIT_ERROR  # mmctl up's exit codes
+        from control_plane.domain.exit_codes import (  # mmctl up's exit codes
+            EXIT_BY_ERROR,
+            EXIT_ERROR,
+        )
 
         print(f"error: {exc.message}", file=sys.stderr)
         sys.exit(EXIT_BY_ERROR.get(exc.code, EXIT_ERROR))

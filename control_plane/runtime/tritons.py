@@ -131,7 +131,7 @@ class TritonLaunching:
     def _start_device_tritons(self) -> list[TritonServer]:
         """One Triton per GPU or MIG slice, bound to it by CUDA_VISIBLE_DEVICES=<its UUID>,
         named after it, its instances run there (KIND_GPU through the load API's override)."""
-        from control_plane.placement import KIND_GPU, ServerLabels, instance_kind_override
+        from control_plane.manager.placement import KIND_GPU, ServerLabels, instance_kind_override
         from control_plane.triton.devices import device_servers
 
         cfg = self.cfg

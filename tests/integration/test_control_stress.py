@@ -23,7 +23,7 @@ import tritonclient.grpc as grpcclient
 from control_plane.domain.errors import ControlPlaneError
 from control_plane.domain.periodic import run_periodically
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
-from control_plane.state_store import StateStore
+from control_plane.state.store import StateStore
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ from control_plane.domain.errors import ControlPlaneError
 from control_plane.families import FamilyCatalog, family_slots, write_family, write_variant
 from control_plane.families.admin import FamilyAdmin
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
-from control_plane.state_store import StateStore
+from control_plane.state.store import StateStore
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 from tests.conftest import run, triton_log_count
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from control_plane.domain.errors import ModelLoadFailed
-from control_plane.placement import instance_kind_override
+from control_plane.manager.placement import instance_kind_override
 from control_plane.triton.admin import TritonAdmin
 from tests.conftest import run
 from tests.product import Product

@@ -19,7 +19,7 @@ from control_plane.domain.errors import (
     TritonUnavailable,
 )
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
-from control_plane.state_store import StateStore
+from control_plane.state.store import StateStore
 from control_plane.triton.process import free_port
 from tests.conftest import run, triton_log_count
 

@@ -17,7 +17,7 @@ from aiohttp.test_utils import make_mocked_request
 from control_plane.admin.rollout_routes import ROUTER_ADMIN_KEY, canary_action, router_errors
 from control_plane.domain.errors import ModelNotFound as CpModelNotFound
 from control_plane.registry import Registry
-from control_plane.state_store import StateStore
+from control_plane.state.store import StateStore
 from router.canary import WINDOW_KEY_PREFIX, CanaryController, registry_promoter
 from router.core import Router
 from router.errors import BackendUnavailable, InvalidRequest, ModelNotFound, RouterError

@@ -11,8 +11,8 @@ import pytest
 
 from control_plane.domain.errors import CapacityExhausted, InvalidInput
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
-from control_plane.placement import ModelFacts, Placer, ServerLabels
-from control_plane.state_store import StateStore
+from control_plane.manager.placement import ModelFacts, Placer, ServerLabels
+from control_plane.state.store import StateStore
 from control_plane.triton.devices import (
     GpuMemoryMeter,
     device_servers,

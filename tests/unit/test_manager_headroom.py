@@ -16,7 +16,7 @@ from control_plane.manager import (
     ServerSpec,
     host_available_bytes,
 )
-from control_plane.state_store import StateStore
+from control_plane.state.store import StateStore
 from control_plane.triton.admin import TritonModelState
 from tests.conftest import run
 from tests.unit.test_manager_unit import FakeAdmin

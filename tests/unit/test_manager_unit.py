@@ -18,7 +18,7 @@ from control_plane.domain.errors import (
 )
 from control_plane.eviction import STAGE_PRIORITY
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
-from control_plane.state_store import StateStore
+from control_plane.state.store import StateStore
 from control_plane.triton.admin import IndexEntry, TritonModelState
 from tests.conftest import run
 

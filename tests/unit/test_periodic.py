@@ -15,7 +15,7 @@ from control_plane.domain.periodic import loop_failures_counter, run_periodicall
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.registry import Registry
 from control_plane.runtime.service import Service
-from control_plane.state_store import StateStore
+from control_plane.state.store import StateStore
 from router.core import Router, RouterConfig
 from router.routes import RouteTable
 from tests.conftest import run

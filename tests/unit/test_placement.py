@@ -7,7 +7,7 @@ import pytest
 from control_plane.domain.errors import CapacityExhausted, TritonUnavailable
 from control_plane.eviction import CachePlanner, Capacity, Resident, make_policy
 from control_plane.manager import ModelManager, ServerSpec
-from control_plane.placement import (
+from control_plane.manager.placement import (
     Candidate,
     ModelFacts,
     PlacementRequest,
@@ -174,7 +174,7 @@ def test_placer_builds_candidates_from_planners_and_labels():
 
 
 def test_manager_uses_the_placer_and_counts_capacity_errors(tmp_path):
-    from control_plane.state_store import StateStore
+    from control_plane.state.store import StateStore
     from tests.unit.test_manager_unit import FakeAdmin
 
     admin_a, admin_b = FakeAdmin(["x"]), FakeAdmin(["x"])
@@ -212,7 +212,7 @@ output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]
 def test_instance_kind_override(groups, kind, expected):
     import json
 
-    from control_plane.placement import instance_kind_config
+    from control_plane.manager.placement import instance_kind_config
 
     out = instance_kind_config(SIMPLE + groups, kind)
     if expected is None:
@@ -228,7 +228,7 @@ def test_instance_kind_override(groups, kind, expected):
 
 
 def test_instance_kind_override_reads_the_repository_and_leaves_bad_configs_to_triton(tmp_path):
-    from control_plane.placement import instance_kind_override
+    from control_plane.manager.placement import instance_kind_override
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.pbtxt").write_text(SIMPLE + "instance_group [ { kind: KIND_CPU } ]")
@@ -256,7 +256,7 @@ def planner_with(budget, slots=None, **residents):
     pytest.param(None, None, {"new": (10, False)}, 10**12, [], id="no byte budget"),
 ])
 def test_plan_measured(budget, slots, residents, measured, expected):
-    from control_plane.placement import plan_measured
+    from control_plane.manager.placement import plan_measured
 
     planner = planner_with(budget, slots, **residents)
     planner.residents["new"].evictable = False  # loading
@@ -270,7 +270,7 @@ def test_plan_measured(budget, slots, residents, measured, expected):
     pytest.param({"new": (10, False)}, 150, "more than the whole budget", id="larger than the device"),
 ])
 def test_plan_measured_refuses(residents, measured, message):
-    from control_plane.placement import plan_measured
+    from control_plane.manager.placement import plan_measured
 
     planner = planner_with(100, None, **residents)
     planner.residents["new"].evictable = False

@@ -9,9 +9,14 @@ import pytest
 
 from control_plane.domain.errors import CapacityExhausted
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
-from control_plane.promotion import AUTO_PINS_KEY, Promoter, TrafficTracker, counter_by_label
 from control_plane.registry import Registry, resident_priority_updater
-from control_plane.state_store import StateStore
+from control_plane.runtime.promotion import (
+    AUTO_PINS_KEY,
+    Promoter,
+    TrafficTracker,
+    counter_by_label,
+)
+from control_plane.state.store import StateStore
 from tests.conftest import run
 from tests.unit.test_manager_unit import FakeAdmin
 

@@ -15,7 +15,7 @@ from control_plane.registry import (
     parse_metrics,
     register_repository,
 )
-from control_plane.state_store import StateStore
+from control_plane.state.store import StateStore
 from control_plane.tiers.cold import folder_sha256
 from control_plane.tiers.warm import WARM_MANIFEST
 

@@ -13,7 +13,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from control_plane.manager import ModelManager, ServerSpec
 from control_plane.registry import ModelVersion
-from control_plane.state_store import StateStore
+from control_plane.state.store import StateStore
 from router.core import Router
 from router.errors import (
     InvalidVersion,

@@ -8,7 +8,7 @@ import pytest
 from control_plane.domain.errors import InvalidInput
 from control_plane.state import Deposed, LeaderLease, SqliteDatabase, migrate, open_database
 from control_plane.state.migrations import LATEST_VERSION, applied_versions
-from control_plane.state_store import StateStore
+from control_plane.state.store import StateStore
 
 
 class Clock:

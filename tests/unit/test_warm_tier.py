@@ -15,7 +15,7 @@ from control_plane.domain.errors import (
     ModelNotFound,
 )
 from control_plane.registry import Registry
-from control_plane.state_store import StateStore
+from control_plane.state.store import StateStore
 from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256, publish
 from control_plane.tiers.warm import WARM_MANIFEST, WarmTier, default_warm_repository, folder_bytes
 from tests.conftest import run
