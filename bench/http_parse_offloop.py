@@ -19,7 +19,11 @@ import random
 import statistics
 import time
 
-from router.http_request import PARSE_IN_THREAD_BYTES, parse_infer_request, read_infer_request
+from router.frontends.http_request import (
+    PARSE_IN_THREAD_BYTES,
+    parse_infer_request,
+    read_infer_request,
+)
 
 HEARTBEAT_S = 0.001
 

@@ -23,11 +23,11 @@ from control_plane.admin.global_limits import GlobalBuckets
 from control_plane.domain.errors import InvalidInput
 from control_plane.domain.periodic import run_periodically
 from control_plane.state.background import BackgroundStore
-from router.canary import CanaryController, registry_promoter
-from router.public_names import PublicNames
-from router.routes import RouteTable
-from router.shadow import ShadowReport
-from router.stats import StatsBook
+from router.rollouts.canary import CanaryController, registry_promoter
+from router.rollouts.public_names import PublicNames
+from router.rollouts.routes import RouteTable
+from router.rollouts.shadow import ShadowReport
+from router.rollouts.stats import StatsBook
 
 log = logging.getLogger(__name__)
 

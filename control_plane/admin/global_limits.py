@@ -1,13 +1,13 @@
 """The control plane's side of rate limits across router workers: one token bucket per
 limited name, from which workers are granted tokens in small batches
-(``router.limits.grant_batch``, ``router.state_client``)."""
+(``router.rollouts.limits.grant_batch``, ``router.serving.state_client``)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
-from router.ratelimit import TokenBucket
+from router.rollouts.ratelimit import TokenBucket
 
 
 class GlobalBuckets:

@@ -305,7 +305,7 @@ def router_command(control_url, name, host, grpc_port, http_port, max_request_by
                    token_file, log_level):
     """Run one router worker in the foreground: the public Triton-compatible ports, serving
     from the control plane's state (start as many as the load needs; they share nothing)."""
-    from router.worker import main as worker_main
+    from router.serving.worker import main as worker_main
 
     argv = ["--control-url", control_url, "--worker", name or socket.gethostname(),
             "--host", host, "--grpc-port", str(grpc_port), "--http-port", str(http_port),
@@ -363,7 +363,7 @@ def supervise(cfg, log_level: str) -> int:
     worker_env = dict(os.environ, MMCTL_TOKEN=token, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
     workers = [
         Child("router-worker", f"w{i}", python_module(
-            "router.worker", "--control-url", admin_url, "--worker", f"w{i}", "--host", cfg.router_host,
+            "router.serving.worker", "--control-url", admin_url, "--worker", f"w{i}", "--host", cfg.router_host,
             "--grpc-port", str(cfg.router_grpc_port), "--http-port", str(cfg.router_http_port),
             "--max-request-bytes", str(cfg.max_request_bytes), "--load-timeout", str(cfg.load_wait_timeout_s),
             "--shadow-log-dir", str(cfg.state_dir / "shadow" / f"w{i}"),

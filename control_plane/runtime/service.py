@@ -248,13 +248,13 @@ class Service(TritonLaunching):
     async def _start_router(self, admin_app: web.Application, endpoints: dict) -> None:
         from control_plane.admin.rollout_routes import add_router_routes
         from control_plane.state.background import BackgroundStore
-        from router.canary import registry_promoter
-        from router.core import Router, RouterConfig
-        from router.grpc_frontend import start_grpc
-        from router.http_frontend import make_http_app
-        from router.http_site import HalfCloseTCPSite
-        from router.public_names import PublicNames
-        from router.routes import RouteTable
+        from router.frontends.grpc_frontend import start_grpc
+        from router.frontends.http_frontend import make_http_app
+        from router.frontends.http_site import HalfCloseTCPSite
+        from router.rollouts.canary import registry_promoter
+        from router.rollouts.public_names import PublicNames
+        from router.rollouts.routes import RouteTable
+        from router.serving.core import Router, RouterConfig
 
         cfg = self.cfg
         registry = self.registry

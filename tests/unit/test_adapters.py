@@ -36,10 +36,10 @@ from control_plane.domain.errors import (
 from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256
 from model_runtime.lora.manifest import read_manifest
 from model_runtime.lora.models import TinyLMConfig
-from router.core import Router
-from router.errors import InvalidRequest
-from router.routes import RouteTable, split_adapter
-from router.serving_state import LocalState
+from router.rollouts.routes import RouteTable, split_adapter
+from router.serving.core import Router
+from router.serving.errors import InvalidRequest
+from router.serving.serving_state import LocalState
 from tests.conftest import run
 
 SPEC = LoraDemoSpec(tinylm=TinyLMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64))

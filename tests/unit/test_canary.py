@@ -18,11 +18,11 @@ from control_plane.admin.rollout_routes import ROUTER_ADMIN_KEY, canary_action, 
 from control_plane.domain.errors import ModelNotFound as CpModelNotFound
 from control_plane.registry import Registry
 from control_plane.state.store import StateStore
-from router.canary import WINDOW_KEY_PREFIX, CanaryController, registry_promoter
-from router.core import Router
-from router.errors import BackendUnavailable, InvalidRequest, ModelNotFound, RouterError
-from router.routes import ROUTES_KEY, RouteTable
-from router.stats import StatsBook, VariantStats
+from router.rollouts.canary import WINDOW_KEY_PREFIX, CanaryController, registry_promoter
+from router.rollouts.routes import ROUTES_KEY, RouteTable
+from router.rollouts.stats import StatsBook, VariantStats
+from router.serving.core import Router
+from router.serving.errors import BackendUnavailable, InvalidRequest, ModelNotFound, RouterError
 from tests.conftest import run
 
 LOAD_S = 0.3  # a cold load, in real time: the router measures with perf_counter

@@ -1,4 +1,4 @@
-"""Checking public HTTP inference requests (router/http_request.py): pure, no sockets."""
+"""Checking public HTTP inference requests (router/frontends/http_request.py): pure, no sockets."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import zlib
 
 import pytest
 
-from router import http_request
-from router.errors import InvalidRequest, PayloadTooLarge
-from router.http_request import (
+from router.frontends import http_request
+from router.frontends.http_request import (
     MAX_JSON_DEPTH,
     decode_body,
     parse_header_length,
@@ -20,6 +19,7 @@ from router.http_request import (
     read_infer_request,
     with_adapter,
 )
+from router.serving.errors import InvalidRequest, PayloadTooLarge
 
 FEATURES = {"name": "FEATURES", "shape": [2, 2], "datatype": "FP32", "data": [[1, 2], [3, 4.5]]}
 

@@ -16,8 +16,8 @@ from control_plane.metrics import ControlPlaneMetrics
 from control_plane.registry import Registry
 from control_plane.runtime.service import Service
 from control_plane.state.store import StateStore
-from router.core import Router, RouterConfig
-from router.routes import RouteTable
+from router.rollouts.routes import RouteTable
+from router.serving.core import Router, RouterConfig
 from tests.conftest import run
 
 

@@ -14,8 +14,10 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 from control_plane.manager import ModelManager, ServerSpec
 from control_plane.registry import ModelVersion
 from control_plane.state.store import StateStore
-from router.core import Router
-from router.errors import (
+from router.rollouts.public_names import PublicNames
+from router.rollouts.routes import RouteTable
+from router.serving.core import Router
+from router.serving.errors import (
     InvalidVersion,
     ModelUnavailable,
     RateLimited,
@@ -23,9 +25,7 @@ from router.errors import (
     UnknownModel,
     parse_version,
 )
-from router.public_names import PublicNames
-from router.repository_config import metadata_from_config, read_folder, triton_json
-from router.routes import RouteTable
+from router.serving.repository_config import metadata_from_config, read_folder, triton_json
 from tests.conftest import run
 from tests.unit.test_manager_unit import FakeAdmin
 

@@ -10,11 +10,11 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2
 
-from router.core import Router
-from router.errors import BackendUnavailable, UpstreamError
-from router.routes import RouteTable
-from router.send import MAX_RESENDS
-from router.serving_state import UNLOADED_PREFIX, ServerAddress
+from router.rollouts.routes import RouteTable
+from router.serving.core import Router
+from router.serving.errors import BackendUnavailable, UpstreamError
+from router.serving.send import MAX_RESENDS
+from router.serving.serving_state import UNLOADED_PREFIX, ServerAddress
 from tests.conftest import run
 
 FIRST = ServerAddress("triton0", "first:8001", "first:8000")

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from control_plane.domain.errors import InvalidModelName
-from router.canary import CanaryController
-from router.errors import InvalidRequest
-from router.ratelimit import TokenBucket
-from router.routes import RouteTable, bucket
-from router.shadow import ShadowItem, ShadowMirror, compare_outputs
-from router.stats import StatsBook
+from router.rollouts.canary import CanaryController
+from router.rollouts.ratelimit import TokenBucket
+from router.rollouts.routes import RouteTable, bucket
+from router.rollouts.shadow import ShadowItem, ShadowMirror, compare_outputs
+from router.rollouts.stats import StatsBook
+from router.serving.errors import InvalidRequest
 from tests.conftest import run
 
 
@@ -215,8 +215,8 @@ def test_name_serves_registry_production_version_unless_aliased():
 
 
 def test_public_requests_cannot_control_adapters_or_dodge_their_limits():
-    from router.core import Router
-    from router.errors import PermissionDenied
+    from router.serving.core import Router
+    from router.serving.errors import PermissionDenied
 
     with pytest.raises(PermissionDenied, match="ADAPTER_CONTROL"):
         Router.public_name("tinylm", ["ADAPTER_CONTROL"], None)

@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.grpc import service_pb2
 
-from router.shared_memory import SharedMemoryError, SystemSharedMemory, loopback_peer
+from router.frontends.shared_memory import SharedMemoryError, SystemSharedMemory, loopback_peer
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from router.errors import UnknownModel
+from router.serving.errors import UnknownModel
 
 
 class _Version(Protocol):

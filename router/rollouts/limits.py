@@ -3,7 +3,7 @@
 ``LocalLimiter``: token buckets in this process, the limit as configured (one router).
 Router workers are granted tokens in small batches (``grant_batch``) from the control
 plane's buckets (``control_plane.admin.global_limits``), so a limit holds across every
-worker (``router.state_client``).
+worker (``router.serving.state_client``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import math
 import time
 from collections.abc import Callable
 
-from router.errors import RateLimited
-from router.ratelimit import TokenBucket
+from router.rollouts.ratelimit import TokenBucket
+from router.serving.errors import RateLimited
 
 
 def rate_limited(name: str, spec: dict, retry_after_s: float) -> RateLimited:

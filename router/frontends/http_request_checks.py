@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from router.errors import InvalidRequest
-from router.strict_json import DOUBLE_MAX
+from router.frontends.strict_json import DOUBLE_MAX
+from router.serving.errors import InvalidRequest
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _INT64 = (-(2**63), 2**63 - 1)

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from control_plane.domain.errors import InvalidModelName
 from control_plane.domain.names import validate_model_name
-from router.errors import InvalidRequest, ModelNotFound
+from router.serving.errors import InvalidRequest, ModelNotFound
 
 BUCKETS = 10_000
 ROUTES_KEY = "router.routes"

@@ -4,7 +4,7 @@ Inference bodies (JSON, or JSON header + binary tensors) are forwarded to the ch
 Triton's HTTP endpoint unchanged, except that a ``base:adapter`` name adds
 ``parameters.adapter`` to the request's JSON header; the response's JSON header gains the
 routing parameters (``model``, ``variant``, ``experiment``, ``adapter``).  Tensors in
-system shared memory are read and written by the router (``router.shared_memory``) and sent
+system shared memory are read and written by the router (``router.frontends.shared_memory``) and sent
 inline.  Repository, logging and trace endpoints answer 403; CUDA shared memory is refused
 with what to use instead.
 """
@@ -25,8 +25,23 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from control_plane.domain.errors import ControlPlaneError
 from model_runtime.family.protocol import VARIANT_PARAMETER
-from router.core import Router
-from router.errors import (
+from router.frontends.grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
+from router.frontends.http_request import (
+    HEADER_LENGTH,
+    check_adapter,
+    read_infer_request,
+    with_parameters,
+)
+from router.frontends.http_request_checks import json_kind
+from router.frontends.shared_memory import (
+    CUDA_REFUSAL,
+    SharedMemoryError,
+    json_uses_shared_memory,
+    loopback_peer,
+)
+from router.frontends.strict_json import loads
+from router.serving.core import Router
+from router.serving.errors import (
     BackendUnavailable,
     InvalidRequest,
     NoSuchPath,
@@ -37,20 +52,10 @@ from router.errors import (
     from_control_plane,
     parse_version,
 )
-from router.forward import refuse_family_control, routing_shown
-from router.grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
-from router.http_request import HEADER_LENGTH, check_adapter, read_infer_request, with_parameters
-from router.http_request_checks import json_kind
-from router.repository_config import triton_json
-from router.send import MAX_RESENDS
-from router.serving_state import UNLOADED_PREFIX
-from router.shared_memory import (
-    CUDA_REFUSAL,
-    SharedMemoryError,
-    json_uses_shared_memory,
-    loopback_peer,
-)
-from router.strict_json import loads
+from router.serving.forward import refuse_family_control, routing_shown
+from router.serving.repository_config import triton_json
+from router.serving.send import MAX_RESENDS
+from router.serving.serving_state import UNLOADED_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -326,7 +331,7 @@ async def infer(request: web.Request) -> web.Response:
 
 def _inline_shared_memory(router: Router, parsed):
     """The request with its shared-memory inputs as binary tensors, and where its
-    shared-memory outputs go (``router.shared_memory``)."""
+    shared-memory outputs go (``router.frontends.shared_memory``)."""
     binary = parsed.body[parsed.header_length:] if parsed.header_length else b""
     doc, binary, places = router.shared_memory.inline_json(parsed.doc, binary)
     header = json.dumps(doc, separators=(",", ":")).encode()
@@ -421,7 +426,7 @@ async def refused(request: web.Request) -> web.Response:
 
 
 def make_http_app(router: Router) -> web.Application:
-    # The infer handler decompresses request bodies itself (router/http_request.py).
+    # The infer handler decompresses request bodies itself (router/frontends/http_request.py).
     app = web.Application(middlewares=[error_middleware], client_max_size=router.config.max_request_bytes,
                           handler_args={"auto_decompress": False})
     logging.getLogger("aiohttp.server").addFilter(MALFORMED_HTTP_AS_INFO)

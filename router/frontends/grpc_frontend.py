@@ -3,7 +3,7 @@
 Each RPC converts and hands off to ``Router``.  Model control, repository, logging and
 trace RPCs are refused with PERMISSION_DENIED: the public port never controls what is
 loaded (that is remote code execution).  System shared memory is served for clients on this
-host (``router.shared_memory``); CUDA shared memory is refused with what to use instead.
+host (``router.frontends.shared_memory``); CUDA shared memory is refused with what to use instead.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from router.core import GRPC_MESSAGE_LIMIT_BYTES, Router
-from router.errors import PermissionDenied, RateLimited, RouterError
-from router.shared_memory import CUDA_REFUSAL, loopback_peer
+from router.frontends.shared_memory import CUDA_REFUSAL, loopback_peer
+from router.serving.core import GRPC_MESSAGE_LIMIT_BYTES, Router
+from router.serving.errors import PermissionDenied, RateLimited, RouterError
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 (asking the control plane to load it on a miss), send, send once more after an ensure when
 Triton unloaded the model in between or its server could not be reached (the control plane
 places it on a server that is up), turn Triton's failures into the client's answer, and
-record the outcome.  Mixed into ``router.core.Router``.
+record the outcome.  Mixed into ``router.serving.core.Router``.
 
 Every retry of a request sent to Triton lives here (``send``, ``resend_after_unload``);
 the HTTP front end uses ``serving`` and ``resend_after_unload`` around its own POST."""
@@ -21,7 +21,8 @@ from tritonclient.grpc import service_pb2_grpc
 
 from control_plane.domain import errors as cp
 from control_plane.domain.errors import ControlPlaneError
-from router.errors import (
+from router.rollouts.routes import Decision
+from router.serving.errors import (
     BackendUnavailable,
     RequestTimeout,
     RouterError,
@@ -29,8 +30,7 @@ from router.errors import (
     UpstreamError,
     from_control_plane,
 )
-from router.routes import Decision
-from router.serving_state import UNLOADED_PREFIX, ServerAddress
+from router.serving.serving_state import UNLOADED_PREFIX, ServerAddress
 
 GRPC_MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024
 # Sends of one request that may each meet its model unloaded (then loaded again for it): the

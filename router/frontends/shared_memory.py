@@ -36,7 +36,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import serialize_byte_tensor, triton_to_np_dtype
 
-from router.errors import RouterError
+from router.serving.errors import RouterError
 
 REGION = "shared_memory_region"
 OFFSET = "shared_memory_offset"

@@ -21,12 +21,12 @@ from pathlib import Path
 import aiohttp
 
 from control_plane.domain.errors import ERRORS_BY_CODE, ControlPlaneError
-from router.errors import BackendUnavailable
-from router.limits import grant_batch, rate_limited
-from router.public_names import PublicNames
-from router.ratelimit import TokenBucket
-from router.routes import Route, RouteTable
-from router.serving_state import ServerAddress
+from router.rollouts.limits import grant_batch, rate_limited
+from router.rollouts.public_names import PublicNames
+from router.rollouts.ratelimit import TokenBucket
+from router.rollouts.routes import Route, RouteTable
+from router.serving.errors import BackendUnavailable
+from router.serving.serving_state import ServerAddress
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def table_from_snapshot(snapshot: dict, names: PublicNames) -> RouteTable:
 
 
 class RemoteState:
-    """``router.serving_state.ServingState`` from the control plane at ``control_url``.
+    """``router.serving.serving_state.ServingState`` from the control plane at ``control_url``.
 
     ``control_url`` may list several control planes, comma-separated (a leader and its
     standbys): a worker talks to one, and moves to the next when it does not answer or

@@ -1,12 +1,12 @@
 """What the router counts: its Prometheus series, and the recording of one request's outcome
-in them and in the experiment and canary windows.  Mixed into ``router.core.Router``."""
+in them and in the experiment and canary windows.  Mixed into ``router.serving.core.Router``."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from control_plane.domain.periodic import loop_failures_counter
-from router.routes import Decision
+from router.rollouts.routes import Decision
 
 LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                      1, 2.5, 5, 10, 30)

@@ -32,8 +32,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from router.routes import Canary, Route, RouteTable
-from router.stats import StatsBook, WindowSummary
+from router.rollouts.routes import Canary, Route, RouteTable
+from router.rollouts.stats import StatsBook, WindowSummary
 
 log = logging.getLogger(__name__)
 

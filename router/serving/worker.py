@@ -3,7 +3,7 @@ through SO_REUSEPORT), serving from the control plane's snapshot and nothing els
 
 Started by ``mmctl up`` (``control_plane.runtime.supervisor``), one per ``--router-workers``:
 
-    python -m router.worker --control-url http://127.0.0.1:8090 --worker w0 \\
+    python -m router.serving.worker --control-url http://127.0.0.1:8090 --worker w0 \\
         --grpc-port 8001 --http-port 8000
 
 The admin token comes from ``MMCTL_TOKEN`` or ``--token-file``.
@@ -21,17 +21,17 @@ from pathlib import Path
 
 from aiohttp import web
 
-from router.core import Router, RouterConfig
-from router.grpc_frontend import start_grpc
-from router.http_frontend import make_http_app
-from router.http_site import HalfCloseTCPSite
-from router.state_client import GrantedLimiter, RemoteState
+from router.frontends.grpc_frontend import start_grpc
+from router.frontends.http_frontend import make_http_app
+from router.frontends.http_site import HalfCloseTCPSite
+from router.serving.core import Router, RouterConfig
+from router.serving.state_client import GrantedLimiter, RemoteState
 
-log = logging.getLogger("router.worker")
+log = logging.getLogger("router.serving.worker")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m router.worker", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m router.serving.worker", description=__doc__.split("\n")[0])
     p.add_argument("--control-url", required=True, help="The control plane's admin API.")
     p.add_argument("--worker", required=True, help="This worker's name (w0, w1, ...).")
     p.add_argument("--token-file", type=Path, default=None, help="Admin token (else MMCTL_TOKEN).")

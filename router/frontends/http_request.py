@@ -8,9 +8,9 @@ So every request is refused here with a 400 and a message that says what is wron
 Triton's wording where Triton has one ("Unable to parse 'shape'", ...).
 
 What is forwarded is exactly what was checked: the body is parsed as Triton's parser
-(rapidjson) would read it (``router.strict_json``), so no request means one thing here and
+(rapidjson) would read it (``router.frontends.strict_json``), so no request means one thing here and
 another there; the parsed header is then checked field by field
-(``router.http_request_checks``).  This module decodes the body (Content-Encoding,
+(``router.frontends.http_request_checks``).  This module decodes the body (Content-Encoding,
 Inference-Header-Content-Length) and puts the two together.
 
 Everything here is pure (bytes and header values in, an ``InferRequest`` or
@@ -25,8 +25,7 @@ import json
 import zlib
 from dataclasses import dataclass, field
 
-from router.errors import InvalidRequest, PayloadTooLarge
-from router.http_request_checks import (
+from router.frontends.http_request_checks import (
     DATATYPES,
     FLOAT_MAX,
     HEADER_LENGTH,
@@ -35,7 +34,8 @@ from router.http_request_checks import (
     check_request,
     json_kind,
 )
-from router.strict_json import MAX_JSON_DEPTH, loads
+from router.frontends.strict_json import MAX_JSON_DEPTH, loads
+from router.serving.errors import InvalidRequest, PayloadTooLarge
 
 # Names imported from here since before the JSON reading and the checks had modules of
 # their own.

@@ -1,8 +1,8 @@
 """ModelInfer through the router: re-address the request to the concrete model the decision
-chose, send it (``router.send``), answer under the name the client asked for, and offer a
+chose, send it (``router.serving.send``), answer under the name the client asked for, and offer a
 copy to the shadow.  The raw path works on serialized bytes: it parses a request once to
 route it and appends pre-serialized overrides instead of re-serializing.  Mixed into
-``router.core.Router``."""
+``router.serving.core.Router``."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from model_runtime.family.protocol import CONTROL_PARAMETER, VARIANT_PARAMETER
-from router.answers import BYTES_CACHE_MAX
-from router.errors import InvalidRequest, PermissionDenied, parse_version
-from router.routes import Decision
-from router.shadow import ShadowItem, outputs_of
-from router.shared_memory import uses_shared_memory
+from router.frontends.shared_memory import uses_shared_memory
+from router.rollouts.routes import Decision
+from router.rollouts.shadow import ShadowItem, outputs_of
+from router.serving.answers import BYTES_CACHE_MAX
+from router.serving.errors import InvalidRequest, PermissionDenied, parse_version
 
 
 def refuse_family_control(parameters) -> None:
@@ -54,7 +54,7 @@ class Forwarding:
         """Route one ModelInferRequest.  Raises RouterError (Triton's own answers included).
 
         Tensors in the client's shared memory are read here and sent inline; outputs asked
-        for in shared memory are written there once Triton answers (``router.shared_memory``)."""
+        for in shared memory are written there once Triton answers (``router.frontends.shared_memory``)."""
         asked, version, logical = self._asked(request)
         async with self.serving(logical, user_id, version) as call:
             decision = call.decision

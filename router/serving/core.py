@@ -1,7 +1,7 @@
 """The data plane core: resolve, rate-limit, ensure, forward, record.  Transport-free.
 
 The gRPC and HTTP front ends only convert wire messages and call into ``Router``.  Where
-models live comes from a state source (``router.serving_state``): the manager of this
+models live comes from a state source (``router.serving.serving_state``): the manager of this
 process, or a router worker's snapshot of the control plane.  A request for a loaded model
 pays no remote call besides the one to Triton; a miss asks the control plane to load it.
 Nothing here holds a lease on a model: Triton finishes in-flight requests before it
@@ -10,12 +10,12 @@ ensure, without the client seeing it.
 
 ``Router`` is put together from one mixin per role:
 
-* ``router.decide``: the routing decision (names, adapters, routes, rate limits);
-* ``router.send``: serving one request, sending it to Triton and every retry of a send;
-* ``router.forward``: ModelInfer, typed and on raw bytes, re-addressed and answered under
+* ``router.serving.decide``: the routing decision (names, adapters, routes, rate limits);
+* ``router.serving.send``: serving one request, sending it to Triton and every retry of a send;
+* ``router.serving.forward``: ModelInfer, typed and on raw bytes, re-addressed and answered under
   the name the client asked for;
-* ``router.answers``: readiness, metadata, config and statistics;
-* ``router.metrics``: the Prometheus series and the recording of outcomes.
+* ``router.serving.answers``: readiness, metadata, config and statistics;
+* ``router.serving.metrics``: the Prometheus series and the recording of outcomes.
 """
 
 from __future__ import annotations
@@ -30,20 +30,26 @@ import grpc
 from tritonclient.grpc import service_pb2_grpc
 
 from control_plane.domain.periodic import run_periodically
-from router.answers import Answers
-from router.canary import CanaryController
-from router.decide import Deciding
-from router.forward import Forwarding
-from router.limits import LocalLimiter
-from router.metrics import LATENCY_BUCKETS_S, Recording, RouterMetrics
-from router.public_names import PublicNames
-from router.repository_config import FolderConfig
-from router.routes import RouteTable
-from router.send import GRPC_MESSAGE_LIMIT_BYTES, INFER_METHOD, Call, Sending, unloaded_under
-from router.serving_state import LocalState, ServingState
-from router.shadow import ShadowMirror
-from router.shared_memory import SystemSharedMemory
-from router.stats import StatsBook
+from router.frontends.shared_memory import SystemSharedMemory
+from router.rollouts.canary import CanaryController
+from router.rollouts.limits import LocalLimiter
+from router.rollouts.public_names import PublicNames
+from router.rollouts.routes import RouteTable
+from router.rollouts.shadow import ShadowMirror
+from router.rollouts.stats import StatsBook
+from router.serving.answers import Answers
+from router.serving.decide import Deciding
+from router.serving.forward import Forwarding
+from router.serving.metrics import LATENCY_BUCKETS_S, Recording, RouterMetrics
+from router.serving.repository_config import FolderConfig
+from router.serving.send import (
+    GRPC_MESSAGE_LIMIT_BYTES,
+    INFER_METHOD,
+    Call,
+    Sending,
+    unloaded_under,
+)
+from router.serving.serving_state import LocalState, ServingState
 
 # Names other modules import from here since before the mixins had modules of their own.
 __all__ = ["GRPC_MESSAGE_LIMIT_BYTES", "INFER_METHOD", "LATENCY_BUCKETS_S", "Call", "Router",

@@ -5,7 +5,7 @@ records.  It reads placement through a *state source*:
 
 * ``LocalState``: the control plane's manager in this process (``--router-workers 0`` and
   unit tests);
-* ``router.state_client.RemoteState``: a router worker's last snapshot of the control
+* ``router.serving.state_client.RemoteState``: a router worker's last snapshot of the control
   plane, kept current by a watch, with misses sent to the control plane as one RPC.
 
 Both answer with ``ServerAddress`` (where to send a request), never with a manager record.

@@ -1,6 +1,6 @@
 """The routing decision: which name a request asks for (adapter checks), which concrete
-model serves it (aliases, experiments, canaries and shadows, from ``router.routes``) and
-the rate limits it spends.  No I/O.  Mixed into ``router.core.Router``."""
+model serves it (aliases, experiments, canaries and shadows, from ``router.rollouts.routes``) and
+the rate limits it spends.  No I/O.  Mixed into ``router.serving.core.Router``."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from tritonclient.grpc import service_pb2
 
 from control_plane.domain import errors as cp
 from control_plane.domain.errors import ControlPlaneError
-from router.errors import InvalidRequest, PermissionDenied, from_control_plane
-from router.routes import Decision
+from router.rollouts.routes import Decision
+from router.serving.errors import InvalidRequest, PermissionDenied, from_control_plane
 
 
 class Deciding:
     """Needs ``table`` (RouteTable), ``limiter`` (router.limits) and, from
-    ``router.answers.Answers``, ``_resolve`` and ``_invalid_name``."""
+    ``router.serving.answers.Answers``, ``_resolve`` and ``_invalid_name``."""
 
     def check_limits(self, *names: str) -> None:
         self.limiter.check(names)

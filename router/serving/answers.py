@@ -1,6 +1,6 @@
 """What readiness, metadata, config and statistics answer: Triton's own answers for a
 loaded model, the repository's config.pbtxt for one that is not.  These calls never load
-or evict a model.  Mixed into ``router.core.Router``."""
+or evict a model.  Mixed into ``router.serving.core.Router``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from tritonclient.grpc import service_pb2
 from control_plane.domain import errors as cp
 from control_plane.domain.errors import ControlPlaneError
 from model_runtime.family.protocol import SLOTS_PARAMETER, STATUS_OUTPUT
-from router.errors import (
+from router.rollouts.routes import ADAPTER_SEPARATOR, Decision, split_adapter
+from router.serving.errors import (
     ModelUnavailable,
     RouterError,
     UnknownModel,
@@ -23,9 +24,8 @@ from router.errors import (
     from_control_plane,
     parse_version,
 )
-from router.repository_config import FolderConfig, metadata_from_config, read_folder
-from router.routes import ADAPTER_SEPARATOR, Decision, split_adapter
-from router.serving_state import ServerAddress
+from router.serving.repository_config import FolderConfig, metadata_from_config, read_folder
+from router.serving.serving_state import ServerAddress
 
 log = logging.getLogger(__name__)
 
