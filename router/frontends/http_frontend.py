@@ -17,7 +17,6 @@ import os
 from dataclasses import replace
 
 import aiohttp
-import grpc
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -32,14 +31,8 @@ from router.frontends.http_request import (
     read_infer_request,
     with_parameters,
 )
-from router.frontends.http_request_checks import json_kind
-from router.frontends.shared_memory import (
-    CUDA_REFUSAL,
-    SharedMemoryError,
-    json_uses_shared_memory,
-    loopback_peer,
-)
-from router.frontends.strict_json import loads
+from router.frontends.http_shared_memory import shared_memory_routes
+from router.frontends.shared_memory import json_uses_shared_memory
 from router.serving.core import Router
 from router.serving.errors import (
     BackendUnavailable,
@@ -364,60 +357,6 @@ async def metrics(request: web.Request) -> web.Response:
     return resp
 
 
-def _regions_json(regions) -> web.Response:
-    return _json([r.as_json() for r in regions])
-
-
-async def shm_status(request: web.Request) -> web.Response:
-    return _regions_json(_router(request).shared_memory.status(request.match_info.get("name", "")))
-
-
-async def shm_register(request: web.Request) -> web.Response:
-    """Triton's body: {"key": ..., "offset": ..., "byte_size": ...}, from a client on this host."""
-    router = _router(request)
-    if not loopback_peer(request.remote):
-        router.metrics.refused.labels("systemsharedmemory").inc()
-        raise PermissionDenied("system shared memory is only for clients on the router's host "
-                               "(loopback); send the tensors in the request instead")
-    doc = loads(await request.read() or b"{}")
-    if not isinstance(doc, dict):
-        raise InvalidRequest(f"Shared memory register request must be a JSON object, got {json_kind(doc)}")
-    for field, kind in (("key", str), ("offset", int), ("byte_size", int)):
-        if field not in doc:
-            if field == "offset":
-                continue
-            raise InvalidRequest(f"Shared memory register request has no '{field}' field")
-        value = doc[field]
-        if not isinstance(value, kind) or type(value) is bool or (kind is int and value < 0):
-            raise InvalidRequest(f"Unable to parse '{field}' of the shared memory register request: "
-                                 f"expected {'a string' if kind is str else 'an unsigned integer'}, "
-                                 f"got {json_kind(value)}")
-    router.shared_memory.register(request.match_info["name"], doc["key"], doc.get("offset", 0),
-                                  doc["byte_size"])
-    return web.Response(status=200)
-
-
-async def shm_unregister(request: web.Request) -> web.Response:
-    _router(request).shared_memory.unregister(request.match_info.get("name", ""))
-    return web.Response(status=200)
-
-
-async def cuda_shm_status(request: web.Request) -> web.Response:
-    name = request.match_info.get("name")
-    if name:  # nothing is ever registered
-        raise SharedMemoryError(grpc.StatusCode.NOT_FOUND, f"Unable to find cuda shared memory region: '{name}'")
-    return _json([])
-
-
-async def shm_noop(request: web.Request) -> web.Response:
-    return web.Response(status=200)  # unregistering what was never registered
-
-
-async def cuda_shm_register(request: web.Request) -> web.Response:
-    _router(request).metrics.refused.labels("cudasharedmemory").inc()
-    raise SharedMemoryError(grpc.StatusCode.UNIMPLEMENTED, CUDA_REFUSAL)
-
-
 async def refused(request: web.Request) -> web.Response:
     _router(request).metrics.refused.labels(request.path.split("/")[2] if request.path.count("/") > 1 else "?").inc()
     raise PermissionDenied(
@@ -455,16 +394,7 @@ def make_http_app(router: Router) -> web.Application:
         web.get("/health/{model}", model_health),
         web.get("/metrics", metrics),
         web.route("*", "/v2/repository/{tail:.*}", refused),
-        web.get("/v2/systemsharedmemory/status", shm_status),
-        web.get("/v2/systemsharedmemory/region/{name}/status", shm_status),
-        web.post("/v2/systemsharedmemory/region/{name}/register", shm_register),
-        web.post("/v2/systemsharedmemory/region/{name}/unregister", shm_unregister),
-        web.post("/v2/systemsharedmemory/unregister", shm_unregister),
-        web.get("/v2/cudasharedmemory/status", cuda_shm_status),
-        web.get("/v2/cudasharedmemory/region/{name}/status", cuda_shm_status),
-        web.post("/v2/cudasharedmemory/region/{name}/register", cuda_shm_register),
-        web.post("/v2/cudasharedmemory/region/{name}/unregister", shm_noop),
-        web.post("/v2/cudasharedmemory/unregister", shm_noop),
+        *shared_memory_routes(router),
         web.route("*", "/v2/logging", refused),
         web.route("*", "/v2/trace/setting", refused),
         web.route("*", m + "/trace/setting", refused),

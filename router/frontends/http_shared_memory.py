@@ -1,0 +1,85 @@
+"""Triton's shared-memory endpoints of KServe v2 HTTP on the public port: system shared
+memory for clients on the router's host (``router.frontends.shared_memory``), CUDA shared
+memory refused with what to use instead."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+from aiohttp import web
+
+from router.frontends.http_request_checks import json_kind
+from router.frontends.shared_memory import CUDA_REFUSAL, SharedMemoryError, loopback_peer
+from router.frontends.strict_json import loads
+from router.serving.core import Router
+from router.serving.errors import InvalidRequest, PermissionDenied
+
+
+def _json(doc) -> web.Response:
+    return web.json_response(doc, dumps=lambda d: json.dumps(d, separators=(",", ":")))
+
+
+def _check_register_body(doc) -> None:
+    """Triton's body: {"key": ..., "offset": ..., "byte_size": ...}, in Triton's words."""
+    if not isinstance(doc, dict):
+        raise InvalidRequest(f"Shared memory register request must be a JSON object, got {json_kind(doc)}")
+    for field, kind in (("key", str), ("offset", int), ("byte_size", int)):
+        if field not in doc:
+            if field == "offset":
+                continue
+            raise InvalidRequest(f"Shared memory register request has no '{field}' field")
+        value = doc[field]
+        if not isinstance(value, kind) or type(value) is bool or (kind is int and value < 0):
+            raise InvalidRequest(f"Unable to parse '{field}' of the shared memory register request: "
+                                 f"expected {'a string' if kind is str else 'an unsigned integer'}, "
+                                 f"got {json_kind(value)}")
+
+
+def shared_memory_routes(router: Router) -> list[web.RouteDef]:
+    memory = router.shared_memory
+
+    async def status(request: web.Request) -> web.Response:
+        return _json([r.as_json() for r in memory.status(request.match_info.get("name", ""))])
+
+    async def register(request: web.Request) -> web.Response:
+        if not loopback_peer(request.remote):
+            router.metrics.refused.labels("systemsharedmemory").inc()
+            raise PermissionDenied("system shared memory is only for clients on the router's host "
+                                   "(loopback); send the tensors in the request instead")
+        doc = loads(await request.read() or b"{}")
+        _check_register_body(doc)
+        memory.register(request.match_info["name"], doc["key"], doc.get("offset", 0), doc["byte_size"])
+        return web.Response(status=200)
+
+    async def unregister(request: web.Request) -> web.Response:
+        memory.unregister(request.match_info.get("name", ""))
+        return web.Response(status=200)
+
+    async def cuda_status(request: web.Request) -> web.Response:
+        name = request.match_info.get("name")
+        if name:  # nothing is ever registered
+            raise SharedMemoryError(grpc.StatusCode.NOT_FOUND,
+                                    f"Unable to find cuda shared memory region: '{name}'")
+        return _json([])
+
+    async def cuda_register(request: web.Request) -> web.Response:
+        router.metrics.refused.labels("cudasharedmemory").inc()
+        raise SharedMemoryError(grpc.StatusCode.UNIMPLEMENTED, CUDA_REFUSAL)
+
+    async def nothing_registered(request: web.Request) -> web.Response:
+        return web.Response(status=200)  # unregistering what was never registered
+
+    system, cuda = "/v2/systemsharedmemory", "/v2/cudasharedmemory"
+    return [
+        web.get(f"{system}/status", status),
+        web.get(f"{system}/region/{{name}}/status", status),
+        web.post(f"{system}/region/{{name}}/register", register),
+        web.post(f"{system}/region/{{name}}/unregister", unregister),
+        web.post(f"{system}/unregister", unregister),
+        web.get(f"{cuda}/status", cuda_status),
+        web.get(f"{cuda}/region/{{name}}/status", cuda_status),
+        web.post(f"{cuda}/region/{{name}}/register", cuda_register),
+        web.post(f"{cuda}/region/{{name}}/unregister", nothing_registered),
+        web.post(f"{cuda}/unregister", nothing_registered),
+    ]
