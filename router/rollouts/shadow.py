@@ -260,6 +260,7 @@ class ShadowMirror:
                 await self._mirror(item)
             except Exception:  # a shadow never takes the worker down
                 log.exception("shadow mirror of %s failed", item.route)
+                self._count_loop_failure("shadow-mirror")
             finally:
                 queue_.task_done()
 
@@ -295,6 +296,7 @@ class ShadowMirror:
                             self._analyze(outcome)
                         except Exception:  # one bad response never stops the analysis
                             log.exception("shadow analysis failed")
+                            self._count_loop_failure("shadow-analysis")
                         self._analysed += 1
                         # Hand the GIL over between items: the serving loop never waits
                         # behind a batch (CPython would let this thread keep it for 5 ms).
@@ -328,6 +330,10 @@ class ShadowMirror:
                           latency_ms=round(o.latency_ms, 3), latency_delta_ms=round(delta, 3))
             self._count("diverged" if diverged else "match", item.route)
         self._write(item.route, record)
+
+    def _count_loop_failure(self, loop: str) -> None:
+        if self.metrics:
+            self.metrics.loop_failures.labels(loop).inc()
 
     def _count(self, result: str, route: str) -> None:
         if self.metrics:

@@ -101,6 +101,9 @@ class RemoteState:
         self._ensured_holds: collections.Counter[str] = collections.Counter()
         self._awaiting_answer: collections.Counter[str] = collections.Counter()
         self._notices: set[asyncio.Task] = set()
+        # The router's mmr_loop_failures_total (router.serving.worker sets it): a failing
+        # watch or report pass is counted, and the loop goes on.
+        self.loop_failures = None
         self._uses: collections.Counter[str] = collections.Counter()
         self._requests = 0
         self._samples: collections.deque = collections.deque(maxlen=MAX_PENDING_SAMPLES)
@@ -193,7 +196,12 @@ class RemoteState:
                 delay = min(delay * 2, RETRY_MAX_S)
             except Exception:  # a bad snapshot must not stop the watch
                 log.exception("applying a snapshot failed")
+                self._count_loop_failure("watch")
                 await asyncio.sleep(RETRY_MAX_S)
+
+    def _count_loop_failure(self, loop: str) -> None:
+        if self.loop_failures is not None:
+            self.loop_failures.labels(loop).inc()
 
     # ------------------------------------------------------------------ ServingState
     def ready_server(self, model: str) -> ServerAddress | None:
@@ -294,6 +302,7 @@ class RemoteState:
                 pass  # kept (bounded) for the next report
             except Exception:
                 log.exception("reporting to the control plane failed")
+                self._count_loop_failure("report")
 
     async def _send_report(self) -> None:
         shadow = self.shadow_counts()

@@ -68,6 +68,7 @@ async def serve(args: argparse.Namespace) -> None:
         shadow_log_dir=args.shadow_log_dir, canary_interval_s=0,
         shared_memory_dir=args.shared_memory_dir), names=state.names)
     router.stats = state  # outcomes are judged by the control plane, over every worker
+    state.loop_failures = router.metrics.loop_failures
 
     def refreshed() -> None:
         router.table, router.names = state.table, state.names

@@ -135,3 +135,56 @@ def test_the_adapter_refresh_survives_a_failing_recovery_and_refresh(tmp_path):
         assert failures(counter, "adapter-refresh") == 1
 
     run(go())
+
+
+def test_a_router_workers_watch_survives_a_bad_snapshot(monkeypatch):
+    from router.serving import state_client
+    from router.serving.state_client import RemoteState
+
+    monkeypatch.setattr(state_client, "RETRY_MAX_S", 0.01)
+
+    async def go():
+        state = RemoteState("http://127.0.0.1:1", "tok", "w0")
+        state.loop_failures = counter = loop_failures_counter("t", CollectorRegistry())
+        polls = FailsOnce()
+
+        async def poll(wait_s):  # a long poll that answers at once, once a bad snapshot
+            await asyncio.sleep(0.01)
+            polls()
+        state._poll = poll
+        task = asyncio.create_task(state._watch())
+        await until(lambda: polls.calls >= 3)
+        task.cancel()
+        assert failures(counter, "watch") == 1
+
+    run(go())
+
+
+def test_a_shadow_worker_survives_a_failing_mirror():
+    from router.rollouts.shadow import ShadowItem, ShadowMirror
+    from router.serving.metrics import RouterMetrics
+
+    async def go():
+        metrics = RouterMetrics()
+        sent = []
+
+        async def send(model, request, timeout_s):
+            sent.append(model)
+            return b""
+
+        mirror = ShadowMirror(send, None, metrics=metrics, workers=1)
+        fails, real = FailsOnce(), mirror._mirror
+
+        async def mirror_once(item):
+            fails()
+            await real(item)
+        mirror._mirror = mirror_once
+        mirror.start()
+        for _ in range(3):
+            mirror.offer(ShadowItem("r", "shadow", b"", b"", 1.0))
+            await asyncio.sleep(0.05)
+        await until(lambda: len(sent) >= 2)
+        await mirror.stop()
+        assert failures(metrics.loop_failures, "shadow-mirror") == 1
+
+    run(go())
