@@ -173,18 +173,9 @@ def endpoints(api: Api, as_json: bool):
 @click.option("--overwrite", is_flag=True, help="Rewrite models that are already there.")
 def demo_fleet(out: Path, count: int, size_mb: float | None, overwrite: bool):
     """Write the demo fleet cust001..custNNN into a model repository."""
-    from control_plane.demo.fleet import (
-        FleetSpec,
-        default_instance_kind,
-        generate_fleet,
-        hidden_dim_for_size,
-    )
+    from control_plane.demo.fleet import demo_spec, generate_fleet
 
-    spec = FleetSpec(count=count, instance_kind=default_instance_kind())
-    if size_mb:
-        spec = FleetSpec(count=count, instance_kind=spec.instance_kind,
-                         hidden_dim=hidden_dim_for_size(size_mb))
-    written = generate_fleet(out, spec, overwrite=overwrite)
+    written = generate_fleet(out, demo_spec(count, size_mb), overwrite=overwrite)
     click.echo(f"wrote {len(written)} models into {out} ({count - len(written)} already there)")
 
 

@@ -14,19 +14,14 @@ def write_demo_repository(repository: Path, fleet_size: int, model_size_mb: floa
     """The demo fleet (cust001..custNNN as one model family, or one Triton model each), its
     extras and the LoRA demo, each written only where missing."""
     from control_plane.demo.fleet import (
-        FleetSpec,
-        default_instance_kind,
+        demo_spec,
         generate_extras,
         generate_family_fleet,
         generate_fleet,
-        hidden_dim_for_size,
     )
     from control_plane.demo.lora import BASES, LoraDemoSpec, generate_lora_demo
 
-    spec = FleetSpec(count=fleet_size, instance_kind=default_instance_kind())
-    if model_size_mb:
-        spec = FleetSpec(count=fleet_size, instance_kind=spec.instance_kind,
-                         hidden_dim=hidden_dim_for_size(model_size_mb))
+    spec = demo_spec(fleet_size, model_size_mb)
     if layout == "family":
         written = generate_family_fleet(repository, spec) + generate_extras(repository, spec, family=True)
     else:

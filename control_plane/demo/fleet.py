@@ -114,6 +114,15 @@ MODEL_REPOSITORY_DIR = TEMPLATE_DIR.parent
 # Rollout drills on cust017: two healthy new versions and one that loads and warms up
 # fine but then fails every other request (a bad canary).
 DEMO_VARIANTS = (("cust017-v2", ()), ("cust017-v3", ()), ("cust017-faulty", (("fail_fraction", "0.5"),)))
+def demo_spec(count: int, size_mb: float | None = None) -> FleetSpec:
+    """The demo fleet's spec: ``count`` customers on this machine's instance kind, each
+    ``size_mb`` of weights (None: the small default)."""
+    spec = FleetSpec(count=count, instance_kind=default_instance_kind())
+    if size_mb:
+        spec = FleetSpec(count=count, instance_kind=spec.instance_kind, hidden_dim=hidden_dim_for_size(size_mb))
+    return spec
+
+
 # Their place in the registry: versions of cust017 (whose own folder is version 1), so a
 # rollout reads "cust017 -> version 2"; each keeps its folder name as its concrete name.
 DEMO_VERSIONS = {"cust017-v2": ("cust017", 2), "cust017-v3": ("cust017", 3), "cust017-faulty": ("cust017", 4)}
