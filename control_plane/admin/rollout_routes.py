@@ -46,7 +46,7 @@ async def require_model(router: Router, model: str) -> None:
     """ModelNotFound (404, mmctl exit 4) unless ``model`` is a concrete model of a repository
     or tier: an alias or a split pointing at nothing would fail every request later."""
     try:
-        await router.manager._known(model)
+        await router.manager.known(model)
     except cp.ModelNotFound:
         serves = router.table.target_of(model)
         if serves != model:  # a logical name: its route or production version is the model
@@ -65,7 +65,7 @@ async def require_servable(router: Router, name: str) -> None:
     if base in router.table.routes:
         return
     try:
-        await router.manager._known(router.table.target_of(base))
+        await router.manager.known(router.table.target_of(base))
     except cp.ModelNotFound:
         raise ModelNotFound(f"unknown model {base!r}: no route and no model of that name; "
                             "`mmctl status --all` lists the known models") from None

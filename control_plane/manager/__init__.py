@@ -48,9 +48,17 @@ Eviction off the critical path (a miss should cost one load, not an unload and a
   Without a probe (unit tests, attached Tritons) nothing overlaps.
 
 Layout: records.py (records, server specs, configuration), room.py (held room, the
-overlap rule, the host's free memory), state.py (what the parts share), catalog.py,
-leases.py, loader.py, warmup.py, unloader.py, pins.py, reconciler.py, and core.py, where
-``ModelManager`` is put together from them.
+overlap rule, the host's free memory), state.py (``ManagerState``: what the parts share),
+one module per part (catalog.py, recency.py, unloader.py, loader.py with warmup.py,
+pins.py, reconciler.py, leases.py), and core.py, where ``ModelManager`` builds the parts
+and gives each the parts it calls:
+
+    catalog, recency          <- state only
+    unloader                  <- catalog
+    loader                    <- catalog, recency, unloader
+    pins                      <- catalog, loader
+    reconciler                <- catalog, recency, unloader, pins
+    leases                    <- catalog, recency, loader, reconciler
 """
 
 from control_plane.manager.catalog import UNKNOWN_NAME_TTL_S, UNKNOWN_NAMES_MAX

@@ -14,45 +14,55 @@ UNKNOWN_NAME_TTL_S = 5.0
 UNKNOWN_NAMES_MAX = 10_000
 
 
-class Catalog(ManagerState):
+class Catalog:
+    """Which models exist (some Triton's repository, or a tier) and what is known of them."""
+
+    def __init__(self, state: ManagerState):
+        self.state = state
+        self._unknown: dict[str, float] = {}  # name -> when it was last found unknown
+
     def get(self, name: str) -> ModelRecord:
         validate_model_name(name)
-        if name not in self.catalog and name not in self.records:
+        st = self.state
+        if name not in st.known_names and name not in st.records:
             raise ModelNotFound(f"unknown model {name!r}; `mmctl status` lists the known models")
-        return self._record(name)
+        return st.record(name)
 
     def status(self) -> list[dict]:
-        names = sorted(self.catalog | {n for n, r in self.records.items() if r.state != ModelState.WARM or r.pinned})
-        return [self._record(n).to_dict() for n in names]
+        st = self.state
+        names = sorted(st.known_names | {n for n, r in st.records.items()
+                                         if r.state != ModelState.WARM or r.pinned})
+        return [st.record(n).to_dict() for n in names]
 
     def fleet(self) -> list[dict]:
-        return [{**s.to_dict(), **self.memory.describe(s)} for s in self.servers.values()]
+        return [{**s.to_dict(), **self.state.memory.describe(s)} for s in self.state.servers.values()]
 
     def ready_server_of(self, name: str) -> TritonServer | None:
         """The server on which ``name`` is READY, or None.  No I/O: the router's hit path."""
-        rec = self.records.get(name)
+        rec = self.state.records.get(name)
         if rec is None or rec.state != ModelState.READY or rec.server is None:
             return None
-        return self.servers.get(rec.server)
+        return self.state.servers.get(rec.server)
 
     def on_loaded(self, listener: Callable[[str, ModelRecord], None]) -> None:
-        self._load_listeners.append(listener)
+        self.state.load_listeners.append(listener)
 
     async def known(self, name: str) -> None:
         """Raise ModelNotFound unless some server's repository (or a tier) has ``name``.
 
         Unknown names are remembered for a few seconds: a client repeating a bad name must
         not turn each request into index RPCs and registry queries."""
-        if name in self.catalog:
+        stager = self.state.stager
+        if name in self.state.known_names:
             return
         refused_at = self._unknown.get(name)
         if refused_at is not None and time.monotonic() - refused_at < UNKNOWN_NAME_TTL_S:
             raise ModelNotFound(f"unknown model {name!r}: it is not in the model repository; "
                                 "`mmctl status` lists the known models")
-        if self.stager is not None and name in self.stager.known():
+        if stager is not None and name in stager.known():
             return
         await self.refresh_catalog()
-        if name not in self.catalog and not (self.stager is not None and name in self.stager.known()):
+        if name not in self.state.known_names and not (stager is not None and name in stager.known()):
             if len(self._unknown) >= UNKNOWN_NAMES_MAX:
                 self._unknown.clear()
             self._unknown[name] = time.monotonic()
@@ -62,25 +72,23 @@ class Catalog(ManagerState):
             )
         self._unknown.pop(name, None)
 
-    _known = known  # kept for callers written before ``known`` was public
-
     async def refresh_catalog(self) -> None:
         errors = []
-        for server in self.servers.values():
+        for server in self.state.servers.values():
             try:
-                self.catalog.update((await server.admin.index()).keys())
+                self.state.known_names.update((await server.admin.index()).keys())
                 server.up = True
             except TritonUnavailable as exc:
                 server.up = False
                 errors.append(exc)
-        if errors and len(errors) == len(self.servers):
+        if errors and len(errors) == len(self.state.servers):
             raise errors[0]
 
     def artifact_bytes(self, name: str) -> int:
         """Bytes of the model's files in the repository (CPU memory estimate)."""
-        if self.repository is None:
+        if self.state.repository is None:
             return 0
-        root = self.repository / name
+        root = self.state.repository / name
         if not root.is_dir():
             return 0
         return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())

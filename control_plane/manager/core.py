@@ -1,12 +1,11 @@
 """``ModelManager``: the only writer of what is loaded on which Triton server.
 
-One object put together from the parts of this package (state.py says how they share
-state); this module builds it and holds what belongs to no single part.
+It builds the parts of this package, wires each to the parts it calls (state.py), and
+holds what belongs to no single part: health and close.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from control_plane.manager.leases import Leases
 from control_plane.manager.loader import Loader
 from control_plane.manager.pins import Pins
 from control_plane.manager.placement import Placer
+from control_plane.manager.recency import Recency
 from control_plane.manager.reconciler import Reconciler
 from control_plane.manager.records import (
     ManagerConfig,
@@ -35,6 +35,7 @@ from control_plane.manager.records import (
     TritonServer,
 )
 from control_plane.manager.room import RoomLedger
+from control_plane.manager.state import ManagerState
 from control_plane.manager.unloader import Unloader
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.state.store import StateStore
@@ -43,10 +44,24 @@ from control_plane.triton.devices import NoMemoryMeter
 from control_plane.triton.process import TritonProcess
 
 
-class ModelManager(Catalog, Leases, Loader, Unloader, Pins, Reconciler):
+class ModelManager:
     """What is loaded on which Triton server: ``ensure``/``lease`` for requests,
     ``unload``/``pin``/``unpin`` for operators, ``step`` for the reconcile loop (run
-    by the service through ``control_plane.domain.periodic``).  The rules it keeps are in the package docstring."""
+    by the service through ``control_plane.domain.periodic``).  The rules it keeps are in
+    the package docstring.
+
+    It owns one ``ManagerState`` and one object per part, each given the parts it calls:
+
+    * ``catalog``: which models exist, their records, the fleet;
+    * ``recency``: when each model was last used;
+    * ``unloader``: unloads (explicit, evictions, headroom, down to the budget);
+    * ``loader``: loads (placement and reservation, room, warm-up), evicting through the
+      unloader;
+    * ``pins``: pinned models stay loaded, through the loader;
+    * ``reconciler``: each pass corrects what drifted from Triton's indexes;
+    * ``leases``: requests holding models, through the loader and the reconciler.
+
+    Its own methods are the product's API of the manager and say which part answers."""
 
     def __init__(
         self,
@@ -65,53 +80,132 @@ class ModelManager(Catalog, Leases, Loader, Unloader, Pins, Reconciler):
     ):
         if not servers:
             raise InvalidInput("the fleet needs at least one Triton server")
-        self.servers = {s.name: s for s in servers}
-        # Holds of models loaded for requests, per model, oldest first (Leases.ensure_for_request).
-        self.request_holds: dict[str, list[asyncio.TimerHandle]] = {}
-        self.store = store
-        self.repository = repository
-        self.config = config or ManagerConfig()
-        self.metrics = metrics or ControlPlaneMetrics()
-        self.clock = clock
-        self.stager = stager
+        config = config or ManagerConfig()
+        metrics = metrics or ControlPlaneMetrics()
         # Rollout-stage eviction priority of a model (registry.stage_priority); SLA/tenant
         # aware placement (placement.Placer).  Defaults: one priority, filters without labels.
-        self.priority_of = priority_of or (lambda _name: DEFAULT_PRIORITY)
-        headroom = HeadroomSpec(self.config.headroom_models, self.config.headroom_bytes)
+        priority_of = priority_of or (lambda _name: DEFAULT_PRIORITY)
+        headroom = HeadroomSpec(config.headroom_models, config.headroom_bytes)
         for s in servers:
-            s.planner.priority_of = self.priority_of  # a shadow never evicts serving models
+            s.planner.priority_of = priority_of  # a shadow never evicts serving models
             s.planner.headroom = headroom
-        # Held room and the overlap rule; free_memory: measured free bytes of a server's
-        # device (host_available_bytes on CPU), None: nothing overlaps.
-        self.room = RoomLedger(self.config, free_memory)
-        self.placer = placer or Placer()
-        # Whether the synthetic warm-up may run for a model (the registry's per-model setting);
-        # the model's own config can turn it off too (triton_admin.WARMUP_PARAMETER).
-        self.warmup_enabled = warmup_enabled or (lambda _name: True)
-        # Measures each load on a GPU and says when an unload's memory is back
-        # (devices.GpuMemoryMeter); CPU servers: artifact sizes, nothing measured.
-        self.memory = memory or NoMemoryMeter()
-        self.records: dict[str, ModelRecord] = {}
-        self.catalog: set[str] = set()
-        self._lock = asyncio.Lock()
-        self._loads: dict[str, asyncio.Task] = {}
-        self._unloads: dict[str, asyncio.Task] = {}
-        self._background: set[asyncio.Task] = set()
-        self._load_listeners: list[Callable[[str, ModelRecord], None]] = []
-        self._unknown: dict[str, float] = {}  # name -> when it was last found unknown
-        self._pin_repairs: set[str] = set()  # pinned models the reconcile is loading
-        self._pin_retry_at: dict[str, float] = {}  # monotonic; after a failed pin repair
-        self._probes: dict[str, asyncio.Task] = {}  # server name -> liveness probe in flight
-        pins = store.pins()
+        self.state = ManagerState(
+            servers={s.name: s for s in servers}, store=store, repository=repository,
+            config=config, metrics=metrics, clock=clock, stager=stager, priority_of=priority_of,
+            placer=placer or Placer(),
+            # Whether the synthetic warm-up may run for a model (the registry's per-model
+            # setting); the model's own config can turn it off too (WARMUP_PARAMETER).
+            warmup_enabled=warmup_enabled or (lambda _name: True),
+            # Measures each load on a GPU and says when an unload's memory is back
+            # (GpuMemoryMeter); CPU servers: artifact sizes, nothing measured.
+            memory=memory or NoMemoryMeter(),
+            # Held room and the overlap rule; free_memory: measured free bytes of a server's
+            # device (host_available_bytes on CPU), None: nothing overlaps.
+            room=RoomLedger(config, free_memory),
+        )
+        self.catalog = Catalog(self.state)
+        self.recency = Recency(self.state)
+        self.unloader = Unloader(self.state, self.catalog)
+        self.loader = Loader(self.state, self.catalog, self.recency, self.unloader)
+        self.pins = Pins(self.state, self.catalog, self.loader)
+        self.reconciler = Reconciler(self.state, self.catalog, self.recency, self.unloader, self.pins)
+        self.leases = Leases(self.state, self.catalog, self.recency, self.loader, self.reconciler)
         for name, row in store.model_rows().items():
-            rec = self._record(name)
+            rec = self.state.record(name)
             rec.last_used = row["last_used"]
             rec.load_time_s = row["load_time_s"]
             rec.memory_bytes = row["memory_bytes"] or 0
-        for name in pins:
-            self._record(name).pinned = True
+        for name in store.pins():
+            self.state.record(name).pinned = True
         for s in servers:
-            self.metrics.capacity_bytes.labels(s.name).set(s.spec.memory_budget_bytes or 0)
+            metrics.capacity_bytes.labels(s.name).set(s.spec.memory_budget_bytes or 0)
+
+    # What the parts share, read by the service, the admin API and the in-process router.
+    @property
+    def servers(self) -> dict[str, TritonServer]:
+        return self.state.servers
+
+    @property
+    def records(self) -> dict[str, ModelRecord]:
+        return self.state.records
+
+    @property
+    def store(self) -> StateStore:
+        return self.state.store
+
+    @property
+    def repository(self) -> Path | None:
+        return self.state.repository
+
+    @property
+    def config(self) -> ManagerConfig:
+        return self.state.config
+
+    @property
+    def metrics(self) -> ControlPlaneMetrics:
+        return self.state.metrics
+
+    @property
+    def room(self) -> RoomLedger:
+        return self.state.room
+
+    # Catalog.
+    def get(self, name: str) -> ModelRecord:
+        return self.catalog.get(name)
+
+    def status(self) -> list[dict]:
+        return self.catalog.status()
+
+    def fleet(self) -> list[dict]:
+        return self.catalog.fleet()
+
+    def ready_server_of(self, name: str) -> TritonServer | None:
+        return self.catalog.ready_server_of(name)
+
+    def on_loaded(self, listener: Callable[[str, ModelRecord], None]) -> None:
+        self.catalog.on_loaded(listener)
+
+    async def known(self, name: str) -> None:
+        await self.catalog.known(name)
+
+    # Requests.
+    async def ensure(self, name: str, retry_failed: bool = False) -> ModelRecord:
+        return await self.loader.ensure(name, retry_failed)
+
+    def touch(self, name: str) -> None:
+        self.recency.touch(name)
+
+    def lease(self, name: str):
+        return self.leases.lease(name)
+
+    async def ensure_for_request(self, name: str, unreachable: str | None = None) -> TritonServer:
+        return await self.leases.ensure_for_request(name, unreachable)
+
+    def requests_answered(self, name: str, count: int = 1) -> int:
+        return self.leases.requests_answered(name, count)
+
+    async def acquire(self, name: str) -> ModelRecord:
+        return await self.leases.acquire(name)
+
+    def release(self, rec: ModelRecord) -> None:
+        self.leases.release(rec)
+
+    # Operators.
+    async def unload(self, name: str, force: bool = False) -> ModelRecord:
+        return await self.unloader.unload(name, force)
+
+    async def pin(self, name: str) -> ModelRecord:
+        return await self.pins.pin(name)
+
+    async def unpin(self, name: str) -> ModelRecord:
+        return await self.pins.unpin(name)
+
+    # The reconcile loop.
+    async def start(self) -> None:
+        await self.reconciler.start()
+
+    async def step(self) -> None:
+        await self.reconciler.step()
 
     @staticmethod
     def make_server(spec: ServerSpec, policy: str = DEFAULT_POLICY,
@@ -126,7 +220,7 @@ class ModelManager(Catalog, Leases, Loader, Unloader, Pins, Reconciler):
             try:
                 # A probe sends the synthetic request only to a model warmed up that way;
                 # for the others it asks Triton whether the model is READY.
-                result = await self._warm_up(server, name)
+                result = await self.loader.warm_up(server, name)
                 if result["mode"] != "synthetic":
                     entry = (await server.admin.index()).get(name)
                     if entry is None or entry.state != TritonModelState.READY:
@@ -135,7 +229,7 @@ class ModelManager(Catalog, Leases, Loader, Unloader, Pins, Reconciler):
                                   "error": f"Triton reports {name} {state or 'not loaded'}"}
                 rec.warmup = result
             except ControlPlaneError as exc:
-                rec.warmup = {"ok": False, "latency_ms": None, "checked_at": self.clock(),
+                rec.warmup = {"ok": False, "latency_ms": None, "checked_at": self.state.clock(),
                               "error": exc.message, "mode": "synthetic"}
         return {
             "model": name,
@@ -147,7 +241,8 @@ class ModelManager(Catalog, Leases, Loader, Unloader, Pins, Reconciler):
         }
 
     async def close(self) -> None:
-        for task in list(self._background) + list(self._loads.values()) + list(self._unloads.values()):
+        st = self.state
+        for task in list(st.background) + list(st.loads.values()) + list(st.unloads.values()):
             task.cancel()
         for server in self.servers.values():
             await server.admin.close()

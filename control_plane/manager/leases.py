@@ -1,4 +1,5 @@
-"""Requests holding models, and recency (what the eviction policy orders by)."""
+"""Requests holding models: a lease while a request runs, and a hold from before a miss's
+load until the router says the request has its answer."""
 
 from __future__ import annotations
 
@@ -9,31 +10,37 @@ from collections.abc import AsyncIterator
 
 from control_plane.domain.errors import ModelLoadFailed, OperationTimeout
 from control_plane.domain.names import validate_model_name
-from control_plane.manager.records import ModelRecord, ModelState, TritonServer
+from control_plane.manager.catalog import Catalog
+from control_plane.manager.loader import Loader
+from control_plane.manager.recency import Recency
+from control_plane.manager.reconciler import Reconciler
+from control_plane.manager.records import ModelRecord, TritonServer
 from control_plane.manager.state import ManagerState
 
 
-class Leases(ManagerState):
-    def touch(self, name: str) -> None:
-        rec = self.records.get(name)
-        if rec is None:
-            return
-        rec.last_used = self.clock()
-        if rec.server is not None and rec.server in self.servers:
-            self.servers[rec.server].planner.touch(name, rec.last_used)
+class Leases:
+    def __init__(self, state: ManagerState, catalog: Catalog, recency: Recency, loader: Loader,
+                 reconciler: Reconciler):
+        self.state = state
+        self.catalog = catalog
+        self.recency = recency
+        self.loader = loader
+        self.reconciler = reconciler
+        # Holds of models loaded for requests, per model, oldest first (ensure_for_request).
+        self.request_holds: dict[str, list[asyncio.TimerHandle]] = {}
 
     @contextlib.asynccontextmanager
     async def lease(self, name: str) -> AsyncIterator[TritonServer]:
         """Hold ``name`` loaded while a request runs; unload waits for leases to drain."""
         rec = await self.acquire(name)
         try:
-            server = self.ready_server_of(name)
+            server = self.catalog.ready_server_of(name)
             if server is None:
-                await self.ensure(name)
-                server = self.ready_server_of(name)
+                await self.loader.ensure(name)
+                server = self.catalog.ready_server_of(name)
                 if server is None:
                     raise ModelLoadFailed(f"{name} was unloaded before the request could start; retry")
-            self.touch(name)
+            self.recency.touch(name)
             rec.active += 1
             try:
                 yield server
@@ -55,19 +62,20 @@ class Leases(ManagerState):
         ``unreachable``: the server the router could not reach for this request; it is
         asked at once whether it is alive (``Reconciler.check_reachable``)."""
         rec = await self.acquire(name)
+        config = self.state.config
         try:
             if unreachable is not None:
-                await self.check_reachable(unreachable)
-            deadline = time.monotonic() + self.config.capacity_wait_s
+                await self.reconciler.check_reachable(unreachable)
+            deadline = time.monotonic() + config.capacity_wait_s
             while True:
-                self.place_off_down(rec)
-                await self.ensure(name)
-                server = self.ready_server_of(name)
+                self.reconciler.place_off_down(rec)
+                await self.loader.ensure(name)
+                server = self.catalog.ready_server_of(name)
                 if server is not None:
                     return server
                 if time.monotonic() >= deadline:
                     raise OperationTimeout(f"{name} was unloaded again each time it was loaded for "
-                                           f"{self.config.capacity_wait_s:.0f}s; retry")
+                                           f"{config.capacity_wait_s:.0f}s; retry")
         finally:
             self._hold_for_request(rec)
 
@@ -80,7 +88,7 @@ class Leases(ManagerState):
                 del self.request_holds[rec.name]
             self.release(rec)
 
-        handle = asyncio.get_running_loop().call_later(self.config.on_its_way_s, expire)
+        handle = asyncio.get_running_loop().call_later(self.state.config.on_its_way_s, expire)
         holds.append(handle)
 
     def requests_answered(self, name: str, count: int = 1) -> int:
@@ -96,48 +104,23 @@ class Leases(ManagerState):
             del self.request_holds[name]
         for handle in ended:
             handle.cancel()
-            self.release(self.records[name])
+            self.release(self.state.records[name])
         return len(ended)
 
     async def acquire(self, name: str) -> ModelRecord:
         """Count one request for ``name`` as in flight *before* it waits for a load, so the
         model it waits for cannot be chosen as a victim before the request is served."""
-        rec = self.records.get(name)
+        rec = self.state.records.get(name)
         if rec is None:
             validate_model_name(name)
-            await self.known(name)
-            rec = self._record(name)
+            await self.catalog.known(name)
+            rec = self.state.record(name)
         rec.inflight += 1
         if rec.inflight == 1:
-            self._sync_evictable(rec)
+            self.state.evictable_again(rec)
         return rec
 
     def release(self, rec: ModelRecord) -> None:
         rec.inflight -= 1
         if rec.inflight == 0:
-            self._sync_evictable(rec)
-
-    def _sync_evictable(self, rec: ModelRecord) -> None:
-        """A resident is evictable when it is READY and no request holds it."""
-        server = self.servers.get(rec.server) if rec.server else None
-        resident = server.planner.residents.get(rec.name) if server else None
-        if resident is not None:
-            resident.evictable = rec.state == ModelState.READY and rec.inflight == 0
-
-    async def refresh_usage(self, server: TritonServer) -> None:
-        """Refresh recency from Triton's statistics: inferences sent straight to Triton count."""
-        stats = await server.admin.statistics()
-        seen = []
-        for name, s in stats.items():
-            rec = self.records.get(name)
-            last_ms = int(s.get("last_inference", 0) or 0)
-            if rec is None or rec.server != server.name or last_ms <= rec.last_inference_ms:
-                continue
-            rec.last_inference_ms = last_ms
-            seen.append((last_ms, name))
-        for last_ms, name in sorted(seen):
-            rec = self.records[name]
-            when = last_ms / 1000.0
-            if rec.last_used is None or when > rec.last_used:
-                rec.last_used = when
-            server.planner.touch(name, when)
+            self.state.evictable_again(rec)

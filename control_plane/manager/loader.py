@@ -17,10 +17,12 @@ from control_plane.domain.errors import (
 )
 from control_plane.domain.names import validate_model_name
 from control_plane.eviction import Resident, victim_priority_limit
+from control_plane.manager.catalog import Catalog
 from control_plane.manager.placement import plan_measured
+from control_plane.manager.recency import Recency
 from control_plane.manager.records import ModelRecord, ModelState, TritonServer
 from control_plane.manager.state import ManagerState
-from control_plane.manager.unloader import retrieve
+from control_plane.manager.unloader import Unloader, retrieve
 from control_plane.manager.warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -30,113 +32,119 @@ log = logging.getLogger(__name__)
 ROOM_POLL_S = 0.05
 
 
-class Loader(ManagerState):
+class Loader:
+    def __init__(self, state: ManagerState, catalog: Catalog, recency: Recency, unloader: Unloader):
+        self.state = state
+        self.catalog = catalog
+        self.recency = recency
+        self.unloader = unloader  # evicts a load's victims and keeps the headroom free
+
     async def ensure(self, name: str, retry_failed: bool = False) -> ModelRecord:
         """Return once ``name`` is READY on some server, loading it if needed."""
         validate_model_name(name)
-        rec = self.records.get(name)
+        rec = self.state.records.get(name)
         if rec is not None and rec.state == ModelState.READY:
-            self.metrics.hits.labels(name).inc()
-            self.touch(name)
+            self.state.metrics.hits.labels(name).inc()
+            self.recency.touch(name)
             return rec
         if (rec is not None and rec.state == ModelState.FAILED and not retry_failed
                 and rec.failed_at is not None
-                and time.monotonic() - rec.failed_at < self.config.failure_backoff_s):
-            wait_s = self.config.failure_backoff_s - (time.monotonic() - rec.failed_at)
+                and time.monotonic() - rec.failed_at < self.state.config.failure_backoff_s):
+            wait_s = self.state.config.failure_backoff_s - (time.monotonic() - rec.failed_at)
             what = (f"{name} may still be loaded on {rec.server}" if rec.server is not None
                     else f"{name} failed to load")
             raise ModelLoadFailed(f"{what}: {rec.failure}; not retrying for "
                                   f"{wait_s:.0f}s (mmctl load {name} retries now)")
-        task = self._loads.get(name)
+        task = self.state.loads.get(name)
         if task is None:
-            await self.known(name)
-            task = self._loads.get(name)  # re-read: another caller may have started it meanwhile
+            await self.catalog.known(name)
+            task = self.state.loads.get(name)  # re-read: another caller may have started it meanwhile
         if task is None:
-            self.metrics.misses.labels(name).inc()
+            self.state.metrics.misses.labels(name).inc()
             task = asyncio.get_running_loop().create_task(self._load(name))
-            self._loads[name] = task
-            task.add_done_callback(lambda _t, n=name: self._loads.pop(n, None))
+            self.state.loads[name] = task
+            task.add_done_callback(lambda _t, n=name: self.state.loads.pop(n, None))
         return await asyncio.shield(task)
 
-    def _place(self, name: str, size_bytes: int) -> tuple[TritonServer, list[str]]:
+    def place(self, name: str, size_bytes: int) -> tuple[TritonServer, list[str]]:
         """Pick a server and the victims to evict there.  Pure; raises if none fits."""
-        rec = self.records.get(name)
+        rec = self.state.records.get(name)
         try:
-            return self.placer.place(name, size_bytes, self.servers.values(),
+            return self.state.placer.place(name, size_bytes, self.state.servers.values(),
                                      pinned=bool(rec is not None and rec.pinned))
         except CapacityExhausted:
-            self.metrics.capacity_errors.inc()
+            self.state.metrics.capacity_errors.inc()
             raise
 
     async def _load(self, name: str) -> ModelRecord:
-        pending_unload = self._unloads.get(name)
+        pending_unload = self.state.unloads.get(name)
         if pending_unload is not None:
             with contextlib.suppress(ControlPlaneError):
                 await asyncio.shield(pending_unload)
-        rec = self._record(name)
+        rec = self.state.record(name)
         if rec.state == ModelState.READY:
             return rec
         if rec.state == ModelState.FAILED and rec.server is not None:
             # Its unload failed: the server may still hold it.  Loading it elsewhere would
             # serve it twice and leak that server's room, so unload it there first.
-            held_by = self.servers[rec.server]
+            held_by = self.state.servers[rec.server]
             try:
-                await self._unload_now(held_by, name, reason="retry_after_failure")
+                await self.unloader.unload_now(held_by, name, reason="retry_after_failure")
             except ControlPlaneError as exc:
                 raise ModelLoadFailed(
                     f"{name} may still be loaded on {held_by.name} ({exc.message}); it is not "
                     f"loaded anywhere else until {held_by.name} confirms it gone; retrying "
-                    f"in {self.config.failure_backoff_s:.0f}s") from exc
-        if self.stager is not None:
+                    f"in {self.state.config.failure_backoff_s:.0f}s") from exc
+        if self.state.stager is not None:
             # Cold -> warm before anything is reserved: a failed download holds no capacity.
-            self.stager.set_busy(name, True)
+            self.state.stager.set_busy(name, True)
             try:
-                size_bytes = await self.stager.stage(name)
+                size_bytes = await self.state.stager.stage(name)
             except BaseException as exc:
-                self.stager.set_busy(name, False)
+                self.state.stager.set_busy(name, False)
                 if isinstance(exc, ControlPlaneError) and not isinstance(exc, ModelNotFound):
                     # A bad artifact or an unreachable store: back off like a failed load.
                     rec.move(ModelState.FAILED)
                     rec.failure, rec.failed_at = exc.message, time.monotonic()
                 raise
         else:
-            size_bytes = await asyncio.to_thread(self.artifact_bytes, name)  # a file walk
-        for server in self.servers.values():
+            size_bytes = await asyncio.to_thread(self.catalog.artifact_bytes, name)  # a file walk
+        for server in self.state.servers.values():
             if server.up:
                 with contextlib.suppress(ControlPlaneError):
-                    await self.refresh_usage(server)
-        deadline = time.monotonic() + self.config.capacity_wait_s
+                    await self.recency.refresh_usage(server)
+        deadline = time.monotonic() + self.state.config.capacity_wait_s
         while True:
-            async with self._lock:
+            async with self.state.lock:
                 # Re-check after the lock: someone may have loaded it meanwhile.
                 if rec.state == ModelState.READY:
                     return rec
                 try:
-                    server, victims = self._place(name, size_bytes)
+                    server, victims = self.place(name, size_bytes)
                 except CapacityExhausted:
                     # Room held only by loads/unloads in progress frees up in seconds: wait
                     # for one of them instead of failing; room held by pins is final.
                     busy = self._room_is_busy(name)
                     if not busy or time.monotonic() >= deadline:
-                        self._release_warm(name)
+                        self.state.release_warm(name)
                         raise
                     waiting = self._busy_tasks()
                 else:
-                    now = self.clock()
+                    now = self.state.clock()
                     for v in victims:
                         server.planner.residents[v].evictable = False
                         server.planner.residents[v].leaving = True
-                        self.records[v].move(ModelState.UNLOADING)
+                        self.state.records[v].move(ModelState.UNLOADING)
                     server.planner.admit(
                         Resident(name, size_bytes, pinned=rec.pinned, evictable=False,
-                                 priority=self.priority_of(name)), now,
+                                 priority=self.state.priority_of(name)), now,
                         load_cost_s=rec.load_time_s or 1.0,
                     )
                     previous_state = rec.state
                     rec.move(ModelState.LOADING)
                     rec.server, rec.memory_bytes, rec.failure = server.name, size_bytes, None
-                    self.room.queue(server, name, size_bytes)
-                    self._maintain_headroom(server)  # the next miss finds room again
+                    self.state.room.queue(server, name, size_bytes)
+                    self.unloader.maintain_headroom(server)  # the next miss finds room again
                     break
             # Room comes back when a load/unload task ends or a request releases a model.
             timeout_s = min(0.05, max(0.0, deadline - time.monotonic()))
@@ -149,75 +157,75 @@ class Loader(ManagerState):
         # 1. Room.  The victims' unloads run; the load is sent once Triton confirms room for
         # it, or at once where measured free memory holds it (overlap, package docstring).  A
         # victim that does not free in time keeps its memory counted.
-        evictions = [self._unload_now(server, v, reason="evicted") for v in victims]
+        evictions = [self.unloader.unload_now(server, v, reason="evicted") for v in victims]
         for fut in evictions:
             fut.add_done_callback(retrieve)  # failures are raised below or logged
         try:
             overlapped = await self._wait_for_room(
                 server, name, size_bytes, evictions,
                 # The longest an unload in progress takes before it fails on its own.
-                time.monotonic() + self.config.drain_timeout_s + self.config.unload_timeout_s)
+                time.monotonic() + self.state.config.drain_timeout_s + self.state.config.unload_timeout_s)
         except BaseException as exc:
-            self.room.unqueue(server, name)
-            self._release_warm(name)
+            self.state.room.unqueue(server, name)
+            self.state.release_warm(name)
             server.planner.remove(name)
             rec.move(previous_state if previous_state != ModelState.LOADING else ModelState.WARM)
             rec.server = None
-            self.metrics.loads.labels(server.name, "evict_failed").inc()
+            self.state.metrics.loads.labels(server.name, "evict_failed").inc()
             if isinstance(exc, ControlPlaneError):
                 raise OperationTimeout(
                     f"could not free room for {name} on {server.name}: {exc}") from exc
             raise
         # No await between the room check and this: the next waiter sees this load as held.
-        self.room.send(server, name, size_bytes)
+        self.state.room.send(server, name, size_bytes)
         if overlapped:
             log.info("loading %s on %s while %s still shut down: measured free memory holds it",
                      name, server.name, ", ".join(v for v, f in zip(victims, evictions) if not f.done())
                      or "models of other loads")
         for _ in victims:
-            self.metrics.evictions.labels(server.name).inc()
+            self.state.metrics.evictions.labels(server.name).inc()
 
         # 2. Load and warm up.
         start = time.monotonic()
         rec.loads += 1
         try:
-            async with self._meter(server, name).measuring(server, name) as measured:
+            async with self.state.meter(server, name).measuring(server, name) as measured:
                 await server.admin.load(name)
-                warmup = await self._warm_up(server, name)
+                warmup = await self.warm_up(server, name)
             if measured.bytes is not None:
                 await self._fit_measured(server, rec, measured.bytes)
         except BaseException as exc:
-            self.room.finish(name)
+            self.state.room.finish(name)
             await self._undo_failed_load(server, rec, exc)
             raise
-        self.room.finish(name)
+        self.state.room.finish(name)
         rec.load_time_s = time.monotonic() - start
         rec.warmup = warmup
         if not warmup.get("ok", True):
-            self.metrics.warmup_failures.labels(server.name).inc()
+            self.state.metrics.warmup_failures.labels(server.name).inc()
             log.warning("%s is served, but its synthetic warm-up failed: %s", name, warmup.get("error"))
         rec.move(ModelState.READY)
-        self._sync_evictable(rec)
-        self._maintain_headroom(server)
-        rec.last_used = self.clock()
-        self.metrics.loads.labels(server.name, "ok").inc()
-        self.metrics.load_seconds.labels(server.name).observe(rec.load_time_s)
-        self._update_gauges(server)
-        self._save_row(name, last_used=rec.last_used, load_time_s=rec.load_time_s,
+        self.state.evictable_again(rec)
+        self.unloader.maintain_headroom(server)
+        rec.last_used = self.state.clock()
+        self.state.metrics.loads.labels(server.name, "ok").inc()
+        self.state.metrics.load_seconds.labels(server.name).observe(rec.load_time_s)
+        self.state.update_gauges(server)
+        self.state.save_row(name, last_used=rec.last_used, load_time_s=rec.load_time_s,
                        memory_bytes=rec.memory_bytes, server=server.name, failure=None)
         log.info("loaded %s on %s in %.2fs", name, server.name, rec.load_time_s)
-        for listener in self._load_listeners:
+        for listener in self.state.load_listeners:
             listener(name, rec)
         return rec
 
     async def _fit_measured(self, server: TritonServer, rec: ModelRecord, measured_bytes: int) -> None:
         """Account the size NVML measured; evict more when the model no longer fits, or
         raise CapacityExhausted (the caller unloads it) when nothing can make room."""
-        async with self._lock:
+        async with self.state.lock:
             victims = plan_measured(server.planner, rec.name, measured_bytes)
             for v in victims:
                 server.planner.residents[v].evictable = False
-                self.records[v].move(ModelState.UNLOADING)
+                self.state.records[v].move(ModelState.UNLOADING)
             resident = server.planner.residents.get(rec.name)
             if resident is not None:
                 resident.size_bytes = measured_bytes
@@ -225,9 +233,9 @@ class Loader(ManagerState):
         if victims:
             log.info("%s measured %d bytes on %s: evicting %s", rec.name, measured_bytes,
                      server.name, victims)
-            await asyncio.gather(*(self._unload_now(server, v, reason="evicted") for v in victims),
+            await asyncio.gather(*(self.unloader.unload_now(server, v, reason="evicted") for v in victims),
                                  return_exceptions=True)  # a failed one stays counted
-        self._update_gauges(server)
+        self.state.update_gauges(server)
 
     async def _wait_for_room(self, server: TritonServer, name: str, size_bytes: int,
                              evictions: list[asyncio.Future], deadline: float) -> bool:
@@ -241,13 +249,13 @@ class Loader(ManagerState):
             for fut in evictions:
                 if fut.done() and not fut.cancelled() and fut.exception() is not None:
                     raise fut.exception()
-            if self.room.fits_held(server, size_bytes):
+            if self.state.room.fits_held(server, size_bytes):
                 return False
             # A fixed-size slot (a family's variant) is free only once its evict is done.
-            if server.admin.measured(name) and self.room.fits_measured(server, size_bytes):
+            if server.admin.measured(name) and self.state.room.fits_measured(server, size_bytes):
                 return True
-            freeing = [t for n, t in self._unloads.items()
-                       if not t.done() and (r := self.records.get(n)) is not None and r.server == server.name]
+            freeing = [t for n, t in self.state.unloads.items()
+                       if not t.done() and (r := self.state.records.get(n)) is not None and r.server == server.name]
             if not freeing:
                 raise OperationTimeout(
                     f"its room on {server.name} is held by models whose unload did not complete; "
@@ -256,17 +264,17 @@ class Loader(ManagerState):
             if remaining_s <= 0:
                 raise OperationTimeout(f"Triton did not confirm room for {name} in time")
             await asyncio.wait(freeing, return_when=asyncio.FIRST_COMPLETED,
-                               timeout=min(remaining_s, ROOM_POLL_S) if self.room.free_memory else remaining_s)
+                               timeout=min(remaining_s, ROOM_POLL_S) if self.state.room.free_memory else remaining_s)
 
     def _room_is_busy(self, name: str) -> bool:
         """Room held by loads/unloads in progress or by requests (not by pins or failures)
         that ``name`` could get once they end.  A shadow can only get room that an unload
         frees or that a shadow holds: room of a serving model that is loading or in use
         never becomes its."""
-        limit = victim_priority_limit(self.priority_of(name))
-        for server in self.servers.values():
+        limit = victim_priority_limit(self.state.priority_of(name))
+        for server in self.state.servers.values():
             for r in server.planner.residents.values():
-                rec = self.records.get(r.key)
+                rec = self.state.records.get(r.key)
                 if r.evictable or r.pinned or rec is None or rec.state == ModelState.FAILED:
                     continue
                 if limit is None or rec.state == ModelState.UNLOADING or r.priority <= limit:
@@ -275,33 +283,33 @@ class Loader(ManagerState):
 
     def _busy_tasks(self) -> set[asyncio.Task]:
         me = asyncio.current_task()
-        return {t for t in (*self._loads.values(), *self._unloads.values()) if t is not me and not t.done()}
+        return {t for t in (*self.state.loads.values(), *self.state.unloads.values()) if t is not me and not t.done()}
 
-    async def _warm_up(self, server: TritonServer, name: str) -> dict:
+    async def warm_up(self, server: TritonServer, name: str) -> dict:
         """Warm ``name`` up as the model says (warmup.warm_up); the result is what
         ``health`` shows."""
-        return await warm_up(server, name, self.config, self.warmup_enabled, self.clock)
+        return await warm_up(server, name, self.state.config, self.state.warmup_enabled, self.state.clock)
 
     async def _undo_failed_load(self, server: TritonServer, rec: ModelRecord, exc: BaseException) -> None:
         """Unload whatever Triton kept and mark the model failed; memory freed once confirmed."""
         reason = exc.message if isinstance(exc, ControlPlaneError) else repr(exc)
         rec.failure = reason
         rec.failed_at = time.monotonic()
-        rec.warmup = {"ok": False, "latency_ms": None, "checked_at": self.clock(), "error": reason}
-        self.metrics.loads.labels(server.name, "failed").inc()
+        rec.warmup = {"ok": False, "latency_ms": None, "checked_at": self.state.clock(), "error": reason}
+        self.state.metrics.loads.labels(server.name, "failed").inc()
         try:
             await server.admin.unload(rec.name)
-            await server.admin.wait_unavailable(rec.name, self.config.unload_timeout_s)
-            await self._meter(server, rec.name).released(server, rec.name)
+            await server.admin.wait_unavailable(rec.name, self.state.config.unload_timeout_s)
+            await self.state.meter(server, rec.name).released(server, rec.name)
         except ControlPlaneError as cleanup_exc:
             # Triton may still hold it: keep the bytes counted, the reconcile loop retries.
             log.error("%s failed (%s) and could not be unloaded: %s", rec.name, reason, cleanup_exc)
             rec.move(ModelState.FAILED)
             return
         server.planner.remove(rec.name)
-        self._release_warm(rec.name)
+        self.state.release_warm(rec.name)
         rec.move(ModelState.FAILED)
         rec.server = None
-        self._update_gauges(server)
-        self._save_row(rec.name, failure=reason)
+        self.state.update_gauges(server)
+        self.state.save_row(rec.name, failure=reason)
         log.warning("load of %s on %s failed: %s", rec.name, server.name, reason)

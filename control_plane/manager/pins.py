@@ -7,25 +7,34 @@ import time
 
 from control_plane.domain.errors import ControlPlaneError
 from control_plane.domain.names import validate_model_name
+from control_plane.manager.catalog import Catalog
+from control_plane.manager.loader import Loader
 from control_plane.manager.records import ModelRecord, ModelState
 from control_plane.manager.state import ManagerState
 
 log = logging.getLogger(__name__)
 
 
-class Pins(ManagerState):
+class Pins:
+    def __init__(self, state: ManagerState, catalog: Catalog, loader: Loader):
+        self.state = state
+        self.catalog = catalog
+        self.loader = loader
+        self._repairs: set[str] = set()  # pinned models the reconcile is loading
+        self._retry_at: dict[str, float] = {}  # monotonic; after a failed pin repair
+
     async def pin(self, name: str) -> ModelRecord:
         """Pin and make resident.  If it cannot be loaded, the pin is not kept.
 
         The pin counts from the start of the call: an unload still waiting for this model's
         load gives way to it, and one already under way is awaited before loading again."""
         validate_model_name(name)
-        await self.known(name)  # cold models (registry only) can be pinned too
-        rec = self._record(name)
+        await self.catalog.known(name)  # cold models (registry only) can be pinned too
+        rec = self.state.record(name)
         was_pinned = rec.pinned
         self._set_pinned(rec, True)
         try:
-            await self.ensure(name)
+            await self.loader.ensure(name)
         except BaseException:
             if not was_pinned and rec.pinned:  # an unpin meanwhile already undid it
                 self._set_pinned(rec, False)
@@ -34,62 +43,62 @@ class Pins(ManagerState):
             self._set_pinned(rec, True)
             # In the state store's thread: a slow database holds up this call, not the
             # event loop; an unpin asked for meanwhile is written after it.
-            await self.store.db.off_loop(self.store.set_pin, name, True)
+            await self.state.store.db.off_loop(self.state.store.set_pin, name, True)
         return rec
 
     async def unpin(self, name: str) -> ModelRecord:
-        rec = self.get(name)
+        rec = self.catalog.get(name)
         self._set_pinned(rec, False)
-        await self.store.db.off_loop(self.store.set_pin, name, False)
+        await self.state.store.db.off_loop(self.state.store.set_pin, name, False)
         return rec
 
     def _set_pinned(self, rec: ModelRecord, pinned: bool) -> None:
         """Set the pin on the record and on its resident, if it holds one."""
         rec.pinned = pinned
-        server = self.servers.get(rec.server) if rec.server else None
+        server = self.state.servers.get(rec.server) if rec.server else None
         resident = server.planner.residents.get(rec.name) if server else None
         if resident is not None:
             # A model on its way out (unloading, or stuck after a failure) holds its slot as
             # busy, not as a pin: the pin takes its slot again when the model is reloaded.
             resident.pinned = pinned and rec.state in (ModelState.READY, ModelState.LOADING)
 
-    def _repair_pins(self) -> None:
+    def repair_pins(self) -> None:
         """Start a load of every pinned model that is not loaded: Triton dropped it, a
         forced unload took it, or it lost a race with an unload.  Failures back off."""
         now = time.monotonic()
-        for name, rec in self.records.items():
+        for name, rec in self.state.records.items():
             if (not rec.pinned or rec.state in (ModelState.READY, ModelState.LOADING, ModelState.UNLOADING)
-                    or name in self._loads or name in self._unloads or name in self._pin_repairs
-                    or now < self._pin_retry_at.get(name, 0.0)):
+                    or name in self.state.loads or name in self.state.unloads or name in self._repairs
+                    or now < self._retry_at.get(name, 0.0)):
                 continue
             if (rec.state == ModelState.FAILED and rec.failed_at is not None
-                    and now - rec.failed_at < self.config.failure_backoff_s):
+                    and now - rec.failed_at < self.state.config.failure_backoff_s):
                 continue
-            self._pin_repairs.add(name)
-            self._spawn(self._repair_pin(rec))
+            self._repairs.add(name)
+            self.state.spawn(self._repair_pin(rec))
 
     async def _repair_pin(self, rec: ModelRecord) -> None:
         try:
-            await self.ensure(rec.name)
+            await self.loader.ensure(rec.name)
         except ControlPlaneError as exc:
-            self._pin_retry_at[rec.name] = time.monotonic() + self.config.failure_backoff_s
+            self._retry_at[rec.name] = time.monotonic() + self.state.config.failure_backoff_s
             failure = f"pinned but not loaded: {exc.message}"
             if rec.failure != failure:  # once per distinct reason, not once per pass
                 log.error("pinned model %s could not be loaded: %s", rec.name, exc.message)
             rec.failure = failure
         else:
-            self._pin_retry_at.pop(rec.name, None)
+            self._retry_at.pop(rec.name, None)
             log.info("loaded pinned model %s again", rec.name)
         finally:
-            self._pin_repairs.discard(rec.name)
+            self._repairs.discard(rec.name)
 
     async def load_pinned(self) -> None:
-        for name in sorted(n for n, r in self.records.items() if r.pinned):
-            rec = self.records[name]
+        for name in sorted(n for n, r in self.state.records.items() if r.pinned):
+            rec = self.state.records[name]
             if rec.state == ModelState.READY:
                 continue
             try:
-                await self.ensure(name)
+                await self.loader.ensure(name)
             except ControlPlaneError as exc:
                 rec.failure = f"pinned but not loaded: {exc.message}"
                 log.error("pinned model %s could not be loaded: %s", name, exc.message)

@@ -1,11 +1,11 @@
-"""The state every part of the model manager shares, and the helpers they all use.
+"""What the parts of the model manager share: one ``ManagerState`` object.
 
-``ModelManager`` (core.py) is one object put together from parts, one module each:
-catalog (what exists), leases (requests holding models, recency), loader, unloader,
-pins, reconciler.  Each part is a class over this state; they call one another through
-``self`` (a load unloads its victims, a reconcile pass loads pinned models), so the
-locking rules of the package docstring hold across them.  ``ModelManager.__init__``
-sets every attribute declared here.
+``ModelManager`` (core.py) owns one ``ManagerState`` and one object per part: catalog (what
+exists), recency, unloader, loader, pins, reconciler, leases.  Each part is given the state
+and the parts it calls, in its constructor, so a reader sees who calls whom: a load asks the
+unloader to evict its victims, a reconcile pass asks the pins to load pinned models again,
+a lease asks the loader.  The locking rules of the package docstring hold across them: the
+state's ``lock`` is one lock for all parts.
 """
 
 from __future__ import annotations
@@ -32,32 +32,38 @@ log = logging.getLogger(__name__)
 
 
 class ManagerState:
-    servers: dict[str, TritonServer]
-    store: StateStore
-    repository: Path | None
-    config: ManagerConfig
-    metrics: ControlPlaneMetrics
-    clock: Callable[[], float]
-    stager: Stager | None
-    priority_of: Callable[[str], int]
-    placer: Placer
-    warmup_enabled: Callable[[str], bool]
-    memory: GpuMemoryMeter | NoMemoryMeter
-    room: RoomLedger
-    records: dict[str, ModelRecord]
-    catalog: set[str]
-    # Held with no ``await`` between placement and reservation (package docstring).
-    _lock: asyncio.Lock
-    _loads: dict[str, asyncio.Task]  # one load task per model; late callers await it
-    _unloads: dict[str, asyncio.Task]  # one unload task per model
-    _background: set[asyncio.Task]
-    _load_listeners: list[Callable[[str, ModelRecord], None]]
-    _unknown: dict[str, float]  # name -> when it was last found unknown
-    _pin_repairs: set[str]  # pinned models the reconcile is loading
-    _pin_retry_at: dict[str, float]  # monotonic; after a failed pin repair
-    _probes: dict[str, asyncio.Task]  # server name -> liveness probe a request asked for
+    """The fleet, the records of the models and the tasks in progress, with the helpers
+    every part uses.  No behaviour of its own: the parts decide, this holds."""
 
-    def _record(self, name: str) -> ModelRecord:
+    def __init__(self, servers: dict[str, TritonServer], store: StateStore,
+                 repository: Path | None, config: ManagerConfig, metrics: ControlPlaneMetrics,
+                 clock: Callable[[], float], stager: Stager | None,
+                 priority_of: Callable[[str], int], placer: Placer,
+                 warmup_enabled: Callable[[str], bool], memory: GpuMemoryMeter | NoMemoryMeter,
+                 room: RoomLedger):
+        self.servers = servers
+        self.store = store
+        self.repository = repository
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self.stager = stager
+        self.priority_of = priority_of
+        self.placer = placer
+        self.warmup_enabled = warmup_enabled
+        self.memory = memory
+        self.room = room
+        self.records: dict[str, ModelRecord] = {}
+        self.known_names: set[str] = set()  # names some Triton's repository index listed
+        # Held with no ``await`` between placement and reservation (package docstring).
+        self.lock = asyncio.Lock()
+        self.loads: dict[str, asyncio.Task] = {}  # one load task per model; late callers await it
+        self.unloads: dict[str, asyncio.Task] = {}  # one unload task per model
+        self.background: set[asyncio.Task] = set()
+        self.load_listeners: list[Callable[[str, ModelRecord], None]] = []
+
+    def record(self, name: str) -> ModelRecord:
+        """``name``'s record, made on first use."""
         rec = self.records.get(name)
         if rec is None:
             rec = self.records[name] = ModelRecord(name, on_illegal=self._count_illegal)
@@ -66,22 +72,22 @@ class ManagerState:
     def _count_illegal(self, was: ModelState, to: ModelState) -> None:
         self.metrics.illegal_transitions.labels(was.value, to.value).inc()
 
-    def _release_warm(self, name: str) -> None:
+    def release_warm(self, name: str) -> None:
         """The warm tier may drop ``name`` again (it is neither loaded nor loading)."""
         if self.stager is not None:
             self.stager.set_busy(name, False)
 
-    def _update_gauges(self, server: TritonServer) -> None:
+    def update_gauges(self, server: TritonServer) -> None:
         self.metrics.loaded_bytes.labels(server.name).set(server.planner.used_bytes)
         self.metrics.loaded_models.labels(server.name).set(server.planner.used_slots)
 
-    def _meter(self, server: TritonServer, name: str):
+    def meter(self, server: TritonServer, name: str):
         """The memory meter for ``name`` on ``server``: the configured one, or none for a
         model whose size is fixed in advance (a family's variant: a slot allocated when its
         family loaded, whose bytes never come and go with the variant)."""
         return self.memory if server.admin.measured(name) else NoMemoryMeter()
 
-    def _save_row(self, name: str, **fields) -> None:
+    def save_row(self, name: str, **fields) -> None:
         """Write ``name``'s history row (``StateStore.save_model``) in the state store's
         thread: a load or an unload never waits on the database, and rows land in the
         order they were written.  A failed write is logged; the model is served anyway."""
@@ -91,8 +97,15 @@ class ManagerState:
 
         self.store.db.off_loop(self.store.save_model, name, **fields).add_done_callback(logged)
 
-    def _spawn(self, coro) -> None:
+    def spawn(self, coro) -> None:
+        """Run ``coro`` in the background; ``ModelManager.close`` cancels what is left."""
         task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
+    def evictable_again(self, rec: ModelRecord) -> None:
+        """A resident is evictable when it is READY and no request holds it."""
+        server = self.servers.get(rec.server) if rec.server else None
+        resident = server.planner.residents.get(rec.name) if server else None
+        if resident is not None:
+            resident.evictable = rec.state == ModelState.READY and rec.inflight == 0

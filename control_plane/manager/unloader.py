@@ -12,6 +12,7 @@ import logging
 import time
 
 from control_plane.domain.errors import ControlPlaneError, InvalidInput
+from control_plane.manager.catalog import Catalog
 from control_plane.manager.records import ModelRecord, ModelState, TritonServer
 from control_plane.manager.state import ManagerState
 
@@ -24,17 +25,21 @@ def retrieve(fut: asyncio.Future) -> None:
         fut.exception()
 
 
-class Unloader(ManagerState):
+class Unloader:
+    def __init__(self, state: ManagerState, catalog: Catalog):
+        self.state = state
+        self.catalog = catalog
+
     async def unload(self, name: str, force: bool = False) -> ModelRecord:
         """Unload ``name`` (explicit request).  Pinned models are refused unless forced."""
-        rec = self.get(name)
+        rec = self.catalog.get(name)
         if rec.pinned and not force:
             raise InvalidInput(f"{name} is pinned; unpin it first (mmctl unpin {name})")
-        load = self._loads.get(name)
+        load = self.state.loads.get(name)
         if load is not None:
             with contextlib.suppress(ControlPlaneError):
                 await asyncio.shield(load)
-        async with self._lock:
+        async with self.state.lock:
             # A pin that arrived while this unload waited for the load wins: the pinned
             # model stays loaded instead of being unloaded under a pin.
             if rec.pinned and not force:
@@ -43,7 +48,7 @@ class Unloader(ManagerState):
             if (rec.state not in (ModelState.READY, ModelState.FAILED, ModelState.UNLOADING)
                     or rec.server is None):
                 return rec
-            server = self.servers[rec.server]
+            server = self.state.servers[rec.server]
             resident = server.planner.residents.get(name)
             if resident is not None:
                 # On its way out it holds its slot as busy, not as a pin (a forced unload of
@@ -54,22 +59,22 @@ class Unloader(ManagerState):
                 resident.leaving = rec.state == ModelState.READY
             if rec.state == ModelState.READY:
                 rec.move(ModelState.UNLOADING)
-        await self._unload_now(server, name, reason="requested")
+        await self.unload_now(server, name, reason="requested")
         return rec
 
-    def _unload_now(self, server: TritonServer, name: str, reason: str) -> asyncio.Future:
-        task = self._unloads.get(name)
+    def unload_now(self, server: TritonServer, name: str, reason: str) -> asyncio.Future:
+        task = self.state.unloads.get(name)
         if task is None:
             task = asyncio.get_running_loop().create_task(self._do_unload(server, name, reason))
-            self._unloads[name] = task
-            task.add_done_callback(lambda _t, n=name: self._unloads.pop(n, None))
+            self.state.unloads[name] = task
+            task.add_done_callback(lambda _t, n=name: self.state.unloads.pop(n, None))
         return asyncio.shield(task)
 
     async def _do_unload(self, server: TritonServer, name: str, reason: str) -> None:
-        rec = self.records[name]
+        rec = self.state.records[name]
         rec.move(ModelState.UNLOADING)
         # Drain: requests holding a lease finish first (bounded by drain_timeout_s).
-        deadline = time.monotonic() + self.config.drain_timeout_s
+        deadline = time.monotonic() + self.state.config.drain_timeout_s
         # Only requests already sent to Triton are drained: requests still waiting for this
         # model wait for the unload to finish, so waiting on them would deadlock.
         while rec.active > 0 and time.monotonic() < deadline:
@@ -77,11 +82,11 @@ class Unloader(ManagerState):
         if rec.active > 0:
             log.warning("%s still has %d requests in flight after %.0fs; unloading anyway "
                         "(Triton lets running requests finish)", name, rec.active,
-                        self.config.drain_timeout_s)
+                        self.state.config.drain_timeout_s)
         start = time.monotonic()
         try:
             await server.admin.unload(name)
-            await server.admin.wait_unavailable(name, self.config.unload_timeout_s)
+            await server.admin.wait_unavailable(name, self.state.config.unload_timeout_s)
         except ControlPlaneError as exc:
             # Triton may still hold it: the server, and its room, stay counted until Triton
             # confirms it gone (the reconcile retries after the backoff, as does a load).
@@ -96,29 +101,29 @@ class Unloader(ManagerState):
             log.error("unload of %s on %s failed: %s", name, server.name, exc.message)
             raise
         # Free only once NVML shows the memory back (on a GPU; what is not back stays counted).
-        await self._meter(server, name).released(server, name)
+        await self.state.meter(server, name).released(server, name)
         freed_s = time.monotonic() - start
-        self.metrics.unload_free_seconds.labels(server.name).observe(freed_s)
-        self.metrics.unloads.labels(server.name, reason).inc()
+        self.state.metrics.unload_free_seconds.labels(server.name).observe(freed_s)
+        self.state.metrics.unloads.labels(server.name, reason).inc()
         server.planner.remove(name)
-        self._release_warm(name)
+        self.state.release_warm(name)
         rec.move(ModelState.WARM)
         rec.server, rec.warmup = None, None
-        self._update_gauges(server)
-        self._save_row(name, server=None)
+        self.state.update_gauges(server)
+        self.state.save_row(name, server=None)
         log.info("unloaded %s from %s (%s); memory free after %.2fs", name, server.name, reason, freed_s)
 
-    async def _retry_unload(self, server: TritonServer, name: str) -> None:
+    async def retry_unload(self, server: TritonServer, name: str) -> None:
         with contextlib.suppress(ControlPlaneError):
-            await self._unload_now(server, name, reason="retry_after_failure")
+            await self.unload_now(server, name, reason="retry_after_failure")
 
-    async def _enforce_capacity(self, server: TritonServer) -> None:
+    async def enforce_capacity(self, server: TritonServer) -> None:
         """After adopting what Triton had loaded, evict down to the budget (unpinned, LRU)."""
         cap = server.planner.capacity
         while True:
             # A load in progress is reserved while its victims still count until Triton frees
             # them: that transient overshoot is by design, not drift.
-            if self._loads or self._unloads:
+            if self.state.loads or self.state.unloads:
                 return
             over_slots = cap.max_slots is not None and server.planner.used_slots > cap.max_slots
             over_bytes = cap.max_bytes is not None and server.planner.used_bytes > cap.max_bytes
@@ -134,11 +139,11 @@ class Unloader(ManagerState):
             server.planner.residents[victim].evictable = False
             server.planner.residents[victim].leaving = True
             try:
-                await self._unload_now(server, victim, reason="over_budget")
+                await self.unload_now(server, victim, reason="over_budget")
             except ControlPlaneError:
                 return
 
-    def _maintain_headroom(self, server: TritonServer) -> None:
+    def maintain_headroom(self, server: TritonServer) -> None:
         """Start unloading the policy's next victims when the server's free room is below its
         headroom (eviction.CachePlanner.headroom_victims); returns at once, the unloads run
         in the background.  Synchronous: the choice and the marking see the same state."""
@@ -149,8 +154,8 @@ class Unloader(ManagerState):
             resident = server.planner.residents[v]
             resident.evictable = False
             resident.leaving = True
-            self.records[v].move(ModelState.UNLOADING)
+            self.state.records[v].move(ModelState.UNLOADING)
         if victims:
             log.info("%s: unloading %s to keep room for the next miss", server.name, ", ".join(victims))
         for v in victims:
-            self._unload_now(server, v, reason="headroom").add_done_callback(retrieve)
+            self.unload_now(server, v, reason="headroom").add_done_callback(retrieve)

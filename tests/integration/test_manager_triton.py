@@ -103,7 +103,7 @@ def test_pinned_models_survive_pressure_and_full_pinned_gives_clear_error(triton
 def test_memory_budget_counts_bytes(triton, repository, tmp_path):
     async def scenario():
         mgr = make_manager(triton, repository, tmp_path)
-        size = mgr.artifact_bytes("cust001")
+        size = mgr.catalog.artifact_bytes("cust001")
         assert size > 0
         mgr.servers["triton0"].planner.capacity.max_bytes = int(size * 2.5)
         await mgr.start()

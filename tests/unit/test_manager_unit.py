@@ -292,7 +292,7 @@ def test_failed_staging_backs_off(tmp_path):
             def known(self):
                 return {"m1"}
 
-        mgr.stager = BadStager()
+        mgr.state.stager = BadStager()
         await mgr.start()
         with pytest.raises(ModelLoadFailed, match="sha256"):
             await mgr.ensure("m1")
@@ -566,7 +566,7 @@ def test_artifact_size_walk_does_not_block_the_event_loop(tmp_path):
             time.sleep(0.3)
             return 10
 
-        mgr.artifact_bytes = slow_walk
+        mgr.catalog.artifact_bytes = slow_walk
         await mgr.start()
         loop = asyncio.get_running_loop()
         gaps = []
@@ -589,7 +589,7 @@ def test_artifact_size_walk_does_not_block_the_event_loop(tmp_path):
     run(go())
 
 
-def test_known_refuses_an_unknown_name_once_per_ttl_and_keeps_the_old_name(tmp_path):
+def test_known_refuses_an_unknown_name_once_per_ttl(tmp_path):
     async def go():
         mgr, admin = make(tmp_path)
         index_calls = []
@@ -606,7 +606,7 @@ def test_known_refuses_an_unknown_name_once_per_ttl_and_keeps_the_old_name(tmp_p
         asked = len(index_calls)
         assert asked >= 1  # the first refusal asked Triton
         with pytest.raises(ModelNotFound, match="nosuch"):
-            await mgr._known("nosuch")  # the old name is the same check
+            await mgr.known("nosuch")
         assert len(index_calls) == asked  # remembered: no index RPC for a repeated bad name
 
     run(go())
@@ -689,7 +689,7 @@ def test_a_hold_ends_as_soon_as_its_request_is_answered(tmp_path):
         assert mgr.requests_answered("m1", 5) == 1  # only the holds there are
         await asyncio.wait_for(other, 5)  # long before on_its_way_s
         assert mgr.records["m1"].state != ModelState.READY
-        assert mgr.requests_answered("m1") == 0 and mgr.request_holds == {}
+        assert mgr.requests_answered("m1") == 0 and mgr.leases.request_holds == {}
 
     run(go())
 

@@ -182,10 +182,10 @@ def test_manager_uses_the_placer_and_counts_capacity_errors(tmp_path):
     b = ModelManager.make_server(ServerSpec("b", "b:1", "b:2", memory_budget_bytes=20), "lru", admin=admin_b)
     mgr = ModelManager([a, b], StateStore(tmp_path / "s.db"),
                        placer=Placer(labels={"a": ServerLabels(isolated=True)}))
-    server, victims = mgr._place("x", 5)
+    server, victims = mgr.loader.place("x", 5)
     assert (server.name, victims) == ("b", [])  # non-gold stays off the isolated one
     with pytest.raises(CapacityExhausted, match="fits on no device"):
-        mgr._place("x", 50)
+        mgr.loader.place("x", 50)
     assert mgr.metrics.capacity_errors._value.get() == 1
 
 

@@ -19,15 +19,15 @@ from router.rollouts.routes import RouteTable
 
 
 class FakeManager:
-    """The manager's catalogue: ``_known`` raises ModelNotFound for other names."""
+    """The manager's catalogue: ``known`` raises ModelNotFound for other names."""
 
     def __init__(self, known):
-        self.known = set(known)
+        self.names = set(known)
         self.asked = []
 
-    async def _known(self, name):
+    async def known(self, name):
         self.asked.append(name)
-        if name not in self.known:
+        if name not in self.names:
             raise CpModelNotFound(f"unknown model {name!r}")
 
 

@@ -1,0 +1,139 @@
+"""Each part of the model manager built alone, with only the parts it is given: the
+wiring is explicit, so a part can be tested with stand-ins for the others."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from control_plane.domain.errors import InvalidInput, ModelNotFound
+from control_plane.eviction import Resident
+from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
+from control_plane.manager.catalog import Catalog
+from control_plane.manager.leases import Leases
+from control_plane.manager.pins import Pins
+from control_plane.manager.placement import Placer
+from control_plane.manager.recency import Recency
+from control_plane.manager.room import RoomLedger
+from control_plane.manager.state import ManagerState
+from control_plane.manager.unloader import Unloader
+from control_plane.metrics import ControlPlaneMetrics
+from control_plane.state.store import StateStore
+from control_plane.triton.admin import TritonModelState
+from control_plane.triton.devices import NoMemoryMeter
+from tests.conftest import run
+from tests.unit.test_manager_unit import MODELS, FakeAdmin
+
+
+def shared_state(tmp_path, admin=None, max_loaded=2) -> ManagerState:
+    admin = admin or FakeAdmin(MODELS)
+    server = ModelManager.make_server(ServerSpec("s0", "fake:1", "fake:2", max_loaded=max_loaded),
+                                      "lru", admin=admin)
+    config = ManagerConfig(policy="lru", unload_timeout_s=0.3)
+    return ManagerState(servers={"s0": server}, store=StateStore(tmp_path / "s.db"),
+                        repository=None, config=config, metrics=ControlPlaneMetrics(),
+                        clock=time.time, stager=None, priority_of=lambda _n: 0, placer=Placer(),
+                        warmup_enabled=lambda _n: True, memory=NoMemoryMeter(),
+                        room=RoomLedger(config, None))
+
+
+def resident_ready(state: ManagerState, name: str) -> None:
+    """``name`` READY on s0, as a finished load leaves it."""
+    server = state.servers["s0"]
+    server.admin.states[name] = TritonModelState.READY
+    server.planner.admit(Resident(name, 0), state.clock())
+    rec = state.record(name)
+    rec.move(ModelState.LOADING)
+    rec.move(ModelState.READY)
+    rec.server = "s0"
+    state.evictable_again(rec)
+
+
+def test_the_manager_is_wired_from_parts_that_share_one_state(tmp_path):
+    admin = FakeAdmin(MODELS)
+    server = ModelManager.make_server(ServerSpec("s0", "fake:1", "fake:2", max_loaded=2), "lru",
+                                      admin=admin)
+    mgr = ModelManager([server], StateStore(tmp_path / "s.db"))
+    parts = [mgr.catalog, mgr.recency, mgr.unloader, mgr.loader, mgr.pins, mgr.reconciler,
+             mgr.leases]
+    assert all(part.state is mgr.state for part in parts)
+    assert mgr.loader.unloader is mgr.unloader and mgr.pins.loader is mgr.loader
+    assert mgr.leases.loader is mgr.loader and mgr.leases.reconciler is mgr.reconciler
+    assert mgr.reconciler.pins is mgr.pins and mgr.reconciler.unloader is mgr.unloader
+
+
+def test_catalog_alone_knows_what_some_triton_lists(tmp_path):
+    async def go():
+        catalog = Catalog(shared_state(tmp_path))
+        await catalog.known("m1")
+        with pytest.raises(ModelNotFound, match="nosuch"):
+            await catalog.known("nosuch")
+        assert catalog.get("m1").state == ModelState.WARM
+        assert catalog.ready_server_of("m1") is None
+
+    run(go())
+
+
+def test_unloader_alone_unloads_and_frees_the_room(tmp_path):
+    async def go():
+        state = shared_state(tmp_path)
+        unloader = Unloader(state, Catalog(state))
+        resident_ready(state, "m1")
+        await unloader.unload("m1")
+        assert state.records["m1"].state == ModelState.WARM
+        assert state.servers["s0"].planner.used_slots == 0
+        state.record("m2").pinned = True
+        resident_ready(state, "m2")
+        with pytest.raises(InvalidInput, match="pinned"):
+            await unloader.unload("m2")
+
+    run(go())
+
+
+class StandInLoader:
+    """What Pins and Leases ask of a loader: ``ensure``."""
+
+    def __init__(self, state: ManagerState, fail: bool = False):
+        self.state, self.fail, self.ensured = state, fail, []
+
+    async def ensure(self, name, retry_failed=False):
+        self.ensured.append(name)
+        if self.fail:
+            raise InvalidInput(f"no room for {name}")
+        resident_ready(self.state, name)
+        return self.state.records[name]
+
+
+def test_pins_alone_load_through_the_loader_and_keep_no_pin_that_failed(tmp_path):
+    async def go():
+        state = shared_state(tmp_path)
+        loader = StandInLoader(state)
+        pins = Pins(state, Catalog(state), loader)
+        await pins.pin("m1")
+        assert loader.ensured == ["m1"] and state.store.pins() == {"m1"}
+        pins.loader = StandInLoader(state, fail=True)
+        with pytest.raises(InvalidInput):
+            await pins.pin("m2")
+        assert not state.records["m2"].pinned and state.store.pins() == {"m1"}
+
+    run(go())
+
+
+def test_leases_alone_hold_a_model_from_its_load_until_the_request_is_answered(tmp_path):
+    async def go():
+        state = shared_state(tmp_path)
+        catalog = Catalog(state)
+        reconciler = SimpleNamespace(place_off_down=lambda rec: None,
+                                     check_reachable=lambda name: asyncio.sleep(0))
+        leases = Leases(state, catalog, Recency(state), StandInLoader(state), reconciler)
+        server = await leases.ensure_for_request("m1")
+        assert server.name == "s0"
+        resident = state.servers["s0"].planner.residents["m1"]
+        assert not resident.evictable  # held: no other load may evict it yet
+        assert leases.requests_answered("m1") == 1
+        assert resident.evictable and leases.request_holds == {}
+
+    run(go())
