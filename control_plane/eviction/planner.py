@@ -11,8 +11,8 @@ as used but their room as already free (it is promised).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from control_plane.domain.errors import CapacityExhausted
 from control_plane.eviction.headroom import (
@@ -38,17 +38,13 @@ def victim_priority_limit(priority: int) -> int | None:
     return SHADOW_PRIORITY if priority <= SHADOW_PRIORITY else None
 
 
-_TRACKED_FIELDS = frozenset({"size_bytes", "pinned", "priority", "evictable", "leaving"})
-
-
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Resident:
-    """A loaded (or loading) model as the planner sees it.
+    """A loaded (or loading) model as the planner sees it: a value.
 
-    Fields may be changed in place (``planner.residents[k].evictable = False``): while the
-    resident belongs to a planner, each change updates that planner's running totals, so
-    ``used_bytes`` and planning stay O(1).  A Resident belongs to one planner at a time.
-    """
+    Nothing changes a Resident in place: ``CachePlanner.update(key, evictable=False)``
+    replaces the planner's entry and its running totals in one visible step, so
+    ``used_bytes`` and planning stay O(1) and no assignment has a hidden effect."""
 
     key: str
     size_bytes: int = 0
@@ -59,26 +55,6 @@ class Resident:
     # it gone), but its room is promised and counts as free when planning.  A model whose
     # unload failed is not leaving: it holds its room.
     leaving: bool = False
-    _planner: ClassVar[CachePlanner | None] = None  # set per instance by CachePlanner.admit
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        planner = self._planner
-        if (planner is not None and name in _TRACKED_FIELDS
-                and planner.residents.get(self.key) is self):
-            planner._uncount(self)
-            object.__setattr__(self, name, value)
-            planner._count(self)
-        else:
-            object.__setattr__(self, name, value)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Copies and pickles are plain values, not members of the planner.
-        state = dict(self.__dict__)
-        state.pop("_planner", None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
 
 @dataclass
@@ -123,7 +99,7 @@ class CachePlanner:
         self._leaving_slots = 0
         self._evictable: dict[int, int] = {}  # priority -> residents neither pinned nor busy
 
-    # -- running totals (called by Resident.__setattr__) --------------------------------
+    # -- running totals (admit, update, remove) -----------------------------------------
     def _count(self, r: Resident) -> None:
         self._used_bytes += r.size_bytes
         if r.leaving:
@@ -166,37 +142,34 @@ class CachePlanner:
         self.policy.touch(key, now)
 
     def admit(self, resident: Resident, now: float, load_cost_s: float = 1.0) -> None:
-        """Record ``resident`` as loaded; re-admitting a key replaces its old entry.
-
-        Raises ValueError if this Resident object is already held by another planner.
-        """
-        owner = resident._planner
-        if owner is not None and owner is not self:
-            raise ValueError(
-                f"Resident {resident.key!r} already belongs to another CachePlanner; "
-                "remove it there first or admit a new Resident"
-            )
+        """Record ``resident`` as loaded; re-admitting a key replaces its old entry."""
         old = self.residents.get(resident.key)
-        if old is not None and old is not resident:
-            self._release(old)
-        elif old is resident:
-            self._uncount(resident)
+        if old is not None:
+            self._uncount(old)
         self.residents[resident.key] = resident
-        object.__setattr__(resident, "_planner", self)
         self._count(resident)
         # The policy weighs size only when bytes are what runs out.
         size_bytes = resident.size_bytes if self.capacity.max_bytes is not None else 0
         self.policy.admit(resident.key, now, size_bytes, load_cost_s)
 
+    def update(self, key: str, **fields: Any) -> Resident | None:
+        """Change fields of ``key``'s resident (``evictable``, ``leaving``, ``pinned``,
+        ``size_bytes``, ``priority``) and the running totals with them; None (and nothing
+        changed) when ``key`` holds no room here."""
+        old = self.residents.get(key)
+        if old is None:
+            return None
+        new = replace(old, **fields)
+        self._uncount(old)
+        self.residents[key] = new
+        self._count(new)
+        return new
+
     def remove(self, key: str) -> None:
         r = self.residents.pop(key, None)
         if r is not None:
-            self._release(r)
+            self._uncount(r)
         self.policy.remove(key)
-
-    def _release(self, r: Resident) -> None:
-        self._uncount(r)
-        object.__setattr__(r, "_planner", None)
 
     # -- decisions --------------------------------------------------------------------
     def fits_at_all(self, size_bytes: int) -> bool:

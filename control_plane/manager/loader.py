@@ -132,8 +132,7 @@ class Loader:
                 else:
                     now = self.state.clock()
                     for v in victims:
-                        server.planner.residents[v].evictable = False
-                        server.planner.residents[v].leaving = True
+                        server.planner.update(v, evictable=False, leaving=True)
                         self.state.records[v].move(ModelState.UNLOADING)
                     server.planner.admit(
                         Resident(name, size_bytes, pinned=rec.pinned, evictable=False,
@@ -224,11 +223,9 @@ class Loader:
         async with self.state.lock:
             victims = plan_measured(server.planner, rec.name, measured_bytes)
             for v in victims:
-                server.planner.residents[v].evictable = False
+                server.planner.update(v, evictable=False)
                 self.state.records[v].move(ModelState.UNLOADING)
-            resident = server.planner.residents.get(rec.name)
-            if resident is not None:
-                resident.size_bytes = measured_bytes
+            server.planner.update(rec.name, size_bytes=measured_bytes)
             rec.memory_bytes = measured_bytes
         if victims:
             log.info("%s measured %d bytes on %s: evicting %s", rec.name, measured_bytes,

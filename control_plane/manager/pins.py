@@ -56,11 +56,11 @@ class Pins:
         """Set the pin on the record and on its resident, if it holds one."""
         rec.pinned = pinned
         server = self.state.servers.get(rec.server) if rec.server else None
-        resident = server.planner.residents.get(rec.name) if server else None
-        if resident is not None:
+        if server is not None:
             # A model on its way out (unloading, or stuck after a failure) holds its slot as
             # busy, not as a pin: the pin takes its slot again when the model is reloaded.
-            resident.pinned = pinned and rec.state in (ModelState.READY, ModelState.LOADING)
+            server.planner.update(
+                rec.name, pinned=pinned and rec.state in (ModelState.READY, ModelState.LOADING))
 
     def repair_pins(self) -> None:
         """Start a load of every pinned model that is not loaded: Triton dropped it, a

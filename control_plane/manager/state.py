@@ -106,6 +106,6 @@ class ManagerState:
     def evictable_again(self, rec: ModelRecord) -> None:
         """A resident is evictable when it is READY and no request holds it."""
         server = self.servers.get(rec.server) if rec.server else None
-        resident = server.planner.residents.get(rec.name) if server else None
-        if resident is not None:
-            resident.evictable = rec.state == ModelState.READY and rec.inflight == 0
+        if server is not None:
+            server.planner.update(rec.name,
+                                  evictable=rec.state == ModelState.READY and rec.inflight == 0)

@@ -49,14 +49,11 @@ class Unloader:
                     or rec.server is None):
                 return rec
             server = self.state.servers[rec.server]
-            resident = server.planner.residents.get(name)
-            if resident is not None:
-                # On its way out it holds its slot as busy, not as a pin (a forced unload of
-                # a pinned model keeps the pin: the reconcile loads it again).  A failed
-                # model retried here is not leaving: its room stays held until confirmed.
-                resident.evictable = False
-                resident.pinned = False
-                resident.leaving = rec.state == ModelState.READY
+            # On its way out it holds its slot as busy, not as a pin (a forced unload of a
+            # pinned model keeps the pin: the reconcile loads it again).  A failed model
+            # retried here is not leaving: its room stays held until confirmed.
+            server.planner.update(name, evictable=False, pinned=False,
+                                  leaving=rec.state == ModelState.READY)
             if rec.state == ModelState.READY:
                 rec.move(ModelState.UNLOADING)
         await self.unload_now(server, name, reason="requested")
@@ -93,11 +90,8 @@ class Unloader:
             rec.move(ModelState.FAILED)
             rec.failure = f"unload did not complete: {exc.message}"
             rec.failed_at = time.monotonic()
-            resident = server.planner.residents.get(name)
-            if resident is not None:
-                resident.evictable = False
-                resident.pinned = False
-                resident.leaving = False  # it holds its room again
+            # It holds its room again.
+            server.planner.update(name, evictable=False, pinned=False, leaving=False)
             log.error("unload of %s on %s failed: %s", name, server.name, exc.message)
             raise
         # Free only once NVML shows the memory back (on a GPU; what is not back stays counted).
@@ -136,8 +130,7 @@ class Unloader:
                 log.error("%s is over its budget (%s) with only pinned models", server.name,
                           cap.describe())
                 return
-            server.planner.residents[victim].evictable = False
-            server.planner.residents[victim].leaving = True
+            server.planner.update(victim, evictable=False, leaving=True)
             try:
                 await self.unload_now(server, victim, reason="over_budget")
             except ControlPlaneError:
@@ -151,9 +144,7 @@ class Unloader:
             return
         victims = server.planner.headroom_victims()
         for v in victims:
-            resident = server.planner.residents[v]
-            resident.evictable = False
-            resident.leaving = True
+            server.planner.update(v, evictable=False, leaving=True)
             self.state.records[v].move(ModelState.UNLOADING)
         if victims:
             log.info("%s: unloading %s to keep room for the next miss", server.name, ", ".join(victims))

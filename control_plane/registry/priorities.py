@@ -19,9 +19,7 @@ def resident_priority_updater(manager) -> Callable[[str, str], None]:
     def update(name: str, stage: str) -> None:
         priority = STAGE_PRIORITY.get(stage, DEFAULT_PRIORITY)
         for server in manager.servers.values():
-            resident = server.planner.residents.get(name)
-            if resident is not None:
-                resident.priority = priority
+            server.planner.update(name, priority=priority)
 
     return update
 

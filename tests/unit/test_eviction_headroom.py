@@ -48,7 +48,7 @@ def test_headroom_in_bytes_is_models_times_the_median_size():
     p = planner(max_bytes=1000 * MB, headroom=HeadroomSpec())
     fill(p, ["a", "b", "c"], size=0)
     for name, size in (("a", 40 * MB), ("b", 50 * MB), ("c", 900 * MB)):
-        p.residents[name].size_bytes = size
+        p.update(name, size_bytes=size)
     # 1000 MB / 50 MB median = 20 models fit: the default headroom is one median model.
     assert p.headroom_target() == Headroom(0, 50 * MB)
     p.headroom = HeadroomSpec(bytes=123 * MB)
@@ -73,8 +73,8 @@ def test_headroom_counts_leaving_residents_as_gone():
     p = planner(slots=8, headroom=HeadroomSpec())
     fill(p, [f"m{i}" for i in range(8)])
     assert p.headroom_victims() == ["m0"]
-    p.residents["m0"].evictable = False
-    p.residents["m0"].leaving = True  # its unload is under way
+    p.update("m0", evictable=False)
+    p.update("m0", leaving=True)  # its unload is under way
     assert p.used_slots == 8 and p.committed_slots == 7
     assert p.headroom_victims() == []  # no second model for the same headroom
 
@@ -91,8 +91,8 @@ def test_plan_counts_leaving_room_as_free_so_two_misses_evict_one_model_each():
     fill(p, ["a", "b", "c"])
     first = p.plan("d", 0).victims
     assert first == ["a"]
-    p.residents["a"].evictable = False
-    p.residents["a"].leaving = True
+    p.update("a", evictable=False)
+    p.update("a", leaving=True)
     p.admit(Resident("d", 0, evictable=False), 10)  # d reserved; a still counted until gone
     assert p.used_slots == 4
     assert p.plan("e", 0).victims == ["b"]  # not b and c
@@ -101,10 +101,10 @@ def test_plan_counts_leaving_room_as_free_so_two_misses_evict_one_model_each():
 def test_a_failed_unload_holds_its_room_again():
     p = planner(slots=2)
     fill(p, ["a", "b"])
-    p.residents["a"].evictable = False
-    p.residents["a"].leaving = True
+    p.update("a", evictable=False)
+    p.update("a", leaving=True)
     assert p.plan("c", 0).victims == []
-    p.residents["a"].leaving = False  # its unload failed: Triton may still hold it
+    p.update("a", leaving=False)  # its unload failed: Triton may still hold it
     assert p.plan("c", 0).victims == ["b"]
 
 

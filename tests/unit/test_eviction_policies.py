@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import random
 
 import pytest
@@ -222,17 +222,17 @@ def test_planner_respects_pins_priority_and_capacity_errors():
     for _ in range(50):
         planner.touch("shadow", 3)  # popularity does not outrank the stage
     assert planner.plan("new", 1).victims == ["shadow"]
-    planner.residents["shadow"].pinned = True
+    planner.update("shadow", pinned=True)
     assert planner.plan("new", 1).victims == ["canary"]
-    planner.residents["canary"].evictable = False
+    planner.update("canary", evictable=False)
     assert planner.plan("new", 1).victims == ["prod"]
-    planner.residents["prod"].pinned = True
+    planner.update("prod", pinned=True)
     with pytest.raises(CapacityExhausted) as exc:
         planner.plan("new", 1)
     message = str(exc.value)
     assert "pinned: prod, shadow" in message and "busy loading/unloading: canary" in message
     assert "mmctl unpin" in message
-    planner.residents["canary"].evictable = True
+    planner.update("canary", evictable=True)
     assert planner.plan("new", 1).victims == ["canary"]
 
 
@@ -257,30 +257,26 @@ def test_byte_budget_frees_enough_bytes_in_policy_order():
     assert planner.used_bytes == 90  # planning changes nothing
 
 
-def test_running_totals_follow_in_place_changes_and_readmission():
+def test_running_totals_follow_updates_and_readmission():
     planner = CachePlanner(LRUPolicy(), Capacity(max_bytes=1000))
     a = Resident("a", 10)
     planner.admit(a, 0)
     planner.admit(Resident("b", 20, priority=0), 0)
-    a.size_bytes = 50  # measured after load
-    a.pinned = True
+    updated = planner.update("a", size_bytes=50, pinned=True)  # measured after load
+    assert updated == Resident("a", 50, pinned=True) and planner.residents["a"] is updated
     assert planner.used_bytes == 70 and totals(planner) == (70, {0: 1})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.size_bytes = 999  # a Resident is a value: only the planner changes its entry
     planner.admit(Resident("a", 5), 1)  # re-admission replaces the old entry
     assert planner.used_bytes == 25 and totals(planner) == (25, {0: 1, 2: 1})
-    a.size_bytes = 999  # no longer held by the planner: no effect
-    assert planner.used_bytes == 25
+    assert planner.update("missing", evictable=False) is None  # holds no room: nothing changes
     planner.remove("b")
     planner.remove("missing")
     assert planner._evictable == {2: 1} and planner.used_slots == 1
     other = CachePlanner(LRUPolicy(), Capacity())
-    with pytest.raises(ValueError, match="already belongs to another CachePlanner"):
-        other.admit(planner.residents["a"], 2)
-    assert Resident("x") == Resident("x")
-    clone = copy.copy(planner.residents["a"])  # a copy is a plain value
-    clone.size_bytes = 10_000
-    assert planner.used_bytes == 5 and planner.residents["a"].size_bytes == 5
-    other.admit(clone, 3)
-    assert other.used_bytes == 10_000
+    other.admit(planner.residents["a"], 2)  # the same value in two planners: each counts it
+    other.update("a", size_bytes=10_000)
+    assert planner.used_bytes == 5 and other.used_bytes == 10_000
 
 
 def test_manager_style_flow_victims_removed_after_admit():
@@ -295,11 +291,11 @@ def test_manager_style_flow_victims_removed_after_admit():
                 continue
             victims = planner.plan(key, 1).victims
             for v in victims:
-                planner.residents[v].evictable = False
+                planner.update(v, evictable=False)
             planner.admit(Resident(key, 1, evictable=False), t)
             for v in victims:
                 planner.remove(v)
-            planner.residents[key].evictable = True
+            planner.update(key, evictable=True)
             assert planner.used_slots <= 3
             assert sorted(planner.policy.victim_order()) == sorted(planner.residents)
             assert totals(planner) == (planner.used_bytes, planner._evictable)
@@ -329,7 +325,7 @@ def test_random_traces_never_evict_pinned_and_honour_stage_priority(
             continue
         if rng.random() < 0.05 and planner.residents:  # an in-flight load or unload
             busy = rng.choice(sorted(planner.residents))
-            planner.residents[busy].evictable = not planner.residents[busy].evictable
+            planner.update(busy, evictable=not planner.residents[busy].evictable)
         try:
             plan = planner.plan(key, size[key])
         except CapacityExhausted:

@@ -131,9 +131,9 @@ def test_leases_alone_hold_a_model_from_its_load_until_the_request_is_answered(t
         leases = Leases(state, catalog, Recency(state), StandInLoader(state), reconciler)
         server = await leases.ensure_for_request("m1")
         assert server.name == "s0"
-        resident = state.servers["s0"].planner.residents["m1"]
-        assert not resident.evictable  # held: no other load may evict it yet
+        residents = state.servers["s0"].planner.residents
+        assert not residents["m1"].evictable  # held: no other load may evict it yet
         assert leases.requests_answered("m1") == 1
-        assert resident.evictable and leases.request_holds == {}
+        assert residents["m1"].evictable and leases.request_holds == {}
 
     run(go())

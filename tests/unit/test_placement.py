@@ -259,7 +259,7 @@ def test_plan_measured(budget, slots, residents, measured, expected):
     from control_plane.manager.placement import plan_measured
 
     planner = planner_with(budget, slots, **residents)
-    planner.residents["new"].evictable = False  # loading
+    planner.update("new", evictable=False)  # loading
     assert plan_measured(planner, "new", measured) == expected
     assert planner.capacity.max_slots == slots and planner.residents["new"].size_bytes == 10
 
@@ -273,7 +273,7 @@ def test_plan_measured_refuses(residents, measured, message):
     from control_plane.manager.placement import plan_measured
 
     planner = planner_with(100, None, **residents)
-    planner.residents["new"].evictable = False
+    planner.update("new", evictable=False)
     with pytest.raises(CapacityExhausted, match=message):
         plan_measured(planner, "new", measured)
 
