@@ -1,6 +1,6 @@
 """``mmctl adapter ...``: LoRA adapters of a base model (tinylm, recommender_lora).
 
-A click group added to ``mmctl`` (``cli.add_command(adapter)``).  Exit codes are mmctl's
+A click group that ``mmctl`` adds (``COMMANDS``).  Exit codes are mmctl's
 (2 bad input or a refused adapter, 3 unreachable, 4 unknown base or adapter, 5 every device
 slot pinned, 6 load failed, 7 timeout).
 
@@ -132,3 +132,7 @@ _action("unpin", "Unpin NAME (it stays in its slot until evicted).")
 _action("load", "Load NAME into a device slot now (loads BASE first if needed).")
 _action("unload", "Drop NAME from device and host memory (its files stay).")
 _action("remove", "Delete NAME's files and registry entry (refused while pinned).")
+
+
+# The commands this module adds to mmctl (control_plane.cli.main).
+COMMANDS = [adapter]

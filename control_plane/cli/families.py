@@ -1,6 +1,6 @@
 """``mmctl family ...``: model families, whose variants share one Triton model's weight slots.
 
-A click group added to ``mmctl`` (``cli.add_command(family)``).  Exit codes are mmctl's
+A click group that ``mmctl`` adds (``COMMANDS``).  Exit codes are mmctl's
 (2 bad input, 3 unreachable).  Variants are registered with ``mmctl registry add NAME
 --family FAMILY --weights FILE`` and then loaded, pinned and served by name like any model.
 """
@@ -63,3 +63,7 @@ def list_(as_json):
                           for s, v in sorted(f["servers"].items())) or "not loaded"
         rows.append([f["family"], _bytes(f["slot_bytes"]), len(f["variants"]), where])
     click.echo(_table(rows, ["FAMILY", "SLOT", "VARIANTS", "SERVERS"]))
+
+
+# The commands this module adds to mmctl (control_plane.cli.main).
+COMMANDS = [family]

@@ -60,7 +60,7 @@ def _one_line(rec: dict) -> str:
     return f"{rec['model']}: {rec['state']}{extra}{pinned}"
 
 
-@cli.command()
+@click.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--all", "show_all", is_flag=True, help="Include models that are only warm.")
 @pass_api
@@ -82,9 +82,9 @@ def status(api: Api, as_json: bool, show_all: bool):
         click.echo(f"({hidden} more warm models; --all shows them)")
 
 
-def _model_command(name: str, help_text: str):
+def _model_command(name: str, help_text: str) -> click.Command:
     """``mmctl NAME MODEL``: the admin client's method of that name (load, pin, unpin)."""
-    @cli.command(name=name, help=help_text)
+    @click.command(name=name, help=help_text)
     @click.argument("model")
     @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
     @pass_api
@@ -95,14 +95,14 @@ def _model_command(name: str, help_text: str):
     return command
 
 
-_model_command("load", "Load MODEL; if its server is full, first evict unpinned models chosen "
+load = _model_command("load", "Load MODEL; if its server is full, first evict unpinned models chosen "
                "by the eviction policy (least recently used, unless `mmctl up --policy` says "
                "otherwise).")
-_model_command("pin", "Pin MODEL: loaded and never evicted, across restarts.")
-_model_command("unpin", "Unpin MODEL (it stays loaded until evicted).")
+pin = _model_command("pin", "Pin MODEL: loaded and never evicted, across restarts.")
+unpin = _model_command("unpin", "Unpin MODEL (it stays loaded until evicted).")
 
 
-@cli.command()
+@click.command()
 @click.argument("model")
 @click.option("--force", is_flag=True,
               help="Unload even if pinned: the pin stays, so the reconcile loads it again "
@@ -115,7 +115,7 @@ def unload(api: Api, model: str, force: bool, as_json: bool):
     _emit(body, as_json, _one_line(body))
 
 
-@cli.command()
+@click.command()
 @click.argument("model")
 @click.option("--probe", is_flag=True, help="Run a fresh warm-up inference now.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -136,7 +136,7 @@ def health(api: Api, model: str, probe: bool, as_json: bool):
         sys.exit(EXIT_UNHEALTHY)
 
 
-@cli.command()
+@click.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_api
 def fleet(api: Api, as_json: bool):
@@ -150,7 +150,7 @@ def fleet(api: Api, as_json: bool):
                                           "BUDGET", "USED", "LOADED"]))
 
 
-@cli.command()
+@click.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_api
 def endpoints(api: Api, as_json: bool):
@@ -165,7 +165,7 @@ def endpoints(api: Api, as_json: bool):
     _emit(body, as_json, "\n".join(lines))
 
 
-@cli.command("demo-fleet")
+@click.command("demo-fleet")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="Model repository to write into.")
 @click.option("--count", type=int, default=50, show_default=True, help="Number of customers.")
@@ -179,21 +179,18 @@ def demo_fleet(out: Path, count: int, size_mb: float | None, overwrite: bool):
     click.echo(f"wrote {len(written)} models into {out} ({count - len(written)} already there)")
 
 
-def _register_subcommands() -> None:
-    from control_plane.cli.adapters import adapter
-    from control_plane.cli.families import family
-    from control_plane.cli.registry import registry
-    from control_plane.cli.routing import register
-    from control_plane.cli.serve import add_serving_commands
+def _add_commands() -> None:
+    """Every mmctl command, added one way: each module of this package defines its
+    commands and groups with click and lists them in ``COMMANDS``; this adds them all."""
+    from control_plane.cli import adapters, families, registry, routing, serve
 
-    register(cli)
-    add_serving_commands(cli)
-    cli.add_command(registry)
-    cli.add_command(adapter)
-    cli.add_command(family)
+    own = [status, load, pin, unpin, unload, health, fleet, endpoints, demo_fleet]
+    for command in (*own, *routing.COMMANDS, *serve.COMMANDS, *registry.COMMANDS,
+                    *adapters.COMMANDS, *families.COMMANDS):
+        cli.add_command(command)
 
 
-_register_subcommands()
+_add_commands()
 
 
 def main() -> None:

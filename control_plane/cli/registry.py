@@ -1,6 +1,6 @@
 """``mmctl registry ...``: model versions, rollout stages and the warm tier.
 
-A click group added to ``mmctl`` (``cli.add_command(registry)``).  It finds the control
+A click group that ``mmctl`` adds (``COMMANDS``).  It finds the control
 plane through the parent's context object (``.url``, ``.timeout_s``); run on its own it
 takes ``MMCTL_URL``.  Exit codes are mmctl's (2 bad input, 3 unreachable, 4 unknown model,
 5 no capacity, 6 load/download failed, 7 timeout).
@@ -215,3 +215,7 @@ def stage(model, version, poll_s):
         time.sleep(poll_s)
     click.echo(f"error: {name} was not warm after {timeout_s:.0f}s", err=True)
     sys.exit(EXIT_TIMEOUT)
+
+
+# The commands this module adds to mmctl (control_plane.cli.main).
+COMMANDS = [registry]

@@ -316,10 +316,8 @@ def router_command(control_url, name, host, grpc_port, http_port, max_request_by
     worker_main(argv)
 
 
-def add_serving_commands(group: click.Group) -> None:
-    group.add_command(up)
-    group.add_command(control_plane_command)
-    group.add_command(router_command)
+# The commands this module adds to mmctl (control_plane.cli.main).
+COMMANDS = [up, control_plane_command, router_command]
 
 
 def _connect_host(host: str) -> str:

@@ -17,3 +17,25 @@ def test_the_import_contracts_are_kept():
                             cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "broken" in result.stdout and "0 broken" in result.stdout
+
+
+def test_mmctl_commands_are_added_one_way():
+    """Each module of control_plane/cli defines its commands with click and lists them in
+    COMMANDS; mmctl adds exactly those (no command is attached to the group elsewhere)."""
+    import importlib
+
+    import click
+
+    from control_plane.cli import adapters, families, registry, routing, serve
+
+    mmctl = importlib.import_module("control_plane.cli.main").cli
+    listed = [c for m in (routing, serve, registry, adapters, families) for c in m.COMMANDS]
+    assert all(isinstance(c, click.Command) for c in listed)
+    assert set(mmctl.commands.values()) >= set(listed)
+    own = set(mmctl.commands.values()) - set(listed)
+    assert {c.name for c in own} == {"status", "load", "pin", "unpin", "unload", "health", "fleet",
+                                     "endpoints", "demo-fleet"}
+    for path in (ROOT / "control_plane" / "cli").glob("*.py"):
+        text = path.read_text()
+        assert "@cli.command" not in text and "@cli.group" not in text, path
+        assert "add_command(" not in text or path.name == "main.py", path
