@@ -1,8 +1,8 @@
 """The control plane's side of the router workers: what they serve from, and what they report.
 
-Router workers are separate processes.  From here they get a versioned snapshot (routes,
-limits, experiments, canaries, public names, which server holds which model) through a
-long-poll watch, send misses as one ``ensure`` call, take rate-limit tokens from global
+Router workers are separate processes.  From here they get what they serve from (routes,
+limits, experiments, canaries, public names, which server holds which model) as versioned
+per-key changes through a long-poll watch (``control_plane.admin.published``), send misses as one ``ensure`` call, take rate-limit tokens from global
 buckets in small batches, and report per-model use and per-variant outcomes in batches.
 Canary and experiment decisions are made here, on the outcomes of every worker.
 """
@@ -10,7 +10,6 @@ Canary and experiment decisions are made here, on the outcomes of every worker.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -20,6 +19,7 @@ from aiohttp import web
 
 from control_plane.admin.api import json_body
 from control_plane.admin.global_limits import GlobalBuckets
+from control_plane.admin.published import PublishedState
 from control_plane.domain.errors import InvalidInput
 from control_plane.domain.periodic import run_periodically
 from control_plane.state.background import BackgroundStore
@@ -31,7 +31,9 @@ from router.rollouts.stats import StatsBook
 
 log = logging.getLogger(__name__)
 
-PUBLISH_INTERVAL_S = 0.1  # how often placement and tables are compared with the last snapshot
+# How often the servers, the worker count and the tables' generations are looked at (a
+# model's placement is published as soon as its state changes).
+PUBLISH_INTERVAL_S = 0.1
 CANARY_INTERVAL_S = 1.0  # how often running canaries are judged
 WORKER_LIVE_S = 10.0  # a worker not heard from for this long no longer counts
 SETTLE_TIMEOUT_S = 2.0  # an admin change waits this long at most for workers to have it
@@ -142,48 +144,87 @@ class DataPlaneHub:
         self.buckets = GlobalBuckets()
         self.workers: dict[str, WorkerSeen] = {}
         self.workers_expected = workers_expected
-        self.epoch = uuid.uuid4().hex  # versions restart with each control-plane life
-        self.version = 0
-        self._content: dict | None = None
-        self._encoded = b""
+        # Versions restart with each control-plane life (a new epoch).
+        self.published = PublishedState(uuid.uuid4().hex)
+        self._published_generation = {"table": -1, "names": -1, "families": -1}
+        self._routes_judged = False  # a canary step may have changed a route's stage
+        self._moved: set[str] = set()  # models whose state changed since the last publish
+        self._publish_soon = False
+        if manager is not None:
+            self._moved.update(manager.records)
+            manager.on_state_change(self._model_moved)
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self.closing = False  # set on stop: long-polls answer at once instead of holding it up
 
-    # ------------------------------------------------------------------ snapshot
-    def content(self) -> dict:
-        manager = self.manager
-        placement = {}
-        for name in list(manager.records):
+    # ------------------------------------------------------------------ what workers serve from
+    def _model_moved(self, name: str) -> None:
+        """A model's state changed: publish where it is READY now, once the change that
+        moved it is complete (the same event-loop turn may set its server too)."""
+        self._moved.add(name)
+        if not self._publish_soon:
+            self._publish_soon = True
+            asyncio.get_running_loop().call_soon(self._publish_moved)
+
+    def _publish_moved(self) -> None:
+        self._publish_soon = False
+        try:
+            self.publish()
+        except Exception:  # counted like a failed pass of the publish loop; the next pass retries
+            log.exception("publishing a model's placement failed")
+            if self._loop_failures is not None:
+                self._loop_failures.labels("publish").inc()
+
+    def _changes(self) -> list:
+        """What changed since the last publish, found where it is cheap: the models whose
+        state changed, the few servers, and the tables whose generation moved.  Nothing
+        here walks every model unless the registry or the families changed."""
+        manager, published = self.manager, self.published
+        moved, self._moved = self._moved, set()
+        changes = []
+        for name in moved:
             server = manager.ready_server_of(name)
-            if server is not None:
-                placement[name] = server.name
+            changes.append(("placement", name, None if server is None else server.name))
+        changes += [("servers", s.name, [s.spec.grpc_url, s.spec.http_url, bool(s.up)])
+                    for s in manager.servers.values()]
+        changes += [("meta", "repository", str(manager.repository) if manager.repository is not None else None),
+                    ("meta", "workers", max(self.workers_expected, self.live_workers())),
+                    ("meta", "expose_concrete", self.names.expose_concrete)]
+        table = self.table
+        if table.version != self._published_generation["table"] or self._routes_judged:
+            self._routes_judged = False
+            self._published_generation["table"] = table.version
+            changes += published.diff("routes", {n: asdict(r) for n, r in table.routes.items()})
+            changes += published.diff("limits", {k: dict(v) for k, v in table.limits.items()})
         names = self.names
-        return {
-            "routes": [asdict(r) for r in self.table.routes.values()],
-            "limits": {k: dict(v) for k, v in self.table.limits.items()},
-            "names": {"production": dict(names.production),
-                      "by_version": sorted([m, n, c] for (m, n), c in names.by_version.items()),
-                      "public": {c: list(v) for c, v in names.public.items()},
-                      "models": sorted(names.models), "expose_concrete": names.expose_concrete},
-            "placement": placement,
-            "carriers": self.families.carriers() if self.families is not None else {},
-            "servers": {s.name: [s.spec.grpc_url, s.spec.http_url, bool(s.up)]
-                        for s in manager.servers.values()},
-            "repository": str(manager.repository) if manager.repository is not None else None,
-            "workers": max(self.workers_expected, self.live_workers()),
-        }
+        if names.generation != self._published_generation["names"]:
+            self._published_generation["names"] = names.generation
+            versions: dict[str, dict[str, str]] = {}
+            for (model, number), concrete in names.by_version.items():
+                versions.setdefault(model, {})[number] = concrete
+            changes += published.diff("production", dict(names.production))
+            changes += published.diff("versions", versions)
+            changes += published.diff("public", {c: list(v) for c, v in names.public.items()})
+            changes += published.diff("models", dict.fromkeys(names.models, True))
+        families = self.families
+        if families is not None and families.generation != self._published_generation["families"]:
+            self._published_generation["families"] = families.generation
+            changes += published.diff("carriers", families.carriers())
+        return changes
 
     def publish(self) -> int:
-        """Compare with the last snapshot; a new version when anything changed."""
-        content = self.content()
-        if content != self._content:
-            self._content = content
-            self.version += 1
-            self._encoded = json.dumps(dict(content, version=self.version, epoch=self.epoch),
-                                       separators=(",", ":")).encode()
+        """Publish what changed since the last publish; a new version when anything did."""
+        if self.published.apply(self._changes()):
             self._notify()
-        return self.version
+        return self.published.version
+
+    @property
+    def version(self) -> int:
+        return self.published.version
+
+    @property
+    def epoch(self) -> str:
+        return self.published.epoch
 
     def _notify(self) -> None:
         async def wake():
@@ -251,8 +292,12 @@ class DataPlaneHub:
                                self._loop_failures)
 
     async def _canary_loop(self) -> None:
-        await run_periodically("canary", lambda: self.canaries.step(), CANARY_INTERVAL_S,
+        await run_periodically("canary", self._judge_canaries, CANARY_INTERVAL_S,
                                self._loop_failures)
+
+    def _judge_canaries(self) -> None:
+        self.canaries.step()
+        self._routes_judged = True  # published by the next pass
 
     # ------------------------------------------------------------------ HTTP handlers
     async def snapshot(self, request: web.Request) -> web.Response:
@@ -278,7 +323,7 @@ class DataPlaneHub:
                     pass
         if epoch == self.epoch and since >= self.version:
             return web.json_response({"version": self.version, "epoch": self.epoch, "unchanged": True})
-        return web.Response(body=self._encoded, content_type="application/json")
+        return web.Response(body=self.published.answer(since, epoch), content_type="application/json")
 
     async def ensure(self, request: web.Request) -> web.Response:
         body = await json_body(request)

@@ -109,7 +109,7 @@ class FamilyCatalog:
         for name, family in self._registered():
             variants[name] = family
         self.families, self.family_of_variant = families, variants
-        self.generation += 1
+        self.generation += 1  # the data-plane hub publishes carriers again when it changes
 
     def family(self, name: str) -> Family | None:
         return self.families.get(name)

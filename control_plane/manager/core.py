@@ -165,6 +165,11 @@ class ModelManager:
     def on_loaded(self, listener: Callable[[str, ModelRecord], None]) -> None:
         self.catalog.on_loaded(listener)
 
+    def on_state_change(self, listener: Callable[[str], None]) -> None:
+        """``listener(name)`` after each change of a model's state (where it is READY may
+        have changed with it)."""
+        self.state.move_listeners.append(listener)
+
     async def known(self, name: str) -> None:
         await self.catalog.known(name)
 

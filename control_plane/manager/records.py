@@ -76,6 +76,9 @@ class ModelRecord:
     # Called with (from, to) for an illegal change (the manager counts it).
     on_illegal: Callable[[ModelState, ModelState], None] | None = field(default=None, repr=False,
                                                                          compare=False)
+    # Called with the model's name after each change of state (the data-plane hub publishes
+    # the model's placement then).
+    on_move: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
     def move(self, to: ModelState) -> None:
         """Change the model's state; the change must be one ``TRANSITIONS`` lists."""
@@ -88,6 +91,8 @@ class ModelRecord:
             if self.on_illegal is not None:
                 self.on_illegal(now, to)
         self.state = to
+        if to != now and self.on_move is not None:
+            self.on_move(self.name)
 
     def to_dict(self) -> dict:
         return {

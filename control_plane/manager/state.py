@@ -61,13 +61,19 @@ class ManagerState:
         self.unloads: dict[str, asyncio.Task] = {}  # one unload task per model
         self.background: set[asyncio.Task] = set()
         self.load_listeners: list[Callable[[str, ModelRecord], None]] = []
+        self.move_listeners: list[Callable[[str], None]] = []  # a model's state changed
 
     def record(self, name: str) -> ModelRecord:
         """``name``'s record, made on first use."""
         rec = self.records.get(name)
         if rec is None:
-            rec = self.records[name] = ModelRecord(name, on_illegal=self._count_illegal)
+            rec = self.records[name] = ModelRecord(name, on_illegal=self._count_illegal,
+                                                   on_move=self._moved)
         return rec
+
+    def _moved(self, name: str) -> None:
+        for listener in self.move_listeners:
+            listener(name)
 
     def _count_illegal(self, was: ModelState, to: ModelState) -> None:
         self.metrics.illegal_transitions.labels(was.value, to.value).inc()

@@ -45,22 +45,29 @@ class ControlPlaneAway(Exception):
     """The control plane did not answer (restarting, or down)."""
 
 
-def names_from_snapshot(data: dict) -> PublicNames:
-    names = PublicNames(lambda: (), expose_concrete=bool(data["expose_concrete"]))
-    names.production.update(data["production"])
-    names.by_version = {(m, n): c for m, n, c in data["by_version"]}
-    names.public = {c: tuple(v) for c, v in data["public"].items()}
-    names.models = set(data["models"])
+# The sections of the control plane's published state (control_plane.admin.published) and
+# what a worker builds from each when it changes.
+NAME_SECTIONS = frozenset({"production", "versions", "public", "models", "meta"})
+TABLE_SECTIONS = frozenset({"routes", "limits"}) | NAME_SECTIONS
+
+
+def names_from_sections(sections: dict) -> PublicNames:
+    names = PublicNames(lambda: (), expose_concrete=bool(sections["meta"].get("expose_concrete")))
+    names.production.update(sections["production"])
+    names.by_version = {(m, n): c for m, numbers in sections["versions"].items()
+                        for n, c in numbers.items()}
+    names.public = {c: tuple(v) for c, v in sections["public"].items()}
+    names.models = set(sections["models"])
     return names
 
 
-def table_from_snapshot(snapshot: dict, names: PublicNames) -> RouteTable:
+def table_from_sections(sections: dict, names: PublicNames, version: int) -> RouteTable:
     table = RouteTable(default_target=names.production.get, unrouted=names.unrouted)
-    for d in snapshot["routes"]:
+    for d in sections["routes"].values():
         route = Route.from_dict(d)
         table.routes[route.name] = route
-    table.limits = snapshot["limits"]
-    table.version = snapshot["version"]
+    table.limits = dict(sections["limits"])
+    table.version = version
     return table
 
 
@@ -84,8 +91,10 @@ class RemoteState:
         self.session: aiohttp.ClientSession | None = None
         self.version = -1
         self.epoch = ""
-        self.names = names_from_snapshot({"expose_concrete": False, "production": {}, "by_version": [],
-                                          "public": {}, "models": []})
+        # The control plane's published sections (control_plane.admin.published), kept
+        # current key by key; placement and carriers are read from them as they are.
+        self.sections: dict[str, dict] = {}
+        self.names = PublicNames(lambda: ())
         self.table = RouteTable(default_target=self.names.production.get, unrouted=self.names.unrouted)
         self.repository: Path | None = None
         self.placement: dict[str, str] = {}
@@ -171,17 +180,41 @@ class RemoteState:
             return
         self.apply(data)
 
-    def apply(self, snapshot: dict) -> None:
-        self.names = names_from_snapshot(snapshot["names"])
-        self.names.generation = snapshot["version"]
-        self.table = table_from_snapshot(snapshot, self.names)
-        self.addresses = {name: ServerAddress(name, grpc, http, up)
-                          for name, (grpc, http, up) in snapshot["servers"].items()}
-        self.placement = snapshot["placement"]
-        self.carriers = snapshot.get("carriers") or {}
-        self.repository = Path(snapshot["repository"]) if snapshot.get("repository") else None
-        self.workers = max(1, int(snapshot.get("workers") or 1))
-        self.version, self.epoch = snapshot["version"], snapshot["epoch"]
+    def apply(self, published: dict) -> None:
+        """Apply the control plane's answer: the whole state, or the changes since ours.
+        Only what a change touches is rebuilt: a placement change is one dictionary write;
+        the names and the route table are rebuilt when one of their sections changed."""
+        if "sections" in published:
+            self.sections = {section: dict(keys) for section, keys in published["sections"].items()}
+            touched = set(self.sections)
+        else:
+            touched = set()
+            for section, key, value in published["changes"]:
+                keys = self.sections.setdefault(section, {})
+                if value is None:
+                    keys.pop(key, None)
+                else:
+                    keys[key] = value
+                touched.add(section)
+        for section in ("placement", "carriers", "routes", "limits", "production", "versions",
+                        "public", "models", "servers", "meta"):
+            self.sections.setdefault(section, {})
+        version = published["version"]
+        if touched & NAME_SECTIONS:
+            self.names = names_from_sections(self.sections)
+            self.names.generation = version  # the router's cached public names are stale
+        if touched & TABLE_SECTIONS:
+            self.table = table_from_sections(self.sections, self.names, version)
+        if "servers" in touched:
+            self.addresses = {name: ServerAddress(name, grpc, http, up)
+                              for name, (grpc, http, up) in self.sections["servers"].items()}
+        self.placement = self.sections["placement"]
+        self.carriers = self.sections["carriers"]
+        if "meta" in touched:
+            meta = self.sections["meta"]
+            self.repository = Path(meta["repository"]) if meta.get("repository") else None
+            self.workers = max(1, int(meta.get("workers") or 1))
+        self.version, self.epoch = version, published["epoch"]
         self.on_snapshot()
 
     async def _watch(self) -> None:
@@ -263,7 +296,7 @@ class RemoteState:
         address = ServerAddress(data["server"], data["grpc_url"], data["http_url"], data["up"])
         self._ensured_holds[model] += 1
         self.addresses[address.name] = address  # its "up" is newer than the snapshot's
-        self.placement = dict(self.placement, **{model: address.name})  # until the next snapshot
+        self.placement[model] = address.name  # until the control plane says otherwise
         return address
 
     def carrier_of(self, model: str) -> str | None:
