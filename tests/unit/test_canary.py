@@ -37,7 +37,7 @@ class Clock:
 
 
 class FakeManager:
-    """What Router.serving needs: a ready lookup and loads that take LOAD_S."""
+    """What Sender.serving needs: a ready lookup and loads that take LOAD_S."""
 
     def __init__(self, ready=(), known=("m", "m2")):
         self.records: dict[str, SimpleNamespace] = {}
@@ -72,18 +72,17 @@ def canary_router(clock, manager=None, **options):
             "max_failed_checks": 1, "max_error_rate": 0.05, "max_p99_ms": 100}
     opts.update(options)
     table.start_canary("m", "m2", **opts)
-    router = Router(manager or FakeManager(ready={"m"}), table)
-    router.stats = StatsBook(clock=clock)
-    router.canaries = CanaryController(table, router.stats, clock)
-    return router
+    stats = StatsBook(clock=clock)
+    return Router(manager or FakeManager(ready={"m"}), table, stats=stats,
+                  canaries=CanaryController(table, stats, clock))
 
 
 async def serve(router, variant_model, body=None):
-    """One request through Router.serving; ``body(call)`` plays the forward to Triton."""
+    """One request through Sender.serving; ``body(call)`` plays the forward to Triton."""
     # Pick the variant: a user id lands on the same side of the split every time.
     user = next(f"u{i}" for i in range(10_000)
                 if router.table.resolve("m", f"u{i}").model == variant_model)
-    async with router.serving("m", user) as call:
+    async with router.sender.serving("m", user) as call:
         if body is not None:
             await body(call)
 
