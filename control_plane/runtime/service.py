@@ -249,14 +249,14 @@ class Service(TritonLaunching):
         import time
 
         from control_plane.admin.rollout_routes import add_router_routes
+        from control_plane.rollouts.canary import CanaryController, registry_promoter
+        from control_plane.rollouts.stats import StatsBook
         from control_plane.state.background import BackgroundStore
         from router.frontends.grpc_frontend import start_grpc
         from router.frontends.http_frontend import make_http_app
         from router.frontends.http_site import HalfCloseTCPSite
-        from router.rollouts.canary import CanaryController, registry_promoter
         from router.rollouts.public_names import PublicNames
         from router.rollouts.routes import RouteTable
-        from router.rollouts.stats import StatsBook
         from router.serving.core import Router, RouterConfig
 
         cfg = self.cfg

@@ -41,7 +41,7 @@ class RouterMetrics:
 class Recording:
     """Counts each request's outcome in ``metrics`` and hands the outcomes of experiment and
     canary requests to ``outcomes``: the control plane's statistics in this process
-    (``router.rollouts.stats.StatsBook``), or a router worker's report to the control
+    (``control_plane.rollouts.stats.StatsBook``), or a router worker's report to the control
     plane (``router.serving.state_client.RemoteState``).  None: those outcomes are judged
     nowhere (a router without experiments and canaries, unit tests)."""
 

@@ -1,9 +1,10 @@
 """What the router hands the outcomes of experiment and canary requests to, and what judges
 canaries beside an in-process router: interfaces only.
 
-The control plane's service builds the statistics (``router.rollouts.stats``) and the
-canary judgement (``router.rollouts.canary``) and gives them to the router it runs in its
-own process; a router worker reports its outcomes to the control plane instead
+The statistics and the canary judgement are the control plane's
+(``control_plane.rollouts``); the router never imports them (an import contract in
+pyproject.toml).  The control plane's service builds them and gives them to the router it
+runs in its own process; a router worker reports its outcomes to the control plane instead
 (``router.serving.state_client.RemoteState.record_outcome``), where the data-plane hub
 judges them over every worker.
 """

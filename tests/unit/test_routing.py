@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from control_plane.domain.errors import InvalidModelName
-from router.rollouts.canary import CanaryController
+from control_plane.rollouts.canary import CanaryController
+from control_plane.rollouts.stats import StatsBook
 from router.rollouts.ratelimit import TokenBucket
 from router.rollouts.routes import RouteTable, bucket
 from router.rollouts.shadow import ShadowItem, ShadowMirror, compare_outputs
-from router.rollouts.stats import StatsBook
 from router.serving.errors import InvalidRequest
 from tests.conftest import run
 
