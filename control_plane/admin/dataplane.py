@@ -22,12 +22,12 @@ from control_plane.admin.global_limits import GlobalBuckets
 from control_plane.admin.published import PublishedState
 from control_plane.domain.errors import InvalidInput
 from control_plane.domain.periodic import run_periodically
+from control_plane.rollouts.canary import CanaryController, registry_promoter
+from control_plane.rollouts.stats import StatsBook
 from control_plane.state.background import BackgroundStore
-from router.rollouts.canary import CanaryController, registry_promoter
 from router.rollouts.public_names import PublicNames
 from router.rollouts.routes import RouteTable
 from router.rollouts.shadow import ShadowReport
-from router.rollouts.stats import StatsBook
 
 log = logging.getLogger(__name__)
 

@@ -246,12 +246,15 @@ class Service(TritonLaunching):
         self.reconciler.step()
 
     async def _start_router(self, admin_app: web.Application, endpoints: dict) -> None:
+        import time
+
         from control_plane.admin.rollout_routes import add_router_routes
+        from control_plane.rollouts.canary import CanaryController, registry_promoter
+        from control_plane.rollouts.stats import StatsBook
         from control_plane.state.background import BackgroundStore
         from router.frontends.grpc_frontend import start_grpc
         from router.frontends.http_frontend import make_http_app
         from router.frontends.http_site import HalfCloseTCPSite
-        from router.rollouts.canary import registry_promoter
         from router.rollouts.public_names import PublicNames
         from router.rollouts.routes import RouteTable
         from router.serving.core import Router, RouterConfig
@@ -264,11 +267,14 @@ class Service(TritonLaunching):
         self.route_store = BackgroundStore(self.manager.store)  # route-table writes off the loop
         table = RouteTable(self.route_store, default_target=names.production.get,
                            unrouted=names.unrouted)
+        # The router records outcomes in the stats book; the controller judges canaries on it
+        # (stepped by the router) and promotes through the registry (one source of truth).
+        stats = StatsBook(clock=time.time)
+        canaries = CanaryController(table, stats, on_promote=registry_promoter(registry))
         self.router = Router(self.manager, table, RouterConfig(
             load_timeout_s=cfg.load_wait_timeout_s, max_request_bytes=cfg.max_request_bytes,
             shadow_log_dir=(cfg.state_dir / "shadow").resolve()), names=names,
-            families=self.families)
-        self.router.canaries.on_promote = registry_promoter(registry)  # one source of truth
+            families=self.families, stats=stats, canaries=canaries)
         await self.router.start()
         add_router_routes(admin_app, self.router)
         self.grpc_server, grpc_port = await start_grpc(

@@ -68,7 +68,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        return service_pb2.ServerReadyResponse(ready=self.router.any_server_up())
+        return service_pb2.ServerReadyResponse(ready=self.router.answers.any_server_up())
 
     async def ServerMetadata(self, request, context):
         return service_pb2.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION,
@@ -76,13 +76,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         try:
-            return service_pb2.ModelReadyResponse(ready=self.router.model_ready(request.name, request.version))
+            return service_pb2.ModelReadyResponse(ready=self.router.answers.model_ready(request.name, request.version))
         except RouterError as exc:  # a version that is not a number
             await _abort(context, exc)
 
     async def _model_call(self, context, name, method, version):
         try:
-            return await self.router.model_call(name, method, version)
+            return await self.router.answers.model_call(name, method, version)
         except RouterError as exc:
             await _abort(context, exc)
         except grpc.aio.AioRpcError as exc:
@@ -96,19 +96,20 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStatistics(self, request, context):
         if not request.name:  # every model (Triton ignores the version then)
-            return await self.router.all_statistics()
+            return await self.router.answers.all_statistics()
         return await self._model_call(context, request.name, "statistics", request.version)
 
     async def ModelInfer(self, request, context):
         try:
-            return await self.router.infer(request, _user_id(request, context), context.time_remaining())
+            return await self.router.forwarder.infer(request, _user_id(request, context),
+                                                   context.time_remaining())
         except RouterError as exc:  # Triton's own answers (shape, dtype, ...) included
             await _abort(context, exc)
 
     async def ModelStreamInfer(self, request_iterator, context):
         async for request in request_iterator:
             try:
-                response = await self.router.infer(request, _user_id(request, context))
+                response = await self.router.forwarder.infer(request, _user_id(request, context))
                 yield service_pb2.ModelStreamInferResponse(infer_response=response)
             except RouterError as exc:
                 yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
@@ -227,8 +228,8 @@ async def start_grpc(router: Router, host: str, port: int, max_request_bytes: in
     async def model_infer_raw(raw: bytes, context):
         # ModelInfer on bytes (no deserializer): the hot path never re-serializes.
         try:
-            return await router.infer_raw(raw, lambda: _metadata_user_id(context),
-                                          context.time_remaining())
+            return await router.forwarder.infer_raw(raw, lambda: _metadata_user_id(context),
+                                                    context.time_remaining())
         except RouterError as exc:  # Triton's own answers (shape, dtype, ...) included
             await _abort(context, exc)
 

@@ -141,7 +141,7 @@ async def live(request):
 
 
 async def ready(request):
-    ok = _router(request).any_server_up()
+    ok = _router(request).answers.any_server_up()
     return web.Response(status=200 if ok else 503)
 
 
@@ -151,7 +151,7 @@ async def server_metadata(request):
 
 async def model_ready(request):
     version = _version(request)
-    if _router(request).model_ready(request.match_info["model"], version):
+    if _router(request).answers.model_ready(request.match_info["model"], version):
         return web.Response(status=200)
     return web.Response(status=400, text=_compact({"error": "Model version not ready"}))
 
@@ -162,16 +162,16 @@ _SUFFIXES = {"metadata": "", "config": "/config", "statistics": "/stats"}
 async def _forward_get(request: web.Request, method: str) -> web.Response:
     """Metadata, config or statistics: Triton's answer for a loaded model, renamed to the
     name and version asked for; for a model that is not loaded, never a load (see
-    ``Router.model_call``)."""
+    ``Answers.model_call``)."""
     router = _router(request)
     asked = request.match_info["model"]
     version = _version(request)
-    target, server = router.answering_server(asked, method, version)
+    target, server = router.answers.answering_server(asked, method, version)
     if server is None or router.state.carrier_of(target.model) is not None:
         # Not loaded: from its config.pbtxt.  A family's variant: its family model's answer
-        # without the family's own fields (Router.model_call), whose JSON is Triton's.
-        answer = (await router.cold_answer(asked, method, target) if server is None
-                  else await router.model_call(asked, method, version))
+        # without the family's own fields (Answers.model_call), whose JSON is Triton's.
+        answer = (await router.answers.cold_answer(asked, method, target) if server is None
+                  else await router.answers.model_call(asked, method, version))
         # Triton's HTTP config is the ModelConfig itself (gRPC wraps it in a response).
         return _json(triton_json(answer.config if method == "config" else answer))
     path = (f"/v2/models/{target.model}" + (f"/versions/{target.version}" if target.version else "")
@@ -180,11 +180,11 @@ async def _forward_get(request: web.Request, method: str) -> web.Response:
         body = await resp.read()
         status, content_type = resp.status, resp.content_type
     if status != 200 or content_type != "application/json":
-        text = router.public_text(body.decode(errors="replace"), target.model, asked,
-                                  router.state.carrier_of(target.model))
+        text = router.decider.public_text(body.decode(errors="replace"), target.model, asked,
+                                          router.state.carrier_of(target.model))
         return web.Response(text=text, status=status, content_type=content_type)
     doc = json.loads(body)
-    _model, public_version = router.public_identity(target)
+    _model, public_version = router.decider.public_identity(target)
     if method == "metadata":
         doc["name"] = asked
         if public_version is not None:
@@ -213,7 +213,7 @@ async def model_stats(request):
 
 async def all_stats(request):
     """Every loaded public model (Triton's GET /v2/models/stats)."""
-    return _json(triton_json(await _router(request).all_statistics()))
+    return _json(triton_json(await _router(request).answers.all_statistics()))
 
 
 UNLOADED_BODY = ('{"error":"' + UNLOADED_PREFIX).encode()
@@ -240,9 +240,9 @@ async def infer(request: web.Request) -> web.Response:
     params = parsed.parameters
     refuse_family_control(params)
     user_id = request.headers.get("x-user-id") or params.get("user_id")
-    logical = router.public_name(request.match_info["model"], parsed.input_names,
-                                 params.get("adapter") or None)
-    async with router.serving(logical, str(user_id) if user_id is not None else None, version) as call:
+    logical = router.decider.public_name(request.match_info["model"], parsed.input_names,
+                                         params.get("adapter") or None)
+    async with router.sender.serving(logical, str(user_id) if user_id is not None else None, version) as call:
         decision, server = call.decision, call.server
         carrier = router.state.carrier_of(decision.model)
         path = (f"/v2/models/{carrier or decision.model}"
@@ -276,10 +276,10 @@ async def infer(request: web.Request) -> web.Response:
                 if resends >= MAX_RESENDS:
                     call.code = "UNAVAILABLE"
                     raise unavailable from exc
-                # Its server is down: placed on one that is up, sent there (router.send).
+                # Its server is down: placed on one that is up, sent there (Sender.send).
                 resends += 1
                 try:
-                    server = await router.resend_after_unavailable(call, server)
+                    server = await router.sender.resend_after_unavailable(call, server)
                 except BackendUnavailable:
                     call.code = "UNAVAILABLE"
                     raise unavailable from exc
@@ -287,15 +287,15 @@ async def infer(request: web.Request) -> web.Response:
             if status == 404 and payload.startswith(UNLOADED_BODY) and resends < MAX_RESENDS:
                 # Unloaded between placement and send: load again, send once more.
                 resends += 1
-                server = await router.resend_after_unload(call)
+                server = await router.sender.resend_after_unload(call)
                 continue
             break
         asked = request.match_info["model"]
         if status != 200:
             call.code = "INVALID_ARGUMENT" if status == 400 else f"HTTP_{status}"
             # Triton's message about the concrete model, about the one the client asked for.
-            payload = router.public_text(payload.decode(errors="replace"), decision.model, asked,
-                                         carrier).encode()
+            payload = router.decider.public_text(payload.decode(errors="replace"), decision.model,
+                                                 asked, carrier).encode()
             return web.Response(body=payload, status=status, content_type="application/json")
         n = int(resp_header_len) if resp_header_len else len(payload)
         out = json.loads(payload[:n])
@@ -303,7 +303,7 @@ async def infer(request: web.Request) -> web.Response:
         if output_places:
             binary = router.shared_memory.deliver_json(out, binary, output_places)
             resp_header_len = resp_header_len if binary else None
-        public_model, public_version = router.public_identity(decision)
+        public_model, public_version = router.decider.public_identity(decision)
         if routing_shown(asked, decision):
             params = out.setdefault("parameters", {})
             params.update(model=public_model, variant=decision.variant)
@@ -334,7 +334,7 @@ def _inline_shared_memory(router: Router, parsed):
 
 async def model_health(request: web.Request) -> web.Response:
     router = _router(request)
-    decision = router.describe(request.match_info["model"])
+    decision = router.answers.describe(request.match_info["model"])
     body = await router.state.health(decision.model)
     body["route"] = request.match_info["model"]
     return web.json_response(body, status=200 if body["healthy"] else 503)

@@ -1,1 +1,2 @@
-"""Routes, A/B tests, canaries and their statistics, shadows, rate limits, public names."""
+"""Routes, A/B tests, canaries (their routing), shadows, rate limits, public names.  Canary
+statistics and judgement are the control plane's (``control_plane.rollouts``)."""

@@ -1,35 +1,38 @@
 """What readiness, metadata, config and statistics answer: Triton's own answers for a
 loaded model, the repository's config.pbtxt for one that is not.  These calls never load
-or evict a model.  Mixed into ``router.serving.core.Router``."""
+or evict a model.
+
+``Answers`` is given what it reads: the state (where models are, the repository), the
+decision (``router.serving.decide.Decider``: which model a name means, its public name and
+version) and the channels to Triton (``router.serving.send.Channels``)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import replace
 
 import grpc
 from tritonclient.grpc import service_pb2
 
-from control_plane.domain import errors as cp
-from control_plane.domain.errors import ControlPlaneError
 from model_runtime.family.protocol import SLOTS_PARAMETER, STATUS_OUTPUT
-from router.rollouts.routes import ADAPTER_SEPARATOR, Decision, split_adapter
+from router.rollouts.routes import Decision
+from router.serving.decide import Decider
 from router.serving.errors import (
     ModelUnavailable,
     RouterError,
     UnknownModel,
     UpstreamError,
-    from_control_plane,
     parse_version,
 )
 from router.serving.repository_config import FolderConfig, metadata_from_config, read_folder
-from router.serving.serving_state import ServerAddress
+from router.serving.send import Channels
+from router.serving.serving_state import ServerAddress, ServingState
 
 log = logging.getLogger(__name__)
 
 BYTES_CACHE_MAX = 4096
+CONFIG_CACHE_S = 5.0  # how long a model's config.pbtxt, read for a cold model, is reused
 
 
 def hide_family_metadata(metadata: service_pb2.ModelMetadataResponse) -> None:
@@ -48,19 +51,26 @@ def hide_family_config(config) -> None:
         del config.output[:]
         config.output.extend(kept)
     config.parameters.pop(SLOTS_PARAMETER, None)
-CONFIG_CACHE_S = 5.0  # how long a model's config.pbtxt, read for a cold model, is reused
 
 
 class Answers:
-    """Needs ``table``, ``names``, ``state`` (router.serving_state) and ``stub(server)``."""
+    """Readiness, metadata, config and statistics: ``state`` says where a model is loaded
+    (and where its repository is), ``decider`` which model a name means and by what name
+    and version the client knows it, ``channels`` reach the Triton that holds it."""
+
+    def __init__(self, state: ServingState, decider: Decider, channels: Channels):
+        self.state = state
+        self.decider = decider
+        self.channels = channels
+        self._configs: dict[str, tuple[float, FolderConfig | None]] = {}  # concrete -> (read at, config)
 
     def describe(self, asked: str, version: str = "", statistics: bool = False) -> Decision:
         """What readiness, metadata, config and statistics of ``asked`` (at ``version``,
         parsed) answer about.  Unknown names raise Triton's answer for the call."""
         try:
             if version:
-                return self._resolve(asked, None, version)
-            return self.decide_without_limits(asked)
+                return self.decider.resolve(asked, None, version)
+            return self.decider.decide_without_limits(asked)
         except UnknownModel as exc:
             raise (exc.for_statistics() if statistics else exc) from None
 
@@ -82,8 +92,8 @@ class Answers:
         target, server = self.answering_server(asked, method, parse_version(version))
         if server is None:
             return await self.cold_answer(asked, method, target)
-        stub = self.stub(server)
-        _model, public_version = self.public_identity(target)
+        stub = self.channels.stub(server)
+        _model, public_version = self.decider.public_identity(target)
         carrier = self.state.carrier_of(target.model)
         triton_model = carrier or target.model
         try:
@@ -110,8 +120,8 @@ class Answers:
                     if public_version is not None:
                         stats.version = public_version
         except grpc.aio.AioRpcError as exc:
-            raise UpstreamError(exc.code(), self.public_text(exc.details() or "", target.model, asked,
-                                                             carrier)) from exc
+            raise UpstreamError(exc.code(), self.decider.public_text(exc.details() or "", target.model,
+                                                                     asked, carrier)) from exc
         return resp
 
     async def all_statistics(self) -> service_pb2.ModelStatisticsResponse:
@@ -120,15 +130,16 @@ class Answers:
         out = service_pb2.ModelStatisticsResponse()
         for server in self.state.servers():
             try:
-                resp = await self.stub(server).ModelStatistics(service_pb2.ModelStatisticsRequest())
+                resp = await self.channels.stub(server).ModelStatistics(service_pb2.ModelStatisticsRequest())
             except grpc.aio.AioRpcError as exc:
                 log.debug("statistics of %s: %s", server.name, exc.details())
                 continue
+            names = self.decider.names
             for stats in resp.model_stats:
-                public = self.names.public.get(stats.name) if self.names is not None else None
+                public = names.public.get(stats.name) if names is not None else None
                 if public is not None:
                     stats.name, stats.version = public
-                elif self.names is not None and not self.names.expose_concrete:
+                elif names is not None and not names.expose_concrete:
                     continue  # an internal model
                 out.model_stats.append(stats)
         return out
@@ -139,7 +150,7 @@ class Answers:
         found = await self._folder_config(carrier or target.model)
         if found is None:  # no config Triton could load: Triton's answer for an unloaded model
             raise UnknownModel(asked)
-        _model, public_version = self.public_identity(target)
+        _model, public_version = self.decider.public_identity(target)
         if method == "metadata":
             versions = [public_version] if public_version is not None else list(found.versions[-1:])
             response = metadata_from_config(found.config, asked, versions)
@@ -168,79 +179,6 @@ class Answers:
             self._configs.clear()
         self._configs[concrete] = (now, found)
         return found
-
-    def _resolve(self, name: str, user_id: str | None, version: str = "",
-                 primary: bool = False) -> Decision:
-        """The decision for ``name`` (``primary``: the deterministic one that readiness and
-        metadata describe).  A name clients may not use, or an invalid one, is an unknown
-        model, in Triton's words."""
-        try:
-            if version:
-                return self._versioned(name, version)
-            if primary:
-                return Decision(name, self.table.primary(name), "default", scope=f"model:{name}")
-            return self.table.resolve(name, user_id)
-        except cp.InvalidModelName as exc:
-            raise self._invalid_name(name, exc) from None
-        except ControlPlaneError as exc:
-            raise from_control_plane(exc) from exc
-
-    @staticmethod
-    def _invalid_name(name: str, exc: cp.InvalidModelName) -> RouterError:
-        """A name that cannot be a model: Triton's unknown model.  A malformed ``base:adapter``
-        (the router's own syntax, no Triton answer to copy) says how to write it."""
-        if ADAPTER_SEPARATOR in name:
-            return from_control_plane(exc)
-        return UnknownModel(name)
-
-    def _versioned(self, name: str, version: str) -> Decision:
-        """``name`` at registry version ``version``: that version's concrete model, outside
-        experiments and canaries (the client chose it).  A route that is not a registry
-        model has the version of what it serves."""
-        base, adapter = split_adapter(name) if ADAPTER_SEPARATOR in name else (name, None)
-        names = self.names
-        if names is None:  # no registry: Triton's own versions
-            return replace(self.table.resolve(name, None), version=version)
-        concrete = names.by_version.get((base, version))
-        if concrete is None:
-            if base in self.table.routes:
-                concrete = self.table.primary(base)
-                if names.public.get(concrete, ("", ""))[1] != version:
-                    raise UnknownModel(base, version)
-            elif base in names.models:
-                raise UnknownModel(base, version)
-            elif names.expose_concrete:
-                return replace(self.table.resolve(name, None), version=version)
-            else:
-                raise UnknownModel(base)
-        return Decision(name, concrete, "default", scope=f"model:{name}", adapter=adapter)
-
-    def decide_without_limits(self, logical: str) -> Decision:
-        """What ``logical`` is answered by for readiness, metadata and health checks."""
-        return self._resolve(logical, None, primary=True)
-
-    def public_identity(self, decision: Decision) -> tuple[str, str | None]:
-        """(model, version) by which a client knows the concrete model that served it: the
-        registry's model and version when the client asked for a logical name; the concrete
-        name and None (Triton's own version stands) for an exposed concrete name."""
-        names = self.names
-        if names is not None and not decision.version:
-            base = decision.logical.partition(ADAPTER_SEPARATOR)[0]
-            if base in names.models or base in self.table.routes:
-                found = names.public.get(decision.model)
-                if found is not None:
-                    return found
-        return decision.model, None
-
-    @staticmethod
-    def public_text(text: str, concrete: str, asked: str, carrier: str | None = None) -> str:
-        """Triton's message about ``concrete`` (or ``carrier``, the family model serving it)
-        as one about the model the client asked for (Triton quotes model names: 'simple.v2')."""
-        if carrier is not None:
-            text = text.replace(f"'{carrier}'", f"'{asked}'")
-        if concrete == asked:
-            return text
-        return text.replace(f"'{concrete}'", f"'{asked}'")
 
     def model_ready(self, asked: str, version: str = "") -> bool:
         """Ready = what ``asked`` is served by is loaded now; readiness never loads a model.

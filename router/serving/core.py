@@ -8,50 +8,59 @@ Nothing here holds a lease on a model: Triton finishes in-flight requests before
 unloads, and a request that meets a model unloaded under it is sent again once, after an
 ensure, without the client seeing it.
 
-``Router`` is put together from one mixin per role:
+``Router`` is a composition of collaborators, each constructed with what it needs and
+testable alone; a reader follows ``router.x.y`` to the owner:
 
-* ``router.serving.decide``: the routing decision (names, adapters, routes, rate limits);
-* ``router.serving.send``: serving one request, sending it to Triton and every retry of a send;
-* ``router.serving.forward``: ModelInfer, typed and on raw bytes, re-addressed and answered under
-  the name the client asked for;
-* ``router.serving.answers``: readiness, metadata, config and statistics;
-* ``router.serving.metrics``: the Prometheus series and the recording of outcomes.
+* ``decider`` (``router.serving.decide.Decider``): the routing decision; owns the route
+  table, the registry's public names and the rate limiter;
+* ``recording`` (``router.serving.metrics.Recording``): the Prometheus series and the
+  outcomes of experiment and canary requests, handed to the statistics it is given;
+* ``channels`` (``router.serving.send.Channels``): one gRPC channel per Triton server;
+* ``sender`` (``router.serving.send.Sender``): serving one request, sending it to Triton and
+  every retry of a send; given the decider, the channels and the recording;
+* ``shadow`` (``router.rollouts.shadow.ShadowMirror``): mirrors, sent through the sender;
+* ``forwarder`` (``router.serving.forward.Forwarder``): ModelInfer, typed and on raw bytes,
+  re-addressed and answered under the name the client asked for; given the decider, the
+  sender, the shadow and the shared memory;
+* ``answers`` (``router.serving.answers.Answers``): readiness, metadata, config and
+  statistics; given the state, the decider and the channels.
+
+The front ends call the collaborator that owns a call (``router.forwarder.infer``,
+``router.answers.model_call``, ``router.sender.serving``).  Canary statistics and their
+judgement are the control plane's: its service gives an in-process router a statistics
+book (``stats``) and a canary controller (``canaries``, stepped here every
+``canary_interval_s``); a router worker gets neither and reports its outcomes to the
+control plane (``router.serving.outcomes``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-from tritonclient.grpc import service_pb2_grpc
-
 from control_plane.domain.periodic import run_periodically
 from router.frontends.shared_memory import SystemSharedMemory
-from router.rollouts.canary import CanaryController
 from router.rollouts.limits import LocalLimiter
 from router.rollouts.public_names import PublicNames
 from router.rollouts.routes import RouteTable
 from router.rollouts.shadow import ShadowMirror
-from router.rollouts.stats import StatsBook
 from router.serving.answers import Answers
-from router.serving.decide import Deciding
-from router.serving.forward import Forwarding
+from router.serving.decide import Decider, Limiter
+from router.serving.forward import Forwarder
 from router.serving.metrics import LATENCY_BUCKETS_S, Recording, RouterMetrics
-from router.serving.repository_config import FolderConfig
+from router.serving.outcomes import CanaryJudge, OutcomeSink
 from router.serving.send import (
     GRPC_MESSAGE_LIMIT_BYTES,
     INFER_METHOD,
     Call,
-    Sending,
+    Channels,
+    Sender,
     unloaded_under,
 )
 from router.serving.serving_state import LocalState, ServingState
 
-# Names other modules import from here since before the mixins had modules of their own.
+# Names other modules import from here since before the collaborators had modules of their own.
 __all__ = ["GRPC_MESSAGE_LIMIT_BYTES", "INFER_METHOD", "LATENCY_BUCKETS_S", "Call", "Router",
            "RouterConfig", "RouterMetrics", "unloaded_under"]
 
@@ -71,55 +80,76 @@ class RouterConfig:
     shared_memory_dir: Path | None = None
 
 
-class Router(Forwarding, Sending, Deciding, Answers, Recording):
+class Router:
     def __init__(self, state, table: RouteTable, config: RouterConfig | None = None,
-                 metrics: RouterMetrics | None = None, rng: random.Random | None = None,
-                 names: PublicNames | None = None, families=None):
+                 metrics: RouterMetrics | None = None, names: PublicNames | None = None,
+                 families=None, stats: OutcomeSink | None = None,
+                 canaries: CanaryJudge | None = None, limiter: Limiter | None = None):
         """``state``: a ServingState, or the control plane's ModelManager in this process.
         ``names``: the registry's public names (None: every name is served as it is, with
-        Triton's own versions)."""
+        Triton's own versions).  ``stats``: where the outcomes of experiment and canary
+        requests go (None: nowhere).  ``canaries``: judged every ``canary_interval_s``
+        (None: elsewhere, or nowhere).  ``limiter``: the rate limits (None: this process's
+        token buckets, ``LocalLimiter``)."""
         if hasattr(state, "ready_server"):
             self.state: ServingState = state
             self.manager = None
         else:
             self.state = LocalState(state, families)
             self.manager = state
-        self.table = table
-        self.names = names
         self.config = config or RouterConfig()
         self.metrics = metrics or RouterMetrics()
-        self.stats = StatsBook(clock=time.time)
-        self.canaries = CanaryController(table, self.stats)
-        self.rng = rng or random.Random()
-        self.limiter = LocalLimiter(lambda: self.table.limits,
-                                    on_limited=lambda name: self.metrics.rate_limited.labels(name).inc())
-        self._channels: dict[str, tuple[grpc.aio.Channel, service_pb2_grpc.GRPCInferenceServiceStub, object]] = {}
-        self._suffixes: dict[tuple, bytes] = {}
-        self._suffixes_of = (-1, -1)  # (table.version, names.generation) the suffixes reflect
-        self._configs: dict[str, tuple[float, FolderConfig | None]] = {}  # concrete -> (read at, config)
-        self._name_overrides: dict[str, bytes] = {}
-        self._metric_children: dict[tuple, tuple] = {}
-        self.inflight = 0  # requests in serving(): shadows are shed first when it is high
-        self.shadow = ShadowMirror(self._send_shadow, self.config.shadow_log_dir,
+        # What the creator gave: the control plane's admin routes read and reset them here.
+        self.stats = stats
+        self.canaries = canaries
+        if limiter is None:
+            limiter = LocalLimiter(lambda: self.decider.table.limits,
+                                   on_limited=lambda name: self.metrics.rate_limited.labels(name).inc())
+        self.decider = Decider(table, names, limiter)
+        self.recording = Recording(self.metrics, stats)
+        self.channels = Channels()
+        self.sender = Sender(self.state, self.decider, self.channels, self.recording, self.metrics,
+                             self.config)
+        self.shadow = ShadowMirror(self.sender.send_shadow, self.config.shadow_log_dir,
                                    self.config.shadow_queue_size, self.config.shadow_workers,
                                    self.config.shadow_timeout_s, self.metrics,
-                                   primary_inflight=lambda: self.inflight)
-        self._canary_task: asyncio.Task | None = None
+                                   primary_inflight=lambda: self.sender.inflight)
         self.shared_memory = SystemSharedMemory(self.config.shared_memory_dir)
+        self.forwarder = Forwarder(self.state, self.decider, self.sender, self.shadow,
+                                   self.shared_memory)
+        self.answers = Answers(self.state, self.decider, self.channels)
+        self._canary_task: asyncio.Task | None = None
+
+    # A router worker serves each new snapshot's table and names (router.serving.worker).
+    @property
+    def table(self) -> RouteTable:
+        return self.decider.table
+
+    @table.setter
+    def table(self, table: RouteTable) -> None:
+        self.decider.table = table
+
+    @property
+    def names(self) -> PublicNames | None:
+        return self.decider.names
+
+    @names.setter
+    def names(self, names: PublicNames | None) -> None:
+        self.decider.names = names
 
     async def start(self) -> None:
         self.shadow.start()
-        if self.config.canary_interval_s > 0:
+        if self.canaries is not None and self.config.canary_interval_s > 0:
             self._canary_task = asyncio.get_running_loop().create_task(self._canary_loop())
 
     async def stop(self) -> None:
         if self._canary_task:
             self._canary_task.cancel()
         await self.shadow.stop()
-        for channel, *_ in self._channels.values():
-            await channel.close()
+        await self.channels.close()
         self.shared_memory.close()
 
     async def _canary_loop(self) -> None:
-        await run_periodically("canary", lambda: self.canaries.step(), self.config.canary_interval_s,
+        canaries = self.canaries
+        await run_periodically("canary", lambda: canaries.step(), self.config.canary_interval_s,
                                self.metrics.loop_failures)

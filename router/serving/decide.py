@@ -1,24 +1,51 @@
 """The routing decision: which name a request asks for (adapter checks), which concrete
-model serves it (aliases, experiments, canaries and shadows, from ``router.rollouts.routes``) and
-the rate limits it spends.  No I/O.  Mixed into ``router.serving.core.Router``."""
+model serves it (aliases, experiments, canaries and shadows, from ``router.rollouts.routes``),
+the name and version the client knows it by, and the rate limits it spends.  No I/O.
+
+``Decider`` owns the route table, the registry's public names and the rate limiter; every
+other part of the router reads them through it, so a router worker's new snapshot
+(``Router.table`` / ``Router.names``) reaches all of them at once.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Protocol
 
 from tritonclient.grpc import service_pb2
 
 from control_plane.domain import errors as cp
 from control_plane.domain.errors import ControlPlaneError
-from router.rollouts.routes import Decision
-from router.serving.errors import InvalidRequest, PermissionDenied, from_control_plane
+from router.rollouts.public_names import PublicNames
+from router.rollouts.routes import ADAPTER_SEPARATOR, Decision, RouteTable, split_adapter
+from router.serving.errors import (
+    InvalidRequest,
+    PermissionDenied,
+    RouterError,
+    UnknownModel,
+    from_control_plane,
+)
 
 
-class Deciding:
-    """Needs ``table`` (RouteTable), ``limiter`` (router.limits) and, from
-    ``router.serving.answers.Answers``, ``_resolve`` and ``_invalid_name``."""
+class Limiter(Protocol):
+    """Rate limits by name: ``router.rollouts.limits.LocalLimiter`` (this process's buckets)
+    or ``router.serving.state_client.GrantedLimiter`` (tokens from the control plane)."""
 
-    def check_limits(self, *names: str) -> None:
-        self.limiter.check(names)
+    async def acquire(self, names: Iterable[str]) -> None:
+        """Spend one token of each name's limit; RateLimited when one has none."""
 
+
+class Decider:
+    """``table``: the routes; ``names``: the registry's public names (None: every name is
+    served as it is, with Triton's own versions); ``limiter``: the rate limits."""
+
+    def __init__(self, table: RouteTable, names: PublicNames | None, limiter: Limiter):
+        self.table = table
+        self.names = names
+        self.limiter = limiter
+
+    # ------------------------------------------------------------------ requests
     @staticmethod
     def limited_names(decision: Decision) -> tuple[str, ...]:
         """The names whose limits a request spends: the name asked for and the model it reaches."""
@@ -26,22 +53,20 @@ class Deciding:
             return (decision.logical,)
         return (decision.logical, decision.model)
 
-    def decide(self, logical: str, user_id: str | None, version: str = "") -> Decision:
-        """Route one request (``version``: parsed with ``parse_version``) and apply the rate
-        limits of the name and of the model it reaches (this process's buckets)."""
-        decision = self.route(logical, user_id, version)
-        self.limiter.check(self.limited_names(decision))
-        return decision
+    async def admit(self, decision: Decision) -> None:
+        """Spend the limits of the name and of the model it reaches (RateLimited)."""
+        await self.limiter.acquire(self.limited_names(decision))
 
     def route(self, logical: str, user_id: str | None, version: str = "") -> Decision:
-        """Route one request; no limits applied."""
+        """Route one request (``version``: parsed with ``parse_version``); no limits
+        applied (``admit`` spends them)."""
         if version:
-            decision = self._resolve(logical, user_id, version)
+            decision = self.resolve(logical, user_id, version)
         else:  # the common case, inline: no version, route by name
             try:
                 decision = self.table.resolve(logical, user_id)
             except cp.InvalidModelName as exc:
-                raise self._invalid_name(logical, exc) from None
+                raise self.invalid_name(logical, exc) from None
             except ControlPlaneError as exc:
                 raise from_control_plane(exc) from exc
         return decision
@@ -68,15 +93,89 @@ class Deciding:
         return model_name
 
     @staticmethod
-    def _adapter_param(request: service_pb2.ModelInferRequest) -> str | None:
+    def adapter_param(request: service_pb2.ModelInferRequest) -> str | None:
         param = request.parameters.get("adapter")
         return param.string_param if param is not None and param.string_param else None
 
     @staticmethod
-    def _check_adapter_parameter(request: service_pb2.ModelInferRequest, decision: Decision) -> None:
+    def check_adapter_parameter(request: service_pb2.ModelInferRequest, decision: Decision) -> None:
         """``tinylm:acme`` with parameter ``adapter=other`` is a contradiction, not a choice."""
         param = request.parameters.get("adapter")
         if param is not None and param.string_param and param.string_param != decision.adapter:
             raise InvalidRequest(
                 f"model name {decision.logical!r} selects adapter {decision.adapter!r} but the request "
                 f"parameter adapter is {param.string_param!r}; send one of them")
+
+    # ------------------------------------------------------------------ names and versions
+    def resolve(self, name: str, user_id: str | None, version: str = "",
+                primary: bool = False) -> Decision:
+        """The decision for ``name`` (``primary``: the deterministic one that readiness and
+        metadata describe).  A name clients may not use, or an invalid one, is an unknown
+        model, in Triton's words."""
+        try:
+            if version:
+                return self._versioned(name, version)
+            if primary:
+                return Decision(name, self.table.primary(name), "default", scope=f"model:{name}")
+            return self.table.resolve(name, user_id)
+        except cp.InvalidModelName as exc:
+            raise self.invalid_name(name, exc) from None
+        except ControlPlaneError as exc:
+            raise from_control_plane(exc) from exc
+
+    def decide_without_limits(self, logical: str) -> Decision:
+        """What ``logical`` is answered by for readiness, metadata and health checks."""
+        return self.resolve(logical, None, primary=True)
+
+    @staticmethod
+    def invalid_name(name: str, exc: cp.InvalidModelName) -> RouterError:
+        """A name that cannot be a model: Triton's unknown model.  A malformed ``base:adapter``
+        (the router's own syntax, no Triton answer to copy) says how to write it."""
+        if ADAPTER_SEPARATOR in name:
+            return from_control_plane(exc)
+        return UnknownModel(name)
+
+    def _versioned(self, name: str, version: str) -> Decision:
+        """``name`` at registry version ``version``: that version's concrete model, outside
+        experiments and canaries (the client chose it).  A route that is not a registry
+        model has the version of what it serves."""
+        base, adapter = split_adapter(name) if ADAPTER_SEPARATOR in name else (name, None)
+        names = self.names
+        if names is None:  # no registry: Triton's own versions
+            return replace(self.table.resolve(name, None), version=version)
+        concrete = names.by_version.get((base, version))
+        if concrete is None:
+            if base in self.table.routes:
+                concrete = self.table.primary(base)
+                if names.public.get(concrete, ("", ""))[1] != version:
+                    raise UnknownModel(base, version)
+            elif base in names.models:
+                raise UnknownModel(base, version)
+            elif names.expose_concrete:
+                return replace(self.table.resolve(name, None), version=version)
+            else:
+                raise UnknownModel(base)
+        return Decision(name, concrete, "default", scope=f"model:{name}", adapter=adapter)
+
+    def public_identity(self, decision: Decision) -> tuple[str, str | None]:
+        """(model, version) by which a client knows the concrete model that served it: the
+        registry's model and version when the client asked for a logical name; the concrete
+        name and None (Triton's own version stands) for an exposed concrete name."""
+        names = self.names
+        if names is not None and not decision.version:
+            base = decision.logical.partition(ADAPTER_SEPARATOR)[0]
+            if base in names.models or base in self.table.routes:
+                found = names.public.get(decision.model)
+                if found is not None:
+                    return found
+        return decision.model, None
+
+    @staticmethod
+    def public_text(text: str, concrete: str, asked: str, carrier: str | None = None) -> str:
+        """Triton's message about ``concrete`` (or ``carrier``, the family model serving it)
+        as one about the model the client asked for (Triton quotes model names: 'simple.v2')."""
+        if carrier is not None:
+            text = text.replace(f"'{carrier}'", f"'{asked}'")
+        if concrete == asked:
+            return text
+        return text.replace(f"'{concrete}'", f"'{asked}'")

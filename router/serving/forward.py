@@ -1,8 +1,10 @@
 """ModelInfer through the router: re-address the request to the concrete model the decision
 chose, send it (``router.serving.send``), answer under the name the client asked for, and offer a
 copy to the shadow.  The raw path works on serialized bytes: it parses a request once to
-route it and appends pre-serialized overrides instead of re-serializing.  Mixed into
-``router.serving.core.Router``."""
+route it and appends pre-serialized overrides instead of re-serializing.
+
+``Forwarder`` is given the decision (``router.serving.decide.Decider``), the sends
+(``router.serving.send.Sender``), the shadow mirror and the clients' shared memory."""
 
 from __future__ import annotations
 
@@ -13,11 +15,14 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from model_runtime.family.protocol import CONTROL_PARAMETER, VARIANT_PARAMETER
-from router.frontends.shared_memory import uses_shared_memory
+from router.frontends.shared_memory import SystemSharedMemory, uses_shared_memory
 from router.rollouts.routes import Decision
-from router.rollouts.shadow import ShadowItem, outputs_of
+from router.rollouts.shadow import ShadowItem, ShadowMirror, outputs_of
 from router.serving.answers import BYTES_CACHE_MAX
+from router.serving.decide import Decider
 from router.serving.errors import InvalidRequest, PermissionDenied, parse_version
+from router.serving.send import Sender
+from router.serving.serving_state import ServingState
 
 
 def refuse_family_control(parameters) -> None:
@@ -36,17 +41,28 @@ def routing_shown(asked: str, decision: Decision) -> bool:
             or decision.adapter is not None)
 
 
-class Forwarding:
-    """Needs ``table``, ``names``, ``shadow``, ``_suffixes``, ``_suffixes_of`` and
-    ``_name_overrides``, and from the other mixins ``serving``, ``send``, ``raw_infer``,
-    ``typed_infer``, ``public_name``, ``public_identity`` and the adapter checks."""
+class Forwarder:
+    """``state`` says which Triton model carries a family's variant; ``decider`` routes;
+    ``sender`` serves and sends; ``shadow`` gets copies; ``shared_memory`` holds the
+    tensors clients keep in system shared memory."""
+
+    def __init__(self, state: ServingState, decider: Decider, sender: Sender, shadow: ShadowMirror,
+                 shared_memory: SystemSharedMemory):
+        self.state = state
+        self.decider = decider
+        self.sender = sender
+        self.shadow = shadow
+        self.shared_memory = shared_memory
+        self._suffixes: dict[tuple, bytes] = {}
+        self._suffixes_of = (-1, -1)  # (table.version, names.generation) the suffixes reflect
+        self._name_overrides: dict[tuple, bytes] = {}
 
     def _asked(self, request: service_pb2.ModelInferRequest) -> tuple[str, str, str]:
         """The name and version the client asked for, and the public name they serve."""
         version = parse_version(request.model_version) if request.model_version else ""
         refuse_family_control(request.parameters)
-        logical = self.public_name(request.model_name, (i.name for i in request.inputs),
-                                   self._adapter_param(request))
+        logical = self.decider.public_name(request.model_name, (i.name for i in request.inputs),
+                                           self.decider.adapter_param(request))
         return request.model_name, version, logical
 
     async def infer(self, request: service_pb2.ModelInferRequest, user_id: str | None,
@@ -56,11 +72,11 @@ class Forwarding:
         Tensors in the client's shared memory are read here and sent inline; outputs asked
         for in shared memory are written there once Triton answers (``router.frontends.shared_memory``)."""
         asked, version, logical = self._asked(request)
-        async with self.serving(logical, user_id, version) as call:
+        async with self.sender.serving(logical, user_id, version) as call:
             decision = call.decision
             output_places = self.shared_memory.inline(request)
             if decision.adapter is not None:
-                self._check_adapter_parameter(request, decision)
+                self.decider.check_adapter_parameter(request, decision)
                 request.parameters["adapter"].string_param = decision.adapter
             shadow_request = None
             if decision.shadow:
@@ -68,8 +84,8 @@ class Forwarding:
                 shadow_request.CopyFrom(request)
                 self._address(shadow_request, decision.shadow, "")
             self._address(request, decision.model, decision.version)
-            response = await self.send(call, self.typed_infer, request, timeout_s, asked)
-            public_model, public_version = self.public_identity(decision)
+            response = await self.sender.send_typed(call, request, timeout_s, asked)
+            public_model, public_version = self.decider.public_identity(decision)
             response.model_name = asked
             if public_version is not None:
                 response.model_version = public_version
@@ -102,10 +118,10 @@ class Forwarding:
         if uses_shared_memory(request):  # tensors are read and written here: the typed path
             return (await self.infer(request, user_id, timeout_s)).SerializeToString()
         asked, version, logical = self._asked(request)
-        async with self.serving(logical, user_id, version) as call:
+        async with self.sender.serving(logical, user_id, version) as call:
             decision = call.decision
             if decision.adapter is not None:
-                self._check_adapter_parameter(request, decision)
+                self.decider.check_adapter_parameter(request, decision)
             if request.model_version != decision.version:
                 # A registry version chose the concrete model; Triton gets no version.  An
                 # empty field cannot be appended (proto3 does not write it): re-serialize.
@@ -118,7 +134,7 @@ class Forwarding:
                 body = raw + self._model_override(decision.model, decision.adapter)
             else:
                 body = raw
-            response = await self.send(call, self.raw_infer, body, timeout_s, asked)
+            response = await self.sender.send_raw(call, body, timeout_s, asked)
             if decision.shadow:
                 # Bytes as they are (re-addressed by an appended override): the shadow's
                 # analysis thread parses the responses, the loop only sends.
@@ -141,16 +157,16 @@ class Forwarding:
         Protobuf merges concatenated messages (the last value of a singular field wins, map
         entries add up), so appending these bytes equals setting the fields on a parsed
         response."""
-        names = self.names
+        names, table = self.decider.names, self.decider.table
         generation = names.generation if names is not None else 0
-        if self.table.version != self._suffixes_of[0] or generation != self._suffixes_of[1]:
+        if table.version != self._suffixes_of[0] or generation != self._suffixes_of[1]:
             self._suffixes.clear()  # a route or the registry changed: public names may have too
-            self._suffixes_of = (self.table.version, generation)
+            self._suffixes_of = (table.version, generation)
         key = (asked, decision.model, decision.variant, decision.experiment, decision.adapter,
                decision.version)
         suffix = self._suffixes.get(key)
         if suffix is None:
-            public_model, public_version = self.public_identity(decision)
+            public_model, public_version = self.decider.public_identity(decision)
             r = service_pb2.ModelInferResponse(model_name=asked)
             if public_version is not None:
                 r.model_version = public_version

@@ -1,5 +1,5 @@
 """What the router counts: its Prometheus series, and the recording of one request's outcome
-in them and in the experiment and canary windows.  Mixed into ``router.serving.core.Router``."""
+in them and in the experiment and canary windows (``Recording``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from control_plane.domain.periodic import loop_failures_counter
 from router.rollouts.routes import Decision
+from router.serving.outcomes import OutcomeSink
 
 LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                      1, 2.5, 5, 10, 30)
@@ -38,8 +39,16 @@ class RouterMetrics:
 
 
 class Recording:
-    """Needs ``metrics`` (RouterMetrics), ``stats`` (router.stats.StatsBook) and
-    ``_metric_children`` (a dict this mixin fills)."""
+    """Counts each request's outcome in ``metrics`` and hands the outcomes of experiment and
+    canary requests to ``outcomes``: the control plane's statistics in this process
+    (``control_plane.rollouts.stats.StatsBook``), or a router worker's report to the control
+    plane (``router.serving.state_client.RemoteState``).  None: those outcomes are judged
+    nowhere (a router without experiments and canaries, unit tests)."""
+
+    def __init__(self, metrics: RouterMetrics, outcomes: OutcomeSink | None = None):
+        self.metrics = metrics
+        self.outcomes = outcomes
+        self._children: dict[tuple, tuple] = {}  # labels -> (requests, latency) children
 
     def record(self, decision: Decision, latency_s: float, code: str, known: bool = True,
                served_s: float | None = None) -> None:
@@ -47,16 +56,16 @@ class Recording:
         # Adapters share their base's series: adapter names are chosen by clients.
         route = decision.logical.split(":", 1)[0] if known else "unknown"
         key = (route, decision.model if known else "unknown", decision.variant, code)
-        children = self._metric_children.get(key)
+        children = self._children.get(key)
         if children is None:  # labels() lookups cost more than the increments themselves
-            children = self._metric_children[key] = (
+            children = self._children[key] = (
                 self.metrics.requests.labels(*key),
                 self.metrics.latency.labels(route, decision.variant))
         children[0].inc()
         children[1].observe(latency_s)
-        if not decision.scope.startswith(("exp:", "canary:")):
+        if self.outcomes is None or not decision.scope.startswith(("exp:", "canary:")):
             return  # per-variant windows feed experiments and canaries only
         # Judge the model, not its load or the client: latency from ready, client errors apart.
-        self.stats.record_outcome(decision.scope, decision.variant, code,
-                                  None if served_s is None else served_s * 1000,
-                                  decision.randomly_assigned)
+        self.outcomes.record_outcome(decision.scope, decision.variant, code,
+                                     None if served_s is None else served_s * 1000,
+                                     decision.randomly_assigned)

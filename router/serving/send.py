@@ -2,10 +2,12 @@
 (asking the control plane to load it on a miss), send, send once more after an ensure when
 Triton unloaded the model in between or its server could not be reached (the control plane
 places it on a server that is up), turn Triton's failures into the client's answer, and
-record the outcome.  Mixed into ``router.serving.core.Router``.
+record the outcome.
 
-Every retry of a request sent to Triton lives here (``send``, ``resend_after_unload``);
-the HTTP front end uses ``serving`` and ``resend_after_unload`` around its own POST."""
+``Channels`` holds one gRPC channel per Triton server; ``Sender`` serves requests over them.
+Every retry of a request sent to Triton lives in ``Sender`` (``send``, ``resend_after_unload``,
+``resend_after_unavailable``); the HTTP front end uses ``serving`` and the resends around its
+own POST."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 from tritonclient.grpc import service_pb2_grpc
@@ -22,6 +24,7 @@ from tritonclient.grpc import service_pb2_grpc
 from control_plane.domain import errors as cp
 from control_plane.domain.errors import ControlPlaneError
 from router.rollouts.routes import Decision
+from router.serving.decide import Decider
 from router.serving.errors import (
     BackendUnavailable,
     RequestTimeout,
@@ -30,7 +33,11 @@ from router.serving.errors import (
     UpstreamError,
     from_control_plane,
 )
-from router.serving.serving_state import UNLOADED_PREFIX, ServerAddress
+from router.serving.metrics import Recording, RouterMetrics
+from router.serving.serving_state import UNLOADED_PREFIX, ServerAddress, ServingState
+
+if TYPE_CHECKING:
+    from router.serving.core import RouterConfig
 
 GRPC_MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024
 # Sends of one request that may each meet its model unloaded (then loaded again for it): the
@@ -55,12 +62,13 @@ def unloaded_under(exc: grpc.aio.AioRpcError) -> bool:
     return exc.code() == grpc.StatusCode.NOT_FOUND and (exc.details() or "").startswith(UNLOADED_PREFIX)
 
 
-class Sending:
-    """Needs ``state`` (router.serving_state), ``config`` (router.core.RouterConfig),
-    ``metrics``, ``limiter``, ``_channels``, ``inflight``, and from the other mixins
-    ``route``, ``limited_names``, ``record`` and ``public_text``."""
+class Channels:
+    """One gRPC channel to each Triton server, opened on first use, closed by ``close``."""
 
-    # ------------------------------------------------------------------ channels
+    def __init__(self) -> None:
+        self._channels: dict[str, tuple[grpc.aio.Channel, service_pb2_grpc.GRPCInferenceServiceStub,
+                                        object]] = {}
+
     def stub(self, server: ServerAddress) -> service_pb2_grpc.GRPCInferenceServiceStub:
         entry = self._channels.get(server.grpc_url)
         if entry is None:
@@ -83,6 +91,27 @@ class Sending:
     def typed_infer(self, server: ServerAddress):
         """ModelInfer on ``server`` taking and returning protobuf messages."""
         return self.stub(server).ModelInfer
+
+    async def close(self) -> None:
+        for channel, *_ in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+class Sender:
+    """Serves requests: ``decider`` routes them and spends their limits, ``state`` says
+    where their models are (and loads them), ``channels`` reach Triton, ``recording``
+    counts each outcome; ``config`` bounds the waits."""
+
+    def __init__(self, state: ServingState, decider: Decider, channels: Channels,
+                 recording: Recording, metrics: RouterMetrics, config: RouterConfig):
+        self.state = state
+        self.decider = decider
+        self.channels = channels
+        self.recording = recording
+        self.metrics = metrics
+        self.config = config
+        self.inflight = 0  # requests in serving(): shadows are shed first when it is high
 
     # ------------------------------------------------------------------ where
     async def server_for(self, model: str, asked: str | None = None, fresh: bool = False,
@@ -152,8 +181,8 @@ class Sending:
         ``version``: the client's model version, already checked with ``parse_version``.
         The body sets ``call.code`` to the outcome ("OK" or a status name)."""
         start = time.perf_counter()
-        decision = self.route(logical, user_id, version)
-        await self.limiter.acquire(self.limited_names(decision))
+        decision = self.decider.route(logical, user_id, version)
+        await self.decider.admit(decision)
         call = Call(decision, start)
         known = True
         self.metrics.inflight.inc()
@@ -183,15 +212,23 @@ class Sending:
             self.metrics.inflight.dec()
             self.inflight -= 1
             end = time.perf_counter()
-            self.record(decision, end - start, call.code, known=known,
+            self.recording.record(decision, end - start, call.code, known=known,
                         served_s=None if call.ready_at is None else end - call.ready_at)
+
+    async def send_raw(self, call: Call, body: bytes, timeout_s: float | None, asked: str) -> bytes:
+        """ModelInfer on serialized bytes (``send``)."""
+        return await self.send(call, self.channels.raw_infer, body, timeout_s, asked)
+
+    async def send_typed(self, call: Call, request, timeout_s: float | None, asked: str):
+        """ModelInfer on a ModelInferRequest message (``send``)."""
+        return await self.send(call, self.channels.typed_infer, request, timeout_s, asked)
 
     async def send(self, call: Call, rpc: Callable[[ServerAddress], Callable], message,
                    timeout_s: float | None, asked: str):
         """``rpc(server)(message)`` on the call's server; once more, after an ensure, when
         Triton unloaded the model in between or could not be reached.  ``rpc``:
-        ``raw_infer`` or ``typed_infer``.  Raises RouterError with Triton's answer about
-        ``asked``, the name the client used."""
+        ``channels.raw_infer`` or ``channels.typed_infer``.  Raises RouterError with
+        Triton's answer about ``asked``, the name the client used."""
         server = call.server
         timeout = timeout_s or self.config.request_timeout_s
         deadline = time.monotonic() + timeout
@@ -252,9 +289,10 @@ class Sending:
                 f"Triton {server.name} at {server.grpc_url} is unavailable "
                 f"({exc.details()}); the control plane restarts it, retry shortly") from exc
         model = call.decision.model
-        raise UpstreamError(exc.code(), self.public_text(exc.details() or "", model, asked,
+        raise UpstreamError(exc.code(), self.decider.public_text(exc.details() or "", model, asked,
                                                          self.state.carrier_of(model))) from exc
 
-    async def _send_shadow(self, model: str, request: bytes, timeout_s: float) -> bytes:
+    async def send_shadow(self, model: str, request: bytes, timeout_s: float) -> bytes:
+        """A shadow's copy of a request (``router.rollouts.shadow``): no resend, no record."""
         server = await self.server_for(model)
-        return await self.raw_infer(server)(request, timeout=timeout_s)
+        return await self.channels.raw_infer(server)(request, timeout=timeout_s)

@@ -323,7 +323,8 @@ class RemoteState:
     # ------------------------------------------------------------------ reports
     def record_outcome(self, scope: str, variant: str, code: str, served_ms: float | None,
                        randomly_assigned: bool = False) -> None:
-        """The StatsBook surface: outcomes are judged by the control plane."""
+        """The OutcomeSink surface (``router.serving.outcomes``): outcomes are judged by the
+        control plane, over every worker."""
         self._samples.append((scope, variant, code, served_ms, randomly_assigned))
 
     async def _report_loop(self) -> None:

@@ -25,6 +25,7 @@ from router.frontends.grpc_frontend import start_grpc
 from router.frontends.http_frontend import make_http_app
 from router.frontends.http_site import HalfCloseTCPSite
 from router.serving.core import Router, RouterConfig
+from router.serving.metrics import RouterMetrics
 from router.serving.state_client import GrantedLimiter, RemoteState
 
 log = logging.getLogger("router.serving.worker")
@@ -63,11 +64,14 @@ async def serve(args: argparse.Namespace) -> None:
     state = RemoteState(args.control_url, read_token(args), args.worker,
                         request_timeout_s=args.load_timeout + 10)
     await state.start()
+    metrics = RouterMetrics()
+    limiter = GrantedLimiter(state, on_limited=lambda n: metrics.rate_limited.labels(n).inc())
+    # Outcomes are judged by the control plane, over every worker: they go to it in reports.
     router = Router(state, state.table, RouterConfig(
         load_timeout_s=args.load_timeout, max_request_bytes=args.max_request_bytes,
         shadow_log_dir=args.shadow_log_dir, canary_interval_s=0,
-        shared_memory_dir=args.shared_memory_dir), names=state.names)
-    router.stats = state  # outcomes are judged by the control plane, over every worker
+        shared_memory_dir=args.shared_memory_dir), names=state.names,
+        metrics=metrics, stats=state, limiter=limiter)
     state.loop_failures = router.metrics.loop_failures
 
     def refreshed() -> None:
@@ -77,7 +81,6 @@ async def serve(args: argparse.Namespace) -> None:
     state.shadow_counts = lambda: {
         route: {k: v for k, v in asdict(report).items() if k != "last"}
         for route, report in router.shadow.reports.items()}
-    router.limiter = GrantedLimiter(state, on_limited=lambda n: router.metrics.rate_limited.labels(n).inc())
     await router.start()
     grpc_server, grpc_port = await start_grpc(router, args.host, args.grpc_port, args.max_request_bytes,
                                               reuse_port=True)

@@ -37,8 +37,9 @@ from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256
 from model_runtime.lora.manifest import read_manifest
 from model_runtime.lora.models import TinyLMConfig
 from router.rollouts.routes import RouteTable, split_adapter
-from router.serving.core import Router
+from router.serving.decide import Decider
 from router.serving.errors import InvalidRequest
+from router.serving.forward import Forwarder
 from router.serving.serving_state import LocalState
 from tests.conftest import run
 
@@ -186,12 +187,12 @@ def test_base_adapter_names_resolve_through_the_base_route_and_limit_per_adapter
 
 
 def test_appended_request_bytes_set_model_and_adapter_parameter():
-    router = Router.__new__(Router)
-    router._name_overrides = {}
-    router.state = LocalState(None)  # no model families
+    # Re-addressing needs only the state (no model families): no decision, send or shadow.
+    forwarder = Forwarder(LocalState(None), decider=None, sender=None, shadow=None,
+                          shared_memory=None)
     request = service_pb2.ModelInferRequest(model_name="tinylm:acme", id="r1")
     request.parameters["max_new_tokens"].int64_param = 4
-    raw = request.SerializeToString() + router._model_override("tinylm", "acme")
+    raw = request.SerializeToString() + forwarder._model_override("tinylm", "acme")
     merged = service_pb2.ModelInferRequest.FromString(raw)
     assert merged.model_name == "tinylm" and merged.id == "r1"
     assert merged.parameters["adapter"].string_param == "acme"
@@ -199,7 +200,7 @@ def test_appended_request_bytes_set_model_and_adapter_parameter():
     decision = RouteTable().resolve("tinylm:acme", None)
     request.parameters["adapter"].string_param = "other"
     with pytest.raises(InvalidRequest, match="selects adapter 'acme'"):
-        Router._check_adapter_parameter(request, decision)
+        Decider.check_adapter_parameter(request, decision)
 
 
 # --------------------------------------------------------------------------- manager

@@ -17,10 +17,10 @@ from aiohttp.test_utils import make_mocked_request
 from control_plane.admin.rollout_routes import ROUTER_ADMIN_KEY, canary_action, router_errors
 from control_plane.domain.errors import ModelNotFound as CpModelNotFound
 from control_plane.registry import Registry
+from control_plane.rollouts.canary import WINDOW_KEY_PREFIX, CanaryController, registry_promoter
+from control_plane.rollouts.stats import StatsBook, VariantStats
 from control_plane.state.store import StateStore
-from router.rollouts.canary import WINDOW_KEY_PREFIX, CanaryController, registry_promoter
 from router.rollouts.routes import ROUTES_KEY, RouteTable
-from router.rollouts.stats import StatsBook, VariantStats
 from router.serving.core import Router
 from router.serving.errors import BackendUnavailable, InvalidRequest, ModelNotFound, RouterError
 from tests.conftest import run
@@ -37,7 +37,7 @@ class Clock:
 
 
 class FakeManager:
-    """What Router.serving needs: a ready lookup and loads that take LOAD_S."""
+    """What Sender.serving needs: a ready lookup and loads that take LOAD_S."""
 
     def __init__(self, ready=(), known=("m", "m2")):
         self.records: dict[str, SimpleNamespace] = {}
@@ -72,18 +72,17 @@ def canary_router(clock, manager=None, **options):
             "max_failed_checks": 1, "max_error_rate": 0.05, "max_p99_ms": 100}
     opts.update(options)
     table.start_canary("m", "m2", **opts)
-    router = Router(manager or FakeManager(ready={"m"}), table)
-    router.stats = StatsBook(clock=clock)
-    router.canaries = CanaryController(table, router.stats, clock)
-    return router
+    stats = StatsBook(clock=clock)
+    return Router(manager or FakeManager(ready={"m"}), table, stats=stats,
+                  canaries=CanaryController(table, stats, clock))
 
 
 async def serve(router, variant_model, body=None):
-    """One request through Router.serving; ``body(call)`` plays the forward to Triton."""
+    """One request through Sender.serving; ``body(call)`` plays the forward to Triton."""
     # Pick the variant: a user id lands on the same side of the split every time.
     user = next(f"u{i}" for i in range(10_000)
                 if router.table.resolve("m", f"u{i}").model == variant_model)
-    async with router.serving("m", user) as call:
+    async with router.sender.serving("m", user) as call:
         if body is not None:
             await body(call)
 

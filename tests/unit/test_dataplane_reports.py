@@ -13,7 +13,7 @@ from aiohttp.test_utils import make_mocked_request
 from control_plane.admin import dataplane
 from control_plane.admin.api import error_middleware
 from control_plane.admin.dataplane import DataPlaneHub
-from router.rollouts.stats import StatsBook
+from control_plane.rollouts.stats import StatsBook
 
 
 class Touches:

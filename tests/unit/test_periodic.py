@@ -70,10 +70,10 @@ def test_a_failing_step_is_counted_and_the_next_one_runs(is_async):
 
 def test_the_routers_canary_loop_survives_a_failing_judgement():
     async def go():
-        router = Router(SimpleNamespace(ready_server=lambda m: None, carrier_of=lambda m: None),
-                        RouteTable(), RouterConfig(canary_interval_s=0.01))
         step = FailsOnce()
-        router.canaries.step = step
+        router = Router(SimpleNamespace(ready_server=lambda m: None, carrier_of=lambda m: None),
+                        RouteTable(), RouterConfig(canary_interval_s=0.01),
+                        canaries=SimpleNamespace(step=step))
         await router.start()
         await until(lambda: step.calls >= 3)
         await router.stop()

@@ -17,6 +17,7 @@ from control_plane.state.store import StateStore
 from router.rollouts.public_names import PublicNames
 from router.rollouts.routes import RouteTable
 from router.serving.core import Router
+from router.serving.decide import Decider
 from router.serving.errors import (
     InvalidVersion,
     ModelUnavailable,
@@ -69,22 +70,22 @@ def add_folder(router, concrete):
 # --------------------------------------------------------------------------- names
 def test_registry_versions_are_reachable_by_number_and_answer_with_it(tmp_path):
     router, _ = make_router(tmp_path)
-    assert router.decide("simple", None).model == "simple.v2"
-    assert router.decide("simple", None, "3").model == "simple.v3"
-    assert router.decide("cust017", None, "4").model == "cust017-faulty"
+    assert router.decider.route("simple", None).model == "simple.v2"
+    assert router.decider.route("simple", None, "3").model == "simple.v3"
+    assert router.decider.route("cust017", None, "4").model == "cust017-faulty"
     for name, number, text in (
             ("simple", "1", "Request for unknown model: 'simple' version 1 is not found"),  # retired
             ("simple", "7", "Request for unknown model: 'simple' version 7 is not found"),
             ("nosuch", "1", "Request for unknown model: 'nosuch' is not found")):
         with pytest.raises(UnknownModel) as info:
-            router.decide(name, None, number)
+            router.decider.route(name, None, number)
         assert info.value.message == text
     # Responses carry the asked name and the registry version, never simple.v3.
-    decision = router.decide("simple", None, "3")
-    assert router.public_identity(decision) == ("simple", "3")
+    decision = router.decider.route("simple", None, "3")
+    assert router.decider.public_identity(decision) == ("simple", "3")
     triton = service_pb2.ModelInferResponse(model_name="simple.v3", model_version="1", id="r1")
     merged = service_pb2.ModelInferResponse.FromString(
-        triton.SerializeToString() + router._response_suffix("simple", decision))
+        triton.SerializeToString() + router.forwarder._response_suffix("simple", decision))
     assert (merged.model_name, merged.model_version, merged.id) == ("simple", "3", "r1")
     assert merged.parameters["model"].string_param == "simple"
 
@@ -93,29 +94,30 @@ def test_concrete_names_answer_like_unknown_models_unless_exposed(tmp_path):
     router, _ = make_router(tmp_path)
     for name in ("simple.v2", "cust017-faulty", "../x"):
         with pytest.raises(UnknownModel, match=r"^Request for unknown model: '.*' is not found$"):
-            router.decide(name, None)
-        assert router.model_ready(name) is False
+            router.decider.route(name, None)
+        assert router.answers.model_ready(name) is False
     with pytest.raises(UnknownModel, match="^Request for unknown model: 'draft' has no available versions$"):
-        router.decide("draft", None)
+        router.decider.route("draft", None)
     # A route (alias) is a logical name; its version is the version of what it serves.
     router.table.set_alias("rec", "simple.v3")
-    assert router.decide("rec", None).model == "simple.v3"
-    assert router.decide("rec", None, "3").model == "simple.v3"
+    assert router.decider.route("rec", None).model == "simple.v3"
+    assert router.decider.route("rec", None, "3").model == "simple.v3"
     with pytest.raises(UnknownModel, match="'rec' version 2 is not found"):
-        router.decide("rec", None, "2")
+        router.decider.route("rec", None, "2")
 
     exposed, _ = make_router(tmp_path / "exposed", expose=True)
-    decision = exposed.decide("cust017-faulty", None, "1")
+    decision = exposed.decider.route("cust017-faulty", None, "1")
     assert (decision.model, decision.version) == ("cust017-faulty", "1")  # Triton's own version
-    assert exposed.public_identity(decision) == ("cust017-faulty", None)
+    assert exposed.decider.public_identity(decision) == ("cust017-faulty", None)
 
 
 def test_a_version_request_counts_against_the_limit_of_its_name(tmp_path):
     router, _ = make_router(tmp_path)
     router.table.set_limit("simple", 1, 1)
-    router.decide("simple", None, "3")
+    decider = router.decider
+    run(decider.admit(decider.route("simple", None, "3")))
     with pytest.raises(RateLimited):
-        router.decide("simple", None, "2")
+        run(decider.admit(decider.route("simple", None, "2")))
 
 
 STOL = ("failed to get model version from specified version string '{}' (details: stol), "
@@ -138,11 +140,11 @@ def test_versions_are_digits_only_in_tritons_words(given, expected):
 def test_triton_messages_name_the_model_the_client_asked_for():
     text = ("[request id: <id_unknown>] unexpected shape for input 'INPUT1' for model 'simple.v2'. "
             "Expected [16], got [15].")
-    assert Router.public_text(text, "simple.v2", "simple") == text.replace("'simple.v2'", "'simple'")
+    assert Decider.public_text(text, "simple.v2", "simple") == text.replace("'simple.v2'", "'simple'")
     # Only the quoted model name: another model whose name contains it is left alone.
-    assert Router.public_text("'cust017-v2' and 'cust017'", "cust017", "rec") == "'cust017-v2' and 'rec'"
+    assert Decider.public_text("'cust017-v2' and 'cust017'", "cust017", "rec") == "'cust017-v2' and 'rec'"
     # A family's variant: Triton speaks of the family model that serves it.
-    assert (Router.public_text("unexpected shape for input 'FEATURES' for model 'recommender'",
+    assert (Decider.public_text("unexpected shape for input 'FEATURES' for model 'recommender'",
                                "cust007", "cust007", "recommender")
             == "unexpected shape for input 'FEATURES' for model 'cust007'")
 
@@ -152,13 +154,13 @@ def test_readiness_of_unknown_and_cold_models_is_false_and_loads_nothing(tmp_pat
     async def go():
         router, admin = make_router(tmp_path, registry=False)
         await router.manager.start()
-        assert router.model_ready("nosuch") is False  # Triton: ready false, not an error
-        assert router.model_ready("simple.v2") is False  # cold
+        assert router.answers.model_ready("nosuch") is False  # Triton: ready false, not an error
+        assert router.answers.model_ready("simple.v2") is False  # cold
         assert admin.load_calls == []
         await router.manager.ensure("simple.v2")
-        assert router.model_ready("simple.v2") is True
+        assert router.answers.model_ready("simple.v2") is True
         with pytest.raises(RouterError, match="'abc'"):
-            router.model_ready("simple.v2", "abc")
+            router.answers.model_ready("simple.v2", "abc")
 
     run(go())
 
@@ -167,21 +169,21 @@ def test_cold_metadata_and_config_come_from_config_pbtxt_without_a_load(tmp_path
     async def go():
         router, admin = make_router(tmp_path)
         add_folder(router, "simple.v2")
-        meta = await router.model_call("simple", "metadata")
+        meta = await router.answers.model_call("simple", "metadata")
         assert (meta.name, list(meta.versions), meta.platform) == ("simple", ["2"], "python")
         assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] == [
             ("INPUT0", "INT32", [16]), ("INPUT1", "INT32", [16])]
-        config = await router.model_call("simple", "config")
+        config = await router.answers.model_call("simple", "config")
         assert (config.config.name, config.config.backend) == ("simple", "python")
         assert [w.name for w in config.config.model_warmup] == ["random_sample"]
         with pytest.raises(ModelUnavailable, match=r"^requested model 'simple' is not available$"):
-            await router.model_call("simple", "statistics")
+            await router.answers.model_call("simple", "statistics")
         with pytest.raises(ModelUnavailable, match="^requested model version is not available for model 'simple'$"):
-            await router.model_call("simple", "statistics", "7")
+            await router.answers.model_call("simple", "statistics", "7")
         # Registered, but its folder is not in the repository (not staged): Triton's answer
         # for a model it has not loaded.
         with pytest.raises(UnknownModel, match=r"^Request for unknown model: 'simple' is not found$"):
-            await router.model_call("simple", "config", "3")
+            await router.answers.model_call("simple", "config", "3")
         assert admin.load_calls == []
 
     run(go())
@@ -194,8 +196,8 @@ def test_unknown_names_create_no_metric_series(tmp_path):
         names = [f"probe{uuid.uuid4().hex[:10]}" for _ in range(4)]
         for name, method in zip(names, ("metadata", "config", "statistics", "metadata")):
             with pytest.raises(RouterError):
-                await router.model_call(name, method)
-            router.model_ready(name)
+                await router.answers.model_call(name, method)
+            router.answers.model_ready(name)
         return names, (generate_latest(router.metrics.registry)
                        + generate_latest(router.manager.metrics.registry)).decode()
 
@@ -231,5 +233,5 @@ def test_config_json_is_written_as_triton_writes_it(tmp_path):
 def test_a_malformed_adapter_name_says_how_to_write_one(tmp_path):
     router, _ = make_router(tmp_path)
     with pytest.raises(RouterError, match="write BASE:ADAPTER") as info:
-        router.decide("simple:a:b", None)
+        router.decider.route("simple:a:b", None)
     assert info.value.grpc_code.name == "INVALID_ARGUMENT"

@@ -78,7 +78,7 @@ class Triton:
 def raw_router(triton: Triton, state: MovingState | None = None) -> tuple[Router, MovingState]:
     state = state or MovingState()
     router = Router(state, RouteTable())
-    router.raw_infer = triton.rpc  # the bytes path sends through raw_infer(server)
+    router.channels.raw_infer = triton.rpc  # the bytes path sends through raw_infer(server)
     return router, state
 
 
@@ -93,7 +93,7 @@ def test_a_request_that_meets_its_model_unloaded_is_sent_again_where_it_is_now()
     triton = Triton(triton0=[UNLOADED], triton1=[b""])
     router, state = raw_router(triton)
 
-    response = run(router.infer_raw(raw_request(), lambda: None))
+    response = run(router.forwarder.infer_raw(raw_request(), lambda: None))
 
     assert triton.sent == ["triton0", "triton1"]
     assert state.ensured == ["m"]  # asked again although this process believed it loaded
@@ -104,9 +104,9 @@ def test_a_request_that_meets_its_model_unloaded_is_sent_again_where_it_is_now()
 def test_the_typed_path_sends_again_after_an_unload_too():
     triton = Triton(triton0=[UNLOADED], triton1=[service_pb2.ModelInferResponse()])
     router, state = raw_router(triton)
-    router.stub = lambda server: type("Stub", (), {"ModelInfer": staticmethod(triton.rpc(server))})
+    router.channels.stub = lambda server: type("Stub", (), {"ModelInfer": staticmethod(triton.rpc(server))})
 
-    response = run(router.infer(service_pb2.ModelInferRequest(model_name="m"), None))
+    response = run(router.forwarder.infer(service_pb2.ModelInferRequest(model_name="m"), None))
 
     assert triton.sent == ["triton0", "triton1"] and state.ensured == ["m"]
     assert response.model_name == "m" and not response.parameters  # served as itself: Triton's answer
@@ -116,7 +116,7 @@ def test_under_thrash_a_request_is_sent_again_each_time_its_model_was_unloaded_a
     triton = Triton(triton0=[UNLOADED], triton1=[UNLOADED, UNLOADED, b""])
     router, state = raw_router(triton)
 
-    response = run(router.infer_raw(raw_request(), lambda: None))
+    response = run(router.forwarder.infer_raw(raw_request(), lambda: None))
 
     assert triton.sent == ["triton0", "triton1", "triton1", "triton1"]
     assert state.ensured == ["m"] * 3
@@ -128,7 +128,7 @@ def test_a_model_unloaded_at_every_send_reaches_the_client_after_a_bounded_numbe
     router, _state = raw_router(triton)
 
     with pytest.raises(UpstreamError) as info:
-        run(router.infer_raw(raw_request(), lambda: None))
+        run(router.forwarder.infer_raw(raw_request(), lambda: None))
 
     assert triton.sent == ["triton0"] + ["triton1"] * MAX_RESENDS
     assert info.value.grpc_code == grpc.StatusCode.NOT_FOUND
@@ -140,7 +140,7 @@ def test_tritons_own_answer_passes_on_about_the_asked_name_without_a_resend():
     router, state = raw_router(triton)
 
     with pytest.raises(UpstreamError) as info:
-        run(router.infer_raw(raw_request(), lambda: None))
+        run(router.forwarder.infer_raw(raw_request(), lambda: None))
 
     assert triton.sent == ["triton0"] and state.ensured == []
     assert info.value.grpc_code == grpc.StatusCode.INVALID_ARGUMENT
@@ -154,7 +154,7 @@ def test_a_request_whose_triton_is_down_is_sent_again_where_the_control_plane_pl
     triton = Triton(triton0=[DOWN], triton1=[b""])
     router, state = raw_router(triton)
 
-    response = run(router.infer_raw(raw_request(), lambda: None))
+    response = run(router.forwarder.infer_raw(raw_request(), lambda: None))
 
     assert triton.sent == ["triton0", "triton1"]
     assert state.unreachable == ["triton0"]  # the control plane is told which one
@@ -166,7 +166,7 @@ def test_a_model_on_a_server_reported_down_is_a_miss_and_never_sent_there():
     router, state = raw_router(triton, MovingState(ServerAddress("triton0", "first:8001",
                                                                  "first:8000", up=False)))
 
-    run(router.infer_raw(raw_request(), lambda: None))
+    run(router.forwarder.infer_raw(raw_request(), lambda: None))
 
     assert triton.sent == ["triton1"] and state.unreachable == ["triton0"]
 
@@ -176,7 +176,7 @@ def test_a_triton_that_stays_down_is_unavailable_and_named():
     router, state = raw_router(triton)
 
     with pytest.raises(BackendUnavailable, match="triton1 at .* is unavailable"):
-        run(router.infer_raw(raw_request(), lambda: None))
+        run(router.forwarder.infer_raw(raw_request(), lambda: None))
 
     assert triton.sent == ["triton0"] + ["triton1"] * MAX_RESENDS  # bounded
     assert state.unreachable == ["triton0"] + ["triton1"] * (MAX_RESENDS - 1)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from control_plane.domain.errors import InvalidModelName
-from router.rollouts.canary import CanaryController
+from control_plane.rollouts.canary import CanaryController
+from control_plane.rollouts.stats import StatsBook
 from router.rollouts.ratelimit import TokenBucket
 from router.rollouts.routes import RouteTable, bucket
 from router.rollouts.shadow import ShadowItem, ShadowMirror, compare_outputs
-from router.rollouts.stats import StatsBook
 from router.serving.errors import InvalidRequest
 from tests.conftest import run
 
@@ -215,17 +215,17 @@ def test_name_serves_registry_production_version_unless_aliased():
 
 
 def test_public_requests_cannot_control_adapters_or_dodge_their_limits():
-    from router.serving.core import Router
+    from router.serving.decide import Decider
     from router.serving.errors import PermissionDenied
 
     with pytest.raises(PermissionDenied, match="ADAPTER_CONTROL"):
-        Router.public_name("tinylm", ["ADAPTER_CONTROL"], None)
+        Decider.public_name("tinylm", ["ADAPTER_CONTROL"], None)
     with pytest.raises(InvalidRequest, match="adapter=NAME"):
-        Router.public_name("tinylm", ["TEXT", "ADAPTER"], None)
+        Decider.public_name("tinylm", ["TEXT", "ADAPTER"], None)
     # An adapter chosen by parameter is routed (and rate-limited) as base:adapter.
-    assert Router.public_name("tinylm", ["TEXT"], "acme") == "tinylm:acme"
-    assert Router.public_name("tinylm:acme", ["TEXT"], "acme") == "tinylm:acme"
-    assert Router.public_name("cust001", ["FEATURES"], None) == "cust001"
+    assert Decider.public_name("tinylm", ["TEXT"], "acme") == "tinylm:acme"
+    assert Decider.public_name("tinylm:acme", ["TEXT"], "acme") == "tinylm:acme"
+    assert Decider.public_name("cust001", ["FEATURES"], None) == "cust001"
 
 
 def test_experiment_refused_on_a_route_with_a_running_canary():

@@ -1,4 +1,5 @@
-"""Canary analysis: one ``step()`` judges every running canary from the router's statistics.
+"""Canary analysis: one ``step()`` judges every running canary from the statistics of the
+requests the routers served (``control_plane.rollouts.stats``).
 
 Each check compares the canary's window (since its stage began) with the baseline's:
 too few canary requests is inconclusive and holds (never promote or roll back on no data);
@@ -32,15 +33,15 @@ import logging
 import time
 from collections.abc import Callable
 
+from control_plane.rollouts.stats import StatsBook, WindowSummary
 from router.rollouts.routes import Canary, Route, RouteTable
-from router.rollouts.stats import StatsBook, WindowSummary
 
 log = logging.getLogger(__name__)
 
 # Slack added to the relative error gate so a baseline with 0 errors does not turn one
 # canary error into a failure.
 RELATIVE_ERROR_SLACK = 0.01
-WINDOW_KEY_PREFIX = "router.canary_window."
+WINDOW_KEY_PREFIX = "router.canary_window."  # a key of saved state: never renamed
 # A full window is ~1 MB to encode and write; more often would cost the serving loop more
 # than the few seconds of outcomes a takeover could lose.
 WINDOW_SAVE_INTERVAL_S = 2.0

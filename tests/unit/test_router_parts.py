@@ -1,0 +1,340 @@
+"""Each part of the router alone, with fakes for what it is given: the decision
+(``Decider``), the recording of outcomes (``Recording``), the channels to Triton
+(``Channels``), the sends (``Sender``), ModelInfer (``Forwarder``) and the answers about
+models (``Answers``); then ``Router``, which only builds and wires them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import generate_latest
+from tritonclient.grpc import service_pb2
+
+from router.rollouts.public_names import PublicNames
+from router.rollouts.routes import Decision, RouteTable
+from router.serving.answers import Answers
+from router.serving.core import Router, RouterConfig
+from router.serving.decide import Decider
+from router.serving.errors import InvalidRequest, RateLimited, UnknownModel
+from router.serving.forward import Forwarder
+from router.serving.metrics import Recording, RouterMetrics
+from router.serving.send import Call, Channels, Sender
+from router.serving.serving_state import ServerAddress
+from tests.conftest import run
+
+SERVER = ServerAddress("triton0", "triton0:8001", "triton0:8000")
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "simple"
+
+
+# --------------------------------------------------------------------------- fakes
+class Limits:
+    """A limiter that records what each request spends and refuses the names in ``refuse``."""
+
+    def __init__(self, refuse=()):
+        self.spent: list[tuple[str, ...]] = []
+        self.refuse = set(refuse)
+
+    async def acquire(self, names) -> None:
+        names = tuple(names)
+        self.spent.append(names)
+        if self.refuse & set(names):
+            raise RateLimited("limited", 1.0)
+
+
+class State:
+    """Where models are: ``ready`` on SERVER; an ensure loads a model there."""
+
+    def __init__(self, ready=(), repository: Path | None = None):
+        self.ready = set(ready)
+        self.repository = repository
+        self.ensured: list[str] = []
+        self.touched: list[str] = []
+        self.answered: list[tuple[str, int]] = []
+
+    def ready_server(self, model):
+        return SERVER if model in self.ready else None
+
+    async def ensure(self, model, unreachable=None):
+        self.ensured.append(model)
+        self.ready.add(model)
+        return SERVER
+
+    def touch(self, model):
+        self.touched.append(model)
+
+    def requests_answered(self, model, ensures):
+        self.answered.append((model, ensures))
+
+    def carrier_of(self, model):
+        return None
+
+    def servers(self):
+        return [SERVER]
+
+
+class Outcomes:
+    def __init__(self):
+        self.seen: list[tuple] = []
+
+    def record_outcome(self, scope, variant, code, served_ms, randomly_assigned=False):
+        self.seen.append((scope, variant, code, served_ms, randomly_assigned))
+
+
+class Recorded:
+    """A Recording that keeps what it was told."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def record(self, decision, latency_s, code, known=True, served_s=None):
+        self.calls.append((decision.logical, decision.model, code, known, served_s is not None))
+
+
+class Triton:
+    """Channels to a fake Triton: raw ModelInfer answers ``answer`` and keeps what it got."""
+
+    def __init__(self, answer: bytes = b""):
+        self.answer = answer
+        self.sent: list[tuple[str, bytes]] = []
+        self.stubs: dict[str, object] = {}
+
+    def raw_infer(self, server):
+        async def model_infer(message, timeout=None):
+            self.sent.append((server.name, message))
+            return self.answer
+        return model_infer
+
+    def stub(self, server):
+        return self.stubs[server.name]
+
+
+def decider(table: RouteTable | None = None, names=None, limiter=None) -> Decider:
+    return Decider(table or RouteTable(), names, limiter or Limits())
+
+
+# --------------------------------------------------------------------------- Decider
+def test_the_decider_routes_and_spends_the_limits_of_the_name_and_the_model_it_reaches():
+    table = RouteTable()
+    table.set_alias("rec", "cust001")
+    limits = Limits(refuse={"cust002"})
+    d = Decider(table, None, limits)
+
+    decision = d.route("rec", None)
+    assert (decision.logical, decision.model) == ("rec", "cust001")
+    run(d.admit(decision))
+    run(d.admit(d.route("cust001", None)))
+    assert limits.spent == [("rec", "cust001"), ("cust001",)]
+    with pytest.raises(RateLimited):
+        run(d.admit(d.route("cust002", None)))
+
+    # A new table (a router worker's next snapshot) is what the next request is routed by.
+    d.table = RouteTable()
+    assert d.route("rec", None).model == "rec"
+
+
+def test_the_decider_names_what_served_a_request_as_the_client_knows_it():
+    names = PublicNames(lambda: [SimpleNamespace(model="simple", version=2, stage="production",
+                                                 name="simple.v2")])
+    d = decider(RouteTable(default_target=names.production.get, unrouted=names.unrouted), names)
+
+    decision = d.route("simple", None)
+    assert decision.model == "simple.v2"
+    assert d.public_identity(decision) == ("simple", "2")
+    assert d.resolve("simple", None, "2").model == "simple.v2"
+    with pytest.raises(UnknownModel, match="'simple' version 7 is not found"):
+        d.resolve("simple", None, "7")
+    assert d.public_text("model 'simple.v2' failed", "simple.v2", "simple") == "model 'simple' failed"
+
+
+# --------------------------------------------------------------------------- Recording
+def test_recording_counts_every_request_and_hands_on_only_experiment_and_canary_outcomes():
+    metrics, outcomes = RouterMetrics(), Outcomes()
+    recording = Recording(metrics, outcomes)
+
+    recording.record(Decision("m", "m", "default", scope="model:m"), 0.01, "OK", served_s=0.004)
+    recording.record(Decision("m", "m2", "canary", scope="canary:m"), 0.5, "OK", served_s=0.004)
+    recording.record(Decision("m", "m2", "canary", scope="canary:m"), 0.5, "UNAVAILABLE")
+
+    assert outcomes.seen == [("canary:m", "canary", "OK", 4.0, False),
+                             ("canary:m", "canary", "UNAVAILABLE", None, False)]
+    text = generate_latest(metrics.registry).decode()
+    assert 'mmr_requests_total{code="OK",model="m2",route="m",variant="canary"} 1.0' in text
+    # Without statistics to feed, the series are still counted.
+    Recording(RouterMetrics()).record(Decision("m", "m2", "canary", scope="canary:m"), 0.1, "OK")
+
+
+# --------------------------------------------------------------------------- Channels
+def test_channels_open_one_channel_per_server_and_close_them():
+    async def go():
+        channels = Channels()
+        first = channels.stub(SERVER)
+        assert channels.stub(SERVER) is first
+        assert channels.raw_infer(SERVER) is channels.raw_infer(SERVER)
+        other = channels.stub(ServerAddress("triton1", "triton1:8001", "triton1:8000"))
+        assert other is not first
+        await channels.close()
+        assert channels.stub(SERVER) is not first  # a closed channel is never reused
+
+        await channels.close()
+
+    run(go())
+
+
+# --------------------------------------------------------------------------- Sender
+def sender(state: State, limits: Limits | None = None, triton: Triton | None = None,
+           recording=None) -> Sender:
+    return Sender(state, decider(limiter=limits), triton or Triton(), recording or Recorded(),
+                  RouterMetrics(), RouterConfig())
+
+
+def test_the_sender_loads_a_missing_model_sends_and_records_the_outcome():
+    state, limits, triton, recorded = State(), Limits(), Triton(answer=b"answer"), Recorded()
+    s = sender(state, limits, triton, recorded)
+
+    async def go():
+        async with s.serving("m", None) as call:
+            assert s.inflight == 1
+            return await s.send_raw(call, b"request", None, "m")
+
+    assert run(go()) == b"answer"
+    assert state.ensured == ["m"] and state.touched == ["m"] and state.answered == [("m", 1)]
+    assert limits.spent == [("m",)] and triton.sent == [("triton0", b"request")]
+    assert recorded.calls == [("m", "m", "OK", True, True)] and s.inflight == 0
+
+
+def test_the_sender_records_a_refused_request_with_its_code_and_sends_nothing():
+    state, triton, recorded = State(ready={"m"}), Triton(), Recorded()
+    s = sender(state, Limits(refuse={"m"}), triton, recorded)
+
+    async def go():
+        async with s.serving("m", None):
+            pass
+
+    with pytest.raises(RateLimited):
+        run(go())
+    assert triton.sent == [] and recorded.calls == []  # refused before it was a request
+
+
+# --------------------------------------------------------------------------- Forwarder
+class Sends:
+    """A Sender that serves every request on SERVER and answers ``answer``."""
+
+    def __init__(self, d: Decider, answer: bytes = b""):
+        self.decider = d
+        self.answer = answer
+        self.bodies: list[bytes] = []
+
+    @contextlib.asynccontextmanager
+    async def serving(self, logical, user_id, version=""):
+        yield Call(self.decider.route(logical, user_id, version), time.perf_counter(), SERVER)
+
+    async def send_raw(self, call, body, timeout_s, asked):
+        self.bodies.append(body)
+        return self.answer
+
+
+class Mirror:
+    def __init__(self):
+        self.offered = []
+
+    def offer(self, item):
+        self.offered.append(item)
+        return True
+
+
+def test_the_forwarder_readdresses_a_request_answers_under_the_asked_name_and_mirrors_it():
+    table = RouteTable()
+    table.set_alias("rec", "cust001")
+    table.set_shadow("rec", "cust001-next", 100.0)
+    d = decider(table)
+    triton_answer = service_pb2.ModelInferResponse(model_name="cust001").SerializeToString()
+    sends, mirror = Sends(d, triton_answer), Mirror()
+    forwarder = Forwarder(State(), d, sends, mirror, shared_memory=None)
+    raw = service_pb2.ModelInferRequest(model_name="rec", id="r1").SerializeToString()
+
+    answer = service_pb2.ModelInferResponse.FromString(run(forwarder.infer_raw(raw, lambda: None)))
+
+    sent = service_pb2.ModelInferRequest.FromString(sends.bodies[0])
+    assert (sent.model_name, sent.id) == ("cust001", "r1")
+    assert answer.model_name == "rec" and answer.parameters["model"].string_param == "cust001"
+    [item] = mirror.offered
+    assert (item.route, item.shadow_model) == ("rec", "cust001-next")
+    assert service_pb2.ModelInferRequest.FromString(item.request).model_name == "cust001-next"
+
+
+def test_the_forwarder_refuses_adapter_control_before_anything_is_served():
+    sends = Sends(decider())
+    forwarder = Forwarder(State(), sends.decider, sends, Mirror(), shared_memory=None)
+    request = service_pb2.ModelInferRequest(model_name="tinylm")
+    request.inputs.add(name="ADAPTER")
+    with pytest.raises(InvalidRequest, match="adapter=NAME"):
+        run(forwarder.infer_raw(request.SerializeToString(), lambda: None))
+    assert sends.bodies == []
+
+
+# --------------------------------------------------------------------------- Answers
+class MetadataStub:
+    async def ModelMetadata(self, request):
+        return service_pb2.ModelMetadataResponse(name=request.name, versions=["1"], platform="python")
+
+
+def test_answers_come_from_triton_for_a_loaded_model_and_from_its_folder_for_a_cold_one(tmp_path):
+    shutil.copytree(FIXTURE, tmp_path / "cold", ignore=shutil.ignore_patterns("README.md"))
+    table = RouteTable()
+    table.set_alias("rec", "warm")
+    table.set_alias("old", "cold")
+    state = State(ready={"warm"}, repository=tmp_path)
+    triton = Triton()
+    triton.stubs["triton0"] = MetadataStub()
+    answers = Answers(state, decider(table), triton)
+
+    async def go():
+        return (await answers.model_call("rec", "metadata"), await answers.model_call("old", "metadata"))
+
+    warm, cold = run(go())
+    assert (warm.name, warm.platform) == ("rec", "python")  # Triton's answer, the asked name
+    assert cold.name == "old" and cold.versions == ["1"]  # from config.pbtxt, no load
+    assert state.ensured == []
+    assert answers.model_ready("rec") and not answers.model_ready("old")
+    assert answers.any_server_up()
+
+
+# --------------------------------------------------------------------------- Router
+def test_the_router_wires_one_decider_into_every_part_and_runs_only_the_judge_it_is_given():
+    state, stats = State(), Outcomes()
+    router = Router(state, RouteTable(), stats=stats)
+
+    assert router.sender.decider is router.decider
+    assert router.forwarder.decider is router.decider and router.answers.decider is router.decider
+    assert router.forwarder.sender is router.sender and router.forwarder.shadow is router.shadow
+    assert router.sender.channels is router.channels is router.answers.channels
+    assert router.recording.outcomes is stats and router.sender.recording is router.recording
+    new = RouteTable()
+    router.table = new  # a router worker's next snapshot
+    assert router.decider.table is new and router.table is new
+
+    async def go():
+        await router.start()
+        judged = router._canary_task
+        await router.stop()
+        return judged
+
+    assert run(go()) is None  # no canary controller given: nothing judged here
+    steps = []
+    judging = Router(state, RouteTable(), RouterConfig(canary_interval_s=0.01),
+                     canaries=SimpleNamespace(step=lambda: steps.append(1)))
+
+    async def judged():
+        await judging.start()
+        while not steps:
+            await asyncio.sleep(0.01)
+        await judging.stop()
+
+    run(judged())
+    assert steps
