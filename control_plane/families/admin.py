@@ -310,8 +310,8 @@ class FamilyAdmin(TritonAdmin):
             return 0.0  # a freed slot is free at once
         return await super().wait_unavailable(model, timeout_s)
 
-    async def index(self) -> dict[str, IndexEntry]:
-        index = await super().index()
+    async def index(self, ready_only: bool = False) -> dict[str, IndexEntry]:
+        index = await super().index(ready_only)
         for name in list(index):
             family = self.families.family(name)
             if family is None:

@@ -21,6 +21,10 @@ from control_plane.triton.admin import TritonModelState
 
 log = logging.getLogger(__name__)
 
+# How often a reconcile pass reads a server's whole repository index (new folders join the
+# catalogue; a name asked for that is not known yet is looked up at once, Catalog.known).
+CATALOG_READ_S = 30.0
+
 
 class Reconciler:
     def __init__(self, state: ManagerState, catalog: Catalog, recency: Recency,
@@ -30,6 +34,7 @@ class Reconciler:
         self.recency = recency
         self.unloader = unloader
         self.pins = pins
+        self._catalog_read_at: dict[str, float] = {}  # server -> monotonic; its whole index read
         self._probes: dict[str, asyncio.Task] = {}  # server name -> liveness probe a request asked for
 
     async def start(self) -> None:
@@ -51,8 +56,12 @@ class Reconciler:
         if server.process is not None and not server.process.alive():
             await self._restart_triton(server)
             return
+        # The whole index (every folder of the repository: new models join the catalogue)
+        # every CATALOG_READ_S; in between only what is loaded, so a pass costs the same
+        # with ten or ten thousand models in the repository.
+        whole = time.monotonic() - self._catalog_read_at.get(server.name, -CATALOG_READ_S) >= CATALOG_READ_S
         try:
-            index = await server.admin.index()
+            index = await server.admin.index(ready_only=not whole)
         except TritonUnavailable:
             if server.up:
                 log.error("Triton %s at %s is not answering", server.name, server.spec.grpc_url)
@@ -67,6 +76,8 @@ class Reconciler:
         server.up, server.down_since, server.lost = True, None, False
         self.state.metrics.server_up.labels(server.name).set(1)
         self.state.known_names.update(index)
+        if whole:
+            self._catalog_read_at[server.name] = time.monotonic()
 
         def ours(rec: ModelRecord | None) -> bool:
             return (rec is not None and rec.server == server.name
@@ -118,12 +129,19 @@ class Reconciler:
                     else:
                         rec.move(ModelState.FAILED)  # keep the failure reason visible
                     rec.server = None
-            for name, rec in self.state.records.items():
-                if rec.server == server.name and name not in index and name not in busy:
-                    server.planner.remove(name)
-                    self.state.release_warm(name)
-                    rec.move(ModelState.WARM)
-                    rec.server = None
+            # What this server holds room for and Triton no longer lists as loaded (the
+            # models placed on a server are its planner's residents).
+            for name in list(server.planner.residents):
+                rec = self.state.records.get(name)
+                if (rec is None or rec.server != server.name or name in index or name in busy):
+                    continue
+                server.planner.remove(name)
+                self.state.release_warm(name)
+                if rec.state == ModelState.READY:
+                    log.warning("%s is no longer loaded on %s", name, server.name)
+                # A failed model keeps its failure visible; any other is warm again.
+                rec.move(ModelState.FAILED if rec.state == ModelState.FAILED else ModelState.WARM)
+                rec.server = None
         self.state.update_gauges(server)
         with contextlib.suppress(ControlPlaneError):
             await self.recency.refresh_usage(server)

@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
-from tritonclient.grpc import InferInput, model_config_pb2
+from tritonclient.grpc import InferInput, model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from control_plane.domain.errors import (
@@ -161,6 +162,10 @@ class TritonAdmin:
         # config.pbtxt as it is (placement.instance_kind_override: run where placed).
         self.load_config = load_config
         self._client: grpcclient.InferenceServerClient | None = None
+        # Triton's gRPC service itself, for what tritonclient does not ask: the index of
+        # the loaded models only (RepositoryIndexRequest.ready).
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
 
     @property
     def client(self) -> grpcclient.InferenceServerClient:
@@ -168,10 +173,20 @@ class TritonAdmin:
             self._client = grpcclient.InferenceServerClient(self.grpc_url)
         return self._client
 
+    @property
+    def stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.grpc_url)
+            self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        return self._stub
+
     async def close(self) -> None:
         if self._client is not None:
             await self._client.close()
             self._client = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel, self._stub = None, None
 
     def _unavailable(self, exc: Exception) -> TritonUnavailable:
         if "protocol is restricted" in str(exc):
@@ -196,27 +211,30 @@ class TritonAdmin:
         except InferenceServerException:
             return False
 
-    async def index(self) -> dict[str, IndexEntry]:
-        """What this server has, by model (FamilyAdmin lists a family's variants here)."""
-        return await self.triton_index()
+    async def index(self, ready_only: bool = False) -> dict[str, IndexEntry]:
+        """What this server has, by model (FamilyAdmin lists a family's variants here).
+        ``ready_only``: only the models loaded and ready (Triton filters; a short answer
+        however large the repository)."""
+        return await self.triton_index(ready_only)
 
-    async def triton_index(self) -> dict[str, IndexEntry]:
+    async def triton_index(self, ready_only: bool = False) -> dict[str, IndexEntry]:
         """Triton's own repository index."""
         try:
-            resp = await self.client.get_model_repository_index(
-                headers=self.headers, as_json=True, client_timeout=self.timeouts.health_s
-            )
-        except InferenceServerException as exc:
-            raise self._unavailable(exc) from exc
+            # The protobuf as it is: a conversion to JSON costs more than the call itself
+            # once the repository holds thousands of folders.
+            resp = await self.stub.RepositoryIndex(
+                service_pb2.RepositoryIndexRequest(ready=ready_only),
+                metadata=tuple((self.headers or {}).items()), timeout=self.timeouts.health_s)
+        except grpc.RpcError as exc:
+            raise self._unavailable(InferenceServerException(
+                msg=exc.details() or str(exc.code()), status=str(exc.code()))) from exc
         out = {}
-        for m in resp.get("models", []):
+        for m in resp.models:
             # Triton lists every folder, the warm tier's hidden staging and temporary ones
             # too; a name starting with "." is never a model (names.py refuses it).
-            if m["name"].startswith("."):
+            if m.name.startswith("."):
                 continue
-            out[m["name"]] = IndexEntry(
-                m["name"], TritonModelState.parse(m.get("state")), m.get("reason", "")
-            )
+            out[m.name] = IndexEntry(m.name, TritonModelState.parse(m.state), m.reason)
         return out
 
     def _translate(self, exc: InferenceServerException, action: str, model: str,

@@ -41,8 +41,9 @@ class FakeAdmin:
     def measured(self, model):
         return True
 
-    async def index(self):
-        return {m: IndexEntry(m, s) for m, s in self.states.items()}
+    async def index(self, ready_only=False):
+        return {m: IndexEntry(m, s) for m, s in self.states.items()
+                if not ready_only or s == TritonModelState.READY}
 
     async def load(self, model):
         self.load_calls.append(model)
@@ -702,10 +703,10 @@ class NodeAdmin(FakeAdmin):
     async def is_live(self):
         return not self.down
 
-    async def index(self):
+    async def index(self, ready_only=False):
         if self.down:
             raise TritonUnavailable("Triton at fake is not reachable (connection refused)")
-        return await super().index()
+        return await super().index(ready_only)
 
 
 def test_a_request_for_a_model_on_a_dead_server_has_it_placed_on_another_at_once(tmp_path):

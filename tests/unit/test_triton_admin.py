@@ -11,7 +11,7 @@ from control_plane.domain.errors import (
     OperationTimeout,
     TritonUnavailable,
 )
-from control_plane.triton.admin import TritonAdmin
+from control_plane.triton.admin import TritonAdmin, TritonModelState
 from tests.conftest import run
 
 
@@ -128,11 +128,20 @@ def test_failed_synthetic_warmup_says_what_it_sent_and_how_to_turn_it_off():
 
 
 def test_hidden_folders_in_the_repository_are_not_models():
-    class IndexClient:
-        async def get_model_repository_index(self, **_kwargs):
-            return {"models": [{"name": "cust001", "state": "READY"},
-                               {"name": ".mms-staging"}, {"name": ".cust002.tmp"}]}
+    from tritonclient.grpc import service_pb2
+
+    asked = []
+
+    class IndexStub:
+        async def RepositoryIndex(self, request, **_kwargs):
+            asked.append(request.ready)
+            return service_pb2.RepositoryIndexResponse(models=[
+                service_pb2.RepositoryIndexResponse.ModelIndex(name="cust001", state="READY"),
+                service_pb2.RepositoryIndexResponse.ModelIndex(name=".mms-staging"),
+                service_pb2.RepositoryIndexResponse.ModelIndex(name=".cust002.tmp")])
 
     admin = TritonAdmin("127.0.0.1:1")
-    admin._client = IndexClient()
+    admin._stub = IndexStub()
     assert set(run(admin.index())) == {"cust001"}
+    assert run(admin.index(ready_only=True))["cust001"].state == TritonModelState.READY
+    assert asked == [False, True]  # only the loaded models, when that is all a pass needs
