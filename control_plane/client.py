@@ -122,7 +122,7 @@ class AdminClient:
         except requests.ConnectionError:
             raise ControlPlaneUnreachable(
                 f"the control plane is not running at {self.url}; start it with `make up` (or "
-                "`mmctl up`), or point --url / MMCTL_URL at it") from None
+                "`mmctl up`), or point --url / MMS_URL (or MMCTL_URL) at it") from None
         except requests.Timeout:
             raise NoAnswerInTime(f"no answer from {self.url} within {self.timeout_s:.0f}s (raise "
                                  "--timeout for big models)") from None

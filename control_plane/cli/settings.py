@@ -68,16 +68,11 @@ class SettingType(click.ParamType):
             self.fail(f"{exc.message} (from {found[0]})" if found else exc.message, param, ctx)
 
 
-def _help(s: Setting) -> str:
-    """The help, and where the environment can set it: ``(env MMS_X or MMCTL_X)``."""
-    return f"{s.help} (env {' or '.join(s.env_names)})" if s.env_names else s.help
-
-
 def click_option(d: Declared) -> Callable:
     """``d`` as a click option.  Its default goes in as text, so that --help shows it as a
     person writes it (16MiB) and the type parses it like any value given."""
     s = d.setting
-    kw: dict[str, Any] = {"help": _help(s), "envvar": list(s.env_names) or None}
+    kw: dict[str, Any] = {"help": s.help_with_env, "envvar": list(s.env_names) or None}
     if s.kind == SWITCH:
         return click.option(f"{d.flag}/--no-{d.flag[2:]}", d.name, default=s.default,
                             show_default=s.default is not None, **kw)

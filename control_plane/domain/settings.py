@@ -94,6 +94,11 @@ class Setting:
         """The environment variables read, in order: the MMS_ name, then the old ones."""
         return ((self.env,) if self.env else ()) + self.aliases
 
+    @property
+    def help_with_env(self) -> str:
+        """The help, and the variables that set it: ``... (env MMS_X or MMCTL_X)``."""
+        return f"{self.help} (env {' or '.join(self.env_names)})" if self.env_names else self.help
+
     def field(self, flag: str | None = None, commands: tuple[str, ...] | None = None) -> Any:
         """A dataclass field holding this setting.  ``flag``: another spelling for the
         commands of this config class (``--router-host`` for the worker's ``--host``);
@@ -272,7 +277,7 @@ def argument_parser(cls: type, prog: str, description: str,
         flags = [d.flag, *s.old_flags]
         from_env = env_text(s, environ) is not None
         default = env_value(s, environ) if from_env else s.default
-        common = {"dest": d.name, "help": s.help}
+        common = {"dest": d.name, "help": s.help_with_env}
         if s.kind == FLAG:
             p.add_argument(*flags, action="store_true", default=default, **common)
         elif s.kind == SWITCH:

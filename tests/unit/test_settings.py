@@ -375,3 +375,31 @@ def test_the_markdown_table_has_a_row_per_setting():
             assert f"`{alias}`" in text
     assert "`--router-host` (up); `--host` (router)" in text
     assert "MMS_TEST" not in text and "shadow-log-dir" not in text
+
+
+# --------------------------------------------------------------------------- no env by hand
+def test_the_test_switches_are_the_ones_the_product_reads():
+    from control_plane.manager.records import STRICT_ENV
+    from control_plane.triton.fake_nvml import TEST_HOOK_ENV
+
+    assert TEST_SWITCHES == {STRICT_ENV, TEST_HOOK_ENV}
+
+
+def test_no_environment_variable_of_ours_is_read_outside_the_table():
+    """Every MMS_/MMCTL_ name in the product's code is a setting's variable (declared in the
+    table), a test switch, or not an environment variable at all."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    known = {name for s in all_settings() for name in s.env_names} | TEST_SWITCHES
+    not_env = {"MMS_FAMILY_STATUS",  # a tensor name of the family models (model_runtime)
+               TEST_SWITCH_PREFIX, ENV_PREFIX}
+    pattern = re.compile(r"^(MMS|MMCTL)_[A-Z0-9_]*$")
+    stray = []
+    for package in ("control_plane", "router", "model_runtime"):
+        for path in (root / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                        and pattern.match(node.value) and node.value not in known | not_env):
+                    stray.append(f"{path.relative_to(root)}: {node.value}")
+    assert not stray, stray
