@@ -15,7 +15,7 @@ Every failure is an exception, never an exit: the admin API's own errors arrive 
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
@@ -27,6 +27,7 @@ from control_plane.domain.errors import (
     InvalidInput,
     OperationTimeout,
 )
+from control_plane.domain.settings import ADMIN_TOKEN, env_text, setting
 
 DEFAULT_URL = "http://127.0.0.1:8090"
 DEFAULT_TOKEN_FILE = Path(".state") / "admin.token"  # where `mmctl up` (default --state-dir) writes it
@@ -49,20 +50,43 @@ class AdminRefused(ControlPlaneError):
         self.status = status
 
 
+@dataclass
+class ClientSettings:
+    """How mmctl reaches the admin API: the options of ``mmctl`` itself (before the command),
+    declared once (``control_plane.domain.settings``).  MMCTL_URL and MMCTL_TOKEN_FILE, the
+    names of earlier releases, are still read."""
+
+    url: str = setting(DEFAULT_URL, "Admin API of the control plane.", flag="--url",
+                       aliases=("MMCTL_URL",))
+    timeout_s: float = setting(600.0, "Seconds to wait for an answer (loads can take long).",
+                               flag="--timeout", parse=float)
+    token_file: Path = setting(
+        DEFAULT_TOKEN_FILE, "The admin token written by `mmctl up` into its --state-dir; "
+        "MMS_ADMIN_TOKEN (or MMCTL_TOKEN), if set, is used instead.", flag="--token-file",
+        parse=Path, metavar="PATH", aliases=("MMCTL_TOKEN_FILE",))
+    admin_token: str | None = ADMIN_TOKEN.field()  # environment only (find_token)
+
+
+def _token_names() -> str:
+    """``MMS_ADMIN_TOKEN (or MMCTL_TOKEN)``."""
+    return f"{ADMIN_TOKEN.env} (or {', '.join(ADMIN_TOKEN.aliases)})"
+
+
 def find_token(token_file: Path | None = None) -> tuple[str | None, str]:
-    """The admin token and where it came from: env MMCTL_TOKEN, else ``token_file``
-    (default .state/admin.token) if it exists.  An unreadable file is InvalidInput."""
-    token = os.environ.get("MMCTL_TOKEN", "").strip()
-    if token:
-        return token, "MMCTL_TOKEN"
+    """The admin token and where it came from: env MMS_ADMIN_TOKEN (or MMCTL_TOKEN), else
+    ``token_file`` (default .state/admin.token) if it exists.  An unreadable file is
+    InvalidInput."""
+    found = env_text(ADMIN_TOKEN)
+    if found is not None and found[1].strip():
+        return found[1].strip(), found[0]
     path = token_file or DEFAULT_TOKEN_FILE
     try:
         token = path.read_text().strip()
     except FileNotFoundError:
-        return None, f"no MMCTL_TOKEN and no token file at {path}"
+        return None, f"no {_token_names()} and no token file at {path}"
     except OSError as exc:
         raise InvalidInput(f"cannot read the admin token file {path}: {exc.strerror}; run as the "
-                           "user that started `mmctl up`, or set MMCTL_TOKEN") from None
+                           f"user that started `mmctl up`, or set {ADMIN_TOKEN.env}") from None
     return token or None, str(path)
 
 
@@ -98,7 +122,7 @@ class AdminClient:
         except requests.ConnectionError:
             raise ControlPlaneUnreachable(
                 f"the control plane is not running at {self.url}; start it with `make up` (or "
-                "`mmctl up`), or point --url / MMCTL_URL at it") from None
+                "`mmctl up`), or point --url / MMS_URL (or MMCTL_URL) at it") from None
         except requests.Timeout:
             raise NoAnswerInTime(f"no answer from {self.url} within {self.timeout_s:.0f}s (raise "
                                  "--timeout for big models)") from None

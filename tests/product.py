@@ -12,6 +12,7 @@ from pathlib import Path
 
 import requests
 
+from control_plane.domain.settings import ADMIN_TOKEN
 from control_plane.triton.process import free_port
 from tests.conftest import pid_alive
 
@@ -89,8 +90,12 @@ class Product:
     def client_env(self) -> dict[str, str]:
         """What a shell needs to drive this product with mmctl: its admin API and token."""
         env = {"MMCTL_URL": self.url, "MMCTL_TOKEN_FILE": str(self.token_file)}
-        if "MMCTL_TOKEN" in os.environ:  # would win over the token file
-            env["MMCTL_TOKEN"] = ""
+        for name in ("MMS_URL", "MMS_TOKEN_FILE"):  # the MMS_ names would win over those
+            if name in os.environ:
+                env[name] = ""
+        for name in ADMIN_TOKEN.env_names:  # would win over the token file
+            if name in os.environ:
+                env[name] = ""
         return env
 
     def mmctl(self, *args: str) -> subprocess.CompletedProcess:

@@ -44,8 +44,9 @@ TOKEN_FILE_NAME = "admin.token"  # in the state directory, mode 0600
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 LOOPBACK_NAMES = frozenset({"localhost"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
-TOKEN_HINT = ("mmctl sends it from MMCTL_TOKEN or its --token-file (default .state/admin.token, "
-              "which `mmctl up` writes into its --state-dir); other clients send "
+TOKEN_HINT = ("mmctl sends it from MMS_ADMIN_TOKEN (or MMCTL_TOKEN) or its --token-file "
+              "(default .state/admin.token, which `mmctl up` writes into its --state-dir); "
+              "other clients send "
               "'Authorization: Bearer <token>'")
 
 
@@ -173,7 +174,7 @@ def access_middleware(access: AdminAccess):
 def ensure_token_file(path: Path, token: str | None = None) -> str:
     """The admin token, kept in ``path`` with mode 0600 so mmctl on this machine finds it.
 
-    ``token`` given (``--admin-token`` / MMCTL_TOKEN): written there.  Otherwise the file's
+    ``token`` given (``--admin-token`` / MMS_ADMIN_TOKEN): written there.  Otherwise the file's
     token is reused, so clients keep working across restarts (delete the file to rotate it),
     unless the file is empty or readable by others; then a new one is generated.
     """

@@ -8,12 +8,7 @@ import sys
 
 import click
 
-from control_plane.client import (  # noqa: F401  (DEFAULT_*: the CLI's options)
-    DEFAULT_TOKEN_FILE,
-    DEFAULT_URL,
-    AdminClient,
-    ControlPlaneUnreachable,
-)
+from control_plane.client import AdminClient, ControlPlaneUnreachable
 from control_plane.domain.errors import ControlPlaneError
 from control_plane.domain.exit_codes import (  # noqa: F401  (the commands' exit codes)
     EXIT_BY_ERROR,

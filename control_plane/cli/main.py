@@ -15,9 +15,8 @@ from pathlib import Path
 
 import click
 
+from control_plane.cli import settings
 from control_plane.cli.common import (  # noqa: F401  (exit codes are part of this module's surface)
-    DEFAULT_TOKEN_FILE,
-    DEFAULT_URL,
     EXIT_BY_ERROR,
     EXIT_ERROR,
     EXIT_LOAD_FAILED,
@@ -33,21 +32,16 @@ from control_plane.cli.common import (  # noqa: F401  (exit codes are part of th
 )
 from control_plane.cli.common import fmt_ago as _ago
 from control_plane.cli.common import fmt_bytes as _bytes
+from control_plane.client import ClientSettings
 
 
 @click.group(context_settings={"max_content_width": 100})
-@click.option("--url", envvar="MMCTL_URL", default=DEFAULT_URL, show_default=True,
-              help="Admin API of the control plane (env MMCTL_URL).")
-@click.option("--timeout", "timeout_s", default=600.0, show_default=True,
-              help="Seconds to wait for an answer (loads can take long).")
-@click.option("--token-file", type=click.Path(path_type=Path), envvar="MMCTL_TOKEN_FILE",
-              default=DEFAULT_TOKEN_FILE, show_default=True,
-              help="The admin token written by `mmctl up` into its --state-dir (env "
-                   "MMCTL_TOKEN_FILE); env MMCTL_TOKEN, if set, is used instead.")
+@settings.options(ClientSettings, "mmctl", config_file=False)
 @click.pass_context
-def cli(ctx: click.Context, url: str, timeout_s: float, token_file: Path):
+def cli(ctx: click.Context, **opts):
     """Multi-model serving on Triton: load, pin and inspect models."""
-    ctx.obj = Api(url, timeout_s, token_file)
+    client = ClientSettings(**settings.values(ClientSettings, "mmctl", opts))
+    ctx.obj = Api(client.url, client.timeout_s, client.token_file)
 
 
 def _emit(body, as_json: bool, text: str) -> None:
@@ -182,11 +176,11 @@ def demo_fleet(out: Path, count: int, size_mb: float | None, overwrite: bool):
 def _add_commands() -> None:
     """Every mmctl command, added one way: each module of this package defines its
     commands and groups with click and lists them in ``COMMANDS``; this adds them all."""
-    from control_plane.cli import adapters, families, registry, routing, serve
+    from control_plane.cli import adapters, families, registry, routing, serve, settings
 
     own = [status, load, pin, unpin, unload, health, fleet, endpoints, demo_fleet]
     for command in (*own, *routing.COMMANDS, *serve.COMMANDS, *registry.COMMANDS,
-                    *adapters.COMMANDS, *families.COMMANDS):
+                    *adapters.COMMANDS, *families.COMMANDS, *settings.COMMANDS):
         cli.add_command(command)
 
 

@@ -2,7 +2,7 @@
 
 A click group that ``mmctl`` adds (``COMMANDS``).  It finds the control
 plane through the parent's context object (``.url``, ``.timeout_s``); run on its own it
-takes ``MMCTL_URL``.  Exit codes are mmctl's (2 bad input, 3 unreachable, 4 unknown model,
+takes ``MMS_URL`` (or ``MMCTL_URL``).  Exit codes are mmctl's (2 bad input, 3 unreachable, 4 unknown model,
 5 no capacity, 6 load/download failed, 7 timeout).
 """
 

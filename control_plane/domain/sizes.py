@@ -21,3 +21,13 @@ def parse_size(value: str | int) -> int:
     if size < 0:
         raise InvalidInput(f"{value!r} is negative; a size is >= 0 bytes")
     return size
+
+
+def size_text(size: int) -> str:
+    """``size`` as people write it, exactly: 16777216 -> "16MiB", 1000 -> "1000"
+    (``parse_size`` reads it back to the same number)."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        scale = _UNITS[unit.upper()]
+        if size and size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)

@@ -1,90 +1,251 @@
-"""The control plane's settings: parsed once by mmctl, validated here, carried to the
-control plane's own process as JSON (secrets excepted: they travel in its environment)."""
+"""The control plane's settings, declared once (``control_plane.domain.settings``): each
+field below that is a ``setting`` is an option of ``mmctl up`` / ``mmctl control-plane``
+(control_plane/cli/settings.py derives them), an ``MMS_`` environment variable, and a row
+of ``mmctl settings --markdown``.  Parsed once by mmctl, validated here, carried to the
+control plane's own process as JSON (secrets excepted: they travel in its environment).
+
+Environment variables of earlier releases still read (``aliases``): MMCTL_TOKEN,
+MMCTL_STATE_URL, MMCTL_ADVERTISE_URL, MMCTL_TRITON_ADMIN_KEY (and, elsewhere, MMCTL_URL,
+MMCTL_TOKEN_FILE, MMCTL_CONTROL_URL); the MMS_ name wins where both are set.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from control_plane.domain.errors import InvalidInput
+from control_plane.domain.settings import (
+    ADMIN_TOKEN,
+    FLAG,
+    LOG_LEVEL,
+    MULTIPLE,
+    SWITCH,
+    comma_list,
+    declared,
+    file_path,
+    same_as,
+    setting,
+)
+from control_plane.domain.sizes import parse_size, size_text
 from control_plane.eviction import DEFAULT_POLICY, POLICIES
+from router.serving.worker_settings import WorkerConfig
 
 log = logging.getLogger(__name__)
+
+UP = ("up",)  # settings only `mmctl up` takes (a cluster's control plane runs no router)
+UNLIMITED = "unlimited"  # --memory-budget unlimited: no byte budget at all
+
+
+def parse_budget(text: str) -> int | str:
+    """A size, or 'unlimited' (ServiceConfig turns it into derive_memory_budget=False)."""
+    return UNLIMITED if text.strip().lower() == UNLIMITED else parse_size(text)
+
+
+def parse_device_budget(entry: str) -> tuple[str, int]:
+    """``gpu0=60GiB`` -> ("gpu0", bytes)."""
+    device, sep, size = entry.partition("=")
+    if not sep or not device.strip() or not size.strip():
+        raise InvalidInput(f"{entry!r} is not DEVICE=SIZE (example: gpu0=60GiB)")
+    return device.strip(), parse_size(size)
+
+
+def at_least_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise InvalidInput(f"{value} is not >= 0")
+    return value
+
+
+def _show_budget(value: int | str) -> str:
+    return value if isinstance(value, str) else size_text(value)
 
 
 @dataclass
 class ServiceConfig:
-    state_dir: Path = Path(".state")
-    repository: Path | None = None  # Triton's repository = the warm tier; default below
-    warm_budget_bytes: int | None = None
-    cold_dir: Path | None = None  # local cold store; default <state_dir>/cold
-    s3: object | None = None  # cold_store.S3Config when an S3 bucket is configured
-    auto_pin_top_k: int | None = None
-    prefetch_min_miss_rate: float | None = None
-    admin_host: str = "127.0.0.1"
-    admin_port: int = 8090
-    admin_token: str | None = None  # None: reuse or generate <state_dir>/admin.token
-    admin_allowed_hosts: list[str] = field(default_factory=list)  # extra Host names
-    triton_host: str = "127.0.0.1"
-    triton_servers: int = 1  # CPU Tritons to start where no GPU is found
-    # GPUs / MIG slices: one Triton each, found by NVML.  ``devices``: only these (ids such as
-    # gpu0 or gpu1/mig2, server names, UUIDs); ``device_budgets``: bytes per device id.
-    devices: list[str] | None = None
-    device_budgets: dict[str, int] = field(default_factory=dict)
-    nvml: object | None = None  # an NVML module (pynvml's surface); None: pynvml if usable
-    use_nvml: bool = True
-    triton_http_port: int = 8100  # server i uses port + 10 * i; 0 = any free port
-    triton_grpc_port: int = 8101
-    triton_metrics_port: int = 8102
-    attach: list[str] = field(default_factory=list)  # gRPC URLs of running Tritons
-    max_loaded: int | None = None
-    memory_budget_bytes: int | None = None  # None: derived from the device (local servers)
-    derive_memory_budget: bool = True  # False (--memory-budget unlimited): no byte budget
-    # Write the demo fleet (fleet_size models, the LoRA demo) into the repository where
-    # missing: only `mmctl up` sets it (no --repository, or --demo); a control plane of a
-    # cluster never writes demo models.
-    demo: bool = False
-    fleet_size: int = 50
-    model_size_mb: float | None = None
+    # ----------------------------------------------------- settings of up and control-plane
+    state_dir: Path = setting(
+        Path(".state"), "Pins, routes, registry (SQLite), admin token, endpoints.json, Triton logs.",
+        flag="--state-dir", parse=Path)
+    # Triton's repository = the warm tier; default: ``repository_dir`` below
+    repository: Path | None = setting(
+        None, "Triton model repository (default: <state-dir>/repository with the demo fleet).",
+        flag="--repository", parse=Path)
+    max_loaded: int | None = setting(None, "Most models loaded per Triton server.",
+                                     flag="--max-loaded", parse=int)
+    # None: derived from the device (local servers); ``--memory-budget unlimited`` sets
+    # derive_memory_budget=False instead (__post_init__).
+    memory_budget_bytes: int | None = setting(
+        None, "Bytes of model memory per server (e.g. 2GiB), or 'unlimited'. Default: each "
+        "GPU's or MIG slice's memory less 10% (at least 1 GiB), else 50% of host RAM shared by "
+        "the local servers (mmctl fleet shows it).",
+        flag="--memory-budget", parse=parse_budget, show=_show_budget, metavar="SIZE")
+    fleet_size: int = setting(
+        50, "Demo models cust001..custNNN to create if missing (mmctl up's demo).",
+        flag="--fleet-size", parse=int)
+    model_size_mb: float | None = setting(
+        None, "Weight size of each demo model (the seed scenario uses 850).",
+        flag="--model-size-mb", parse=float)
     # The demo fleet as one model family ("family": variants in the weight slots of one
     # Triton model) or one Triton model per customer ("models").
-    fleet_layout: str = "family"
-    policy: str = DEFAULT_POLICY
-    reconcile_interval_s: float = 2.0
+    fleet_layout: str = setting(
+        "family", "Demo fleet as one model family (variants swap into the weight slots of one "
+        "Triton model) or as one Triton model per customer.",
+        flag="--fleet-layout", choices=("family", "models"))
+    admin_host: str = setting(
+        "127.0.0.1", "Address of the admin API (model control: keep it off public networks).",
+        flag="--admin-host")
+    admin_port: int = setting(
+        8090, "Port of the admin API (0 = any free port; endpoints.json says which).",
+        flag="--admin-port", parse=int)
+    admin_token: str | None = ADMIN_TOKEN.field(flag="--admin-token")
+    admin_allowed_hosts: list[str] = setting(  # extra Host names
+        (), "Another Host name the admin API answers to besides loopback and --admin-host "
+        "(repeatable); any other name is refused (DNS rebinding).",
+        flag="--admin-allowed-host", kind=MULTIPLE, env="MMS_ADMIN_ALLOWED_HOSTS")
+    triton_servers: int = setting(  # CPU Tritons to start where no GPU is found
+        1, "Local tritonserver processes to start on a machine without GPUs (with GPUs: one per "
+        "GPU or MIG slice).", flag="--triton-servers", parse=int)
+    # GPUs / MIG slices: one Triton each, found by NVML.  ``devices``: only these (ids such as
+    # gpu0 or gpu1/mig2, server names, UUIDs); ``device_budgets``: bytes per device id.
+    devices: list[str] | None = setting(
+        None, "Only these GPUs / MIG slices, comma-separated: ids as `mmctl fleet` shows them "
+        "(gpu0, gpu1/mig2; a GPU's id selects all its slices) or UUIDs. Default: every one NVML "
+        "finds.", flag="--devices", parse=comma_list, show=",".join)
+    device_budgets: dict[str, int] = setting(
+        (), "Model memory of one device, e.g. gpu0=60GiB (repeatable). Default: the device's "
+        "memory less a reserve of 10% (at least 1 GiB) for Triton's CUDA context, memory pool "
+        "and fragmentation.", flag="--device-budget", kind=MULTIPLE, parse=parse_device_budget,
+        collect=dict, show=lambda pair: f"{pair[0]}={size_text(pair[1])}", metavar="DEVICE=SIZE",
+        env="MMS_DEVICE_BUDGETS")
+    # server i uses port + 10 * i; 0 = any free port
+    triton_http_port: int = setting(
+        8100, "Triton's internal HTTP port (server i: port + 10*i; 0 = any free port).",
+        flag="--triton-http-port", parse=int)
+    triton_grpc_port: int = setting(
+        8101, "Triton's internal gRPC port (server i: port + 10*i; 0 = any free port).",
+        flag="--triton-grpc-port", parse=int)
+    triton_metrics_port: int = setting(
+        8102, "Triton's metrics port (server i: port + 10*i; 0 = any free port).",
+        flag="--triton-metrics-port", parse=int)
+    attach: list[str] = setting(  # gRPC URLs of running Tritons
+        (), "Already running Triton: GRPC_URL[,HTTP_URL] (repeatable).", flag="--attach",
+        kind=MULTIPLE)
+    expose_versions: bool = setting(  # concrete Triton names callable on the public port
+        False, "Let clients call concrete Triton names (cust017.v3, cust017-faulty) directly. "
+        "Off: only logical names and their registry versions are public, so A/B, canaries and "
+        "limits on a name cannot be skipped.", flag="--expose-versions", kind=FLAG)
+    warm_budget_bytes: int | None = setting(
+        None, "Bytes of host DRAM for the warm tier (Triton's repository), e.g. 16GiB.",
+        flag="--warm-budget", parse=parse_size, show=size_text, metavar="SIZE")
+    cold_dir: Path | None = setting(  # local cold store; default <state_dir>/cold
+        None, "Local cold store (default <state-dir>/cold). S3 comes from MMS_S3_* env.",
+        flag="--cold-dir", parse=Path)
+    auto_pin_top_k: int | None = setting(
+        None, "Pin the K models with the most traffic automatically.", flag="--auto-pin-top-k",
+        parse=int)
+    prefetch_min_miss_rate: float | None = setting(
+        None, "Prefetch into warm the models missing more often than this per second.",
+        flag="--prefetch-min-miss-rate", parse=float)
+    policy: str = setting(
+        DEFAULT_POLICY, "Which unpinned model to evict when a server is full: lru (least "
+        "recently used), wtinylfu (frequency and load cost), wtinylfu-hits (frequency), gdsf "
+        "(frequency, cost and size). README: replayed hit ratios of each.",
+        flag="--policy", choices=tuple(sorted(POLICIES)))
+    # Room each server keeps free for the next miss (ManagerConfig): None = one model where
+    # at least 8 fit, 0 = off; headroom_bytes: explicit bytes under a byte budget.
+    headroom_models: int | None = setting(
+        None, "Models' worth of room each server keeps free, so that a miss loads at once "
+        "instead of waiting for an unload; the policy's next victim leaves in the background. "
+        "Default: 1 on servers that hold at least 8 models, else 0. 0 turns it off.",
+        flag="--headroom-models", parse=at_least_zero, metavar="INTEGER")
+    headroom_bytes: int | None = setting(
+        None, "Bytes each server with a byte budget keeps free instead (e.g. 2GiB); default: "
+        "--headroom-models times the median loaded model's size.",
+        flag="--headroom-bytes", parse=parse_size, show=size_text, metavar="SIZE")
+    reconcile_interval_s: float = setting(
+        2.0, "Seconds between passes that compare with each Triton and repair.",
+        flag="--reconcile-interval", parse=float)
+    log_level: str = LOG_LEVEL.field()
+    # ----------------------------------------------------- settings of mmctl up alone
+    # Write the demo fleet (fleet_size models, the LoRA demo) into the repository where
+    # missing.  None: mmctl up decides (when no --repository); a control plane of a cluster
+    # never writes demo models.
+    demo: bool | None = setting(
+        None, "Write the demo fleet (--fleet-size models, the LoRA demo) where missing. "
+        "Default: when no --repository is given.", flag="--demo", kind=SWITCH, commands=UP)
+    router: bool = setting(True, "Serve the public Triton-compatible endpoint.",
+                           flag="--router", kind=SWITCH, commands=UP)
+    # Router worker processes (control_plane.runtime.supervisor).  None: mmctl up starts a
+    # quarter of the cores; 0 (or None in a ServiceConfig built in code): the router runs
+    # in this process.  With workers this process serves them (dataplane_hub) and binds no
+    # public port.
+    router_workers: int | None = setting(
+        None, "Router processes sharing the public ports (SO_REUSEPORT), supervised with the "
+        "control plane: a crash of either leaves the other serving. Default: a quarter of the "
+        "cores (1 to 8). 0: the router runs inside the control plane's process (one process, "
+        "no supervisor).", flag="--router-workers", parse=at_least_zero, metavar="INTEGER",
+        commands=UP)
+    # The router's public side: the same settings as `mmctl router`'s (one declaration).
+    router_host: str = same_as(WorkerConfig, "host", "--router-host", UP)
+    router_http_port: int = same_as(WorkerConfig, "http_port", "--router-http-port", UP)
+    router_grpc_port: int = same_as(WorkerConfig, "grpc_port", "--router-grpc-port", UP)
+    max_request_bytes: int = same_as(WorkerConfig, "max_request_bytes", commands=UP)
+    load_wait_timeout_s: float = same_as(WorkerConfig, "load_timeout", commands=UP)
+    # ----------------------------------------------------- past one machine
+    # state_url: sqlite:///path or postgresql://... (None: the SQLite file in state_dir).
+    # Leader election: on by default with PostgreSQL (several control planes share it), off
+    # with SQLite; lease_ttl_s bounds how long a dead leader is waited for.
+    state_url: str | None = setting(
+        None, "Where durable state lives: sqlite:///path/state.db or "
+        "postgresql://user:password@host/db (prefer the environment: argv is visible to other "
+        "users). Default: <state-dir>/state.db. With PostgreSQL several control planes share "
+        "it: one leads, the others stand by.",
+        flag="--state-url", aliases=("MMCTL_STATE_URL",), secret=True)
+    leader_election: bool | None = setting(
+        None, "Run for the leader lease in the state store before acting. Default: on with "
+        "PostgreSQL, off with SQLite.", flag="--leader-election", kind=SWITCH)
+    lease_ttl_s: float = setting(
+        5.0, "Seconds a leader's lease lasts without renewal: how long a standby waits after "
+        "the leader's death before it takes over.", flag="--lease-ttl", parse=float)
+    instance_name: str | None = setting(  # this control plane in the lease
+        None, "This control plane's name in the lease (default host:pid:random).",
+        flag="--instance-name")
+    advertise_url: str | None = setting(  # how standbys and operators reach this admin API
+        None, "How other machines reach this admin API, recorded with the lease so a standby "
+        "can name the leader (default: http://<admin host>:<port>; in a pod: "
+        "http://$(POD_IP):8090).", flag="--advertise-url", aliases=("MMCTL_ADVERTISE_URL",))
+    servers_file: Path | None = setting(  # Tritons registered by address (runtime.tritons)
+        None, "JSON list of Tritons running elsewhere (other nodes), registered by address: "
+        '{"servers": [{"name", "grpc_url", "http_url", "metrics_url", "node", '
+        '"memory_budget"}]}. README: More than one machine.',
+        flag="--servers-file", parse=file_path, metavar="FILE")
+    triton_admin_key: str | None = setting(  # Triton's restricted model-repository key
+        None, "Key of Tritons started with --grpc-restricted-protocol=model-repository:"
+        "admin-key=<key>: sent with load and unload (prefer the environment).",
+        flag="--triton-admin-key", aliases=("MMCTL_TRITON_ADMIN_KEY",), secret=True)
+    # A registered Triton that has not answered for this long is lost: its models are
+    # placed again elsewhere (pinned ones at once, the others at their next request).
+    server_lost_after_s: float = setting(
+        10.0, "Seconds a registered Triton may not answer before its models are placed on the "
+        "other servers.", flag="--server-lost-after", parse=float)
+    # ----------------------------------------------------- set by code, not by users
+    s3: object | None = None  # cold_store.S3Config (its own MMS_S3_* settings) or None
+    nvml: object | None = None  # an NVML module (pynvml's surface); None: pynvml if usable
+    use_nvml: bool = True
+    derive_memory_budget: bool = True  # False (--memory-budget unlimited): no byte budget
+    triton_host: str = "127.0.0.1"
     drain_timeout_s: float = 30.0
     unload_timeout_s: float = 60.0
     triton_ready_timeout_s: float = 120.0
-    router: bool = True
-    # Router worker processes (control_plane.runtime.supervisor); 0: the router runs in this process.
-    # With workers this process serves them (dataplane_hub) and binds no public port.
-    router_workers: int = 0
-    router_host: str = "127.0.0.1"
-    router_http_port: int = 8000
-    router_grpc_port: int = 8001
-    max_request_bytes: int = 16 * 1024 * 1024
-    expose_versions: bool = False  # concrete Triton names callable on the public port
-    load_wait_timeout_s: float = 120.0
-    # Room each server keeps free for the next miss (ManagerConfig): None = one model where
-    # at least 8 fit, 0 = off; headroom_bytes: explicit bytes under a byte budget.
-    headroom_models: int | None = None
-    headroom_bytes: int | None = None
-    # Past one machine.  state_url: sqlite:///path or postgresql://... (None: the SQLite file
-    # in state_dir).  Leader election: on by default with PostgreSQL (several control planes
-    # share it), off with SQLite; lease_ttl_s bounds how long a dead leader is waited for.
-    state_url: str | None = None
-    leader_election: bool | None = None
-    lease_ttl_s: float = 5.0
-    instance_name: str | None = None  # this control plane in the lease (default host:pid:rand)
-    advertise_url: str | None = None  # how standbys and operators reach this admin API
-    servers_file: Path | None = None  # Tritons registered by address (runtime.tritons)
-    triton_admin_key: str | None = None  # Triton's restricted model-repository protocol key
-    # A registered Triton that has not answered for this long is lost: its models are
-    # placed again elsewhere (pinned ones at once, the others at their next request).
-    server_lost_after_s: float = 10.0
     # Router workers run elsewhere (mmctl router, other pods): serve them, bind no public port.
     external_routers: bool = False
+
+    def __post_init__(self) -> None:
+        if self.memory_budget_bytes == UNLIMITED:
+            self.memory_budget_bytes, self.derive_memory_budget = None, False
 
     def validate(self) -> None:
         if self.max_loaded is not None and self.max_loaded < 1:
@@ -128,11 +289,12 @@ class ServiceConfig:
         return default_warm_repository(self.state_dir, need)
 
 
-# Not carried in the config file: the S3 settings and a fake NVML come from the environment
-# of the control plane's process, the admin token from its file.
-# The state URL (it may hold a password) and Triton's admin key come from the environment too.
-_NOT_IN_FILE = frozenset({"s3", "nvml", "admin_token", "state_url", "triton_admin_key"})
-_PATH_FIELDS = frozenset({"state_dir", "repository", "cold_dir", "servers_file"})
+# Not carried in the config file: secrets (the state URL may hold a password; Triton's admin
+# key) come from the environment of the control plane's process, the admin token from its
+# file; the S3 settings (MMS_S3_*) and a fake NVML from its environment too.
+SECRETS = frozenset(d.name for d in declared(ServiceConfig) if d.setting.secret)
+_NOT_IN_FILE = SECRETS | {"s3", "nvml"}
+_PATH_FIELDS = frozenset(d.name for d in declared(ServiceConfig) if d.setting.parse in (Path, file_path))
 
 
 def config_to_json(cfg: ServiceConfig) -> str:

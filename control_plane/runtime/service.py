@@ -63,7 +63,7 @@ class Service(TritonLaunching):
     def supervised(self) -> bool:
         """Router workers run beside this process, under mmctl up's supervisor: Tritons
         outlive a crash of this process and its next life adopts them."""
-        return self.cfg.router and self.cfg.router_workers > 0
+        return bool(self.cfg.router and self.cfg.router_workers)
 
     @property
     def serves_workers(self) -> bool:
@@ -297,14 +297,14 @@ class Service(TritonLaunching):
         self.hub = DataPlaneHub(self.manager, self.registry, self.manager.store,
                                 expose_versions=cfg.expose_versions,
                                 shadow_log_dir=str((cfg.state_dir / "shadow").resolve()),
-                                workers_expected=cfg.router_workers, families=self.families)
+                                workers_expected=cfg.router_workers or 0, families=self.families)
         self.route_store = self.hub.route_store
         await self.hub.start()
         add_router_routes(admin_app, self.hub)
         add_dataplane_routes(admin_app, self.hub)
         endpoints["router_grpc"] = f"{cfg.router_host}:{cfg.router_grpc_port}"
         endpoints["router_http"] = f"{cfg.router_host}:{cfg.router_http_port}"
-        endpoints["router_workers"] = cfg.router_workers
+        endpoints["router_workers"] = cfg.router_workers or 0
 
     async def stop(self) -> None:
         if self.hub is not None:
@@ -358,21 +358,24 @@ class Service(TritonLaunching):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The control plane as its own process (started by mmctl up's supervisor)."""
+    """The control plane as its own process (started by mmctl up's supervisor): its settings
+    from the file mmctl wrote, the secrets (the state URL, Triton's admin key) and S3's from
+    its environment; the admin token from its file, which the supervisor wrote."""
     from control_plane.domain.errors import ControlPlaneError
+    from control_plane.domain.settings import env_values
+    from control_plane.runtime.config import SECRETS
     from control_plane.tiers.cold import S3Config
     from control_plane.triton.fake_nvml import from_test_hook
 
     parser = argparse.ArgumentParser(prog="python -m control_plane.runtime.service")
     parser.add_argument("--config", type=Path, required=True, help="Settings written by mmctl up.")
-    parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_json(args.config.read_text())
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name, value in env_values(ServiceConfig, names=sorted(SECRETS - {"admin_token"})).items():
+        setattr(cfg, name, value)
     cfg.s3 = S3Config.from_env()
-    cfg.state_url = os.environ.get("MMCTL_STATE_URL") or None
-    cfg.triton_admin_key = os.environ.get("MMCTL_TRITON_ADMIN_KEY") or None
     cfg.nvml = from_test_hook()  # TEST HOOK (fake_nvml); None in production
     try:
         asyncio.run(Service(cfg).serve_forever())

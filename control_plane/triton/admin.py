@@ -194,7 +194,7 @@ class TritonAdmin:
                 f"Triton at {self.grpc_url} takes model control only with its admin key "
                 f"({'the key given is wrong' if self.headers else 'none was given'}); start the "
                 "control plane with the key its Tritons were started with: --triton-admin-key "
-                "or MMCTL_TRITON_ADMIN_KEY")
+                "or MMS_TRITON_ADMIN_KEY (MMCTL_TRITON_ADMIN_KEY)")
         return TritonUnavailable(
             f"Triton at {self.grpc_url} is not reachable ({exc}); check that tritonserver is "
             "running (mmctl endpoints) and restart it with mmctl up"

@@ -1,23 +1,24 @@
 """One router worker process: the public gRPC and HTTP ports (shared with the other workers
 through SO_REUSEPORT), serving from the control plane's snapshot and nothing else.
 
-Started by ``mmctl up`` (``control_plane.runtime.supervisor``), one per ``--router-workers``:
+Started by ``mmctl up`` (``control_plane.runtime.supervisor``), one per ``--router-workers``,
+and by ``mmctl router``:
 
-    python -m router.serving.worker --control-url http://127.0.0.1:8090 --worker w0 \\
+    python -m router.serving.worker --control-url http://127.0.0.1:8090 --name w0 \\
         --grpc-port 8001 --http-port 8000
 
-The admin token comes from ``MMCTL_TOKEN`` or ``--token-file``.
+Its settings are declared once, in ``router.serving.worker_settings``; the admin token comes
+from ``MMS_ADMIN_TOKEN`` (or ``MMCTL_TOKEN``) or ``--token-file``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
 import signal
+import socket
 from dataclasses import asdict
-from pathlib import Path
 
 from aiohttp import web
 
@@ -27,40 +28,29 @@ from router.frontends.http_site import HalfCloseTCPSite
 from router.serving.core import Router, RouterConfig
 from router.serving.metrics import RouterMetrics
 from router.serving.state_client import GrantedLimiter, RemoteState
+from router.serving.worker_settings import WorkerConfig, parse_worker_argv
 
 log = logging.getLogger("router.serving.worker")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m router.serving.worker", description=__doc__.split("\n")[0])
-    p.add_argument("--control-url", required=True, help="The control plane's admin API.")
-    p.add_argument("--worker", required=True, help="This worker's name (w0, w1, ...).")
-    p.add_argument("--token-file", type=Path, default=None, help="Admin token (else MMCTL_TOKEN).")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--grpc-port", type=int, required=True)
-    p.add_argument("--http-port", type=int, required=True)
-    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
-    p.add_argument("--load-timeout", type=float, default=120.0)
-    p.add_argument("--shadow-log-dir", type=Path, default=None)
-    p.add_argument("--shared-memory-dir", type=Path, default=None,
-                   help="Clients' system shared-memory registrations, shared with the other workers "
-                        "of this host (default: this worker's own).")
-    p.add_argument("--ready-file", type=Path, default=None,
-                   help="Written once the ports are bound (the supervisor waits for it).")
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    """The worker's settings from its command line and environment (worker_settings)."""
+    args = parse_worker_argv(argv)
+    if args.worker is None:
+        args.worker = socket.gethostname()
+    return args
 
 
-def read_token(args: argparse.Namespace) -> str:
-    token = os.environ.get("MMCTL_TOKEN", "").strip()
+def read_token(args: WorkerConfig) -> str:
+    token = (args.admin_token or "").strip()
     if not token and args.token_file is not None:
         token = args.token_file.read_text().strip()
     if not token:
-        raise SystemExit("router worker: no admin token (MMCTL_TOKEN or --token-file)")
+        raise SystemExit("router worker: no admin token (MMS_ADMIN_TOKEN, MMCTL_TOKEN or --token-file)")
     return token
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: WorkerConfig) -> None:
     state = RemoteState(args.control_url, read_token(args), args.worker,
                         request_timeout_s=args.load_timeout + 10)
     await state.start()

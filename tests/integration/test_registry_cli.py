@@ -275,7 +275,7 @@ def test_only_mmctl_up_writes_the_demo(monkeypatch):
     from control_plane.cli import serve
 
     seen = {}
-    monkeypatch.setattr(serve, "_run_service", lambda cfg, level: seen.setdefault("demo", []).append(cfg.demo))
+    monkeypatch.setattr(serve, "_run_service", lambda cfg: seen.setdefault("demo", []).append(cfg.demo))
     for args in (["up"], ["up", "--repository", "repo"], ["up", "--repository", "repo", "--demo"],
                  ["up", "--no-demo"], ["control-plane"]):
         command = serve.up if args[0] == "up" else serve.control_plane_command

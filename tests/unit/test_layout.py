@@ -26,10 +26,11 @@ def test_mmctl_commands_are_added_one_way():
 
     import click
 
-    from control_plane.cli import adapters, families, registry, routing, serve
+    from control_plane.cli import adapters, families, registry, routing, serve, settings
 
     mmctl = importlib.import_module("control_plane.cli.main").cli
-    listed = [c for m in (routing, serve, registry, adapters, families) for c in m.COMMANDS]
+    listed = [c for m in (routing, serve, registry, adapters, families, settings)
+              for c in m.COMMANDS]
     assert all(isinstance(c, click.Command) for c in listed)
     assert set(mmctl.commands.values()) >= set(listed)
     own = set(mmctl.commands.values()) - set(listed)

@@ -7,13 +7,13 @@ caller's sink in order as they arrive.  boto3 is imported only when a store is m
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from urllib.parse import urlparse
 
 from control_plane.domain.errors import ControlPlaneError, InvalidInput, ModelLoadFailed
+from control_plane.domain.settings import env_values, setting
 from control_plane.tiers.cold.digests import (
     CHUNK_BYTES,
     MANIFEST_NAME,
@@ -26,23 +26,39 @@ from control_plane.tiers.cold.stores import ColdStore, _with_slash
 
 @dataclass
 class S3Config:
-    """Where the S3-compatible store is.  Credentials left None come from boto3's usual chain
+    """Where the S3-compatible store is: settings of the environment only (``MMS_S3_*``,
+    ``control_plane.domain.settings``).  Credentials left None come from boto3's usual chain
     (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / profiles / instance roles)."""
 
-    bucket: str = ""
-    prefix: str = "models"
-    endpoint_url: str | None = None  # e.g. http://127.0.0.1:9000 for MinIO; None = AWS
-    region: str | None = None
-    access_key_id: str | None = None
-    secret_access_key: str | None = None
+    bucket: str = setting("", "Bucket of the cold store (S3 or S3-compatible); empty: no S3.",
+                          env="MMS_S3_BUCKET")
+    prefix: str = setting("models", "Key prefix of the artifacts in the bucket (empty: the "
+                          "bucket's root).", env="MMS_S3_PREFIX", keep_empty=True)
+    endpoint_url: str | None = setting(  # e.g. http://127.0.0.1:9000 for MinIO; None = AWS
+        None, "Endpoint of an S3-compatible server (e.g. http://127.0.0.1:9000 for MinIO); "
+        "unset: AWS.", env="MMS_S3_ENDPOINT_URL", aliases=("AWS_ENDPOINT_URL_S3",))
+    region: str | None = setting(None, "Region of the bucket.", env="MMS_S3_REGION",
+                                 aliases=("AWS_REGION", "AWS_DEFAULT_REGION"))
+    access_key_id: str | None = setting(
+        None, "Access key id (unset: boto3's credential chain).", env="MMS_S3_ACCESS_KEY_ID",
+        secret=True)
+    secret_access_key: str | None = setting(
+        None, "Secret access key (unset: boto3's credential chain).",
+        env="MMS_S3_SECRET_ACCESS_KEY", secret=True)
     session_token: str | None = None
-    addressing_style: str = "auto"  # "path" for MinIO and most S3-compatible servers
+    # "path" for MinIO and most S3-compatible servers; unset: path with an endpoint, else auto
+    addressing_style: str = setting(
+        "auto", "auto, path or virtual (default: path with MMS_S3_ENDPOINT_URL, else auto).",
+        env="MMS_S3_ADDRESSING_STYLE")
     max_attempts: int = 3  # botocore's own retries of one request
     # Downloads: ranged GETs in flight per object, and their size.  One GET stream gets a
     # fraction of what S3 serves a client; AWS's guidance is concurrent ranges of 8-16 MB.
-    # Objects up to one part come in one GET.  (MMS_S3_MAX_CONCURRENCY, MMS_S3_PART_BYTES)
-    max_concurrency: int = 8
-    part_size_bytes: int = 8 << 20
+    # Objects up to one part come in one GET.
+    max_concurrency: int = setting(8, "Ranged GETs in flight per object when downloading.",
+                                   env="MMS_S3_MAX_CONCURRENCY", parse=int)
+    part_size_bytes: int = setting(8 << 20, "Bytes of each ranged GET (at least 5 MiB); objects "
+                                   "up to one part come in one GET.", env="MMS_S3_PART_BYTES",
+                                   parse=int)
 
     def __repr__(self) -> str:
         # Configs end up in logs and tracebacks: the secret and the session token never do.
@@ -55,19 +71,9 @@ class S3Config:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> S3Config:
         """Read ``MMS_S3_*`` (and ``AWS_*`` through boto3).  Called from main(), never at import."""
-        env = os.environ if env is None else env
-        endpoint = env.get("MMS_S3_ENDPOINT_URL") or env.get("AWS_ENDPOINT_URL_S3") or None
-        return cls(
-            bucket=env.get("MMS_S3_BUCKET", ""),
-            prefix=env.get("MMS_S3_PREFIX", "models"),
-            endpoint_url=endpoint,
-            region=env.get("MMS_S3_REGION") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"),
-            access_key_id=env.get("MMS_S3_ACCESS_KEY_ID") or None,
-            secret_access_key=env.get("MMS_S3_SECRET_ACCESS_KEY") or None,
-            addressing_style=env.get("MMS_S3_ADDRESSING_STYLE", "path" if endpoint else "auto"),
-            max_concurrency=_int_env(env, "MMS_S3_MAX_CONCURRENCY", cls.max_concurrency),
-            part_size_bytes=_int_env(env, "MMS_S3_PART_BYTES", cls.part_size_bytes),
-        )
+        values = env_values(cls, env)
+        values.setdefault("addressing_style", "path" if values.get("endpoint_url") else "auto")
+        return cls(**values)
 
     def validate(self) -> None:
         if self.addressing_style not in ("auto", "path", "virtual"):
@@ -81,16 +87,6 @@ class S3Config:
         if self.part_size_bytes < 5 << 20:
             raise InvalidInput(f"S3 part size ({self.part_size_bytes} bytes) must be at least "
                                "5 MiB, S3's smallest multipart part (MMS_S3_PART_BYTES)")
-
-
-def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise InvalidInput(f"{name}={raw!r} is not a whole number") from None
 
 
 class S3Store(ColdStore):
