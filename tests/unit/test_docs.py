@@ -249,3 +249,13 @@ def test_every_mmctl_command_and_global_option_is_on_the_cli_page():
     missing = [path for path, _ in _commands(cli) if not _named(path, text)]
     missing += [opt for opt in _options(cli) if not _named(opt, text)]
     assert not missing, f"docs/cli.md does not name {missing}"
+
+
+def test_the_settings_table_of_the_configuration_page_is_what_mmctl_settings_prints():
+    from control_plane.cli.settings import markdown
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    start = text.index("<!-- settings table: mmctl settings --markdown -->\n")
+    end = text.index("<!-- end of the settings table -->")
+    table = text[start:end].split("\n", 1)[1].strip()
+    assert table == markdown().strip(), "run `mmctl settings --markdown` and paste its table"
