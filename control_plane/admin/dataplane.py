@@ -123,7 +123,7 @@ class ShadowReports:
         body = self._merged(route).to_dict()
         body["workers"] = sum(1 for w in self.hub.workers.values() if route in w.shadow)
         if self.log_dir is not None:
-            body["log"] = f"{self.log_dir}/worker*/{route}.jsonl"
+            body["log"] = f"{self.log_dir}/w*/{route}.jsonl"  # one folder per router worker
         return body
 
 

@@ -138,9 +138,16 @@ def supervise(cfg: ServiceConfig) -> int:
     # and every worker the same public ports.
     if cfg.admin_port == 0:
         cfg.admin_port = free_port(_connect_host(cfg.admin_host))
+    # The kernel may hand out a port again once it is released, and the admin port is not
+    # bound until the control plane starts: never give two of ours the same one.
+    taken = {cfg.admin_port}
     for attr in ("router_grpc_port", "router_http_port"):
         if getattr(cfg, attr) == 0:
-            setattr(cfg, attr, free_port(_connect_host(cfg.router_host)))
+            port = free_port(_connect_host(cfg.router_host))
+            while port in taken:
+                port = free_port(_connect_host(cfg.router_host))
+            setattr(cfg, attr, port)
+        taken.add(getattr(cfg, attr))
     token = ensure_token_file(cfg.state_dir / TOKEN_FILE_NAME, cfg.admin_token or None)
     config_file = run_dir / "control-plane.json"
     config_file.write_text(config_to_json(cfg))

@@ -24,7 +24,9 @@ class Catalog:
     def get(self, name: str) -> ModelRecord:
         validate_model_name(name)
         st = self.state
-        if name not in st.known_names and name not in st.records:
+        if (name not in st.known_names and name not in st.records
+                and not (st.stager is not None and name in st.stager.known())):
+            # A registry version still in the cold tier is known too: it loads on demand.
             raise ModelNotFound(f"unknown model {name!r}; `mmctl status` lists the known models")
         return st.record(name)
 

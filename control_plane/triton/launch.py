@@ -83,7 +83,7 @@ def pytriton_root() -> Path:
     except ImportError as exc:  # pragma: no cover - install hint
         raise InvalidInput(
             "the local Triton launcher needs the nvidia-pytriton wheel: run `make setup` "
-            "(or pip install nvidia-pytriton), or attach to a running Triton with --triton-url"
+            "(or pip install nvidia-pytriton), or attach to a running Triton with --attach"
         ) from exc
     return Path(pytriton.__file__).parent / "tritonserver"
 

@@ -738,3 +738,26 @@ def test_a_request_for_a_model_on_a_dead_server_has_it_placed_on_another_at_once
         assert mgr.ready_server_of("m1") is server
 
     run(go())
+
+
+def test_a_version_only_in_the_cold_tier_is_known_to_health_and_unpin(tmp_path):
+    """A registry version promoted but never loaded (its artifact still cold) is a known
+    model: `mmctl health` and `mmctl unpin` answer for it, as `mmctl load` does."""
+
+    class ColdStager:
+        def known(self):
+            return {"simple.v3"}
+
+        def set_busy(self, name, busy):
+            pass
+
+    async def go():
+        mgr, _admin = make(tmp_path)
+        mgr.state.stager = ColdStager()
+        await mgr.start()
+        assert (await mgr.health("simple.v3"))["state"] == "warm"
+        assert not (await mgr.unpin("simple.v3")).pinned
+        with pytest.raises(ModelNotFound):
+            mgr.get("nosuch.v1")
+
+    run(go())

@@ -1,0 +1,219 @@
+"""Ten thousand models: what the catalogue's size costs, side by side with 50 and 1,000.
+
+Each catalogue is a real `mmctl up` with the demo fleet as one model family of N variants
+(``--fleet-size N``), ``--max-loaded 8`` and ``--router-workers 4``.  For each it reports:
+
+* start-up to ready (``mmctl up`` until the admin API and every router worker answer);
+* the control plane's CPU at idle (``/proc/<pid>/stat`` over ``--idle-s`` seconds, no traffic);
+* what router workers are sent: the whole published state (what a new worker gets, and what
+  every worker was sent on every change before per-key changes) and the bytes of one load;
+* how long a change takes to reach every worker (``mms_dataplane_propagation_seconds``,
+  publish to each worker's acknowledgement) over ``--changes`` loads and unloads;
+* ``mmctl status NAME`` and ``mmctl status --state ready`` (the command, as a person runs it);
+* hit latency through the router (gRPC, one loaded model, sequential requests);
+* a Zipf replay through the router over every variant: requests, failures, throughput;
+* the Prometheus series of the control plane and of the router afterwards.
+
+    .venv/bin/python -m bench.scale [--sizes 50,1000,10000] [--idle-s 15] [--replay 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import requests
+import tritonclient.grpc as grpcclient
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.product import MMCTL, Product
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+
+
+def control_plane_pid(product: Product) -> int:
+    processes = product.processes()["processes"]
+    return next(p["pid"] for p in processes if p["role"] == "control-plane")
+
+
+def histogram_quantile(metrics: str, name: str, q: float) -> float | None:
+    """The upper bound of the bucket holding quantile ``q`` of a label-free histogram."""
+    buckets = sorted((float("inf") if le == "+Inf" else float(le), float(v))
+                     for le, v in re.findall(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', metrics, re.MULTILINE))
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    total = buckets[-1][1]
+    return next(le for le, count in buckets if count >= q * total)
+
+
+def series(metrics: str) -> int:
+    return sum(1 for line in metrics.splitlines() if line and not line.startswith("#"))
+
+
+def timed_mmctl(product: Product, *args: str) -> tuple[float, int]:
+    start = time.perf_counter()
+    done = subprocess.run([*MMCTL, "--url", product.url, "--token-file", str(product.token_file),
+                           *args], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, **product.client_env()))
+    return time.perf_counter() - start, len(done.stdout.splitlines())
+
+
+def hit_latency(url: str, model: str, count: int) -> dict:
+    client = grpcclient.InferenceServerClient(url)
+    x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
+    x.set_data_from_numpy(np.ones((1, 64), np.float32))
+    client.infer(model, [x])  # loaded, and the router's caches warm
+    latencies = []
+    for _ in range(count):
+        start = time.perf_counter()
+        client.infer(model, [x])
+        latencies.append(time.perf_counter() - start)
+    ms = np.array(latencies) * 1000
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3)}
+
+
+def zipf_replay(url: str, models: list[str], requests_total: int, clients: int = 8) -> dict:
+    rng = np.random.default_rng(7)
+    ranks = np.arange(1, len(models) + 1)
+    weights = 1.0 / ranks ** 1.1
+    picks = rng.choice(len(models), size=requests_total, p=weights / weights.sum())
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def client(share: np.ndarray) -> None:
+        c = grpcclient.InferenceServerClient(url)
+        x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
+        x.set_data_from_numpy(np.ones((1, 64), np.float32))
+        for i in share:
+            try:
+                if c.infer(models[i], [x], client_timeout=120).as_numpy("SCORES").shape != (1, 1):
+                    raise AssertionError("wrong output shape")
+            except Exception as exc:  # noqa: BLE001  (every failure is a result the bench reports)
+                with lock:
+                    failures.append(f"{models[i]}: {str(exc)[:160]}")
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(picks[i::clients],)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall_s = time.perf_counter() - start
+    return {"requests": requests_total, "distinct_models": len(set(picks.tolist())),
+            "failed": len(failures), "first_failures": failures[:3],
+            "throughput_rps": round(requests_total / wall_s, 1)}
+
+
+def run_size(size: int, args) -> dict:
+    state = Path(tempfile.mkdtemp(prefix=f"scale-{size}-"))
+    start = time.perf_counter()
+    product = Product(state / "state", None, "--fleet-size", str(size), "--model-size-mb", "0.01",
+                      "--max-loaded", "8", "--router-workers", str(args.workers),
+                      "--reconcile-interval", "2").start()
+    startup_s = time.perf_counter() - start
+    try:
+        endpoints = product.json("endpoints")
+        admin, headers = product.url, product.admin_headers()
+        models = [f"cust{i:03d}" for i in range(1, size + 1)]
+        time.sleep(3)  # the workers' first polls and the first reconcile passes settle
+        pid = control_plane_pid(product)
+        before, t0 = cpu_seconds(pid), time.perf_counter()
+        time.sleep(args.idle_s)
+        idle_cpu = (cpu_seconds(pid) - before) / (time.perf_counter() - t0)
+
+        snapshot = admin + "/v1/dataplane/snapshot"
+        whole = requests.get(snapshot, headers=headers, timeout=30,
+                             params={"worker": "bench", "since": "-1"})
+        published = json.loads(whole.content)
+        version, epoch = published["version"], published["epoch"]
+        requests.post(f"{admin}/v1/models/{models[-1]}/load", headers=headers, timeout=120).raise_for_status()
+        change = requests.get(snapshot, headers=headers, timeout=30,
+                              params={"worker": "bench", "since": str(version), "epoch": epoch})
+        changes = json.loads(change.content).get("changes", [])
+
+        for i in range(args.changes):  # loads and unloads of variants: placement changes
+            model = models[(i * 7919) % size]
+            requests.post(f"{admin}/v1/models/{model}/load", headers=headers, timeout=120).raise_for_status()
+            requests.post(f"{admin}/v1/models/{model}/unload", headers=headers, timeout=120).raise_for_status()
+        control_metrics = requests.get(admin + "/metrics", timeout=30).text
+        name = "mms_dataplane_propagation_seconds"
+        propagation = {"p50_s": histogram_quantile(control_metrics, name, 0.5),
+                       "p99_s": histogram_quantile(control_metrics, name, 0.99),
+                       "acknowledgements": int(float(re.search(rf"^{name}_count (\S+)$", control_metrics,
+                                                               re.MULTILINE).group(1)))}
+
+        status_one_s, _ = timed_mmctl(product, "status", models[size // 2])
+        status_ready_s, lines = timed_mmctl(product, "status", "--state", "ready")
+        hits = hit_latency(endpoints["router_grpc"], models[0], args.hits)
+        replay = zipf_replay(endpoints["router_grpc"], models, args.replay)
+        router_text = requests.get(f"http://{endpoints['router_http']}/metrics", timeout=30).text
+        control_metrics = requests.get(admin + "/metrics", timeout=30).text
+    finally:
+        product.stop()
+    return {
+        "models": size, "startup_s": round(startup_s, 1),
+        "control_plane_idle_cpu_percent": round(100 * idle_cpu, 2),
+        "whole_state_bytes": len(whole.content), "one_load_bytes": len(change.content),
+        "one_load_changes": changes,
+        "propagation": propagation,
+        "mmctl_status_one_s": round(status_one_s, 3),
+        "mmctl_status_ready_s": round(status_ready_s, 3), "mmctl_status_ready_lines": lines,
+        "hit": hits, "zipf_replay": replay,
+        "series": {"control_plane": series(control_metrics), "router": series(router_text)},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="50,1000,10000")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--idle-s", type=float, default=15.0)
+    parser.add_argument("--changes", type=int, default=40)
+    parser.add_argument("--hits", type=int, default=500)
+    parser.add_argument("--replay", type=int, default=3000)
+    args = parser.parse_args()
+    conditions = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                  "python": platform.python_version(), "router_workers": args.workers,
+                  "max_loaded": 8, "layout": "family (demo fleet)", "idle_s": args.idle_s}
+    print(json.dumps({"conditions": conditions}), flush=True)
+    results = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        result = run_size(size, args)
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    base = next((r for r in results if r["models"] == min(int(s) for s in args.sizes.split(","))), None)
+    print(f"\n{'models':>7} {'start s':>8} {'idle cpu %':>10} {'whole B':>10} {'load B':>7} "
+          f"{'prop p99':>9} {'status 1':>9} {'hit p50':>8} {'hit p99':>8} {'vs base':>8} "
+          f"{'replay fail':>11} {'series cp/r':>12}")
+    for r in results:
+        ratio = r["hit"]["p50_ms"] / base["hit"]["p50_ms"] if base else float("nan")
+        print(f"{r['models']:>7} {r['startup_s']:>8} {r['control_plane_idle_cpu_percent']:>10} "
+              f"{r['whole_state_bytes']:>10} {r['one_load_bytes']:>7} "
+              f"{r['propagation']['p99_s']!s:>9} {r['mmctl_status_one_s']:>9} "
+              f"{r['hit']['p50_ms']:>8} {r['hit']['p99_ms']:>8} {ratio:>8.2f} "
+              f"{r['zipf_replay']['failed']:>4}/{r['zipf_replay']['requests']:<6} "
+              f"{r['series']['control_plane']:>5}/{r['series']['router']:<6}")
+    out = ROOT / "bench" / "results" / "scale.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
