@@ -3,8 +3,10 @@
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from control_plane.domain.periodic import loop_failures_counter
+from control_plane.domain.series import BoundedLabel
 
 LOAD_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+PROPAGATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
 class ControlPlaneMetrics:
@@ -12,6 +14,9 @@ class ControlPlaneMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.loop_failures = loop_failures_counter("mms", r)
+        # Per-model series (hits, misses) for at most MODEL_SERIES_CAP models; the rest
+        # share one series labelled "_other" (control_plane.domain.series).
+        self.model_label = BoundedLabel()
         self.illegal_transitions = Counter(
             "mms_illegal_transitions_total", "Model state changes that the state machine does not "
             "list (made anyway, logged)", ["from_state", "to_state"], registry=r)
@@ -42,5 +47,9 @@ class ControlPlaneMetrics:
             "mms_warmup_failures_total",
             "Loads whose synthetic warm-up the model refused (it is served; mmctl health says why)",
             ["server"], registry=r)
+        self.dataplane_propagation = Histogram(
+            "mms_dataplane_propagation_seconds",
+            "From a change's publication to a router worker's acknowledgement of it (each "
+            "worker, each version it applies)", buckets=PROPAGATION_BUCKETS_S, registry=r)
         self.capacity_errors = Counter("mms_capacity_errors_total",
                                        "Loads refused because nothing was evictable", registry=r)

@@ -311,6 +311,11 @@ class DataPlaneHub:
         epoch = q.get("epoch", "")
         seen = self._seen(q.get("worker", ""), pid)
         if epoch == self.epoch:
+            if since > seen.version or seen.epoch != epoch:
+                # The worker applied version ``since``: how long the change took to reach it.
+                age_s = self.published.age_of(since)
+                if age_s is not None and self.manager is not None:
+                    self.manager.metrics.dataplane_propagation.observe(age_s)
             seen.version, seen.epoch = since, epoch
             async with self._changed:
                 self._changed.notify_all()  # settle() waits for these acknowledgements

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import json
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -40,7 +41,8 @@ class PublishedState:
         self.sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
         self.version = 0
         self.log_changes = log_changes
-        self._log: collections.deque[tuple[int, list[list]]] = collections.deque()
+        # (version, its changes, when it was published: time.monotonic())
+        self._log: collections.deque[tuple[int, list[list], float]] = collections.deque()
         self._logged = 0  # changes in _log
         self._whole: tuple[int, bytes] = (-1, b"")
 
@@ -59,7 +61,7 @@ class PublishedState:
         if not applied:
             return False
         self.version += 1
-        self._log.append((self.version, applied))
+        self._log.append((self.version, applied, time.monotonic()))
         self._logged += len(applied)
         while self._logged > self.log_changes and len(self._log) > 1:
             self._logged -= len(self._log.popleft()[1])
@@ -81,11 +83,21 @@ class PublishedState:
         if not self._log or self._log[0][0] > version + 1:
             return None
         batches = []
-        for v, changes in reversed(self._log):
+        for v, changes, _at in reversed(self._log):
             if v <= version:
                 break
             batches.append(changes)
         return [change for batch in reversed(batches) for change in batch]
+
+    def age_of(self, version: int) -> float | None:
+        """Seconds since ``version`` was published; None when the log no longer has it.
+        Recent versions are at the end of the log: what workers acknowledge is found at once."""
+        for v, _changes, at in reversed(self._log):
+            if v == version:
+                return time.monotonic() - at
+            if v < version:
+                return None
+        return None
 
     def answer(self, since: int, epoch: str) -> bytes:
         """What a worker at version ``since`` of ``epoch`` needs: changes, or the whole state."""

@@ -44,7 +44,8 @@ class Loader:
         validate_model_name(name)
         rec = self.state.records.get(name)
         if rec is not None and rec.state == ModelState.READY:
-            self.state.metrics.hits.labels(name).inc()
+            metrics = self.state.metrics
+            metrics.hits.labels(metrics.model_label(name)).inc()
             self.recency.touch(name)
             return rec
         if (rec is not None and rec.state == ModelState.FAILED and not retry_failed
@@ -60,7 +61,8 @@ class Loader:
             await self.catalog.known(name)
             task = self.state.loads.get(name)  # re-read: another caller may have started it meanwhile
         if task is None:
-            self.state.metrics.misses.labels(name).inc()
+            metrics = self.state.metrics
+            metrics.misses.labels(metrics.model_label(name)).inc()
             task = asyncio.get_running_loop().create_task(self._load(name))
             self.state.loads[name] = task
             task.add_done_callback(lambda _t, n=name: self.state.loads.pop(n, None))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from control_plane.domain.periodic import loop_failures_counter
+from control_plane.domain.series import BoundedLabel
 from router.rollouts.routes import Decision
 from router.serving.outcomes import OutcomeSink
 
@@ -36,6 +37,10 @@ class RouterMetrics:
         self.inflight = Gauge("mmr_inflight_requests", "Requests in flight", registry=r,
                               multiprocess_mode="livesum")  # summed over live router workers
         self.loop_failures = loop_failures_counter("mmr", r)
+        # Route and model labels for at most MODEL_SERIES_CAP names each; the rest share one
+        # series labelled "_other" (control_plane.domain.series): sums stay exact.
+        self.model_label = BoundedLabel()
+        self.route_label = BoundedLabel()
 
 
 class Recording:
@@ -58,9 +63,11 @@ class Recording:
         key = (route, decision.model if known else "unknown", decision.variant, code)
         children = self._children.get(key)
         if children is None:  # labels() lookups cost more than the increments themselves
+            metrics = self.metrics
+            series_route = metrics.route_label(route)
             children = self._children[key] = (
-                self.metrics.requests.labels(*key),
-                self.metrics.latency.labels(route, decision.variant))
+                metrics.requests.labels(series_route, metrics.model_label(key[1]), *key[2:]),
+                metrics.latency.labels(series_route, decision.variant))
         children[0].inc()
         children[1].observe(latency_s)
         if self.outcomes is None or not decision.scope.startswith(("exp:", "canary:")):

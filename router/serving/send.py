@@ -151,8 +151,9 @@ class Sender:
             raise self._serving_error(exc, asked) from exc
         finally:
             if counted:  # unknown names get no series of their own (label cardinality)
-                self.metrics.cold_waits.labels(model).inc()
-                self.metrics.cold_wait_seconds.labels(model).observe(time.perf_counter() - start)
+                series_model = self.metrics.model_label(model)
+                self.metrics.cold_waits.labels(series_model).inc()
+                self.metrics.cold_wait_seconds.labels(series_model).observe(time.perf_counter() - start)
         return server
 
     @staticmethod

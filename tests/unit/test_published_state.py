@@ -144,3 +144,12 @@ def test_a_state_change_is_published_without_waiting_for_the_tick(tmp_path):
             ["placement", "m00001", "triton0"]]
 
     run(go())
+
+
+def test_the_age_of_a_version_is_known_while_the_log_has_it():
+    published = PublishedState("e1", log_changes=1)
+    published.apply([("placement", "a", "t0")])
+    assert 0 <= published.age_of(1) < 1
+    published.apply([("placement", "b", "t0")])
+    assert published.age_of(1) is None and published.age_of(2) is not None
+    assert published.age_of(7) is None
