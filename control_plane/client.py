@@ -15,6 +15,7 @@ Every failure is an exception, never an exit: the admin API's own errors arrive 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -112,13 +113,27 @@ class AdminClient:
     def call(self, method: str, path: str, ok_statuses=(200,), body: dict | None = None,
              **params) -> tuple[int, dict | list]:
         """(status, JSON body) of one admin call; raises a ControlPlaneError otherwise."""
+        resp = self._request(method, path, body, params)
+        return self._answer(resp, ok_statuses)
+
+    def stream(self, path: str, **params) -> Iterator[bytes]:
+        """The body of a GET as it arrives (a status of thousands of models); raises a
+        ControlPlaneError as ``call`` does when the call is refused."""
+        resp = self._request("GET", path, None, params, stream=True)
+        if resp.status_code != 200:
+            self._answer(resp, (200,))
+        yield from resp.iter_content(chunk_size=None)
+
+    def _request(self, method: str, path: str, body: dict | None, params: dict,
+                 stream: bool = False) -> requests.Response:
         token = self.token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         if body is None and method.upper() not in ("GET", "HEAD"):
             body = {}  # the admin API takes state changes only as JSON, even with nothing to say
+        params = {k: v for k, v in params.items() if v is not None}
         try:
-            resp = requests.request(method, self.url + path, params=params or None, json=body,
-                                    headers=headers, timeout=self.timeout_s)
+            return requests.request(method, self.url + path, params=params or None, json=body,
+                                    headers=headers, timeout=self.timeout_s, stream=stream)
         except requests.ConnectionError:
             raise ControlPlaneUnreachable(
                 f"the control plane is not running at {self.url}; start it with `make up` (or "
@@ -126,6 +141,8 @@ class AdminClient:
         except requests.Timeout:
             raise NoAnswerInTime(f"no answer from {self.url} within {self.timeout_s:.0f}s (raise "
                                  "--timeout for big models)") from None
+
+    def _answer(self, resp: requests.Response, ok_statuses) -> tuple[int, dict | list]:
         try:
             answer = resp.json()
         except ValueError:
@@ -140,9 +157,16 @@ class AdminClient:
         raise cls(message)
 
     # ------------------------------------------------------------------ typed calls
-    def status(self) -> list[dict]:
-        """Every model: state, tier, server, pinned, last use, load time, memory."""
-        return self.call("GET", "/v1/status")[1]
+    def status(self, match: str | None = None, state: str | None = None, tier: str | None = None,
+               server: str | None = None) -> list[dict]:
+        """Models: state, tier, server, pinned, last use, load time, memory; those whose
+        name matches ``match`` (a name or a glob), in ``state``, ``tier``, on ``server``."""
+        return self.call("GET", "/v1/status", match=match, state=state, tier=tier, server=server)[1]
+
+    def status_without_warm(self) -> tuple[list[dict], int]:
+        """Models but those only warm and not pinned, and how many those are."""
+        body = self.call("GET", "/v1/status", warm="0")[1]
+        return body["models"], body["warm_hidden"]
 
     def load(self, model: str) -> dict:
         return self.call("POST", f"/v1/models/{_q(model)}/load")[1]

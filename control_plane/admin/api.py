@@ -36,7 +36,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from control_plane.domain.errors import ControlPlaneError, InvalidInput
-from control_plane.manager import ModelManager
+from control_plane.manager import ModelManager, ModelState
 
 log = logging.getLogger(__name__)
 
@@ -239,13 +239,44 @@ def _model(request: web.Request) -> str:
     return resolve(name) if resolve is not None else name
 
 
-async def status(request: web.Request) -> web.Response:
-    models = _manager(request).status()
+TIERS = ("hot", "staging", "warm", "cold")
+STATUS_CHUNK = 500  # models serialized per write: a status of 10,000 models is streamed
+
+
+async def status(request: web.Request) -> web.StreamResponse:
+    """Models as ``mmctl status`` lists them, streamed.  Query: ``match`` (a name or a glob),
+    ``state``, ``tier``, ``server``; ``warm=0`` counts the models that are only warm instead
+    of listing them, and answers {"warm_hidden": N, "models": [...]} (else a list)."""
+    q = request.query
+    state = q.get("state") or None
+    if state is not None and state not in {s.value for s in ModelState}:
+        raise InvalidInput(f"unknown state {state!r}: one of "
+                           f"{', '.join(s.value for s in ModelState)}")
+    tier = q.get("tier") or None
+    if tier is not None and tier not in TIERS:
+        raise InvalidInput(f"unknown tier {tier!r}: one of {', '.join(TIERS)}")
+    pattern = q.get("match") or None
+    hide_warm = q.get("warm") == "0"
+    records, hidden = _manager(request).catalog.find(
+        pattern, ModelState(state) if state else None, q.get("server") or None,
+        include_warm=not hide_warm)
     locate = request.app[EXTRA_KEY].get("locate")
-    if locate is not None:  # hot / warm / cold, from the warm tier
-        for m in models:
-            m["tier"] = locate(m["model"])["tier"]
-    return web.json_response(models)
+    rows = []
+    for rec in records:
+        row = rec.to_dict()
+        if locate is not None:  # hot / warm / cold, from the warm tier
+            row["tier"] = locate(rec.name)["tier"]
+        if tier is None or row.get("tier", "hot" if rec.server else "warm") == tier:
+            rows.append(row)
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    await response.prepare(request)
+    await response.write(f'{{"warm_hidden":{hidden},"models":['.encode() if hide_warm else b"[")
+    for i in range(0, len(rows), STATUS_CHUNK):
+        chunk = json.dumps(rows[i:i + STATUS_CHUNK], separators=(",", ":"))[1:-1]
+        await response.write((("," if i else "") + chunk).encode())
+    await response.write(b"]}" if hide_warm else b"]")
+    await response.write_eof()
+    return response
 
 
 async def model_status(request: web.Request) -> web.Response:

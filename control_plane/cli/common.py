@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import getpass
 import sys
@@ -29,8 +30,17 @@ class Api(AdminClient):
     and ends mmctl with its documented exit code (``EXIT_BY_ERROR``)."""
 
     def call(self, method: str, path: str, ok_statuses=(200,), body: dict | None = None, **params):
-        try:
+        with self._exit_on_error():
             return super().call(method, path, ok_statuses, body, **params)
+
+    def stream(self, path: str, **params):
+        with self._exit_on_error():
+            yield from super().stream(path, **params)
+
+    @contextlib.contextmanager
+    def _exit_on_error(self):
+        try:
+            yield
         except ControlPlaneUnreachable as exc:
             click.echo(f"error: {exc.message}", err=True)
             sys.exit(EXIT_UNREACHABLE)

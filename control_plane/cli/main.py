@@ -55,23 +55,36 @@ def _one_line(rec: dict) -> str:
 
 
 @click.command()
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.argument("pattern", required=False)
+@click.option("--state", type=click.Choice(["cold", "warm", "loading", "ready", "unloading", "failed"]),
+              help="Only models in this state.")
+@click.option("--tier", type=click.Choice(["hot", "staging", "warm", "cold"]),
+              help="Only models in this tier.")
+@click.option("--server", help="Only models on this Triton server (mmctl fleet lists them).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Machine-readable output, streamed as it arrives (thousands of models).")
 @click.option("--all", "show_all", is_flag=True, help="Include models that are only warm.")
 @pass_api
-def status(api: Api, as_json: bool, show_all: bool):
-    """Models: state, pinned, last used, load time, memory."""
-    models = api.status()
+def status(api: Api, pattern: str | None, state: str | None, tier: str | None, server: str | None,
+           as_json: bool, show_all: bool):
+    """Models: state, pinned, last used, load time, memory.  PATTERN: one model's name, or a
+    glob (cust0*); the control plane filters, so one model answers at once among thousands."""
+    filtered = any(v is not None for v in (pattern, state, tier, server))
     if as_json:
-        _emit(models, True, "")
+        for chunk in api.stream("/v1/status", match=pattern, state=state, tier=tier, server=server):
+            sys.stdout.buffer.write(chunk)
+        sys.stdout.buffer.write(b"\n")
         return
-    shown = [m for m in models if show_all or m["state"] != "warm" or m["pinned"]]
+    if filtered or show_all:
+        shown, hidden = api.status(pattern, state, tier, server), 0
+    else:
+        shown, hidden = api.status_without_warm()
     rows = [[m["model"], m["state"], m.get("tier", "-"), "yes" if m["pinned"] else "", m["server"] or "-",
              _ago(m["last_used"]),
              f"{m['load_time_s']:.2f}s" if m["load_time_s"] else "-", _bytes(m["memory_bytes"]),
              (m["failure"] or "")[:60]] for m in shown]
     click.echo(_table(rows, ["MODEL", "STATE", "TIER", "PINNED", "SERVER", "LAST USED", "LOAD TIME",
                              "MEMORY", "NOTE"]))
-    hidden = len(models) - len(shown)
     if hidden:
         click.echo(f"({hidden} more warm models; --all shows them)")
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import fnmatch
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from control_plane.domain.errors import ModelNotFound, TritonUnavailable
 from control_plane.domain.names import validate_model_name
 from control_plane.manager.records import ModelRecord, ModelState, TritonServer
 from control_plane.manager.state import ManagerState
 
+GLOB_CHARS = frozenset("*?[")  # a status pattern with none of these is one model's name
 UNKNOWN_NAME_TTL_S = 5.0
 UNKNOWN_NAMES_MAX = 10_000
 
@@ -31,10 +33,38 @@ class Catalog:
         return st.record(name)
 
     def status(self) -> list[dict]:
+        return [rec.to_dict() for rec in self.find()[0]]
+
+    def find(self, pattern: str | None = None, state: ModelState | None = None,
+             server: str | None = None, include_warm: bool = True) -> tuple[list[ModelRecord], int]:
+        """The records ``mmctl status`` shows, by name: those whose name matches ``pattern``
+        (a glob; a plain name is one lookup), in ``state``, on ``server``.  Without
+        ``include_warm``, models that are only warm and not pinned are counted, not listed.
+        Returns (records, warm models left out)."""
         st = self.state
-        names = sorted(st.known_names | {n for n, r in st.records.items()
-                                         if r.state != ModelState.WARM or r.pinned})
-        return [st.record(n).to_dict() for n in names]
+        if pattern is not None and not GLOB_CHARS & set(pattern):
+            try:
+                names: Iterable[str] = [self.get(pattern).name]
+            except ModelNotFound:
+                names = []
+        elif (state is not None and state != ModelState.WARM) or server is not None:
+            names = sorted(n for n, r in st.records.items()  # a model on a server has a record
+                           if (state is None or r.state == state) and (server is None or r.server == server))
+        else:
+            names = sorted(st.known_names | {n for n, r in st.records.items()
+                                             if r.state != ModelState.WARM or r.pinned})
+        found, hidden = [], 0
+        for name in names:
+            if pattern is not None and not fnmatch.fnmatchcase(name, pattern):
+                continue
+            rec = st.record(name)
+            if (state is not None and rec.state != state) or (server is not None and rec.server != server):
+                continue
+            if not include_warm and rec.state == ModelState.WARM and not rec.pinned:
+                hidden += 1
+                continue
+            found.append(rec)
+        return found, hidden
 
     def fleet(self) -> list[dict]:
         return [{**s.to_dict(), **self.state.memory.describe(s)} for s in self.state.servers.values()]

@@ -86,6 +86,20 @@ def test_mmctl_walkthrough(product_factory):
     table = p.mmctl("status")
     assert table.returncode == 0 and "cust001" in table.stdout and "yes" in table.stdout
 
+    # Filters: one name, a glob, a state, a server; the control plane filters.
+    assert [m["model"] for m in p.json("status", "cust001")] == ["cust001"]
+    assert p.json("status", "cust999") == []
+    assert {m["model"] for m in p.json("status", "cust00[1-3]")} == {"cust001", "cust002", "cust003"}
+    assert [m["model"] for m in p.json("status", "--state", "ready")] == ["cust001"]
+    assert [m["model"] for m in p.json("status", "--server", "triton0")] == ["cust001"]
+    assert {m["state"] for m in p.json("status", "cust*", "--state", "warm")} == {"warm"}
+    one = p.mmctl("status", "cust001")
+    assert one.returncode == 0 and one.stdout.splitlines()[1].startswith("cust001")
+    assert len(one.stdout.splitlines()) == 2  # the header and the model: no "more warm" line
+    bad = requests.get(p.url + "/v1/status", params={"state": "asleep"}, headers=p.admin_headers(),
+                       timeout=5)
+    assert bad.status_code == 400 and "unknown state 'asleep'" in bad.json()["message"]
+
 
 def test_mmctl_without_control_plane_says_so(tmp_path):
     env = dict(os.environ, MMCTL_URL=f"http://127.0.0.1:{free_port()}")

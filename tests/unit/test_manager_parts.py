@@ -137,3 +137,23 @@ def test_leases_alone_hold_a_model_from_its_load_until_the_request_is_answered(t
         assert residents["m1"].evictable and leases.request_holds == {}
 
     run(go())
+
+
+def test_the_catalog_finds_models_by_name_glob_state_and_server(tmp_path):
+    async def go():
+        state = shared_state(tmp_path)
+        catalog = Catalog(state)
+        await catalog.refresh_catalog()
+        resident_ready(state, "m2")
+        state.record("m3").pinned = True
+        names = lambda found: [r.name for r in found[0]]
+        assert names(catalog.find("m2")) == ["m2"]
+        assert names(catalog.find("nosuch")) == []
+        assert names(catalog.find("m[1-3]")) == ["m1", "m2", "m3"]
+        assert names(catalog.find(state=ModelState.READY)) == ["m2"]
+        assert names(catalog.find(server="s0")) == ["m2"]
+        assert names(catalog.find("m*", state=ModelState.WARM)) == ["m1", "m3", "m4", "m5", "m6"]
+        shown, hidden = catalog.find(include_warm=False)
+        assert [r.name for r in shown] == ["m2", "m3"] and hidden == 4  # m3 is pinned
+
+    run(go())
