@@ -24,7 +24,7 @@ from control_plane.cli.common import (
     who_am_i,
 )
 from control_plane.cli.common import fmt_bytes as _size
-from control_plane.registry import DEFAULT_SLA, SLA_CLASSES, STAGES
+from control_plane.domain.stages import DEFAULT_SLA, SLA_CLASSES, STAGES
 
 
 def _call(method: str, path: str, body: dict | None = None, params: dict | None = None,

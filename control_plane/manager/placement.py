@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from control_plane.domain.errors import CapacityExhausted, ControlPlaneError, TritonUnavailable
+from control_plane.domain.stages import DEFAULT_SLA
 
 log = logging.getLogger(__name__)
 
 GOLD = "gold"
-DEFAULT_SLA = "silver"
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,8 @@ from dataclasses import asdict, dataclass, field
 
 from control_plane.domain.errors import InvalidInput
 from control_plane.domain.names import validate_model_name
+from control_plane.domain.stages import DEFAULT_SLA, SLA_CLASSES, STAGES  # noqa: F401  (the registry's names)
 
-STAGES = ("registered", "shadow", "canary", "production", "retired")
-SLA_CLASSES = ("gold", "silver", "bronze")
-DEFAULT_SLA = "silver"
 _CONCRETE_RE = re.compile(r"^(?P<model>.+)\.v(?P<version>[0-9]+)$")
 # Artifacts that are folders of Triton's repository itself (no cold copy).
 REPOSITORY_SCHEME = "repository"
