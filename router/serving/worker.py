@@ -26,8 +26,9 @@ from router.frontends.grpc_frontend import start_grpc
 from router.frontends.http_frontend import make_http_app
 from router.frontends.http_site import HalfCloseTCPSite
 from router.serving.core import Router, RouterConfig
+from router.serving.granted_limits import GrantedLimiter
 from router.serving.metrics import RouterMetrics
-from router.serving.state_client import GrantedLimiter, RemoteState
+from router.serving.state_client import RemoteState
 from router.serving.worker_settings import WorkerConfig, parse_worker_argv
 
 log = logging.getLogger("router.serving.worker")
