@@ -143,15 +143,15 @@ def run_size(size: int, args) -> dict:
                              params={"worker": "bench", "since": "-1"})
         published = json.loads(whole.content)
         version, epoch = published["version"], published["epoch"]
-        requests.post(f"{admin}/v1/models/{models[-1]}/load", headers=headers, timeout=120).raise_for_status()
+        requests.post(f"{admin}/v1/models/{models[-1]}/load", json={}, headers=headers, timeout=120).raise_for_status()
         change = requests.get(snapshot, headers=headers, timeout=30,
                               params={"worker": "bench", "since": str(version), "epoch": epoch})
         changes = json.loads(change.content).get("changes", [])
 
         for i in range(args.changes):  # loads and unloads of variants: placement changes
             model = models[(i * 7919) % size]
-            requests.post(f"{admin}/v1/models/{model}/load", headers=headers, timeout=120).raise_for_status()
-            requests.post(f"{admin}/v1/models/{model}/unload", headers=headers, timeout=120).raise_for_status()
+            requests.post(f"{admin}/v1/models/{model}/load", json={}, headers=headers, timeout=120).raise_for_status()
+            requests.post(f"{admin}/v1/models/{model}/unload", json={}, headers=headers, timeout=120).raise_for_status()
         control_metrics = requests.get(admin + "/metrics", timeout=30).text
         name = "mms_dataplane_propagation_seconds"
         propagation = {"p50_s": histogram_quantile(control_metrics, name, 0.5),

@@ -311,8 +311,9 @@ class DataPlaneHub:
         epoch = q.get("epoch", "")
         seen = self._seen(q.get("worker", ""), pid)
         if epoch == self.epoch:
-            if since > seen.version or seen.epoch != epoch:
-                # The worker applied version ``since``: how long the change took to reach it.
+            if since > seen.version >= 0 and seen.epoch == epoch:
+                # The worker applied the changes up to ``since``: how long they took to reach
+                # it.  (Not its first version: that is the whole state, however old.)
                 age_s = self.published.age_of(since)
                 if age_s is not None and self.manager is not None:
                     self.manager.metrics.dataplane_propagation.observe(age_s)

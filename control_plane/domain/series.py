@@ -8,7 +8,7 @@ labelled ``OTHER_LABEL``, so a sum over the label is still the exact total.
 
 from __future__ import annotations
 
-MODEL_SERIES_CAP = 1000
+MODEL_SERIES_CAP = 250
 OTHER_LABEL = "_other"
 
 
