@@ -15,6 +15,7 @@ Each catalogue is a real `mmctl up` with the demo fleet as one model family of N
 * the Prometheus series of the control plane and of the router afterwards.
 
     .venv/bin/python -m bench.scale [--sizes 50,1000,10000] [--idle-s 15] [--replay 3000]
+        [--baseline-tree DIR]   # another checkout, measured side by side in the same run
 """
 
 from __future__ import annotations
@@ -180,6 +181,41 @@ def run_size(size: int, args) -> dict:
     }
 
 
+def run_baseline(size: int, tree: Path, args) -> dict:
+    """The same catalogue on another checkout of the product (``--baseline-tree``, e.g. the
+    commit before per-key changes): start-up, idle CPU and what one load sends a worker."""
+    state = Path(tempfile.mkdtemp(prefix=f"scale-baseline-{size}-"))
+    here = Path.cwd()
+    os.chdir(tree)  # its processes run its code: python -m control_plane.cli from its root
+    try:
+        start = time.perf_counter()
+        product = Product(state / "state", None, "--fleet-size", str(size), "--model-size-mb", "0.01",
+                          "--max-loaded", "8", "--router-workers", str(args.workers),
+                          "--reconcile-interval", "2").start()
+        startup_s = time.perf_counter() - start
+    finally:
+        os.chdir(here)
+    try:
+        admin, headers = product.url, product.admin_headers()
+        time.sleep(3)
+        pid = control_plane_pid(product)
+        before, t0 = cpu_seconds(pid), time.perf_counter()
+        time.sleep(args.idle_s)
+        idle_cpu = (cpu_seconds(pid) - before) / (time.perf_counter() - t0)
+        snapshot = admin + "/v1/dataplane/snapshot"
+        whole = requests.get(snapshot, headers=headers, timeout=30, params={"worker": "bench", "since": "-1"})
+        published = json.loads(whole.content)
+        requests.post(f"{admin}/v1/models/cust{size:03d}/load", json={}, headers=headers,
+                      timeout=120).raise_for_status()
+        change = requests.get(snapshot, headers=headers, timeout=30, params={
+            "worker": "bench", "since": str(published["version"]), "epoch": published["epoch"]})
+    finally:
+        product.stop()
+    return {"models": size, "tree": str(tree), "startup_s": round(startup_s, 1),
+            "control_plane_idle_cpu_percent": round(100 * idle_cpu, 2),
+            "whole_state_bytes": len(whole.content), "one_load_bytes": len(change.content)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="50,1000,10000")
@@ -188,6 +224,9 @@ def main() -> None:
     parser.add_argument("--changes", type=int, default=40)
     parser.add_argument("--hits", type=int, default=500)
     parser.add_argument("--replay", type=int, default=3000)
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="Another checkout of the product (git worktree add DIR <commit>): "
+                             "start-up, idle CPU and bytes per load measured on it too, in this run")
     args = parser.parse_args()
     conditions = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                   "python": platform.python_version(), "router_workers": args.workers,
@@ -210,9 +249,22 @@ def main() -> None:
               f"{r['hit']['p50_ms']:>8} {r['hit']['p99_ms']:>8} {ratio:>8.2f} "
               f"{r['zipf_replay']['failed']:>4}/{r['zipf_replay']['requests']:<6} "
               f"{r['series']['control_plane']:>5}/{r['series']['router']:<6}")
+    baselines = []
+    if args.baseline_tree is not None:
+        for size in (int(s) for s in args.sizes.split(",")):
+            baseline = run_baseline(size, args.baseline_tree.resolve(), args)
+            baselines.append(baseline)
+            print(json.dumps(baseline), flush=True)
+        print(f"\n{'models':>7} {'':>9} {'start s':>8} {'idle cpu %':>10} {'whole B':>10} {'load B':>9}")
+        for r, b in zip(results, baselines):
+            for label, row in (("this tree", r), ("baseline", b)):
+                print(f"{r['models']:>7} {label:>9} {row['startup_s']:>8} "
+                      f"{row['control_plane_idle_cpu_percent']:>10} {row['whole_state_bytes']:>10} "
+                      f"{row['one_load_bytes']:>9}")
     out = ROOT / "bench" / "results" / "scale.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"conditions": conditions, "results": results}, indent=2))
+    out.write_text(json.dumps({"conditions": conditions, "results": results, "baselines": baselines},
+                              indent=2))
 
 
 if __name__ == "__main__":

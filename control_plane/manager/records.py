@@ -190,9 +190,11 @@ class ManagerConfig:
     # A Triton registered by address (another node) that has not answered for this long is
     # lost: its models are forgotten there and placed on the others (pinned ones at once).
     server_lost_after_s: float = 10.0
-    # A model the router had loaded for a request stays out of the victims this long after
-    # the load answers: the request is on its way to Triton (a router hop, a gRPC call).
-    on_its_way_s: float = 2.0
+    # A model the router had loaded for a request stays out of the victims until the router
+    # says the request was answered, and at most this long (a router that died meanwhile).
+    # Generous: on a busy machine a request can take seconds between its load and Triton's
+    # answer, and a hold that ends before it does loses the request's model under it.
+    on_its_way_s: float = 10.0
 
     def __post_init__(self):
         for name in ("headroom_models", "headroom_bytes", "overlap_margin_bytes"):
