@@ -13,6 +13,7 @@ Each benchmark is its own module and can run alone with its own options:
     python bench/lora_bench.py       LoRA: 1 vs 100 adapters per batch, swap-in, memory
     python -m bench.family_swap      model families vs separate models: miss vs memcpy, hits
     python -m bench.thrash           failed requests and latency under thrash (models, family)
+    python -m bench.scale            50, 1,000 and 10,000 models: idle CPU, bytes per change, status, hits
 
 This runner uses shorter settings (`--full` uses each benchmark's defaults), writes
 bench/results/summary.json (machine, versions, conditions, headline numbers) and the plots
@@ -49,6 +50,8 @@ QUICK = {
                     "--hits", "50", "--rounds", "1", "--cycles", "100"],
     "thrash": ["-m", "bench.thrash", "--clients", "16", "--requests", "4", "--models", "12",
                "--workers", "1"],
+    "scale": ["-m", "bench.scale", "--sizes", "50,1000", "--idle-s", "5", "--changes", "10",
+              "--hits", "200", "--replay", "500"],
 }
 FULL = {
     "load_unload": ["-m", "bench.load_unload"],
@@ -62,6 +65,7 @@ FULL = {
     "lora": ["bench/lora_bench.py"],
     "family_swap": ["-m", "bench.family_swap"],
     "thrash": ["-m", "bench.thrash"],
+    "scale": ["-m", "bench.scale"],
 }
 
 
