@@ -228,13 +228,28 @@ class Service(TritonLaunching):
         log.info("control plane ready: admin API %s", self.admin_url)
 
     def _add_observability(self, admin_app: web.Application, endpoints: dict) -> None:
-        """The gauges read from state at each scrape."""
+        """The gauges read from state at each scrape, and the status page at ``/``."""
+        from control_plane.admin.status_page import StatusSources, add_status_page
+        from control_plane.admin.status_page.overview import (
+            HttpMetricsReader,
+            local_url,
+            registry_reader,
+        )
         from control_plane.metrics import StateCollector
 
         rollouts = self.hub if self.hub is not None else self.router
         metrics = self.manager.metrics
         metrics.declare_servers(self.manager.servers)
         metrics.registry.register(StateCollector(self.manager, rollouts=rollouts, workers=self.hub))
+        if self.router is not None:
+            router_metrics = registry_reader(self.router.metrics.registry)
+        elif endpoints.get("router_http") and not self.cfg.external_routers:
+            router_metrics = HttpMetricsReader(local_url(endpoints["router_http"], "/metrics"))
+        else:  # routers elsewhere (--external-routers): the page shows what is here
+            router_metrics = None
+        add_status_page(admin_app, StatusSources(
+            self.manager, locate=self.warm.locator(self.manager), rollouts=rollouts,
+            workers=self.hub, router_metrics=router_metrics))
 
     async def _control_loop(self) -> None:
         """Reconcile Triton state, then the GPU memory pass and promotion (auto-pin /
