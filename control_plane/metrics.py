@@ -72,9 +72,15 @@ class ControlPlaneMetrics:
             self.evictions.labels(server)
             self.loads.labels(server, "ok")
             self.loads.labels(server, "failed")
+            for reason in EVICTION_REASONS:
+                self.unloads.labels(server, reason)
 
 
 CANARY_STATES = ("running", "promoted", "rolled_back", "aborted")
+# mms_unloads_total reasons that make room: on a miss (evicted), ahead of the next one
+# (headroom) or back under a shrunken budget (over_budget).  mms_evictions_total counts the
+# first only; a dashboard's "evictions" are all three.
+EVICTION_REASONS = ("evicted", "headroom", "over_budget")
 
 
 class StateCollector(Collector):

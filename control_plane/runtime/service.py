@@ -242,7 +242,7 @@ class Service(TritonLaunching):
         metrics.declare_servers(self.manager.servers)
         metrics.registry.register(StateCollector(self.manager, rollouts=rollouts, workers=self.hub))
         if self.router is not None:
-            router_metrics = registry_reader(self.router.metrics.registry)
+            router_metrics = registry_reader(self.router.metrics)
         elif endpoints.get("router_http") and not self.cfg.external_routers:
             router_metrics = HttpMetricsReader(local_url(endpoints["router_http"], "/metrics"))
         else:  # routers elsewhere (--external-routers): the page shows what is here

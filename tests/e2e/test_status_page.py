@@ -48,7 +48,9 @@ def page(browser, product):
     """A tab signed in through the page's own form."""
     page = browser.new_page()
     errors: list[str] = []
+    fetched: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("request", lambda request: fetched.append(request.url))
     resp = page.goto(product.url + "/")
     assert resp.status == 401  # refused like any admin call; a browser gets the sign-in form
     page.fill("#token", "not-the-token")
@@ -59,9 +61,11 @@ def page(browser, product):
     expect(page.locator("[data-kpi=models] [data-value=models]")).to_have_text(re.compile(r"\d+"),
                                                                             timeout=WAIT_MS)
     page.evaluate("window.__sameDocument = 1")  # gone if the page ever reloads
-    page.errors = errors
     yield page
     assert errors == [], errors
+    # Everything the page loaded came from the control plane: it works without a network.
+    elsewhere = [u for u in fetched if not u.startswith(product.url + "/")]
+    assert elsewhere == [] and len(fetched) > 10, elsewhere
 
 
 def expect(locator):

@@ -26,8 +26,21 @@ from control_plane.admin.api import (
 from control_plane.admin.dataplane import WORKER_LIVE_S, WorkerSeen
 from control_plane.admin.status_page import static_files
 from control_plane.admin.status_page.history import History
-from control_plane.admin.status_page.overview import Overview, StatusSources, encode
-from control_plane.admin.status_page.traffic import Counts, RouterTraffic, Snapshot, parse, quantile
+from control_plane.admin.status_page.overview import (
+    Overview,
+    StatusSources,
+    control_plane_totals,
+    encode,
+)
+from control_plane.admin.status_page.traffic import (
+    Counts,
+    RouterTraffic,
+    Snapshot,
+    parse,
+    quantile,
+    samples_from_families,
+    samples_from_text,
+)
 from control_plane.metrics import ControlPlaneMetrics, StateCollector
 from router.rollouts.routes import Canary, Experiment, Route, Shadow
 
@@ -110,8 +123,8 @@ def test_the_page_ships_its_files_and_only_relative_ones():
 
 # ---------------------------------------------------------------------- router traffic
 def router_metrics(requests: dict, waits: dict, latencies: dict) -> list:
-    """The router's series as its registry would hold them."""
-    return list(router_registry(requests, waits, latencies).collect())
+    """The router's samples as its registry would hold them."""
+    return list(samples_from_families(router_registry(requests, waits, latencies).collect()))
 
 
 def router_registry(requests: dict, waits: dict, latencies: dict) -> CollectorRegistry:
@@ -278,7 +291,12 @@ def test_the_overview_puts_the_fleet_traffic_and_rollouts_together():
     overview = Overview(StatusSources(manager, locate=lambda n: {"tier": "hot" if n == "a" else "warm"},
                                       rollouts=fake_rollouts(), router_metrics=read,
                                       clock=lambda: float(clock())))
-    doc = json.loads(encode(asyncio.run(overview.build())))
+
+    async def built() -> dict:
+        await overview.read_router()  # a page's poll only starts it, in the background
+        return await overview.build()
+
+    doc = json.loads(encode(asyncio.run(built())))
     cols = doc["models"]["columns"]
     rows = {r[0]: dict(zip(cols, r)) for r in doc["models"]["rows"]}
     assert rows["a"]["tier"] == "hot" and rows["a"]["requests"] == 4 and rows["a"]["hit_ratio"] == 1.0
@@ -304,15 +322,60 @@ def test_a_router_that_cannot_be_read_leaves_the_rest_of_the_page():
     async def unreachable():
         raise OSError("connection refused")
 
-    doc = asyncio.run(Overview(StatusSources(manager, router_metrics=unreachable)).build())
+    overview = Overview(StatusSources(manager, router_metrics=unreachable))
+
+    async def built() -> dict:
+        await overview.read_router()
+        return await overview.build()
+
+    doc = asyncio.run(built())
     assert "connection refused" in doc["traffic"]["error"] and not doc["traffic"]["available"]
     assert doc["canaries"] == [] and doc["router"] is False
 
 
-def test_text_and_registry_families_parse_the_same():
+def test_text_and_registry_samples_parse_the_same():
     """In process the router's registry is read; router workers' /metrics text is parsed."""
-    registry = router_registry({("r", "m", "default", "OK"): 2}, {"m": 1}, {("r", "default"): [0.5, 0.5]})
+    registry = router_registry({("r", "m", "default", "OK"): 2, ("r", "m", "default", "UNAVAILABLE"): 1},
+                               {"m": 1}, {("r", "default"): [0.5, 0.5]})
     text = generate_latest(registry).decode()
-    a = parse(registry.collect(), 1.0).models["m"]
-    b = parse(text_string_to_metric_families(text), 1.0).models["m"]
-    assert (a.requests, a.cold_waits, a.buckets) == (b.requests, b.cold_waits, b.buckets)
+    a = parse(samples_from_families(registry.collect()), 1.0).models["m"]
+    b = parse(samples_from_text(text), 1.0).models["m"]
+    full = parse(samples_from_families(text_string_to_metric_families(text)), 1.0).models["m"]
+    assert (a.requests, a.errors, a.cold_waits, a.buckets) == (b.requests, b.errors, b.cold_waits, b.buckets)
+    assert (b.requests, b.errors, b.buckets) == (full.requests, full.errors, full.buckets)
+
+
+def test_evictions_are_every_unload_that_made_room():
+    m = ControlPlaneMetrics()
+    m.declare_servers(["t0"])
+    m.unloads.labels("t0", "evicted").inc(2)
+    m.unloads.labels("t0", "headroom").inc(3)  # ahead of the next miss (a family's slots)
+    m.unloads.labels("t0", "requested").inc(5)  # mmctl unload: not an eviction
+    m.misses.labels("a").inc(4)
+    assert control_plane_totals(m) == {"misses": 4, "evictions": 5, "loads": 0}
+
+
+def test_the_router_is_read_in_the_background_paced_by_what_a_read_costs():
+    manager = fake_manager()
+    manager.status = list
+    manager.fleet = list
+    reads = []
+
+    async def read():
+        reads.append(time.monotonic())
+        return router_metrics({("a", "a", "default", "OK"): 1}, {}, {})
+
+    overview = Overview(StatusSources(manager, router_metrics=read))
+
+    async def polls() -> list[dict]:
+        docs = []
+        for _ in range(3):  # pages polling: one read starts, none waits for it
+            docs.append(await overview.build())
+            await asyncio.sleep(0.01)
+        overview.sample_control_plane()  # the sampler's idle read is not due either
+        await asyncio.sleep(0.01)
+        return docs
+
+    docs = asyncio.run(polls())
+    assert len(reads) == 1
+    assert not docs[0]["traffic"]["available"] and docs[-1]["traffic"]["available"]

@@ -121,6 +121,7 @@ def add_status_page(app: web.Application, sources: StatusSources) -> Overview:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        await built.close()
         close = getattr(sources.router_metrics, "close", None)
         if close is not None:
             await close()

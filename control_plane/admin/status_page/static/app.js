@@ -127,7 +127,7 @@
       h("span", {style: {width: (100 * tiers[t] / total) + "%", background: COLORS[t]}, title: t + ": " + tiers[t]})));
     const legend = h("div", {class: "legend"}, ["hot", "warm", "cold", "staging"].filter((t) => tiers[t]).map((t) =>
       h("span", null, h("i", {style: {background: COLORS[t]}}), t + " " + fmtNum(tiers[t]))));
-    const traffic = data.traffic.available ? (data.traffic.since ? "last 5 min" : "since the router started") : "router not readable here";
+    const traffic = trafficWindow(data.traffic);
     $("kpis").replaceChildren(
       h("div", {class: "kpi", data: {kpi: "models"}},
         h("div", {class: "kpi-label"}, "Models"),
@@ -137,11 +137,17 @@
         Charts.sparkline(hist.hit_ratio, {color: COLORS.hit, max: 1})),
       kpi("misses_per_min", "Misses", fmtRate(s.misses_per_min), "/min", "loads a request or mmctl asked for",
         Charts.sparkline(hist.misses_per_min, {color: COLORS.misses})),
-      kpi("evictions_per_min", "Evictions", fmtRate(s.evictions_per_min), "/min", "unloaded to make room",
+      kpi("evictions_per_min", "Evictions", fmtRate(s.evictions_per_min), "/min", "unloaded to make room, on a miss or ahead of one",
         Charts.sparkline(hist.evictions_per_min, {color: COLORS.evictions})),
       kpi("requests_per_s", "Requests", fmtRate(s.requests_per_s), "/s", fmtNum(s.requests) + " in the window",
         Charts.sparkline(hist.requests_per_s, {color: COLORS.requests})),
-      kpi("latency", "Latency p50 / p99", fmtMs(s.p50_ms) + " / " + fmtMs(s.p99_ms), "", "through the router, " + traffic));
+      kpi("latency", "Latency p99", fmtMs(s.p99_ms), "", "p50 " + fmtMs(s.p50_ms) + " · through the router, " + traffic));
+  }
+
+  function trafficWindow(t) {
+    if (!t.configured) return "no router metrics here";
+    if (!t.available) return t.error ? "router metrics unreadable" : "reading the router's metrics…";
+    return t.since ? "last 5 min" : "since the router started";
   }
 
   function renderProblems(data) {
@@ -327,9 +333,9 @@
     state.rows = data.models.rows;
     state.lower = state.rows.map((r) => r[0].toLowerCase());
     const since = data.traffic.since;
-    $("traffic-note").textContent = data.traffic.available
-      ? "hit ratio, requests and latency: " + (since ? "last 5 minutes" : "since the router started")
-      : (data.traffic.error || "no router metrics here: hit ratio and latency are on the routers' /metrics");
+    $("traffic-note").textContent = !data.traffic.configured
+      ? "no router runs here: hit ratio and latency are on the routers' /metrics"
+      : "hit ratio, requests and latency: " + (data.traffic.available ? (since ? "last 5 minutes" : "since the router started") : trafficWindow(data.traffic));
     applyFilter();
   }
 
