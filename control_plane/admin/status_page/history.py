@@ -102,8 +102,3 @@ class History:
         if requests <= 0 or waits < 0:
             return None
         return round(max(0.0, 1.0 - waits / requests), 4)
-
-    def last(self, series: str) -> float | None:
-        """The newest value of one series (None when it has none)."""
-        values = self.series(self.samples[-1].at if self.samples else 0.0).get(series) or []
-        return next((v for v in reversed(values) if v is not None), None)

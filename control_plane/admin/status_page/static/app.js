@@ -7,7 +7,7 @@
   const POLL_MS = 2000;
   const ROW_H = 32;
   const OVERSCAN = 8;
-  const COLORS = {misses: "#f26b3a", evictions: "#d64545", loads: "#7a5af8", requests: "#3a6df0",
+  const COLORS = {misses: "#f26b3a", evictions: "#d64545", errors: "#d64545", requests: "#3a6df0",
     hit: "#17a06b", hot: "#f26b3a", warm: "#f2b63a", cold: "#5b9cf5", staging: "#9aa5b8"};
   const TIER_ORDER = {hot: 0, staging: 1, warm: 2, cold: 3};
   const state = {data: null, rows: [], lower: [], filtered: [], query: "", sort: {key: "tier", dir: 1},
@@ -224,11 +224,11 @@
     const churn = $("chart-churn");
     Charts.timeChart(churn, {t: hist.t, now: data.at, span_s: span, hoverX: churn.dataset.hoverX, series: [
       {name: "misses/min", values: hist.misses_per_min, color: COLORS.misses, fmt: fmtRate},
-      {name: "evictions/min", values: hist.evictions_per_min, color: COLORS.evictions, fmt: fmtRate},
-      {name: "loads/min", values: hist.loads_per_min, color: COLORS.loads, fmt: fmtRate, fill: false, dash: "4 3"}]});
+      {name: "evictions/min", values: hist.evictions_per_min, color: COLORS.evictions, fmt: fmtRate, fill: false, dash: "5 3"}]});
     const traffic = $("chart-traffic");
     Charts.timeChart(traffic, {t: hist.t, now: data.at, span_s: span, hoverX: traffic.dataset.hoverX, rightMax: 1, series: [
       {name: "requests/s", values: hist.requests_per_s, color: COLORS.requests, fmt: fmtRate},
+      {name: "errors/s", values: hist.errors_per_s, color: COLORS.errors, fmt: fmtRate, fill: false},
       {name: "hit ratio", values: hist.hit_ratio, color: COLORS.hit, axis: "right", fill: false, fmt: (v) => fmtPct(v),
         fmtAxis: (v) => Math.round(v * 100) + "%"}]});
   }
@@ -257,7 +257,8 @@
         h("div", {class: "card-head"}, h("span", {class: "card-title"}, c.route + " → " + c.candidate),
           badge(c.status.replace("_", " "), c.status)),
         h("div", {class: "stages"}, stages),
-        h("div", {class: "verdict"}, "Candidate gets ", h("b", {data: {percent: c.route}}, c.percent + "%"),
+        h("div", {class: "verdict"}, c.status === "promoted" ? "Candidate serves " : "Candidate gets ",
+          h("b", {data: {percent: c.route}}, (c.status === "promoted" ? 100 : c.percent) + "%"),
           ` of traffic · stage ${c.stage_index + 1} of ${c.stages.length} · checks failed ${c.failed_checks}/${c.max_failed_checks}`),
         h("div", {class: "verdict"}, "Verdict: ", h("b", {data: {verdict: c.route}}, c.verdict),
           c.why ? h("span", {class: "why", data: {why: c.route}}, " — " + c.why) : null),

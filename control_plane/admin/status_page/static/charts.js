@@ -32,16 +32,20 @@ window.Charts = (() => {
     return String(d.getHours()).padStart(2, "0") + ":" + String(d.getMinutes()).padStart(2, "0");
   }
 
-  // Runs of consecutive non-null points: a gap stays a gap.
-  function runs(t, values) {
+  // Lines through the points that have a value; a line breaks where two of them are more
+  // than ``maxGap`` apart (a series read less often than others has nulls between its
+  // points, which are no gap; a router that could not be read for minutes is one).
+  function runs(t, values, maxGap = Infinity) {
     const out = [];
     let cur = [];
     for (let i = 0; i < t.length; i++) {
       const v = values[i];
-      if (v === null || v === undefined || Number.isNaN(v)) {
-        if (cur.length) out.push(cur);
+      if (v === null || v === undefined || Number.isNaN(v)) continue;
+      if (cur.length && t[i] - cur[cur.length - 1][0] > maxGap) {
+        out.push(cur);
         cur = [];
-      } else cur.push([t[i], v]);
+      }
+      cur.push([t[i], v]);
     }
     if (cur.length) out.push(cur);
     return out;
@@ -85,7 +89,7 @@ window.Charts = (() => {
     const shown = opts.t.map((t) => t >= x0);
     for (const s of opts.series) {
       const y = s.axis === "right" ? yR : yL;
-      const points = runs(opts.t.filter((_, i) => shown[i]), s.values.filter((_, i) => shown[i]));
+      const points = runs(opts.t.filter((_, i) => shown[i]), s.values.filter((_, i) => shown[i]), opts.maxGap_s || 90);
       for (const run of points) {
         const line = run.map(([t, v], i) => (i ? "L" : "M") + x(t).toFixed(1) + "," + y(v).toFixed(1)).join("");
         if (s.fill !== false && run.length > 1) {
@@ -162,7 +166,7 @@ window.Charts = (() => {
     const top = opts.max || niceTop(Math.max(...present));
     const x = (i) => (i / (vals.length - 1)) * width;
     const y = (v) => height - 2 - (v / top) * (height - 4);
-    for (const run of runs(vals.map((_, i) => i), vals)) {
+    for (const run of runs(vals.map((_, i) => i), vals)) {  // by index: no gap is too long
       if (run.length < 2) continue;
       const line = run.map(([i, v], k) => (k ? "L" : "M") + x(i).toFixed(1) + "," + y(v).toFixed(1)).join("");
       root.append(svg("path", {d: line + `L${x(run[run.length - 1][0])},${height}L${x(run[0][0])},${height}Z`,
