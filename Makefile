@@ -26,7 +26,10 @@ $(BIN)/helm: deploy/install_helm.py | $(VENV)/.installed
 up: setup
 	$(BIN)/mmctl up $(UP_ARGS)
 
+# Debian's chromium and prometheus for the status-page and monitoring tests (installed with
+# apt-get when missing; without apt or root those tests fail and say what to install).
 test: setup
+	-$(BIN)/python -m tests.system_packages
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-unit: setup

@@ -10,9 +10,15 @@ requests to 127.0.0.1.  ``access_middleware`` closes that door, in this order:
 * Host must name this server (loopback, the bound address or a configured name), so a page
   whose domain was re-pointed at 127.0.0.1 (DNS rebinding) is refused (403).
 * A request a browser marks as coming from another origin (``Origin``, ``Sec-Fetch-Site``)
-  is refused (403): this API serves no pages, so no legitimate caller is cross-origin.
+  is refused (403): the only pages it serves are its own, so no legitimate caller is
+  cross-origin.
 * A bearer token (``Authorization: Bearer <token>``, generated into the state directory by
-  ``mmctl up``) is required, except for read-only /metrics and /health (401).
+  ``mmctl up``) is required, except for read-only /metrics and /health (401).  The status
+  page (``control_plane.admin.status_page``) is for a browser, which cannot send that
+  header: its sign-in (``POST /v1/session`` with the token) sets a session cookie
+  (HttpOnly, SameSite=Strict, derived from the token, so rotating the token ends every
+  session) that opens the page and its data (``SESSION_PATHS``, GET only) and nothing else.
+  The page's static files (``/static/``: code and style, no data) need no token.
 * Every request that may change state (any method but GET/HEAD) must say
   ``Content-Type: application/json``, body or not (415).  A browser cannot send that
   cross-origin without a CORS preflight, which this API never approves; the form posts and
@@ -21,12 +27,14 @@ requests to 127.0.0.1.  ``access_middleware`` closes that door, in this order:
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
 import logging
 import os
 import secrets
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +52,12 @@ TOKEN_FILE_NAME = "admin.token"  # in the state directory, mode 0600
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 LOOPBACK_NAMES = frozenset({"localhost"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+# The status page's session: a cookie that opens these paths (GET/HEAD) only.
+SESSION_COOKIE = "mms_session"
+SESSION_TTL_S = 12 * 3600
+SESSION_PATHS = frozenset({"/", "/v1/overview"})
+SESSION_ENDPOINT = "/v1/session"  # POST {"token": ...} signs in, DELETE signs out
+STATIC_PREFIX = "/static/"
 TOKEN_HINT = ("mmctl sends it from MMS_ADMIN_TOKEN (or MMCTL_TOKEN) or its --token-file "
               "(default .state/admin.token, which `mmctl up` writes into its --state-dir); "
               "other clients send "
@@ -111,8 +125,27 @@ class AdminAccess:
         if self.token is None:
             return True
         scheme, _, given = (authorization or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            given.strip().encode(), self.token.encode())
+        return scheme.lower() == "bearer" and self.token_matches(given.strip())
+
+    def token_matches(self, given: str) -> bool:
+        return self.token is None or hmac.compare_digest(given.encode(), self.token.encode())
+
+    def session_value(self, now: float) -> str:
+        """A session cookie's value: its expiry and a MAC of it keyed by the token."""
+        expires = int(now + SESSION_TTL_S)
+        return f"{expires}.{self._session_mac(expires)}"
+
+    def session_ok(self, value: str | None, now: float) -> bool:
+        if self.token is None:
+            return True
+        expires, _, mac = (value or "").partition(".")
+        if not expires.isdigit() or int(expires) <= now:
+            return False
+        return hmac.compare_digest(mac.encode(), self._session_mac(int(expires)).encode())
+
+    def _session_mac(self, expires: int) -> str:
+        return hmac.new((self.token or "").encode(), f"mms-status-page:{expires}".encode(),
+                        hashlib.sha256).hexdigest()
 
 
 def _address_or_none(text: str):
@@ -140,7 +173,19 @@ def _public(request: web.Request) -> bool:
         return False
     if request.path in ("/metrics", "/health", "/livez", "/readyz"):
         return True
+    if request.path.startswith(STATIC_PREFIX):
+        return True
     return request.path.startswith("/health/") and "probe" not in request.query
+
+
+def _signs_in(request: web.Request) -> bool:
+    """The sign-in call carries the token in its body; its handler checks it."""
+    return request.path == SESSION_ENDPOINT and request.method in ("POST", "DELETE")
+
+
+def _session_opens(request: web.Request, access: AdminAccess) -> bool:
+    return (request.method in SAFE_METHODS and request.path in SESSION_PATHS
+            and access.session_ok(request.cookies.get(SESSION_COOKIE), time.time()))
 
 
 def access_middleware(access: AdminAccess):
@@ -158,7 +203,9 @@ def access_middleware(access: AdminAccess):
                 or fetch_site in ("cross-site", "same-site"):
             raise Forbidden(f"cross-origin request from {origin or fetch_site!r} refused: the "
                             "admin API takes no requests from web pages")
-        if not _public(request) and not access.token_ok(request.headers.get("Authorization")):
+        if not (_public(request) or _signs_in(request)
+                or access.token_ok(request.headers.get("Authorization"))
+                or _session_opens(request, access)):
             given = "a wrong token" if request.headers.get("Authorization") else "no token"
             raise Unauthorized(f"the admin API needs its token and got {given}: {TOKEN_HINT}")
         if request.method not in SAFE_METHODS and request.content_type != "application/json":
@@ -196,6 +243,23 @@ def ensure_token_file(path: Path, token: str | None = None) -> str:
 
 MANAGER_KEY = web.AppKey("manager", ModelManager)
 EXTRA_KEY = web.AppKey("extra", dict)
+ACCESS_KEY = web.AppKey("access", AdminAccess)
+# The status page's sign-in form (bytes of HTML): a browser refused on the page gets it
+# with its 401 instead of the JSON error.
+SIGN_IN_KEY = web.AppKey("sign_in_page", bytes)
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                               "img-src 'self' data:; connect-src 'self'; base-uri 'none'; "
+                               "form-action 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+def _wants_page(request: web.Request) -> bool:
+    return (request.method in SAFE_METHODS and request.path == "/"
+            and "text/html" in request.headers.get("Accept", ""))
 
 
 @web.middleware
@@ -203,7 +267,12 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ControlPlaneError as exc:
-        resp = web.json_response(exc.to_dict(), status=exc.http_status)
+        sign_in = request.app.get(SIGN_IN_KEY)
+        if isinstance(exc, Unauthorized) and sign_in is not None and _wants_page(request):
+            resp = web.Response(body=sign_in, status=401, content_type="text/html",
+                                charset="utf-8", headers=PAGE_HEADERS)
+        else:
+            resp = web.json_response(exc.to_dict(), status=exc.http_status)
         if isinstance(exc, Unauthorized):
             resp.headers["WWW-Authenticate"] = 'Bearer realm="mmctl"'
         return resp
@@ -373,10 +442,12 @@ async def not_found(request: web.Request) -> web.Response:
 def make_app(manager: ModelManager, extra: dict | None = None,
              access: AdminAccess | None = None) -> web.Application:
     """The admin app.  ``access`` None: loopback Host/Origin/Content-Type checks, no token."""
-    app = web.Application(middlewares=[error_middleware, access_middleware(access or AdminAccess())],
+    access = access or AdminAccess()
+    app = web.Application(middlewares=[error_middleware, access_middleware(access)],
                           client_max_size=1 << 20)
     app[MANAGER_KEY] = manager
     app[EXTRA_KEY] = extra or {}
+    app[ACCESS_KEY] = access
     app.add_routes([
         web.get("/v1/status", status),
         web.get("/v1/models/{model}", model_status),

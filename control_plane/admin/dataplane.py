@@ -52,9 +52,15 @@ class WorkerSeen:
     requests: int = 0  # requests it reported
     samples: int = 0  # canary / experiment outcomes it reported
     shadow: dict = field(default_factory=dict)  # route -> its cumulative ShadowReport counts
+    watching: int = 0  # its snapshot long-polls waiting here now
 
     def live(self, now: float) -> bool:
         return now - self.last_seen < WORKER_LIVE_S
+
+    def in_touch(self, now: float) -> bool:
+        """Live, or waiting in a long-poll: an idle worker's watch (``WATCH_WAIT_S`` of
+        router.serving.state_client, longer than ``WORKER_LIVE_S``) is its heartbeat."""
+        return self.watching > 0 or self.live(now)
 
     def to_dict(self, now: float) -> dict:
         return {"worker": self.worker, "pid": self.pid, "snapshot_version": self.version,
@@ -258,6 +264,11 @@ class DataPlaneHub:
         now = time.time()
         return sum(1 for w in self.workers.values() if w.live(now))
 
+    def worker_counts(self) -> tuple[int, int]:
+        """(workers in touch now, workers expected): ``mms_router_workers_*``."""
+        now = time.time()
+        return sum(1 for w in self.workers.values() if w.in_touch(now)), self.workers_expected
+
     def _seen(self, worker: str, pid: int) -> WorkerSeen:
         if not worker:
             raise InvalidInput("a data-plane call must name its worker (worker=...)")
@@ -321,12 +332,17 @@ class DataPlaneHub:
             async with self._changed:
                 self._changed.notify_all()  # settle() waits for these acknowledgements
         if epoch == self.epoch and since >= self.version and wait_s > 0:
-            async with self._changed:
-                try:
-                    await asyncio.wait_for(
-                        self._changed.wait_for(lambda: self.version > since or self.closing), wait_s)
-                except TimeoutError:
-                    pass
+            seen.watching += 1
+            try:
+                async with self._changed:
+                    try:
+                        await asyncio.wait_for(
+                            self._changed.wait_for(lambda: self.version > since or self.closing),
+                            wait_s)
+                    except TimeoutError:
+                        pass
+            finally:
+                seen.watching -= 1
         if epoch == self.epoch and since >= self.version:
             return web.json_response({"version": self.version, "epoch": self.epoch, "unchanged": True})
         return web.Response(body=self.published.answer(since, epoch), content_type="application/json")

@@ -215,6 +215,7 @@ class Service(TritonLaunching):
             await self._start_hub(admin_app, endpoints)
         elif cfg.router:
             await self._start_router(admin_app, endpoints)
+        self._add_observability(admin_app, endpoints)
         self.runner = web.AppRunner(admin_app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, cfg.admin_host, cfg.admin_port)
@@ -225,6 +226,30 @@ class Service(TritonLaunching):
         endpoints["pid"] = os.getpid()
         (cfg.state_dir / "endpoints.json").write_text(json.dumps(endpoints, indent=2))
         log.info("control plane ready: admin API %s", self.admin_url)
+
+    def _add_observability(self, admin_app: web.Application, endpoints: dict) -> None:
+        """The gauges read from state at each scrape, and the status page at ``/``."""
+        from control_plane.admin.status_page import StatusSources, add_status_page
+        from control_plane.admin.status_page.overview import (
+            HttpMetricsReader,
+            local_url,
+            registry_reader,
+        )
+        from control_plane.metrics import StateCollector
+
+        rollouts = self.hub if self.hub is not None else self.router
+        metrics = self.manager.metrics
+        metrics.declare_servers(self.manager.servers)
+        metrics.registry.register(StateCollector(self.manager, rollouts=rollouts, workers=self.hub))
+        if self.router is not None:
+            router_metrics = registry_reader(self.router.metrics)
+        elif endpoints.get("router_http") and not self.cfg.external_routers:
+            router_metrics = HttpMetricsReader(local_url(endpoints["router_http"], "/metrics"))
+        else:  # routers elsewhere (--external-routers): the page shows what is here
+            router_metrics = None
+        add_status_page(admin_app, StatusSources(
+            self.manager, locate=self.warm.locator(self.manager), rollouts=rollouts,
+            workers=self.hub, router_metrics=router_metrics))
 
     async def _control_loop(self) -> None:
         """Reconcile Triton state, then the GPU memory pass and promotion (auto-pin /

@@ -168,6 +168,10 @@ class ShadowMirror:
         queue_ = self.queues.get(route)
         if queue_ is None:
             queue_ = self.queues[route] = asyncio.Queue(maxsize=self.queue_size)
+            if self.metrics:  # the route's drop and shed series exist (at 0) from its first mirror
+                self.metrics.shadow_dropped.labels(route)
+                if self._shed_metric is not None:
+                    self._shed_metric.labels(route)
             loop = asyncio.get_running_loop()
             if not self._tasks:
                 self._tasks.append(loop.create_task(self._probe_lag()))

@@ -137,12 +137,26 @@ def check_service_monitor(monitor: dict, rendered: Rendered) -> None:
             assert rule.get("action", "replace") in ("replace", "keep", "drop")
 
 
+def check_prometheus_rule(rule: dict) -> None:
+    """No schema for this CRD either: the operator's fields, and the rules of the file."""
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(rule["spec"]) == {"groups"}
+    assert rule["spec"] == yaml.safe_load((CHART / "files" / "prometheus-alerts.yaml").read_text())
+    for group in rule["spec"]["groups"]:
+        assert set(group) <= {"name", "interval", "rules"}
+        for r in group["rules"]:
+            assert set(r) <= {"alert", "record", "expr", "for", "labels", "annotations"}, r.keys()
+
+
 def test_every_manifest_validates_against_the_kubernetes_schemas(rendered):
     kinds, problems = set(), []
     for doc in rendered.docs:
         kinds.add(doc["kind"])
         if doc["kind"] == "ServiceMonitor":
             check_service_monitor(doc, rendered)
+            continue
+        if doc["kind"] == "PrometheusRule":
+            check_prometheus_rule(doc)
             continue
         try:
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
@@ -167,6 +181,24 @@ def test_service_monitors_cover_router_control_plane_and_triton(default, prod):
     dropped = [r for r in by_component["control-plane"][0]["relabelings"] if r["action"] == "drop"]
     assert {r["regex"] for r in dropped} == {"false"} and len(dropped) == 2
     assert prod.all("ServiceMonitor") == []  # metrics.serviceMonitor.enabled: false
+
+
+def test_alert_rules_and_the_dashboard_ship_with_the_chart(default, prod):
+    """One copy of each (the chart's files/, which deploy/monitoring/ links to), inserted
+    as it is: the {{ $labels }} of the alerts and {{server}} of the dashboard are not
+    Helm's."""
+    [rule] = default.all("PrometheusRule")
+    assert "{{ $labels.route }}" in json.dumps(rule)
+    dashboards = [c for c in default.all("ConfigMap") if c["metadata"]["name"] == "mm-grafana-dashboard"]
+    assert len(dashboards) == 1 and dashboards[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = (CHART / "files" / "grafana-dashboard.json").read_text()
+    assert json.loads(dashboards[0]["data"]["mmserve.json"]) == json.loads(shipped)
+    assert prod.all("PrometheusRule") == []  # metrics.prometheusRule.enabled: false
+    [prod_dashboard] = [c for c in prod.all("ConfigMap") if c["metadata"]["name"].endswith("grafana-dashboard")]
+    assert prod_dashboard["metadata"]["annotations"] == {"grafana_folder": "Serving"}
+    for name in ("grafana-dashboard.json", "prometheus-alerts.yaml"):
+        link = ROOT / "deploy" / "monitoring" / name
+        assert link.resolve() == (CHART / "files" / name).resolve(), f"{link} must link to the chart's copy"
 
 
 def test_control_plane_runs_a_leader_and_a_standby(rendered):
@@ -376,7 +408,9 @@ def test_router_autoscales_on_cpu_behind_one_public_service(default, prod):
 def test_no_secret_is_rendered_when_the_operator_brings_them(prod):
     assert prod.all("Secret") == []
     holding_data = [d for d in prod.docs if "data" in d or "stringData" in d]
-    assert holding_data == [prod.one("ConfigMap", "prod-servers")]
+    assert sorted(d["metadata"]["name"] for d in holding_data) == ["prod-grafana-dashboard",
+                                                                   "prod-servers"]
+    assert prod.one("ConfigMap", "prod-grafana-dashboard")["data"].keys() == {"mmserve.json"}
     control = prod.container("Deployment", "prod-control-plane")
     assert secret_ref(control, "MMCTL_STATE_URL") == ("mmserve-db", "dsn")
     assert secret_ref(control, "MMCTL_TOKEN") == ("mmserve-admin", "bearer")
