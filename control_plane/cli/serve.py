@@ -122,7 +122,7 @@ def worker_config(cfg: ServiceConfig, name: str, admin_url: str, token: str, run
 def supervise(cfg: ServiceConfig) -> int:
     """Run the control plane and ``cfg.router_workers`` router workers as supervised
     sibling processes (control_plane.runtime.supervisor) until Ctrl-C."""
-    from control_plane.admin.api import TOKEN_FILE_NAME, ensure_token_file
+    from control_plane.admin.access import TOKEN_FILE_NAME, ensure_token_file
     from control_plane.domain.settings import secret_env, to_argv
     from control_plane.runtime.config import SECRETS, config_to_json
     from control_plane.runtime.supervisor import Child, Supervisor, python_module

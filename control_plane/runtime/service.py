@@ -17,7 +17,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from control_plane.admin.api import TOKEN_FILE_NAME, access_for, ensure_token_file, make_app
+from control_plane.admin.access import TOKEN_FILE_NAME, access_for, ensure_token_file
+from control_plane.admin.api import make_app
 from control_plane.demo import write_demo_repository
 from control_plane.demo.fleet import DEMO_MARKER, DEMO_VERSIONS
 from control_plane.domain.periodic import guarded_step, run_periodically

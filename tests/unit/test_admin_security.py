@@ -12,13 +12,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from control_plane.admin.api import (
-    AdminAccess,
-    access_for,
-    access_middleware,
-    ensure_token_file,
-    error_middleware,
-)
+from control_plane.admin.access import AdminAccess, access_for, access_middleware, ensure_token_file
+from control_plane.admin.api import error_middleware
 from control_plane.client import find_token
 
 TOKEN = "s3cret-token"

@@ -15,14 +15,8 @@ from aiohttp.test_utils import make_mocked_request
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from control_plane.admin.api import (
-    SESSION_COOKIE,
-    SESSION_TTL_S,
-    SIGN_IN_KEY,
-    AdminAccess,
-    access_middleware,
-    error_middleware,
-)
+from control_plane.admin.access import SESSION_COOKIE, SESSION_TTL_S, AdminAccess, access_middleware
+from control_plane.admin.api import SIGN_IN_KEY, error_middleware
 from control_plane.admin.dataplane import WORKER_LIVE_S, WorkerSeen
 from control_plane.admin.status_page import static_files
 from control_plane.admin.status_page.history import History

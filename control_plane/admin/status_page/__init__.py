@@ -20,17 +20,14 @@ from importlib import resources
 
 from aiohttp import web
 
-from control_plane.admin.api import (
-    ACCESS_KEY,
-    PAGE_HEADERS,
+from control_plane.admin.access import (
     SESSION_COOKIE,
     SESSION_ENDPOINT,
     SESSION_TTL_S,
-    SIGN_IN_KEY,
     STATIC_PREFIX,
     Unauthorized,
-    json_body,
 )
+from control_plane.admin.api import ACCESS_KEY, PAGE_HEADERS, SIGN_IN_KEY, json_body
 from control_plane.admin.status_page.history import SAMPLE_EVERY_S
 from control_plane.admin.status_page.overview import Overview, OverviewCache, StatusSources
 from control_plane.domain.errors import InvalidInput

@@ -1,0 +1,216 @@
+"""Who may call the admin API: the bearer token, the Host and Origin checks that keep a
+browser page elsewhere from calling it, the status page's session cookie, and the token
+file `mmctl up` writes.  ``access_middleware`` applies them to every request."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from control_plane.domain.errors import ControlPlaneError
+
+log = logging.getLogger(__name__)
+
+TOKEN_FILE_NAME = "admin.token"  # in the state directory, mode 0600
+SAFE_METHODS = frozenset({"GET", "HEAD"})
+LOOPBACK_NAMES = frozenset({"localhost"})
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+# The status page's session: a cookie that opens these paths (GET/HEAD) only.
+SESSION_COOKIE = "mms_session"
+SESSION_TTL_S = 12 * 3600
+SESSION_PATHS = frozenset({"/", "/v1/overview"})
+SESSION_ENDPOINT = "/v1/session"  # POST {"token": ...} signs in, DELETE signs out
+STATIC_PREFIX = "/static/"
+TOKEN_HINT = ("mmctl sends it from MMS_ADMIN_TOKEN (or MMCTL_TOKEN) or its --token-file "
+              "(default .state/admin.token, which `mmctl up` writes into its --state-dir); "
+              "other clients send "
+              "'Authorization: Bearer <token>'")
+
+
+class Unauthorized(ControlPlaneError):
+    """No or a wrong admin token -> 401."""
+
+    http_status = 401
+    code = "unauthorized"
+
+
+class Forbidden(ControlPlaneError):
+    """Host or Origin of a request that did not come from an admin client -> 403."""
+
+    http_status = 403
+    code = "forbidden"
+
+
+class UnsupportedMediaType(ControlPlaneError):
+    """A state-changing request that is not declared JSON -> 415."""
+
+    http_status = 415
+    code = "unsupported_media_type"
+
+
+@dataclass(frozen=True)
+class AdminAccess:
+    """Who may call the admin API.
+
+    ``token``: the bearer token every non-public request must carry; None turns the token
+    check off (in-process tests only; ``mmctl up`` always sets one).  ``bind_host``: the
+    address the API listens on; Host headers may name it, a loopback address, ``localhost``
+    or one of ``allowed_hosts``; when it is a wildcard (0.0.0.0, ::) any IP address and the
+    machine's own names are accepted as well.
+    """
+
+    token: str | None = None
+    bind_host: str = "127.0.0.1"
+    allowed_hosts: frozenset[str] = frozenset()
+
+    def host_allowed(self, host_header: str | None) -> bool:
+        if not host_header:
+            return False
+        try:
+            parts = urlsplit("//" + host_header)
+            parts.port  # noqa: B018  (raises ValueError on a malformed port)
+            name = (parts.hostname or "").rstrip(".")
+        except ValueError:
+            return False
+        if not name:
+            return False
+        bind = self.bind_host.strip("[]").lower()
+        try:
+            address = ipaddress.ip_address(name)
+        except ValueError:  # a name: only ours (a name an attacker controls may point here)
+            return name in LOOPBACK_NAMES or name == bind or name in self.allowed_hosts
+        # An address literal cannot be re-pointed by DNS, so it is no rebinding risk; still
+        # accept only the ones that reach this server.
+        return (address.is_loopback or bind in WILDCARD_HOSTS
+                or address == _address_or_none(bind) or name in self.allowed_hosts)
+
+    def token_ok(self, authorization: str | None) -> bool:
+        if self.token is None:
+            return True
+        scheme, _, given = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and self.token_matches(given.strip())
+
+    def token_matches(self, given: str) -> bool:
+        return self.token is None or hmac.compare_digest(given.encode(), self.token.encode())
+
+    def session_value(self, now: float) -> str:
+        """A session cookie's value: its expiry and a MAC of it keyed by the token."""
+        expires = int(now + SESSION_TTL_S)
+        return f"{expires}.{self._session_mac(expires)}"
+
+    def session_ok(self, value: str | None, now: float) -> bool:
+        if self.token is None:
+            return True
+        expires, _, mac = (value or "").partition(".")
+        if not expires.isdigit() or int(expires) <= now:
+            return False
+        return hmac.compare_digest(mac.encode(), self._session_mac(int(expires)).encode())
+
+    def _session_mac(self, expires: int) -> str:
+        return hmac.new((self.token or "").encode(), f"mms-status-page:{expires}".encode(),
+                        hashlib.sha256).hexdigest()
+
+
+def _address_or_none(text: str):
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+def access_for(bind_host: str, token: str | None, extra_hosts: Iterable[str] = ()) -> AdminAccess:
+    """The AdminAccess of an API bound to ``bind_host``; a wildcard bind also answers to the
+    machine's host names (how other machines on a private network reach it)."""
+    names = {h.strip().strip("[]").rstrip(".").lower() for h in extra_hosts if h.strip()}
+    if bind_host in WILDCARD_HOSTS:
+        import socket
+
+        names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+    return AdminAccess(token=token, bind_host=bind_host, allowed_hosts=frozenset(names))
+
+
+def _public(request: web.Request) -> bool:
+    """Read-only endpoints a Prometheus scraper or a liveness probe calls without a token.
+    A health probe (``?probe=1``) runs an inference, so it needs the token."""
+    if request.method not in SAFE_METHODS:
+        return False
+    if request.path in ("/metrics", "/health", "/livez", "/readyz"):
+        return True
+    if request.path.startswith(STATIC_PREFIX):
+        return True
+    return request.path.startswith("/health/") and "probe" not in request.query
+
+
+def _signs_in(request: web.Request) -> bool:
+    """The sign-in call carries the token in its body; its handler checks it."""
+    return request.path == SESSION_ENDPOINT and request.method in ("POST", "DELETE")
+
+
+def _session_opens(request: web.Request, access: AdminAccess) -> bool:
+    return (request.method in SAFE_METHODS and request.path in SESSION_PATHS
+            and access.session_ok(request.cookies.get(SESSION_COOKIE), time.time()))
+
+
+def access_middleware(access: AdminAccess):
+    @web.middleware
+    async def check_access(request: web.Request, handler):
+        host = request.headers.get("Host")
+        if not access.host_allowed(host):
+            raise Forbidden(
+                f"the admin API does not answer to Host {host!r}; call it by a loopback address, "
+                f"'localhost' or its bound address ({access.bind_host}); add names with "
+                "mmctl up --admin-allowed-host")
+        origin = request.headers.get("Origin")
+        fetch_site = request.headers.get("Sec-Fetch-Site", "").lower()
+        if (origin is not None and origin.lower() != f"{request.scheme}://{host}".lower()) \
+                or fetch_site in ("cross-site", "same-site"):
+            raise Forbidden(f"cross-origin request from {origin or fetch_site!r} refused: the "
+                            "admin API takes no requests from web pages")
+        if not (_public(request) or _signs_in(request)
+                or access.token_ok(request.headers.get("Authorization"))
+                or _session_opens(request, access)):
+            given = "a wrong token" if request.headers.get("Authorization") else "no token"
+            raise Unauthorized(f"the admin API needs its token and got {given}: {TOKEN_HINT}")
+        if request.method not in SAFE_METHODS and request.content_type != "application/json":
+            sent = request.headers.get("Content-Type")
+            raise UnsupportedMediaType(
+                f"{request.method} {request.path} must be sent with Content-Type: "
+                f"application/json (got {sent or 'none'}); send {{}} when there is nothing to say")
+        return await handler(request)
+
+    return check_access
+
+
+def ensure_token_file(path: Path, token: str | None = None) -> str:
+    """The admin token, kept in ``path`` with mode 0600 so mmctl on this machine finds it.
+
+    ``token`` given (``--admin-token`` / MMS_ADMIN_TOKEN): written there.  Otherwise the file's
+    token is reused, so clients keep working across restarts (delete the file to rotate it),
+    unless the file is empty or readable by others; then a new one is generated.
+    """
+    if token is None and path.is_file():
+        mode = path.stat().st_mode & 0o777
+        existing = path.read_text().strip()
+        if existing and not mode & 0o077:
+            return existing
+        if existing:
+            log.warning("%s was readable by other users (mode %o); generating a new admin token",
+                        path, mode)
+    token = token or secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # O_CREAT's mode does not apply to an existing file
+        f.write(token + "\n")
+    return token
