@@ -122,57 +122,73 @@ def zipf_replay(url: str, models: list[str], requests_total: int, clients: int =
             "throughput_rps": round(requests_total / wall_s, 1)}
 
 
-def run_size(size: int, args) -> dict:
-    state = Path(tempfile.mkdtemp(prefix=f"scale-{size}-"))
+def start_stack(size: int, args, label: str = "") -> tuple[Product, float]:
+    """`mmctl up` with ``size`` demo variants (from the current directory's checkout), and
+    the seconds it took to be ready."""
+    state = Path(tempfile.mkdtemp(prefix=f"scale{label}-{size}-"))
     start = time.perf_counter()
     product = Product(state / "state", None, "--fleet-size", str(size), "--model-size-mb", "0.01",
                       "--max-loaded", "8", "--router-workers", str(args.workers),
                       "--reconcile-interval", "2").start()
-    startup_s = time.perf_counter() - start
+    return product, time.perf_counter() - start
+
+
+def idle_cpu(product: Product, seconds: float) -> float:
+    """The control plane's CPU, in cores, over ``seconds`` without traffic."""
+    time.sleep(3)  # the workers' first polls and the first reconcile passes settle
+    pid = control_plane_pid(product)
+    before, t0 = cpu_seconds(pid), time.perf_counter()
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - before) / (time.perf_counter() - t0)
+
+
+def admin_post(product: Product, path: str) -> None:
+    requests.post(product.url + path, json={}, headers=product.admin_headers(),
+                  timeout=120).raise_for_status()
+
+
+def what_one_load_sends(product: Product, model: str) -> tuple[bytes, bytes]:
+    """What a new worker gets (the whole published state) and what a worker that is up to
+    date gets for one load of ``model``, asked as a worker would."""
+    snapshot, headers = product.url + "/v1/dataplane/snapshot", product.admin_headers()
+    whole = requests.get(snapshot, headers=headers, timeout=30, params={"worker": "bench", "since": "-1"})
+    published = json.loads(whole.content)
+    admin_post(product, f"/v1/models/{model}/load")
+    change = requests.get(snapshot, headers=headers, timeout=30, params={
+        "worker": "bench", "since": str(published["version"]), "epoch": published["epoch"]})
+    return whole.content, change.content
+
+
+def run_size(size: int, args) -> dict:
+    product, startup_s = start_stack(size, args)
     try:
         endpoints = product.json("endpoints")
-        admin, headers = product.url, product.admin_headers()
         models = [f"cust{i:03d}" for i in range(1, size + 1)]
-        time.sleep(3)  # the workers' first polls and the first reconcile passes settle
-        pid = control_plane_pid(product)
-        before, t0 = cpu_seconds(pid), time.perf_counter()
-        time.sleep(args.idle_s)
-        idle_cpu = (cpu_seconds(pid) - before) / (time.perf_counter() - t0)
-
-        snapshot = admin + "/v1/dataplane/snapshot"
-        whole = requests.get(snapshot, headers=headers, timeout=30,
-                             params={"worker": "bench", "since": "-1"})
-        published = json.loads(whole.content)
-        version, epoch = published["version"], published["epoch"]
-        requests.post(f"{admin}/v1/models/{models[-1]}/load", json={}, headers=headers, timeout=120).raise_for_status()
-        change = requests.get(snapshot, headers=headers, timeout=30,
-                              params={"worker": "bench", "since": str(version), "epoch": epoch})
-        changes = json.loads(change.content).get("changes", [])
-
+        idle = idle_cpu(product, args.idle_s)
+        whole, change = what_one_load_sends(product, models[-1])
         for i in range(args.changes):  # loads and unloads of variants: placement changes
             model = models[(i * 7919) % size]
-            requests.post(f"{admin}/v1/models/{model}/load", json={}, headers=headers, timeout=120).raise_for_status()
-            requests.post(f"{admin}/v1/models/{model}/unload", json={}, headers=headers, timeout=120).raise_for_status()
-        control_metrics = requests.get(admin + "/metrics", timeout=30).text
+            admin_post(product, f"/v1/models/{model}/load")
+            admin_post(product, f"/v1/models/{model}/unload")
+        control_metrics = requests.get(product.url + "/metrics", timeout=30).text
         name = "mms_dataplane_propagation_seconds"
         propagation = {"p50_s": histogram_quantile(control_metrics, name, 0.5),
                        "p99_s": histogram_quantile(control_metrics, name, 0.99),
                        "acknowledgements": int(float(re.search(rf"^{name}_count (\S+)$", control_metrics,
                                                                re.MULTILINE).group(1)))}
-
         status_one_s, _ = timed_mmctl(product, "status", models[size // 2])
         status_ready_s, lines = timed_mmctl(product, "status", "--state", "ready")
         hits = hit_latency(endpoints["router_grpc"], models[0], args.hits)
         replay = zipf_replay(endpoints["router_grpc"], models, args.replay)
         router_text = requests.get(f"http://{endpoints['router_http']}/metrics", timeout=30).text
-        control_metrics = requests.get(admin + "/metrics", timeout=30).text
+        control_metrics = requests.get(product.url + "/metrics", timeout=30).text
     finally:
         product.stop()
     return {
         "models": size, "startup_s": round(startup_s, 1),
-        "control_plane_idle_cpu_percent": round(100 * idle_cpu, 2),
-        "whole_state_bytes": len(whole.content), "one_load_bytes": len(change.content),
-        "one_load_changes": changes,
+        "control_plane_idle_cpu_percent": round(100 * idle, 2),
+        "whole_state_bytes": len(whole), "one_load_bytes": len(change),
+        "one_load_changes": json.loads(change).get("changes", []),
         "propagation": propagation,
         "mmctl_status_one_s": round(status_one_s, 3),
         "mmctl_status_ready_s": round(status_ready_s, 3), "mmctl_status_ready_lines": lines,
@@ -184,36 +200,20 @@ def run_size(size: int, args) -> dict:
 def run_baseline(size: int, tree: Path, args) -> dict:
     """The same catalogue on another checkout of the product (``--baseline-tree``, e.g. the
     commit before per-key changes): start-up, idle CPU and what one load sends a worker."""
-    state = Path(tempfile.mkdtemp(prefix=f"scale-baseline-{size}-"))
     here = Path.cwd()
     os.chdir(tree)  # its processes run its code: python -m control_plane.cli from its root
     try:
-        start = time.perf_counter()
-        product = Product(state / "state", None, "--fleet-size", str(size), "--model-size-mb", "0.01",
-                          "--max-loaded", "8", "--router-workers", str(args.workers),
-                          "--reconcile-interval", "2").start()
-        startup_s = time.perf_counter() - start
+        product, startup_s = start_stack(size, args, "-baseline")
     finally:
         os.chdir(here)
     try:
-        admin, headers = product.url, product.admin_headers()
-        time.sleep(3)
-        pid = control_plane_pid(product)
-        before, t0 = cpu_seconds(pid), time.perf_counter()
-        time.sleep(args.idle_s)
-        idle_cpu = (cpu_seconds(pid) - before) / (time.perf_counter() - t0)
-        snapshot = admin + "/v1/dataplane/snapshot"
-        whole = requests.get(snapshot, headers=headers, timeout=30, params={"worker": "bench", "since": "-1"})
-        published = json.loads(whole.content)
-        requests.post(f"{admin}/v1/models/cust{size:03d}/load", json={}, headers=headers,
-                      timeout=120).raise_for_status()
-        change = requests.get(snapshot, headers=headers, timeout=30, params={
-            "worker": "bench", "since": str(published["version"]), "epoch": published["epoch"]})
+        idle = idle_cpu(product, args.idle_s)
+        whole, change = what_one_load_sends(product, f"cust{size:03d}")
     finally:
         product.stop()
     return {"models": size, "tree": str(tree), "startup_s": round(startup_s, 1),
-            "control_plane_idle_cpu_percent": round(100 * idle_cpu, 2),
-            "whole_state_bytes": len(whole.content), "one_load_bytes": len(change.content)}
+            "control_plane_idle_cpu_percent": round(100 * idle, 2),
+            "whole_state_bytes": len(whole), "one_load_bytes": len(change)}
 
 
 def main() -> None:
