@@ -31,6 +31,7 @@ from router.frontends.http_request import (
     read_infer_request,
     with_parameters,
 )
+from router.frontends.http_shadow import offer as offer_shadow
 from router.frontends.http_shared_memory import shared_memory_routes
 from router.frontends.shared_memory import json_uses_shared_memory
 from router.serving.core import Router
@@ -300,6 +301,8 @@ async def infer(request: web.Request) -> web.Response:
         n = int(resp_header_len) if resp_header_len else len(payload)
         out = json.loads(payload[:n])
         binary = payload[n:]
+        if decision.shadow:  # a copy for the shadow, as gRPC (router.frontends.http_shadow)
+            offer_shadow(router, call, parsed, out, binary)
         if output_places:
             binary = router.shared_memory.deliver_json(out, binary, output_places)
             resp_header_len = resp_header_len if binary else None

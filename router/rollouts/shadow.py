@@ -56,7 +56,9 @@ class ShadowItem:
     route: str
     shadow_model: str
     request: object  # serialized ModelInferRequest (bytes) already addressed to the shadow
-    primary: object  # the primary's response: serialized bytes, a ModelInferResponse or Outputs
+    # The primary's response: serialized bytes, a ModelInferResponse, Outputs, or a function
+    # that returns Outputs (an HTTP answer, converted in the analysis thread).
+    primary: object
     primary_latency_ms: float
 
 
@@ -84,11 +86,14 @@ class ShadowReport:
 
 
 def outputs_of(response) -> Outputs:
-    """Outputs of a ModelInferResponse, its serialized bytes, or Outputs as they are."""
+    """Outputs of a ModelInferResponse, its serialized bytes, Outputs as they are, or what a
+    function returns."""
     if isinstance(response, (bytes, bytearray, memoryview)):
         response = service_pb2.ModelInferResponse.FromString(bytes(response))
     elif isinstance(response, list):
         return response
+    elif callable(response):
+        return response()
     return [(o.name, o.datatype, raw) for o, raw in zip(response.outputs, response.raw_output_contents)]
 
 

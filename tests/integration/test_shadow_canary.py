@@ -1,6 +1,7 @@
 """Shadows and canaries on the real stack (`mmctl up`, real tritonserver, tritonclient):
-an unknown shadow is refused, a healthy candidate that starts cold is promoted through the
-registry, and a busy state database never stalls the serving loop."""
+an unknown shadow is refused, requests over HTTP are mirrored and compared as gRPC ones are,
+a healthy candidate that starts cold is promoted through the registry, and a busy state
+database never stalls the serving loop."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from control_plane.demo.fleet import base_weights, customer_weights, write_model
@@ -22,6 +24,7 @@ from tests.product import Product
 pytestmark = pytest.mark.integration
 
 CANDIDATE = "cust001.v2"  # version 2 of cust001 in the registry (folder name <model>.v<N>)
+TWIN = "cust004-twin"  # cust004's weights under another name: a shadow that never diverges
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +33,7 @@ def product(fleet_template, tmp_path_factory):
     repo = root / "repository"
     shutil.copytree(fleet_template, repo)
     write_model(repo, CANDIDATE, SMALL, customer_weights(SMALL, CANDIDATE, base_weights(SMALL)))
+    write_model(repo, TWIN, SMALL, customer_weights(SMALL, "cust004", base_weights(SMALL)))
     p = Product(root / "state", repo, "--max-loaded", "8").start()
     p.endpoints = p.json("endpoints")
     yield p
@@ -55,6 +59,68 @@ def test_shadow_start_with_an_unknown_model_is_refused(product):
     assert "unknown model 'nosuch-model'" in out.stderr
     route = next((r for r in admin_get(p, "/v1/routes") if r["name"] == "cust002"), None)
     assert route is None or route["shadow"] is None
+
+
+def http_infer(client, model, data, binary: bool):
+    x = httpclient.InferInput("FEATURES", list(data.shape), "FP32")
+    x.set_data_from_numpy(data, binary_data=binary)
+    out = httpclient.InferRequestedOutput("SCORES", binary_data=binary)
+    return client.infer(model, [x], outputs=[out]).as_numpy("SCORES")
+
+
+COUNTS = ("mirrored", "dropped", "shed", "errors", "timeouts", "compared", "diverged")
+
+
+def shadow_counts_after(p, route, before, n, timeout_s=30):
+    """The route's shadow counts since ``before`` once each of ``n`` offers is accounted for
+    and each mirror has an outcome (router workers report in batches), or as they are at
+    the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        report = p.json("shadow", "report", route)
+        c = {k: report[k] - before.get(k, 0) for k in COUNTS}
+        if ((c["mirrored"] + c["dropped"] + c["shed"] >= n
+                and c["compared"] + c["errors"] + c["timeouts"] >= c["mirrored"])
+                or time.monotonic() > deadline):
+            return c, report
+        time.sleep(0.2)
+
+
+def test_requests_over_http_are_mirrored_and_compared(product):
+    """JSON and binary-tensor bodies over HTTP reach the shadow as gRPC requests do: mirrored,
+    compared with the primary's answer, counted; the client's answers are the primary's."""
+    p = product
+    router = httpclient.InferenceServerClient(p.endpoints["router_http"])
+    direct = httpclient.InferenceServerClient(p.endpoints["triton"][0]["http"])
+    models = ("cust004", TWIN, "cust005")
+    for model in models:  # loaded before the mirrors, and nothing compared is evicted
+        assert p.mmctl("pin", model).returncode == 0
+    rng = np.random.default_rng(7)
+    batches = [rng.standard_normal((n, 64)).astype(np.float32) for n in (1, 3, 2, 4)]
+    n = 8
+    try:
+        for shadow in (TWIN, "cust005"):
+            assert p.mmctl("shadow", "start", "cust004", "--model", shadow, "--percent", "100").returncode == 0
+            before = p.json("shadow", "report", "cust004")
+            for i in range(n):
+                data, binary = batches[i % len(batches)], i % 2 == 1
+                answer = http_infer(router, "cust004", data, binary)
+                np.testing.assert_array_equal(answer, http_infer(direct, "cust004", data, binary))
+            c, report = shadow_counts_after(p, "cust004", before, n)
+            # A mirror is shed only when the machine runs the router's loop late.
+            assert c["mirrored"] > 0 and c["mirrored"] + c["shed"] == n and c["dropped"] == 0, report
+            assert c["compared"] == c["mirrored"] and c["errors"] == c["timeouts"] == 0, report
+            # The same weights compare equal, JSON or binary; another model's outputs diverge.
+            assert c["diverged"] == (0 if shadow == TWIN else c["compared"]), report
+            assert report["mean_latency_delta_ms"] is not None
+            assert p.mmctl("shadow", "stop", "cust004").returncode == 0
+    finally:
+        p.mmctl("shadow", "stop", "cust004")
+        for model in models:
+            assert p.mmctl("unpin", model).returncode == 0
+    metrics = requests.get(f"http://{p.endpoints['router_http']}/metrics", timeout=5).text
+    assert 'mmr_shadow_results_total{result="diverged",route="cust004"}' in metrics
+    assert 'mmr_shadow_results_total{result="match",route="cust004"}' in metrics
 
 
 def test_a_healthy_candidate_that_starts_cold_is_promoted_through_the_registry(product):

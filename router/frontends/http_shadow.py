@@ -1,0 +1,147 @@
+"""Mirror a KServe v2 HTTP inference to a route's shadow, as gRPC mirrors are.
+
+The shadow mirror (``router.rollouts.shadow``) sends serialized gRPC ModelInferRequests and
+compares the shadow's outputs with the primary's as (name, datatype, raw bytes).  An HTTP
+request chosen for mirroring (its decision has a shadow) is therefore converted here, and
+only then: its JSON header and binary tensors become the ModelInferRequest tritonclient.grpc
+would build for the same inputs (every input in ``raw_input_contents``; BYTES elements with
+Triton's 4-byte little-endian length prefix), addressed to the shadow.  The primary's JSON
+answer is kept as it is (a shallow copy) and turned into raw bytes in the shadow's analysis
+thread, not on the serving loop.
+
+A raw binary request (Inference-Header-Content-Length: 0) names no input, so it is not
+mirrored.  Shared-memory tensors have been inlined before this runs
+(``router.frontends.http_frontend``).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable
+from functools import partial
+
+import numpy as np
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import triton_to_np_dtype
+
+from model_runtime.family.protocol import VARIANT_PARAMETER
+from router.frontends.http_request import InferRequest
+from router.rollouts.shadow import Outputs, ShadowItem
+from router.serving.core import Router
+from router.serving.send import Call
+
+# HTTP-only parameters: how the tensors travel in the HTTP body, nothing gRPC carries.
+_HTTP_ONLY = ("binary_data_output", "binary_data", "binary_data_size")
+
+
+def _flat(data) -> list:
+    """Nested JSON arrays in row-major order, as Triton reads them (level by level)."""
+    while any(type(item) is list for item in data):
+        flat: list = []
+        for item in data:
+            if type(item) is list:
+                flat.extend(item)
+            else:
+                flat.append(item)
+        data = flat
+    return data
+
+
+def json_tensor_bytes(datatype: str, data: list) -> bytes:
+    """A JSON tensor's ``data`` as Triton's raw bytes (BYTES: length-prefixed elements)."""
+    flat = _flat(data)
+    if datatype == "BYTES":
+        items = [v.encode("utf-8", "surrogatepass") if isinstance(v, str) else bytes(v) for v in flat]
+        return b"".join(struct.pack("<I", len(v)) + v for v in items)
+    return np.array(flat, dtype=triton_to_np_dtype(datatype)).tobytes()
+
+
+def _set_parameter(param: service_pb2.InferParameter, key: str, value) -> None:
+    if isinstance(value, bool):
+        param.bool_param = value
+    elif isinstance(value, int):
+        if key == "priority":  # as tritonclient sends it
+            param.uint64_param = value
+        else:
+            param.int64_param = value
+    elif isinstance(value, float):
+        param.double_param = value
+    else:
+        param.string_param = str(value)
+
+
+def _copy_parameters(target, parameters: dict | None) -> None:
+    for key, value in (parameters or {}).items():
+        if key not in _HTTP_ONLY:
+            _set_parameter(target[key], key, value)
+
+
+def grpc_request(doc: dict, binary: bytes, model_name: str,
+                 parameters: dict[str, str] | None = None) -> service_pb2.ModelInferRequest:
+    """The checked HTTP request ``doc`` (binary tensors ``binary``, in input order) as a
+    ModelInferRequest for ``model_name``, with ``parameters`` added to the request's own."""
+    request = service_pb2.ModelInferRequest(model_name=model_name)
+    if doc.get("id"):
+        request.id = doc["id"]
+    _copy_parameters(request.parameters, doc.get("parameters"))
+    for key, value in (parameters or {}).items():
+        request.parameters[key].string_param = value
+    cursor = 0
+    for tensor in doc.get("inputs", ()):
+        params = tensor.get("parameters") or {}
+        grpc_input = request.inputs.add(name=tensor["name"], datatype=tensor["datatype"],
+                                        shape=tensor["shape"])
+        _copy_parameters(grpc_input.parameters, params)
+        if "binary_data_size" in params:
+            size = params["binary_data_size"]
+            request.raw_input_contents.append(binary[cursor:cursor + size])
+            cursor += size
+        else:
+            request.raw_input_contents.append(json_tensor_bytes(tensor["datatype"], tensor["data"]))
+    for output in doc.get("outputs", ()):
+        grpc_output = request.outputs.add(name=output["name"])
+        _copy_parameters(grpc_output.parameters, output.get("parameters"))
+    return request
+
+
+def outputs_of_json(outputs: list[dict], binary: bytes) -> Outputs:
+    """An HTTP answer's outputs (its JSON ``outputs``, the binary tensors after the header)
+    as the shadow compares them: (name, datatype, raw bytes)."""
+    result, cursor = [], 0
+    for output in outputs:
+        size = (output.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            raw = binary[cursor:cursor + size]
+            cursor += size
+        else:
+            raw = json_tensor_bytes(output["datatype"], output.get("data", []))
+        result.append((output["name"], output["datatype"], raw))
+    return result
+
+
+def primary_outputs(out: dict, binary: bytes) -> Callable[[], Outputs]:
+    """The primary's outputs, converted when called (in the shadow's analysis thread).  The
+    output entries are copied now: the answer's JSON is changed before it is sent
+    (shared-memory outputs lose their parameters)."""
+    return partial(outputs_of_json, [dict(o) for o in out.get("outputs", ())], binary)
+
+
+def offer(router: Router, call: Call, parsed: InferRequest, out: dict, binary: bytes) -> None:
+    """Offer the shadow of ``call.decision`` a copy of the HTTP request ``parsed`` (its
+    shared-memory inputs inlined) with the primary's answer (``out``, ``binary``): the same
+    queue, shedding, comparison and report as a gRPC mirror (``router.serving.forward``)."""
+    decision = call.decision
+    if not decision.shadow or parsed.header_length == 0:
+        return
+    overrides = {}
+    if decision.adapter is not None:
+        overrides["adapter"] = decision.adapter
+    carrier = router.state.carrier_of(decision.shadow)
+    if carrier is not None:
+        overrides[VARIANT_PARAMETER] = decision.shadow  # a family's variant: its slot
+    request = grpc_request(parsed.doc, parsed.body[parsed.header_length:] if parsed.header_length else b"",
+                           carrier or decision.shadow, overrides)
+    router.shadow.offer(ShadowItem(decision.logical.split(":", 1)[0], decision.shadow,
+                                   request.SerializeToString(), primary_outputs(out, binary),
+                                   (time.perf_counter() - call.start) * 1000))
