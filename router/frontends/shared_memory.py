@@ -378,7 +378,7 @@ _TYPED_FIELDS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_
 
 def _typed_as_raw(tensor: service_pb2.ModelInferRequest.InferInputTensor) -> bytes:
     if tensor.datatype == "BYTES":
-        return serialize_byte_tensor(np.array(list(tensor.contents.bytes_contents), dtype=np.object_)).tobytes()
+        return serialize_byte_tensor(np.array(list(tensor.contents.bytes_contents), dtype=np.object_)).item()
     field = _TYPED_FIELDS.get(tensor.datatype)
     if field is None:
         raise SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT,

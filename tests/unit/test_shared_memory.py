@@ -97,3 +97,15 @@ def test_output_too_small_for_the_answer(tmp_path, region):
     with pytest.raises(SharedMemoryError, match=r"\(4 bytes\) should be at least 8 bytes"):
         memory.deliver(response, places)
     memory.close()
+
+
+def test_typed_bytes_contents_become_triton_length_prefixed_bytes():
+    """A BYTES input sent as typed contents beside shared-memory inputs goes to Triton as raw
+    bytes: each element with its 4-byte little-endian length (not a pointer's bytes)."""
+    from tritonclient.grpc import service_pb2
+
+    from router.frontends.shared_memory import _typed_as_raw
+
+    tensor = service_pb2.ModelInferRequest.InferInputTensor(name="TEXT", datatype="BYTES", shape=[2])
+    tensor.contents.bytes_contents.extend([b"ab", b"cde"])
+    assert _typed_as_raw(tensor) == b"\x02\x00\x00\x00ab\x03\x00\x00\x00cde"
