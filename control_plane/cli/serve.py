@@ -143,10 +143,7 @@ def supervise(cfg: ServiceConfig) -> int:
     taken = {cfg.admin_port}
     for attr in ("router_grpc_port", "router_http_port"):
         if getattr(cfg, attr) == 0:
-            port = free_port(_connect_host(cfg.router_host))
-            while port in taken:
-                port = free_port(_connect_host(cfg.router_host))
-            setattr(cfg, attr, port)
+            setattr(cfg, attr, free_port(_connect_host(cfg.router_host), avoid=taken))
         taken.add(getattr(cfg, attr))
     token = ensure_token_file(cfg.state_dir / TOKEN_FILE_NAME, cfg.admin_token or None)
     config_file = run_dir / "control-plane.json"

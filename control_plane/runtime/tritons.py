@@ -110,6 +110,12 @@ def _port(base: int, i: int) -> int:
 class TritonLaunching:
     """Part of ``Service``: its Tritons, launched here or registered by address."""
 
+    @property
+    def reserved_ports(self) -> tuple[int, ...]:
+        """Ports the admin API and the router bind once the Tritons are up: never a Triton's."""
+        cfg = self.cfg
+        return tuple(p for p in (cfg.admin_port, cfg.router_http_port, cfg.router_grpc_port) if p)
+
     def discover_devices(self) -> list:
         """The GPUs and MIG slices that get a Triton each ([] without NVML or GPUs)."""
         from control_plane.triton.devices import discover, load_nvml, select_devices
@@ -152,7 +158,7 @@ class TritonLaunching:
                 grpc_port=_port(cfg.triton_grpc_port, i),
                 metrics_port=_port(cfg.triton_metrics_port, i),
                 ready_timeout_s=cfg.triton_ready_timeout_s, env=plan.launch_env(),
-                outlive_parent=self.supervised))
+                outlive_parent=self.supervised, reserved_ports=self.reserved_ports))
             log.info("%s: %s %s (%s), budget %s bytes (%s)", plan.name, plan.device.kind,
                      plan.device.name, plan.device.uuid, plan.budget_bytes, plan.budget_source)
             proc.start()
@@ -183,6 +189,7 @@ class TritonLaunching:
                 metrics_port=_port(cfg.triton_metrics_port, i),
                 ready_timeout_s=cfg.triton_ready_timeout_s,
                 outlive_parent=self.supervised,
+                reserved_ports=self.reserved_ports,
             ))
             proc.start()
             self.processes.append(proc)

@@ -15,7 +15,7 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,11 +70,16 @@ def with_parent_death_signal(cmd: list[str]) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_EXEC, str(os.getpid()), *cmd]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the kernel picks it); good enough for tests."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A port that was free a moment ago (the kernel picks it), and not one of ``avoid``:
+    ports handed out for processes that have not bound them yet (the kernel may hand a
+    released port out again)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 def pytriton_root() -> Path:
@@ -155,6 +160,9 @@ class TritonLaunchConfig:
     # Supervised (router workers): Triton outlives a crash of its control plane, whose
     # next life adopts it (``adopt_previous``); ``mmctl up``'s supervisor reaps it.
     outlive_parent: bool = False
+    # Ports other processes of the product bind after this Triton starts (the admin API,
+    # the router's public ports): a port picked for this Triton is never one of them.
+    reserved_ports: tuple[int, ...] = ()
 
 
 def triton_args(cfg: TritonLaunchConfig, backend_dir: Path, log_path: Path) -> list[str]:

@@ -54,9 +54,11 @@ class TritonProcess(PreviousLife):
         self.cfg = cfg
         self.requested_ports = [cfg.http_port, cfg.grpc_port, cfg.metrics_port]
         self.adopted: tuple[int, int] | None = None  # (pid, start ticks) of a Triton taken over
+        taken = set(cfg.reserved_ports) | {cfg.http_port, cfg.grpc_port, cfg.metrics_port}
         for attr in ("http_port", "grpc_port", "metrics_port"):
             if getattr(cfg, attr) == 0:
-                setattr(cfg, attr, free_port(cfg.host))
+                setattr(cfg, attr, free_port(cfg.host, avoid=taken))
+                taken.add(getattr(cfg, attr))
         self.log_path = cfg.work_dir / f"tritonserver-{cfg.grpc_port}.log"
         self.proc: subprocess.Popen | None = None
 

@@ -241,3 +241,34 @@ def test_triton_gets_an_allow_listed_environment_without_secrets(tmp_path, monke
         assert env[name] == value, name
     assert env["MY_MODEL_SETTING"] == "1"  # what the operator passes explicitly
     assert env["PATH"].split(":")[0] == triton_process.stub_environment()["PATH"].split(":")[0]
+
+
+def test_a_tritons_free_ports_are_never_the_ones_reserved_for_the_admin_api_or_the_router(
+        tmp_path, monkeypatch):
+    """The kernel may hand out a released port again; a port the admin API or the router will
+    bind (not bound yet while the Tritons start) is never picked for a Triton."""
+    import control_plane.triton.launch as launch
+    from control_plane.triton.process import TritonLaunchConfig, TritonProcess
+
+    handed = iter([8090, 8000, 41000, 8090, 41001, 41002])
+
+    class Socket:
+        def __init__(self, *_args):
+            self.port = next(handed)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_exc):
+            return False
+
+        def bind(self, _address):
+            pass
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(launch.socket, "socket", Socket)
+    proc = TritonProcess(TritonLaunchConfig(repository=tmp_path, work_dir=tmp_path,
+                                            reserved_ports=(8090, 8000, 8001)))
+    assert [proc.cfg.http_port, proc.cfg.grpc_port, proc.cfg.metrics_port] == [41000, 41001, 41002]
