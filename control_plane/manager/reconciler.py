@@ -60,6 +60,7 @@ class Reconciler:
         # every CATALOG_READ_S; in between only what is loaded, so a pass costs the same
         # with ten or ten thousand models in the repository.
         whole = time.monotonic() - self._catalog_read_at.get(server.name, -CATALOG_READ_S) >= CATALOG_READ_S
+        read_at = time.monotonic()  # a model that changed state after this: the index may not show it
         try:
             index = await server.admin.index(ready_only=not whole)
         except TritonUnavailable:
@@ -117,7 +118,7 @@ class Reconciler:
                     if (rec.failed_at is None
                             or time.monotonic() - rec.failed_at >= self.state.config.failure_backoff_s):
                         self.state.spawn(self.unloader.retry_unload(server, name))
-                elif entry.state != TritonModelState.READY and ours(rec):
+                elif entry.state != TritonModelState.READY and ours(rec) and rec.moved_at < read_at:
                     if entry.state in (TritonModelState.LOADING, TritonModelState.UNLOADING):
                         continue
                     server.planner.remove(name)
@@ -133,7 +134,8 @@ class Reconciler:
             # models placed on a server are its planner's residents).
             for name in list(server.planner.residents):
                 rec = self.state.records.get(name)
-                if (rec is None or rec.server != server.name or name in index or name in busy):
+                if (rec is None or rec.server != server.name or name in index or name in busy
+                        or rec.moved_at >= read_at):  # loaded while the index was read
                     continue
                 server.planner.remove(name)
                 self.state.release_warm(name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -79,6 +80,7 @@ class ModelRecord:
     # Called with the model's name after each change of state (the data-plane hub publishes
     # the model's placement then).
     on_move: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
+    moved_at: float = 0.0  # monotonic time of the last change of state
 
     def move(self, to: ModelState) -> None:
         """Change the model's state; the change must be one ``TRANSITIONS`` lists."""
@@ -91,6 +93,7 @@ class ModelRecord:
             if self.on_illegal is not None:
                 self.on_illegal(now, to)
         self.state = to
+        self.moved_at = time.monotonic()
         if to != now and self.on_move is not None:
             self.on_move(self.name)
 

@@ -761,3 +761,32 @@ def test_a_version_only_in_the_cold_tier_is_known_to_health_and_unpin(tmp_path):
             mgr.get("nosuch.v1")
 
     run(go())
+
+
+def test_a_model_loaded_while_a_reconcile_reads_the_index_is_not_forgotten(tmp_path):
+    """The index a reconcile pass reads can predate a load that completes meanwhile: that
+    model is not "no longer loaded" (forgetting it would leave Triton holding a model, or a
+    family's slot, the manager counts as free)."""
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=4)
+        await mgr.start()
+        real_index = admin.index
+        reading = asyncio.Event()
+        loaded = asyncio.Event()
+
+        async def slow_index(ready_only=False):
+            snapshot = await real_index(ready_only)  # read before the load below completes
+            reading.set()
+            await loaded.wait()
+            return snapshot
+
+        admin.index = slow_index
+        step = asyncio.get_running_loop().create_task(mgr.step())
+        await reading.wait()
+        await mgr.ensure("m1")
+        loaded.set()
+        await step
+        assert mgr.get("m1").state == ModelState.READY
+        assert "m1" in mgr.servers["s0"].planner.residents
+
+    run(go())
