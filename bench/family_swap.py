@@ -62,7 +62,31 @@ def memcpy_baseline(size_bytes: int, repeats: int = 20) -> dict:
         t0 = time.perf_counter()
         tdst.copy_(tsrc)
         torch_s.append(time.perf_counter() - t0)
-    return {"bytes": size_bytes, "numpy_copyto": percentiles(numpy_s), "torch_copy_": percentiles(torch_s)}
+    out = {"bytes": size_bytes, "numpy_copyto": percentiles(numpy_s), "torch_copy_": percentiles(torch_s)}
+    if torch.cuda.is_available():  # what a GPU slot's miss pays at least: pinned host to device
+        pinned = torch.empty(size_bytes, dtype=torch.uint8).pin_memory()
+        pinned.copy_(tsrc)
+        device = torch.empty(size_bytes, dtype=torch.uint8, device="cuda")
+        device.copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize()
+        h2d_s = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            device.copy_(pinned, non_blocking=True)
+            torch.cuda.synchronize()
+            h2d_s.append(time.perf_counter() - t0)
+        out["torch_pinned_h2d"] = percentiles(h2d_s)
+        out["cuda_device"] = torch.cuda.get_device_name()
+    return out
+
+
+def gpu_used_mib() -> float | None:
+    """Device memory in use on GPU 0 (nvidia-smi), or None without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=False).stdout
+    return float(out.splitlines()[0]) if out.strip() else None
 
 
 def family_rss_bytes() -> int | None:
@@ -105,15 +129,18 @@ def run_layout(layout: str, args, work: Path) -> dict:
                "miss": percentiles(misses)}
         out["miss_minus_hit_p50_ms"] = round(out["miss"]["p50_ms"] - out["hit"]["p50_ms"], 3)
         if layout == "family":
-            rss_before = family_rss_bytes()
+            rss_before, gpu_before = family_rss_bytes(), gpu_used_mib()
             t0 = time.perf_counter()
             cycles = [timed(names[i % len(names)]) for i in range(args.cycles)]
             out["cycles"] = {"count": args.cycles, "seconds": round(time.perf_counter() - t0, 1),
                              "latency": percentiles(cycles), "rss_before_bytes": rss_before,
-                             "rss_after_bytes": family_rss_bytes()}
+                             "rss_after_bytes": family_rss_bytes(), "gpu_used_before_mib": gpu_before,
+                             "gpu_used_after_mib": gpu_used_mib()}
             families = product.json("family", "list")
             out["slot_bytes"] = families[0]["slot_bytes"]
-            out["slots"] = families[0]["servers"]["triton0"]["slots"]
+            out["slots"] = next(iter(families[0]["servers"].values()))["slots"]
+            out["family_servers"] = families[0]["servers"]
+        out["fleet"] = product.json("fleet")
         return out
     finally:
         product.stop()
@@ -148,6 +175,9 @@ def main(argv=None) -> dict:
     args.out.write_text(json.dumps(result, indent=2))
 
     copy_ms = memcpy["numpy_copyto"]["p50_ms"]
+    if "torch_pinned_h2d" in memcpy:
+        print(f"pinned host-to-device copy of {slot_bytes / 1e6:.1f} MB on {memcpy['cuda_device']}: "
+              f"{memcpy['torch_pinned_h2d']['p50_ms']:.1f} ms (p50)")
     print(f"family_swap: {args.variants} variants of {args.size_mb:g} MB, room for {args.slots}, "
           f"{os.cpu_count()} CPUs; plain memcpy of {slot_bytes / 1e6:.1f} MB: numpy {copy_ms:.1f} ms, "
           f"torch {memcpy['torch_copy_']['p50_ms']:.1f} ms (p50)")
@@ -169,6 +199,9 @@ def main(argv=None) -> dict:
               f"family process RSS {cycles['rss_before_bytes'] / 1e6:.0f} MB -> "
               f"{cycles['rss_after_bytes'] / 1e6:.0f} MB ({growth / 1e6:+.1f} MB; one slot is "
               f"{slot_bytes / 1e6:.1f} MB)")
+        if cycles.get("gpu_used_before_mib") is not None:
+            print(f"  GPU memory in use: {cycles['gpu_used_before_mib']:.0f} MiB -> "
+                  f"{cycles['gpu_used_after_mib']:.0f} MiB over the cycles")
     print(f"wrote {args.out}")
     return result
 

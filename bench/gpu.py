@@ -35,15 +35,15 @@ class MemorySampler(threading.Thread):
         super().__init__(daemon=True)
         self.interval_s = interval_s
         self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
+        self._halt = threading.Event()  # not _stop: Thread has a method of that name
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             self.samples.append((time.monotonic(), gpu_used_mib()))
             time.sleep(self.interval_s)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join()
 
 
@@ -88,6 +88,7 @@ def load_evict_section(model_size_mb: float, cycles: int) -> dict:
     baseline_mib = gpu_used_mib()
     sampler = MemorySampler()
     product = Product(work / "state", repo, "--max-loaded", "2", "--policy", "lru").start()
+    idle_mib = gpu_used_mib()  # Triton up, no model: its own CUDA context and memory pools
     sampler.start()
     loads = []
     try:
@@ -100,6 +101,8 @@ def load_evict_section(model_size_mb: float, cycles: int) -> dict:
             print(f"cycle {cycle}: loaded {name} in {loads[-1]['load_s']:.2f}s, GPU used "
                   f"{loads[-1]['gpu_used_mib']:.0f} MiB")
         status = product.json("status")
+        fleet = product.json("fleet")  # the servers' device, capacity and measured use
+        print("fleet:", json.dumps(fleet))
         for m in status:
             if m["state"] == "ready":
                 t0 = time.monotonic()
@@ -112,11 +115,13 @@ def load_evict_section(model_size_mb: float, cycles: int) -> dict:
         product.stop()
         shutil.rmtree(work, ignore_errors=True)
     peak = max(m for _, m in sampler.samples) if sampler.samples else None
-    result = {"model_size_mb": model_size_mb, "cycles": loads, "baseline_mib": baseline_mib,
+    result = {"model_size_mb": model_size_mb, "cycles": loads, "status_loaded": status, "fleet": fleet,
+              "baseline_mib": baseline_mib, "triton_idle_mib": idle_mib,
               "peak_mib": peak, "after_all_unloaded_mib": after_mib,
-              "left_behind_mib": after_mib - baseline_mib}
-    print(f"GPU memory: baseline {baseline_mib:.0f} MiB, peak {peak:.0f} MiB, after every unload "
-          f"{after_mib:.0f} MiB ({after_mib - baseline_mib:+.0f} MiB left behind)")
+              "left_behind_mib": after_mib - idle_mib}
+    print(f"GPU memory: before the product {baseline_mib:.0f} MiB, Triton up with no model "
+          f"{idle_mib:.0f} MiB, peak {peak:.0f} MiB, after every unload {after_mib:.0f} MiB "
+          f"({after_mib - idle_mib:+.0f} MiB left behind by the models)")
     return result
 
 
@@ -124,6 +129,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-size-mb", type=float, default=200.0)
     ap.add_argument("--cycles", type=int, default=6)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu.json")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -136,7 +142,7 @@ def main(argv=None) -> int:
         return 2
     result = {"device": torch.cuda.get_device_name(), "swap_in": swap_in_section(),
               "load_evict": load_evict_section(args.model_size_mb, args.cycles)}
-    out = ROOT / "bench" / "results" / "gpu.json"
+    out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -10,6 +10,7 @@ running interpreter.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
@@ -83,14 +84,15 @@ def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
 
 
 def pytriton_root() -> Path:
-    try:
-        import pytriton  # optional until a local Triton is started
-    except ImportError as exc:  # pragma: no cover - install hint
+    """The tritonserver tree inside the nvidia-pytriton wheel.  Found without importing the
+    package: ``import pytriton`` loads its own Python client (gevent and more), which only
+    costs start-up time and dependencies here."""
+    spec = importlib.util.find_spec("pytriton")  # optional until a local Triton is started
+    if spec is None or not spec.submodule_search_locations:
         raise InvalidInput(
             "the local Triton launcher needs the nvidia-pytriton wheel: run `make setup` "
-            "(or pip install nvidia-pytriton), or attach to a running Triton with --attach"
-        ) from exc
-    return Path(pytriton.__file__).parent / "tritonserver"
+            "(or pip install nvidia-pytriton), or attach to a running Triton with --attach")
+    return Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
 
 
 def build_backend_dir(dest: Path) -> Path:
