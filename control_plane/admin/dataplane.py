@@ -37,6 +37,7 @@ PUBLISH_INTERVAL_S = 0.1
 CANARY_INTERVAL_S = 1.0  # how often running canaries are judged
 WORKER_LIVE_S = 10.0  # a worker not heard from for this long no longer counts
 SETTLE_TIMEOUT_S = 2.0  # an admin change waits this long at most for workers to have it
+GATHER_TIMEOUT_S = 2.0  # a read of experiment / canary / shadow figures waits this long for reports
 MAX_WAIT_S = 30.0
 SHADOW_COUNTS = tuple(f.name for f in fields(ShadowReport) if f.name != "last")
 SHADOW_COUNT_TYPES = {name: type(getattr(ShadowReport(), name)) for name in SHADOW_COUNTS}  # int, float
@@ -53,6 +54,7 @@ class WorkerSeen:
     samples: int = 0  # canary / experiment outcomes it reported
     shadow: dict = field(default_factory=dict)  # route -> its cumulative ShadowReport counts
     watching: int = 0  # its snapshot long-polls waiting here now
+    report_call: int = 0  # the latest ask for reports it answered (DataPlaneHub.gather_reports)
 
     def live(self, now: float) -> bool:
         return now - self.last_seen < WORKER_LIVE_S
@@ -76,6 +78,7 @@ class WorkerReport:
     requests: int
     samples: list[tuple[str, str, str, float | None, bool]]  # scope, variant, code, ms, random
     shadow: dict[str, dict[str, int | float]] | None  # route -> cumulative ShadowReport counts
+    report_call: int = 0  # the ask for reports this one answers; 0: a periodic report
 
 
 def worker_of(body: dict) -> tuple[str, int]:
@@ -93,6 +96,7 @@ def parse_report(body: dict) -> WorkerReport:
         requests = int(body.get("requests") or 0)
         samples = [(str(scope), str(variant), str(code), None if ms is None else float(ms), bool(randomly))
                    for scope, variant, code, ms, randomly in body.get("samples") or []]
+        report_call = int(body.get("report_call") or 0)
         shadow = body.get("shadow")
         if shadow is not None:
             shadow = {str(route): {key: SHADOW_COUNT_TYPES[key](counts.get(key, 0)) for key in SHADOW_COUNTS}
@@ -101,7 +105,7 @@ def parse_report(body: dict) -> WorkerReport:
         raise InvalidInput(f"malformed data-plane report from worker {worker!r} ({exc}): uses is "
                            "{model: count}, requests a count, samples [scope, variant, code, "
                            "served_ms or null, randomly_assigned] lists, shadow {route: {count: n}}") from None
-    return WorkerReport(worker, pid, uses, requests, samples, shadow)
+    return WorkerReport(worker, pid, uses, requests, samples, shadow, report_call)
 
 
 class ShadowReports:
@@ -162,6 +166,9 @@ class DataPlaneHub:
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self.closing = False  # set on stop: long-polls answer at once instead of holding it up
+        # Asks for reports now (gather_reports): answered through the workers' long-polls,
+        # so that statistics read after a client's answers count those answers.
+        self.report_call = 0
 
     # ------------------------------------------------------------------ what workers serve from
     def _model_moved(self, name: str) -> None:
@@ -260,6 +267,30 @@ class DataPlaneHub:
                     return current()
         return True
 
+    async def gather_reports(self, timeout_s: float = GATHER_TIMEOUT_S) -> bool:
+        """Ask every worker in touch for its report now and wait until each has answered:
+        experiment, canary and shadow figures read next count every request answered before
+        this call (workers otherwise report every 0.25 s, later on a busy machine).  False
+        when a worker did not answer in ``timeout_s``: the figures may then lag."""
+        now = time.time()
+        asked = [w for w in self.workers.values() if w.in_touch(now)]
+        if not asked:
+            return True
+        self.report_call += 1
+        call = self.report_call
+        deadline = time.monotonic() + timeout_s
+        async with self._changed:
+            self._changed.notify_all()  # wakes the long-polls, which carry the ask
+            while not all(w.report_call >= call for w in asked):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except TimeoutError:
+                    return all(w.report_call >= call for w in asked)
+        return True
+
     def live_workers(self) -> int:
         now = time.time()
         return sum(1 for w in self.workers.values() if w.live(now))
@@ -317,8 +348,9 @@ class DataPlaneHub:
             since = int(q.get("since", "-1"))
             wait_s = min(max(float(q.get("wait", "0")), 0.0), MAX_WAIT_S)
             pid = int(q.get("pid", "0"))
+            reported = int(q.get("reported", "0"))  # the latest ask for reports it answered
         except ValueError:
-            raise InvalidInput("since, wait and pid must be numbers") from None
+            raise InvalidInput("since, wait, pid and reported must be numbers") from None
         epoch = q.get("epoch", "")
         seen = self._seen(q.get("worker", ""), pid)
         if epoch == self.epoch:
@@ -331,20 +363,24 @@ class DataPlaneHub:
             seen.version, seen.epoch = since, epoch
             async with self._changed:
                 self._changed.notify_all()  # settle() waits for these acknowledgements
-        if epoch == self.epoch and since >= self.version and wait_s > 0:
+        def asked() -> bool:
+            return self.report_call > reported
+
+        if epoch == self.epoch and since >= self.version and wait_s > 0 and not asked():
             seen.watching += 1
             try:
                 async with self._changed:
                     try:
                         await asyncio.wait_for(
-                            self._changed.wait_for(lambda: self.version > since or self.closing),
+                            self._changed.wait_for(lambda: self.version > since or self.closing or asked()),
                             wait_s)
                     except TimeoutError:
                         pass
             finally:
                 seen.watching -= 1
         if epoch == self.epoch and since >= self.version:
-            return web.json_response({"version": self.version, "epoch": self.epoch, "unchanged": True})
+            return web.json_response({"version": self.version, "epoch": self.epoch, "unchanged": True,
+                                      "report_call": self.report_call})
         return web.Response(body=self.published.answer(since, epoch), content_type="application/json")
 
     async def ensure(self, request: web.Request) -> web.Response:
@@ -381,6 +417,10 @@ class DataPlaneHub:
         seen.samples += len(report.samples)
         if report.shadow is not None:
             seen.shadow = report.shadow
+        if report.report_call > seen.report_call:
+            seen.report_call = report.report_call
+            async with self._changed:
+                self._changed.notify_all()  # gather_reports waits for these
         return web.json_response({"ok": True})
 
     async def tokens(self, request: web.Request) -> web.Response:

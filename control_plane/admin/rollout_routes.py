@@ -106,6 +106,7 @@ async def experiment_list(request):
 async def experiment_stats(request):
     router = _r(request)
     route, exp = router.table.experiment_for(request.match_info["id"])
+    await router.gather_reports()
     return web.json_response({"experiment": asdict(exp), "route": route.name,
                               "variants": router.stats.scope(f"exp:{exp.id}")})
 
@@ -150,6 +151,7 @@ async def canary_status(request):
     router = _r(request)
     name = request.match_info["name"]
     canary = router.table.canary(name)
+    await router.gather_reports()
     body = asdict(canary)
     body["percent"] = canary.percent
     body["route"] = name
@@ -196,6 +198,7 @@ async def shadow_report(request):
     route = router.table.routes.get(name)
     if route is None or (route.shadow is None and name not in router.shadow.reports):
         raise ModelNotFound(f"{name} has no shadow; start one with mmctl shadow start")
+    await router.gather_reports()
     body = router.shadow.report(name)
     body["route"] = name
     body["shadow"] = asdict(route.shadow) if route.shadow else None

@@ -142,6 +142,11 @@ class Router:
         if self.canaries is not None and self.config.canary_interval_s > 0:
             self._canary_task = asyncio.get_running_loop().create_task(self._canary_loop())
 
+    async def gather_reports(self) -> bool:
+        """In one process every outcome is counted as it is answered: nothing to gather
+        (``control_plane.admin.dataplane.DataPlaneHub.gather_reports`` for workers)."""
+        return True
+
     async def stop(self) -> None:
         if self._canary_task:
             self._canary_task.cancel()

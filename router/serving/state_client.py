@@ -115,6 +115,10 @@ class RemoteState:
         self._uses: collections.Counter[str] = collections.Counter()
         self._requests = 0
         self._samples: collections.deque = collections.deque(maxlen=MAX_PENDING_SAMPLES)
+        # The control plane's latest ask for a report now, and one report at a time: an
+        # answer to an ask must not overtake a periodic report already on its way.
+        self._report_asked = 0
+        self._report_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ life
@@ -174,9 +178,16 @@ class RemoteState:
     async def _poll(self, wait_s: float) -> None:
         data = await self._call("GET", "/v1/dataplane/snapshot", params={
             "since": str(self.version), "epoch": self.epoch, "worker": self.worker,
-            "pid": str(self.pid), "wait": str(wait_s)}, timeout_s=wait_s + 10.0)
+            "pid": str(self.pid), "wait": str(wait_s), "reported": str(self._report_asked)},
+            timeout_s=wait_s + 10.0)
         if data.get("unchanged"):
+            asked = int(data.get("report_call") or 0)
+            if asked > self._report_asked:  # statistics are being read: report at once
+                self._report_asked = asked
+                self._spawn(self._answer_report_call(asked))
             return
+        if data.get("epoch") != self.epoch:
+            self._report_asked = 0  # a new control-plane life counts its asks from 0
         self.apply(data)
 
     def apply(self, published: dict) -> None:
@@ -260,9 +271,13 @@ class RemoteState:
         del self._awaiting_answer[model]
         holds = self._ensured_holds.pop(model, 0)
         if holds:
-            task = asyncio.get_running_loop().create_task(self._tell_answered(model, holds))
-            self._notices.add(task)
-            task.add_done_callback(self._notices.discard)
+            self._spawn(self._tell_answered(model, holds))
+
+    def _spawn(self, call) -> None:
+        """Run a one-off call to the control plane beside the serving; kept until done."""
+        task = asyncio.get_running_loop().create_task(call)
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
 
     async def _tell_answered(self, model: str, holds: int) -> None:
         try:
@@ -337,20 +352,29 @@ class RemoteState:
                 log.exception("reporting to the control plane failed")
                 self._count_loop_failure("report")
 
-    async def _send_report(self) -> None:
-        shadow = self.shadow_counts()
-        if not (self._uses or self._samples or self._requests or shadow):
-            return
-        uses, requests, samples = dict(self._uses), self._requests, list(self._samples)
-        self._uses.clear()
-        self._samples.clear()
-        self._requests = 0
+    async def _answer_report_call(self, call: int) -> None:
         try:
-            await self._call("POST", "/v1/dataplane/report", {
-                "worker": self.worker, "pid": self.pid, "uses": uses, "requests": requests,
-                "samples": samples, "shadow": shadow})
+            await self._send_report(call)
         except ControlPlaneAway:
-            self._uses.update(uses)
-            self._requests += requests
-            self._samples.extendleft(reversed(samples))
-            raise
+            pass  # kept for the next report; the reader's wait ends at its timeout
+
+    async def _send_report(self, report_call: int = 0) -> None:
+        """Send what was counted since the last report.  ``report_call``: the control
+        plane's ask this answers, sent even when there is nothing new."""
+        async with self._report_lock:
+            shadow = self.shadow_counts()
+            if not (self._uses or self._samples or self._requests or shadow or report_call):
+                return
+            uses, requests, samples = dict(self._uses), self._requests, list(self._samples)
+            self._uses.clear()
+            self._samples.clear()
+            self._requests = 0
+            try:
+                await self._call("POST", "/v1/dataplane/report", {
+                    "worker": self.worker, "pid": self.pid, "uses": uses, "requests": requests,
+                    "samples": samples, "shadow": shadow, "report_call": report_call})
+            except ControlPlaneAway:
+                self._uses.update(uses)
+                self._requests += requests
+                self._samples.extendleft(reversed(samples))
+                raise

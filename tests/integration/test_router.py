@@ -153,8 +153,8 @@ def test_ab_assignment_is_sticky_and_reported(product):
     r = g.infer("cust004", [x], parameters={"user_id": "u7"})
     assert r.get_response().parameters["variant"].string_param == seen[7][0]
     grpc_infer(g, "cust004", features(1))  # no user id: random, counted
-    # Router workers report in batches (every 0.25 s, later on a busy machine): every
-    # request is counted once the last batch is in, and never twice.
+    # Reading the figures asks every router worker for its report first (2 s at most; a
+    # very busy machine may need another read): every request is counted, never twice.
     deadline = time.monotonic() + 10
     while True:
         stats = p.json("experiment", "stats", "rec-ab")["variants"]

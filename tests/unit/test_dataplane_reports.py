@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
@@ -71,3 +72,90 @@ def test_a_malformed_report_is_refused_whole(monkeypatch, bad):
     assert status == 400 and body["error"] == "invalid_input", body
     assert "report" in body["message"] or "pid" in body["message"]
     assert h.manager.touched == [] and h.workers == {} and h.stats.scope("canary:m") == {}
+
+
+# ---------------------------------------------------------------------- reports on demand
+class NoModels(Touches):
+    """The manager as the hub reads it, with no server and no model."""
+
+    def __init__(self):
+        super().__init__()
+        self.records, self.servers, self.repository = {}, {}, None
+        self.metrics = SimpleNamespace(loop_failures=None,
+                                       dataplane_propagation=SimpleNamespace(observe=lambda _s: None))
+
+    def on_state_change(self, _listener):
+        pass
+
+    def ready_server_of(self, _name):
+        return None
+
+
+async def serving_hub(tmp_path, monkeypatch, workers: int = 1):
+    """A real hub on a loopback port and ``workers`` RemoteState workers watching it, whose
+    periodic reports never come on their own within a test."""
+    from aiohttp.test_utils import TestServer
+
+    from control_plane.registry import Registry
+    from control_plane.state.store import StateStore
+    from router.serving import state_client
+
+    monkeypatch.setattr(state_client, "REPORT_INTERVAL_S", 3600.0)
+    store = StateStore(tmp_path / "state.db")
+    h = DataPlaneHub(NoModels(), Registry(store.db), store)
+    app = web.Application()
+    dataplane.add_dataplane_routes(app, h)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    await h.start()
+    clients = []
+    for i in range(workers):
+        client = state_client.RemoteState(str(server.make_url("")), "token", f"w{i}")
+        await client.start(first_snapshot_timeout_s=5)
+        clients.append(client)
+    for _ in range(100):  # every worker waiting in its long-poll
+        if all(w.watching for w in h.workers.values()) and len(h.workers) == workers:
+            break
+        await asyncio.sleep(0.01)
+    return h, server, clients
+
+
+def test_figures_read_after_the_answers_count_every_answer(tmp_path, monkeypatch):
+    async def go():
+        h, server, (w0, w1) = await serving_hub(tmp_path, monkeypatch, workers=2)
+        try:
+            for _ in range(5):
+                w0.record_outcome("exp:rec-ab", "control", "OK", 3.0)
+            w1.record_outcome("exp:rec-ab", "treatment", "OK", 4.0)
+            assert h.stats.scope("exp:rec-ab") == {}  # nothing reported yet
+            assert await h.gather_reports(timeout_s=5)
+            scope = h.stats.scope("exp:rec-ab")
+            assert scope["control"]["requests"] == 5 and scope["treatment"]["requests"] == 1
+            # A second read asks again; workers with nothing new answer all the same.
+            assert await h.gather_reports(timeout_s=5)
+            assert h.stats.scope("exp:rec-ab")["control"]["requests"] == 5  # never twice
+        finally:
+            for w in (w0, w1):
+                await w.stop()
+            await h.release_watchers()
+            await server.close()
+
+    asyncio.run(go())
+
+
+def test_a_worker_that_does_not_answer_delays_the_read_by_the_timeout_only(tmp_path, monkeypatch):
+    async def go():
+        h, server, (w0,) = await serving_hub(tmp_path, monkeypatch)
+        try:
+            for task in w0._tasks:  # its watch is stuck: the ask never reaches it
+                task.cancel()
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            assert not await h.gather_reports(timeout_s=0.3)
+            assert loop.time() - started < 2
+        finally:
+            await w0.stop()
+            await h.release_watchers()
+            await server.close()
+
+    asyncio.run(go())

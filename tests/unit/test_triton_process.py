@@ -247,7 +247,7 @@ def test_a_tritons_free_ports_are_never_the_ones_reserved_for_the_admin_api_or_t
         tmp_path, monkeypatch):
     """The kernel may hand out a released port again; a port the admin API or the router will
     bind (not bound yet while the Tritons start) is never picked for a Triton."""
-    import control_plane.triton.launch as launch
+    from control_plane.triton import launch
     from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 
     handed = iter([8090, 8000, 41000, 8090, 41001, 41002])
