@@ -11,18 +11,7 @@ import click
 
 from control_plane.client import AdminClient, ControlPlaneUnreachable
 from control_plane.domain.errors import ControlPlaneError
-from control_plane.domain.exit_codes import (  # noqa: F401  (the commands' exit codes)
-    EXIT_BY_ERROR,
-    EXIT_CAPACITY,
-    EXIT_ERROR,
-    EXIT_LOAD_FAILED,
-    EXIT_NOT_FOUND,
-    EXIT_OK,
-    EXIT_TIMEOUT,
-    EXIT_UNHEALTHY,
-    EXIT_UNREACHABLE,
-    EXIT_USAGE,
-)
+from control_plane.domain.exit_codes import EXIT_BY_ERROR, EXIT_ERROR, EXIT_UNREACHABLE
 
 
 class Api(AdminClient):

@@ -16,23 +16,11 @@ from pathlib import Path
 import click
 
 from control_plane.cli import settings
-from control_plane.cli.common import (  # noqa: F401  (exit codes are part of this module's surface)
-    EXIT_BY_ERROR,
-    EXIT_ERROR,
-    EXIT_LOAD_FAILED,
-    EXIT_NOT_FOUND,
-    EXIT_OK,
-    EXIT_TIMEOUT,
-    EXIT_UNHEALTHY,
-    EXIT_UNREACHABLE,
-    EXIT_USAGE,
-    Api,
-    _table,
-    pass_api,
-)
+from control_plane.cli.common import Api, _table, pass_api
 from control_plane.cli.common import fmt_ago as _ago
 from control_plane.cli.common import fmt_bytes as _bytes
 from control_plane.client import ClientSettings
+from control_plane.domain.exit_codes import EXIT_UNHEALTHY
 
 
 @click.group(context_settings={"max_content_width": 100})

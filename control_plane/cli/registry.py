@@ -15,15 +15,9 @@ from pathlib import Path
 
 import click
 
-from control_plane.cli.common import (
-    EXIT_BY_ERROR,
-    EXIT_LOAD_FAILED,
-    EXIT_TIMEOUT,
-    _table,
-    current_api,
-    who_am_i,
-)
+from control_plane.cli.common import _table, current_api, who_am_i
 from control_plane.cli.common import fmt_bytes as _size
+from control_plane.domain.exit_codes import EXIT_BY_ERROR, EXIT_LOAD_FAILED, EXIT_TIMEOUT
 from control_plane.domain.stages import DEFAULT_SLA, SLA_CLASSES, STAGES
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from control_plane.cli import settings
-from control_plane.cli.common import EXIT_BY_ERROR, EXIT_ERROR
+from control_plane.domain.exit_codes import EXIT_BY_ERROR, EXIT_ERROR
 from control_plane.runtime.config import ServiceConfig
 from router.serving.worker_settings import WorkerConfig
 

@@ -9,10 +9,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from click.testing import CliRunner
 
-from control_plane.cli.common import EXIT_CAPACITY, EXIT_NOT_FOUND, EXIT_UNREACHABLE, EXIT_USAGE
 from control_plane.cli.main import cli
 from control_plane.client import AdminClient, AdminRefused, ControlPlaneUnreachable, NoAnswerInTime
 from control_plane.domain.errors import CapacityExhausted, InvalidInput, ModelNotFound
+from control_plane.domain.exit_codes import (
+    EXIT_CAPACITY,
+    EXIT_NOT_FOUND,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+)
 from control_plane.triton.process import free_port
 
 ANSWERS = {  # path -> (status, JSON body)
