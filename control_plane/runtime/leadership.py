@@ -13,6 +13,7 @@ acting again: the supervisor or Kubernetes starts it anew, as a standby.
 from __future__ import annotations
 
 import asyncio
+import html
 import logging
 import os
 import socket
@@ -45,6 +46,19 @@ def standby_metrics() -> bytes:
     return generate_latest(registry)
 
 
+def standby_page(found: dict, where: str) -> web.Response:
+    """The status page's address on a standby: a page that says so, links to the leader
+    and looks again every few seconds (this one may lead by then)."""
+    address = found.get("leader_address") or ""
+    link = (f'<p><a href="{html.escape(address)}/">Open the leader\'s status page</a></p>'
+            if address.startswith(("http://", "https://")) else "")
+    body = (f'<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">'
+            f"<title>Standby control plane</title></head><body><h1>A standby control plane</h1>"
+            f"<p>This control plane is a standby: {html.escape(where)}.</p>{link}"
+            f"<p>This page looks again every 5 seconds.</p></body></html>")
+    return web.Response(text=body, content_type="text/html", status=503, headers={"Retry-After": "5"})
+
+
 def standby_app(lease: LeaderLease) -> web.Application:
     def leader_text() -> dict:
         try:
@@ -62,6 +76,8 @@ def standby_app(lease: LeaderLease) -> web.Application:
         where = (f"the leader is {found['leader']} at {found['leader_address']}"
                  if found.get("leader") else "no control plane leads right now (an election "
                  "is under way; retry in a few seconds)")
+        if request.method == "GET" and request.path == "/" and "text/html" in request.headers.get("Accept", ""):
+            return standby_page(found, where)  # a person opened the status page here
         return web.json_response(
             {"error": "standby", "message": f"this control plane is a standby; {where}",
              "role": "standby", **found}, status=503, headers={"Retry-After": "1"})
