@@ -12,7 +12,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -32,6 +32,9 @@ SESSION_TTL_S = 12 * 3600
 SESSION_PATHS = frozenset({"/", "/v1/overview"})
 SESSION_ENDPOINT = "/v1/session"  # POST {"token": ...} signs in, DELETE signs out
 STATIC_PREFIX = "/static/"
+# Wrong tokens one client address may send in a window before its token checks are refused.
+WRONG_TOKEN_LIMIT = 20
+WRONG_TOKEN_WINDOW_S = 60.0
 TOKEN_HINT = ("mmctl sends it from MMS_ADMIN_TOKEN (or MMCTL_TOKEN) or its --token-file "
               "(default .state/admin.token, which `mmctl up` writes into its --state-dir); "
               "other clients send "
@@ -50,6 +53,61 @@ class Forbidden(ControlPlaneError):
 
     http_status = 403
     code = "forbidden"
+
+
+class TooManyAttempts(ControlPlaneError):
+    """Too many wrong admin tokens from one address -> 429."""
+
+    http_status = 429
+    code = "too_many_attempts"
+
+
+class WrongTokens:
+    """Wrong admin tokens per client address.  Past ``limit`` in ``window_s``, that address's
+    token checks are refused (429) until the window has passed, with the right token too:
+    otherwise a guess could still be confirmed.  Loopback clients are exempt by default: they
+    cannot be told apart, and one local process guessing must not lock mmctl out; the token
+    `mmctl up` generates has 256 bits, and one given by hand must have ``MIN_TOKEN_CHARS``."""
+
+    def __init__(self, limit: int = WRONG_TOKEN_LIMIT, window_s: float = WRONG_TOKEN_WINDOW_S,
+                 exempt_loopback: bool = True, clock=time.monotonic):
+        self.limit, self.window_s, self.exempt_loopback, self.clock = limit, window_s, exempt_loopback, clock
+        self._wrong: dict[str, list[float]] = {}  # address -> times of its wrong tokens
+
+    def _exempt(self, address: str | None) -> bool:
+        if not self.exempt_loopback:
+            return False
+        try:
+            return address is None or ipaddress.ip_address(address).is_loopback
+        except ValueError:  # a unix socket path
+            return True
+
+    def _recent(self, address: str) -> list[float]:
+        horizon = self.clock() - self.window_s
+        times = [t for t in self._wrong.get(address, ()) if t > horizon]
+        if times:
+            self._wrong[address] = times
+        else:
+            self._wrong.pop(address, None)
+        return times
+
+    def refuse_if_over(self, address: str | None) -> None:
+        if self._exempt(address):
+            return
+        times = self._recent(address)
+        if len(times) >= self.limit:
+            wait_s = max(1, round(times[0] + self.window_s - self.clock()))
+            raise TooManyAttempts(f"{len(times)} wrong admin tokens from {address} in the last "
+                                  f"{self.window_s:.0f} s: token checks from there resume in "
+                                  f"{wait_s} s; {TOKEN_HINT}")
+
+    def note_wrong(self, address: str | None) -> None:
+        if self._exempt(address):
+            return
+        if len(self._wrong) > 10_000:  # many addresses: forget the ones whose window passed
+            for known in list(self._wrong):
+                self._recent(known)
+        self._wrong.setdefault(address, []).append(self.clock())
 
 
 class UnsupportedMediaType(ControlPlaneError):
@@ -73,6 +131,16 @@ class AdminAccess:
     token: str | None = None
     bind_host: str = "127.0.0.1"
     allowed_hosts: frozenset[str] = frozenset()
+    wrong_tokens: WrongTokens = field(default_factory=WrongTokens, compare=False)
+
+    def check_token(self, given: str, address: str | None) -> bool:
+        """``given`` is the token, counted against ``address`` when it is not (TooManyAttempts
+        once that address sent too many wrong ones)."""
+        self.wrong_tokens.refuse_if_over(address)
+        if self.token_matches(given):
+            return True
+        self.wrong_tokens.note_wrong(address)
+        return False
 
     def host_allowed(self, host_header: str | None) -> bool:
         if not host_header:
@@ -95,11 +163,11 @@ class AdminAccess:
         return (address.is_loopback or bind in WILDCARD_HOSTS
                 or address == _address_or_none(bind) or name in self.allowed_hosts)
 
-    def token_ok(self, authorization: str | None) -> bool:
+    def token_ok(self, authorization: str | None, address: str | None = None) -> bool:
         if self.token is None:
             return True
         scheme, _, given = (authorization or "").partition(" ")
-        return scheme.lower() == "bearer" and self.token_matches(given.strip())
+        return scheme.lower() == "bearer" and self.check_token(given.strip(), address)
 
     def token_matches(self, given: str) -> bool:
         return self.token is None or hmac.compare_digest(given.encode(), self.token.encode())
@@ -177,9 +245,8 @@ def access_middleware(access: AdminAccess):
                 or fetch_site in ("cross-site", "same-site"):
             raise Forbidden(f"cross-origin request from {origin or fetch_site!r} refused: the "
                             "admin API takes no requests from web pages")
-        if not (_public(request) or _signs_in(request)
-                or access.token_ok(request.headers.get("Authorization"))
-                or _session_opens(request, access)):
+        if not (_public(request) or _signs_in(request) or _session_opens(request, access)
+                or access.token_ok(request.headers.get("Authorization"), request.remote)):
             given = "a wrong token" if request.headers.get("Authorization") else "no token"
             raise Unauthorized(f"the admin API needs its token and got {given}: {TOKEN_HINT}")
         if request.method not in SAFE_METHODS and request.content_type != "application/json":

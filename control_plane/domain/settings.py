@@ -344,4 +344,5 @@ ADMIN_TOKEN = Setting(
     "generate <state-dir>/admin.token (mode 0600), where mmctl finds it. mmctl and router "
     "workers send it; it wins over their --token-file.",
     env="MMS_ADMIN_TOKEN", aliases=("MMCTL_TOKEN",), secret=True)  # mmctl up: --admin-token
+MIN_TOKEN_CHARS = 16  # an admin token given by hand (a generated one has 43)
 LOG_LEVEL = Setting("INFO", "DEBUG, INFO, WARNING or ERROR.", flag="--log-level")

@@ -21,6 +21,7 @@ from control_plane.domain.settings import (
     ADMIN_TOKEN,
     FLAG,
     LOG_LEVEL,
+    MIN_TOKEN_CHARS,
     MULTIPLE,
     SWITCH,
     comma_list,
@@ -273,6 +274,10 @@ class ServiceConfig:
         if self.policy not in POLICIES:
             raise InvalidInput(
                 f"unknown eviction policy {self.policy!r}; choose one of {', '.join(sorted(POLICIES))}")
+        if self.admin_token and len(self.admin_token) < MIN_TOKEN_CHARS:
+            raise InvalidInput(f"the admin token given (--admin-token / MMS_ADMIN_TOKEN) has "
+                               f"{len(self.admin_token)} characters; use at least {MIN_TOKEN_CHARS}, "
+                               "or leave it unset for a generated one")
         if self.admin_host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("admin API binds %s: it can load and unload models; keep it off public "
                         "networks", self.admin_host)

@@ -201,3 +201,63 @@ def test_compose_exposes_only_the_router():
     command = services["control-plane"]["command"]
     assert command[command.index("--admin-host") + 1] == "127.0.0.1"
     assert "MMCTL_TOKEN" in services["control-plane"]["environment"]
+
+
+# ---------------------------------------------------------------------- wrong-token limit
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def limited(clock) -> AdminAccess:
+    from control_plane.admin.access import WrongTokens
+
+    return AdminAccess(token=TOKEN, bind_host="127.0.0.1",
+                       wrong_tokens=WrongTokens(limit=3, window_s=60, exempt_loopback=False, clock=clock))
+
+
+def test_an_address_sending_wrong_tokens_is_refused_for_the_window_even_with_the_right_one():
+    clock = Clock()
+    access = limited(clock)
+    for _ in range(3):
+        assert refused(call("GET", "/v1/status", access, Authorization="Bearer guess"), 401, "unauthorized")
+    resp = call("GET", "/v1/status", access)  # the right token: a guess must not be confirmed
+    assert refused(resp, 429, "too_many_attempts")
+    assert "resume in 60 s" in resp.text
+    clock.now += 61
+    assert call("GET", "/v1/status", access).status == 200
+
+
+def test_requests_without_a_token_and_right_tokens_count_for_nothing():
+    access = limited(Clock())
+    for _ in range(10):
+        assert call("GET", "/v1/status", access).status == 200
+        assert refused(call("GET", "/v1/status", access, drop=("Authorization",)), 401, "unauthorized")
+    assert call("GET", "/v1/status", access).status == 200
+
+
+def test_loopback_clients_are_never_locked_out():
+    from control_plane.admin.access import WrongTokens
+
+    wrong = WrongTokens(limit=1)
+    for _ in range(5):
+        wrong.note_wrong("127.0.0.1")
+        wrong.note_wrong("::1")
+    wrong.refuse_if_over("127.0.0.1")
+    wrong.note_wrong("10.0.0.9")
+    from control_plane.admin.access import TooManyAttempts
+
+    with pytest.raises(TooManyAttempts):
+        wrong.refuse_if_over("10.0.0.9")
+
+
+def test_a_short_admin_token_given_by_hand_is_refused_at_start(tmp_path):
+    from control_plane.domain.errors import InvalidInput
+    from control_plane.runtime.config import ServiceConfig
+
+    with pytest.raises(InvalidInput, match="at least 16"):
+        ServiceConfig(state_dir=tmp_path, admin_token="secret").validate()
+    ServiceConfig(state_dir=tmp_path, admin_token="x" * 16).validate()

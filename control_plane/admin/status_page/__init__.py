@@ -80,7 +80,7 @@ async def sign_in(request: web.Request) -> web.Response:
     if not isinstance(token, str) or not token.strip():
         raise InvalidInput("send the admin token as {\"token\": \"...\"}")
     access = request.app[ACCESS_KEY]
-    if not access.token_matches(token.strip()):
+    if not access.check_token(token.strip(), request.remote):
         raise Unauthorized("that is not the admin token: it is in the file `mmctl endpoints` "
                            "names as admin_token_file (.state/admin.token by default)")
     resp = web.json_response({"signed_in": True, "expires_in_s": SESSION_TTL_S},
