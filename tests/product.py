@@ -89,10 +89,7 @@ class Product:
 
     def client_env(self) -> dict[str, str]:
         """What a shell needs to drive this product with mmctl: its admin API and token."""
-        env = {"MMCTL_URL": self.url, "MMCTL_TOKEN_FILE": str(self.token_file)}
-        for name in ("MMS_URL", "MMS_TOKEN_FILE"):  # the MMS_ names would win over those
-            if name in os.environ:
-                env[name] = ""
+        env = {"MMS_URL": self.url, "MMS_TOKEN_FILE": str(self.token_file)}
         for name in ADMIN_TOKEN.env_names:  # would win over the token file
             if name in os.environ:
                 env[name] = ""

@@ -77,7 +77,7 @@ def test_mmctl_uses_the_token_and_says_when_it_is_wrong(product, tmp_path):
     assert out.returncode == 2
     assert "token" in out.stderr and "MMCTL_TOKEN" in out.stderr
     env.pop("MMCTL_TOKEN")
-    env["MMCTL_TOKEN_FILE"] = str(tmp_path / "missing.token")
+    env["MMS_TOKEN_FILE"] = str(tmp_path / "missing.token")
     out = subprocess.run([*MMCTL, "status"], capture_output=True, text=True, env=env, timeout=60,
                          check=False)
     assert out.returncode == 2 and "missing.token" in out.stderr

@@ -8,7 +8,7 @@ counts as a block and how blocks that are not run are marked: ``tests/docs_pages
 every block is one or the other is checked without a stack in ``tests/unit/test_docs.py``).
 Only the addresses change: the stack runs on free ports, so ``localhost:8000/8001`` (the
 router) and ``localhost:8090`` (the admin API) point at its ports, ``.state/admin.token`` at
-its token file, ``mmctl`` finds the admin API through ``MMCTL_URL``, ``mmctl`` and ``python``
+its token file, ``mmctl`` finds the admin API through ``MMS_URL``, ``mmctl`` and ``python``
 are this interpreter's (as with the virtualenv active), and ``curl`` fails on an HTTP error.
 A command is expected to exit 0 unless its line ends with ``# exit N``, and to print what the
 page shows under it: each ``#>`` line must match a line of its output (stdout, then stderr),

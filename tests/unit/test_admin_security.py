@@ -200,7 +200,7 @@ def test_compose_exposes_only_the_router():
     assert on_net == {"triton", "control-plane"}
     command = services["control-plane"]["command"]
     assert command[command.index("--admin-host") + 1] == "127.0.0.1"
-    assert "MMCTL_TOKEN" in services["control-plane"]["environment"]
+    assert "MMS_ADMIN_TOKEN" in services["control-plane"]["environment"]
 
 
 # ---------------------------------------------------------------------- wrong-token limit

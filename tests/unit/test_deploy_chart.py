@@ -26,7 +26,7 @@ KUBERNETES_VERSION = "1.30.0"
 NAMESPACE = "serving"
 POSTGRES_PASSWORD = "pw-must-stay-secret"
 POSTGRES_URL = f"postgresql://mms:{POSTGRES_PASSWORD}@db.example:5432/mms"
-CREDENTIAL_ENV = {"MMCTL_TOKEN", "MMCTL_STATE_URL", "MMCTL_TRITON_ADMIN_KEY", "TRITON_ADMIN_KEY",
+CREDENTIAL_ENV = {"MMS_ADMIN_TOKEN", "MMS_STATE_URL", "MMS_TRITON_ADMIN_KEY", "TRITON_ADMIN_KEY",
                   "MMS_S3_ACCESS_KEY_ID", "MMS_S3_SECRET_ACCESS_KEY"}
 
 
@@ -218,7 +218,7 @@ def test_control_plane_runs_a_leader_and_a_standby(rendered):
     assert pairs["--repository"] == "/models"
     assert pairs["--state-dir"] == "/state"
     assert (pairs["--admin-host"], pairs["--admin-port"]) == ("0.0.0.0", "8090")
-    assert "--state-url" not in args  # from env MMCTL_STATE_URL: argv would show the password
+    assert "--state-url" not in args  # from env MMS_STATE_URL: argv would show the password
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
     assert volumes[mounts["/etc/mmserve"]]["configMap"]["name"] == f"{rendered.release}-servers"
@@ -241,14 +241,14 @@ def test_admin_service_stays_inside_the_cluster_and_reaches_the_leader(rendered)
     pairs = dict(zip(router["args"][1::2], router["args"][2::2]))
     assert router["args"][0] == "router"
     assert pairs["--control-url"] == f"http://{rendered.release}-admin:8090"
-    assert env_of(router)["MMCTL_URL"]["value"] == pairs["--control-url"]  # mmctl in a router pod
+    assert env_of(router)["MMS_URL"]["value"] == pairs["--control-url"]  # mmctl in a router pod
     # The admin API refuses Host names it was not told of (DNS rebinding): the routers' one.
     control = rendered.container("Deployment", f"{rendered.release}-control-plane")["args"]
     allowed = [control[i + 1] for i, a in enumerate(control) if a == "--admin-allowed-host"]
     assert f"{rendered.release}-admin" in allowed
     # Routers and control plane share the admin token, from one Secret.
-    assert secret_ref(router, "MMCTL_TOKEN") == secret_ref(
-        rendered.container("Deployment", f"{rendered.release}-control-plane"), "MMCTL_TOKEN")
+    assert secret_ref(router, "MMS_ADMIN_TOKEN") == secret_ref(
+        rendered.container("Deployment", f"{rendered.release}-control-plane"), "MMS_ADMIN_TOKEN")
 
 
 def test_rendered_commands_are_ones_mmctl_accepts(rendered):
@@ -281,7 +281,7 @@ def test_triton_runs_explicit_model_control_behind_an_admin_key_from_a_secret(re
         assert flag in args
     key = secret_ref(triton, "TRITON_ADMIN_KEY")
     control = rendered.container("Deployment", f"{rendered.release}-control-plane")
-    assert secret_ref(control, "MMCTL_TRITON_ADMIN_KEY") == key
+    assert secret_ref(control, "MMS_TRITON_ADMIN_KEY") == key
     # Routers reach the same ports for inference and must not be able to load or unload.
     router = rendered.container("Deployment", f"{rendered.release}-router")
     assert all(e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") != key[0]
@@ -412,9 +412,9 @@ def test_no_secret_is_rendered_when_the_operator_brings_them(prod):
                                                                    "prod-servers"]
     assert prod.one("ConfigMap", "prod-grafana-dashboard")["data"].keys() == {"mmserve.json"}
     control = prod.container("Deployment", "prod-control-plane")
-    assert secret_ref(control, "MMCTL_STATE_URL") == ("mmserve-db", "dsn")
-    assert secret_ref(control, "MMCTL_TOKEN") == ("mmserve-admin", "bearer")
-    assert secret_ref(control, "MMCTL_TRITON_ADMIN_KEY") == ("mmserve-triton-key", "key")
+    assert secret_ref(control, "MMS_STATE_URL") == ("mmserve-db", "dsn")
+    assert secret_ref(control, "MMS_ADMIN_TOKEN") == ("mmserve-admin", "bearer")
+    assert secret_ref(control, "MMS_TRITON_ADMIN_KEY") == ("mmserve-triton-key", "key")
     assert secret_ref(control, "MMS_S3_ACCESS_KEY_ID") == ("mmserve-s3", "access-key-id")
     assert secret_ref(control, "MMS_S3_SECRET_ACCESS_KEY") == ("mmserve-s3", "secret-access-key")
     assert env_of(control)["MMS_S3_BUCKET"]["value"] == "ml-models"
