@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +31,13 @@ for _name, _dtype in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
         TORCH_DTYPES[_name] = getattr(torch, _dtype)
 
 
-# Parallel parts of a swap-in's read (preadv releases the GIL): one thread's copy out of the
-# page cache is well short of a memcpy's speed, a few in parallel come close to it
-# (bench.family_swap puts a whole miss beside a memcpy of the same bytes).
-READ_THREADS = max(1, min(4, os.cpu_count() or 1))
-MIN_PART_BYTES = 8 << 20
+# A swap-in reads its file in parts of PART_BYTES, READ_THREADS at once (preadv releases the
+# GIL): one thread's copy out of the page cache is well short of a memcpy's speed, several in
+# parallel come close to it.  On a GPU each part's copy to the device starts as soon as the
+# part is read, so the copies overlap the reads of the parts after them
+# (python -m bench.slot_fill compares thread counts and the overlap in one run).
+READ_THREADS = max(1, min(16, os.cpu_count() or 1))
+PART_BYTES = 16 << 20
 
 
 class SlotError(RuntimeError):
@@ -50,7 +52,8 @@ class SwapIn:
 
 
 class SlotBank:
-    def __init__(self, layout: Layout, count: int, device: torch.device):
+    def __init__(self, layout: Layout, count: int, device: torch.device,
+                 read_threads: int = READ_THREADS, overlap_copies: bool = True):
         if count < 1:
             raise SlotError(f"a family needs at least one slot (got {count})")
         missing = sorted({t.dtype for t in layout.tensors} - set(TORCH_DTYPES))
@@ -65,7 +68,9 @@ class SlotBank:
         self.holder: list[str | None] = [None] * count
         self.slot_of: dict[str, int] = {}
         self._staging: torch.Tensor | None = None  # GPU: pinned host buffer of one slot
-        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="slot-read")
+        self.read_threads = max(1, read_threads)
+        self.overlap_copies = overlap_copies
+        self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="slot-read")
 
     @property
     def count(self) -> int:
@@ -116,34 +121,47 @@ class SlotBank:
             if self._staging is None:  # once: pinned host memory for the device copies
                 self._staging = torch.empty(self.layout.data_bytes, dtype=torch.uint8,
                                             pin_memory=True)
-            self._read_into(path, offset, self._staging)
-            self.buffers[slot].copy_(self._staging, non_blocking=True)
-            torch.cuda.synchronize(self.device)
+            staging, target = self._staging, self.buffers[slot]
+
+            def copy_part(start: int, end: int) -> None:  # asynchronous from pinned memory
+                target[start:end].copy_(staging[start:end], non_blocking=True)
+
+            try:
+                self._read_into(path, offset, staging, copy_part if self.overlap_copies else None)
+                if not self.overlap_copies:
+                    target.copy_(staging, non_blocking=True)
+            finally:  # the staging buffer is not reused while a copy from it is queued
+                torch.cuda.synchronize(self.device)
         self.holder[slot] = variant
         self.slot_of[variant] = slot
         return SwapIn(slot, layout.data_bytes, time.perf_counter() - started)
 
-    def _read_into(self, path: str | os.PathLike, offset: int, target: torch.Tensor) -> None:
+    def _read_into(self, path: str | os.PathLike, offset: int, target: torch.Tensor,
+                   after_part=None) -> None:
         """Read ``target.numel()`` bytes of the file from ``offset`` into ``target`` (host
-        memory), in up to ``READ_THREADS`` parts at once."""
+        memory), in parts of ``PART_BYTES``, ``read_threads`` at once; ``after_part(start,
+        end)`` is called as each part is in."""
         view = memoryview(target.numpy())
         size = len(view)
-        parts = max(1, min(READ_THREADS, size // MIN_PART_BYTES))
-        step = -(-size // parts)
         fd = os.open(path, os.O_RDONLY)
         try:
             def read(start: int) -> None:
-                end, done = min(size, start + step), start
+                end, done = min(size, start + PART_BYTES), start
                 while done < end:
                     got = os.preadv(fd, [view[done:end]], offset + done)
                     if got <= 0:
                         raise SlotError(f"{path} ended at byte {offset + done}; copy it again")
                     done += got
+                if after_part is not None:
+                    after_part(start, end)
 
-            if parts == 1:
-                read(0)
+            if size <= PART_BYTES or self.read_threads == 1:
+                for start in range(0, size, PART_BYTES):
+                    read(start)
             else:
-                for future in [self._readers.submit(read, i * step) for i in range(parts)]:
+                futures = [self._readers.submit(read, start) for start in range(0, size, PART_BYTES)]
+                wait(futures)  # every part, even after a failure: none may read a closed fd
+                for future in futures:
                     future.result()
         finally:
             os.close(fd)

@@ -104,6 +104,27 @@ def test_weights_of_another_shape_are_refused_and_leave_the_slot_as_it_was(tmp_p
     assert bank.slot_of == {} and torch.equal(bank.views(0)["scale"], torch.full((4,), 2.0))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_swap_in_read_in_many_parts_has_every_byte_and_a_cut_file_leaves_the_slot_free(
+        tmp_path, monkeypatch, threads):
+    from model_runtime.family import slots
+
+    monkeypatch.setattr(slots, "PART_BYTES", 4096)  # 100 KB of weights: 25 parts
+    weights = {"scale": torch.arange(25_000, dtype=torch.float32), "shift": torch.ones(4)}
+    layout = read_layout(weights_file(tmp_path, "base", weights))[0]
+    bank = SlotBank(layout, 1, torch.device("cpu"), read_threads=threads)
+    bank.fill("a", weights_file(tmp_path, "a", weights))
+    assert torch.equal(bank.views(0)["scale"], weights["scale"])
+    bank.release("a")
+    whole = weights_file(tmp_path, "whole", {k: v + 1 for k, v in weights.items()})
+    (tmp_path / "cut.safetensors").write_bytes(whole.read_bytes()[:-50_000])
+    # Cut after its header was read (a copy still being written, say): the read finds the end.
+    monkeypatch.setattr(slots, "read_layout", lambda _path: read_layout(whole))
+    with pytest.raises(SlotError, match="ended at byte"):
+        bank.fill("cut", tmp_path / "cut.safetensors")
+    assert bank.slot_of == {} and bank.free_slot() == 0
+
+
 def test_the_demo_mlp_built_over_a_slot_answers_like_its_own_weights(tmp_path):
     spec = FleetSpec(count=2, hidden_dim=16, hidden_layers=2)
     generate_family_fleet(tmp_path, spec)

@@ -1,0 +1,115 @@
+"""A family slot's swap-in alone, side by side in one run: ``SlotBank.fill`` of one variant
+from the host-DRAM warm tier (tmpfs) with 1, 2, 4, 8 and 16 reading threads, on a GPU with
+and without each part's copy to the device overlapping the reads after it, against a plain
+read of the same file into host memory and a pinned host-to-device copy of the same bytes.
+
+    .venv/bin/python -m bench.slot_fill [--size-mb 200] [--repeats 15] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from model_runtime.family.layout import read_layout
+from model_runtime.family.slots import SlotBank
+
+
+def p50_ms(samples: list[float]) -> float:
+    return round(sorted(samples)[len(samples) // 2] * 1000, 2)
+
+
+def timed(fn, repeats: int) -> list[float]:
+    fn()  # pages committed, staging allocated
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mb", type=float, default=200.0)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", default="1,2,4,8,16")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "slot_fill.json")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    warm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    work = Path(tempfile.mkdtemp(prefix="bench-slot-", dir=warm))
+    path = work / "variant.safetensors"
+    weights = {"w": torch.randn(int(args.size_mb * 1e6 / 4), generator=torch.Generator().manual_seed(0))}
+    save_file(weights, str(path))
+    layout, offset = read_layout(path)
+    nbytes = layout.data_bytes
+    rows = []
+    try:
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        with open(path, "rb", buffering=0) as f:
+            def plain_read():
+                f.seek(offset)
+                f.readinto(memoryview(host.numpy()))
+            rows.append({"what": "plain read into host memory (1 thread)", "p50_ms": p50_ms(timed(plain_read, args.repeats))})
+        if device.type == "cuda":
+            pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+            def h2d():
+                on_device.copy_(pinned, non_blocking=True)
+                torch.cuda.synchronize(device)
+            rows.append({"what": "pinned host-to-device copy", "p50_ms": p50_ms(timed(h2d, args.repeats))})
+        overlaps = (False, True) if device.type == "cuda" else (False,)
+        expected = weights["w"].view(torch.uint8).reshape(-1)
+        for threads in (int(t) for t in args.threads.split(",")):
+            for overlap in overlaps:
+                bank = SlotBank(layout, 1, device, read_threads=threads, overlap_copies=overlap)
+
+                def fill(bank=bank):
+                    bank.release("v")
+                    bank.fill("v", path)
+                samples = timed(fill, args.repeats)
+                assert torch.equal(bank.buffers[0].cpu(), expected), "the slot does not hold the file's bytes"
+                bank.close()
+                label = f"SlotBank.fill, {threads} threads" + (
+                    (", copies overlap the reads" if overlap else ", one copy after the read")
+                    if device.type == "cuda" else "")
+                rows.append({"what": label, "threads": threads, "overlap": overlap,
+                             "p50_ms": p50_ms(samples), "gb_per_s": round(nbytes / (p50_ms(samples) / 1000) / 1e9, 2)})
+                del bank
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    finally:
+        path.unlink(missing_ok=True)
+        work.rmdir()
+    result = {"benchmark": "slot_fill", "conditions": {
+        "machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "bytes": nbytes, "warm tier": str(warm), "repeats": args.repeats, "loadavg": os.getloadavg()},
+        "rows": rows}
+    print(f"slot_fill: one {nbytes / 1e6:.0f} MB variant from {warm} into a slot on {result['conditions']['device']}, "
+          f"{os.cpu_count()} CPUs, p50 of {args.repeats}")
+    for row in rows:
+        print(f"  {row['what']:<58} {row['p50_ms']:>8.2f} ms" + (f"  {row['gb_per_s']:>6.2f} GB/s" if "gb_per_s" in row else ""))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
