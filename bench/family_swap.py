@@ -64,18 +64,9 @@ def memcpy_baseline(size_bytes: int, repeats: int = 20) -> dict:
         torch_s.append(time.perf_counter() - t0)
     out = {"bytes": size_bytes, "numpy_copyto": percentiles(numpy_s), "torch_copy_": percentiles(torch_s)}
     if torch.cuda.is_available():  # what a GPU slot's miss pays at least: pinned host to device
-        pinned = torch.empty(size_bytes, dtype=torch.uint8).pin_memory()
-        pinned.copy_(tsrc)
-        device = torch.empty(size_bytes, dtype=torch.uint8, device="cuda")
-        device.copy_(pinned, non_blocking=True)
-        torch.cuda.synchronize()
-        h2d_s = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            device.copy_(pinned, non_blocking=True)
-            torch.cuda.synchronize()
-            h2d_s.append(time.perf_counter() - t0)
-        out["torch_pinned_h2d"] = percentiles(h2d_s)
+        from bench.gpu import pinned_h2d_seconds
+
+        out["torch_pinned_h2d"] = percentiles(pinned_h2d_seconds(size_bytes, repeats))
         out["cuda_device"] = torch.cuda.get_device_name()
     return out
 

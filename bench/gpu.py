@@ -47,7 +47,9 @@ class MemorySampler(threading.Thread):
         self.join()
 
 
-def raw_copy_gbps(nbytes: int, repeats: int = 50) -> float:
+def pinned_h2d_seconds(nbytes: int, repeats: int = 50) -> list[float]:
+    """Seconds of each of ``repeats`` copies of ``nbytes`` from pinned host memory to the GPU
+    (after one untimed copy)."""
     import torch
 
     src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
@@ -60,7 +62,11 @@ def raw_copy_gbps(nbytes: int, repeats: int = 50) -> float:
         dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    times.sort()
+    return times
+
+
+def raw_copy_gbps(nbytes: int, repeats: int = 50) -> float:
+    times = sorted(pinned_h2d_seconds(nbytes, repeats))
     return nbytes / times[len(times) // 2] / 1e9
 
 

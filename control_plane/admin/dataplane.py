@@ -256,15 +256,22 @@ class DataPlaneHub:
             return all(w.version >= version and w.epoch == self.epoch
                        for w in self.workers.values() if w.live(now))
 
+        return await self._wait_until(current, deadline)
+
+    async def _wait_until(self, condition, deadline: float, notify: bool = False) -> bool:
+        """Wait for ``condition()`` on each change until ``deadline`` (monotonic); whether it
+        holds.  ``notify``: wake the waiters first (the long-polls)."""
         async with self._changed:
-            while not current():
+            if notify:
+                self._changed.notify_all()
+            while not condition():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 try:
                     await asyncio.wait_for(self._changed.wait(), left)
                 except TimeoutError:
-                    return current()
+                    return condition()
         return True
 
     async def gather_reports(self, timeout_s: float = GATHER_TIMEOUT_S) -> bool:
@@ -278,18 +285,9 @@ class DataPlaneHub:
             return True
         self.report_call += 1
         call = self.report_call
-        deadline = time.monotonic() + timeout_s
-        async with self._changed:
-            self._changed.notify_all()  # wakes the long-polls, which carry the ask
-            while not all(w.report_call >= call for w in asked):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                try:
-                    await asyncio.wait_for(self._changed.wait(), left)
-                except TimeoutError:
-                    return all(w.report_call >= call for w in asked)
-        return True
+        # The long-polls carry the ask: woken, each answers at once.
+        return await self._wait_until(lambda: all(w.report_call >= call for w in asked),
+                                      time.monotonic() + timeout_s, notify=True)
 
     def live_workers(self) -> int:
         now = time.time()
