@@ -201,7 +201,7 @@ class DataPlaneHub:
         changes += [("servers", s.name, [s.spec.grpc_url, s.spec.http_url, bool(s.up)])
                     for s in manager.servers.values()]
         changes += [("meta", "repository", str(manager.repository) if manager.repository is not None else None),
-                    ("meta", "workers", max(self.workers_expected, self.live_workers())),
+                    ("meta", "workers", max(self.workers_expected, self.workers_in_touch())),
                     ("meta", "expose_concrete", self.names.expose_concrete)]
         table = self.table
         if table.version != self._published_generation["table"] or self._routes_judged:
@@ -246,15 +246,17 @@ class DataPlaneHub:
         asyncio.get_running_loop().create_task(wake())
 
     async def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
-        """Publish now and wait until every live worker has this version: an admin change
-        is served by every worker once the call that made it returns."""
+        """Publish now and wait until every worker in touch has this version: an admin change
+        is served by every worker once the call that made it returns.  In touch, not only
+        live: an idle worker waiting in its long-poll has not been seen for up to
+        ``WATCH_WAIT_S`` and serves the next request all the same."""
         version = self.publish()
         deadline = time.monotonic() + timeout_s
 
         def current() -> bool:
             now = time.time()
             return all(w.version >= version and w.epoch == self.epoch
-                       for w in self.workers.values() if w.live(now))
+                       for w in self.workers.values() if w.in_touch(now))
 
         return await self._wait_until(current, deadline)
 
@@ -289,14 +291,13 @@ class DataPlaneHub:
         return await self._wait_until(lambda: all(w.report_call >= call for w in asked),
                                       time.monotonic() + timeout_s, notify=True)
 
-    def live_workers(self) -> int:
+    def workers_in_touch(self) -> int:
         now = time.time()
-        return sum(1 for w in self.workers.values() if w.live(now))
+        return sum(1 for w in self.workers.values() if w.in_touch(now))
 
     def worker_counts(self) -> tuple[int, int]:
         """(workers in touch now, workers expected): ``mms_router_workers_*``."""
-        now = time.time()
-        return sum(1 for w in self.workers.values() if w.in_touch(now)), self.workers_expected
+        return self.workers_in_touch(), self.workers_expected
 
     def _seen(self, worker: str, pid: int) -> WorkerSeen:
         if not worker:

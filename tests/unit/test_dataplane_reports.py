@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -153,6 +154,26 @@ def test_a_worker_that_does_not_answer_delays_the_read_by_the_timeout_only(tmp_p
             started = loop.time()
             assert not await h.gather_reports(timeout_s=0.3)
             assert loop.time() - started < 2
+        finally:
+            await w0.stop()
+            await h.release_watchers()
+            await server.close()
+
+    asyncio.run(go())
+
+
+def test_an_admin_change_waits_for_an_idle_worker_in_its_long_poll(tmp_path, monkeypatch):
+    async def go():
+        # A worker idle for longer than it takes to stop counting as live: it sits in its
+        # long-poll, unseen, and still serves the next request.
+        monkeypatch.setattr(dataplane, "WORKER_LIVE_S", 0.05)
+        h, server, (w0,) = await serving_hub(tmp_path, monkeypatch)
+        try:
+            await asyncio.sleep(0.1)
+            assert h.workers["w0"].watching and not h.workers["w0"].live(time.time())
+            h.table.set_limit("m1", 5.0, 5.0)
+            assert await h.settle(timeout_s=5)
+            assert w0.table.limits == {"m1": {"qps": 5.0, "burst": 5.0}}  # served from now on
         finally:
             await w0.stop()
             await h.release_watchers()
