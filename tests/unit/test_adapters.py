@@ -172,6 +172,24 @@ def test_metrics_come_from_the_latest_status():
     assert 'mms_adapter_device_slots_used{base="tinylm"} 1.0' in text
 
 
+def test_adapters_past_the_series_cap_are_summed_under_other():
+    from control_plane.domain.series import BoundedLabel
+
+    registry = CollectorRegistry()
+    metrics = AdapterMetrics(registry, label=BoundedLabel(cap=2))
+    adapters = [{"name": f"a{i}", "requests": i, "device_hits": 1, "host_hits": 0, "misses": 1,
+                 "cold_loads": 1, "tier": "host", "load_time_s": 0.5} for i in range(10)]
+    metrics.update("tinylm", {"adapters": adapters, "device_slots_used": 0})
+    text = generate_latest(registry).decode()
+    series = [line for line in text.splitlines() if line.startswith("mms_adapter_requests_total")]
+    assert len(series) == 3  # a0, a1 and _other
+    assert 'mms_adapter_requests_total{adapter="_other",base="tinylm"} 44.0' in text  # 2 + ... + 9
+    assert 'mms_adapter_resident{adapter="_other",base="tinylm",tier="host"} 8.0' in text
+    assert 'mms_adapter_load_seconds{adapter="_other"' not in text  # no meaningful sum
+    total = sum(float(line.rsplit(" ", 1)[1]) for line in series)
+    assert total == sum(range(10))  # the sum over adapters stays exact
+
+
 # --------------------------------------------------------------------------- router
 def test_base_adapter_names_resolve_through_the_base_route_and_limit_per_adapter():
     table = RouteTable(default_target={"tinylm": "tinylm.v2"}.get)
