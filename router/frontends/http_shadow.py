@@ -2,8 +2,8 @@
 
 The shadow mirror (``router.rollouts.shadow``) sends serialized gRPC ModelInferRequests and
 compares the shadow's outputs with the primary's as (name, datatype, raw bytes).  An HTTP
-request chosen for mirroring (its decision has a shadow) is therefore converted here, and
-only then: its JSON header and binary tensors become the ModelInferRequest tritonclient.grpc
+request chosen for mirroring (its decision has a shadow) is therefore converted, and only
+when the mirror is sent (a mirror shed or dropped at the offer costs nothing): its JSON header and binary tensors become the ModelInferRequest tritonclient.grpc
 would build for the same inputs (every input in ``raw_input_contents``; BYTES elements with
 Triton's 4-byte little-endian length prefix), addressed to the shadow.  The primary's JSON
 answer is kept as it is (a shallow copy) and turned into raw bytes in the shadow's analysis
@@ -140,8 +140,14 @@ def offer(router: Router, call: Call, parsed: InferRequest, out: dict, binary: b
     carrier = router.state.carrier_of(decision.shadow)
     if carrier is not None:
         overrides[VARIANT_PARAMETER] = decision.shadow  # a family's variant: its slot
-    request = grpc_request(parsed.doc, parsed.body[parsed.header_length:] if parsed.header_length else b"",
-                           carrier or decision.shadow, overrides)
+    request = partial(_serialized_request, parsed.doc, parsed.body, parsed.header_length,
+                      carrier or decision.shadow, overrides)
     router.shadow.offer(ShadowItem(decision.logical.split(":", 1)[0], decision.shadow,
-                                   request.SerializeToString(), primary_outputs(out, binary),
+                                   request, primary_outputs(out, binary),
                                    (time.perf_counter() - call.start) * 1000))
+
+
+def _serialized_request(doc: dict, body: bytes, header_length: int, model_name: str,
+                        parameters: dict[str, str]) -> bytes:
+    binary = body[header_length:] if header_length else b""  # None: a JSON-only request
+    return grpc_request(doc, binary, model_name, parameters).SerializeToString()

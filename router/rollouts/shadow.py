@@ -55,7 +55,10 @@ LAG_PROBE_S = 0.05
 class ShadowItem:
     route: str
     shadow_model: str
-    request: object  # serialized ModelInferRequest (bytes) already addressed to the shadow
+    # The serialized ModelInferRequest (bytes) already addressed to the shadow, or a function
+    # that builds it (an HTTP request, converted only when the mirror is sent: a mirror shed
+    # or dropped at the offer costs no conversion).
+    request: object
     # The primary's response: serialized bytes, a ModelInferResponse, Outputs, or a function
     # that returns Outputs (an HTTP answer, converted in the analysis thread).
     primary: object
@@ -277,8 +280,9 @@ class ShadowMirror:
         start = time.perf_counter()
         at = time.time()
         try:
+            request = item.request() if callable(item.request) else item.request
             async with asyncio.timeout(self.timeout_s):
-                response = await self.send(item.shadow_model, item.request, self.timeout_s)
+                response = await self.send(item.shadow_model, request, self.timeout_s)
         except TimeoutError:
             outcome = _Outcome(item, "timeout", at=at)
         except Exception as exc:  # noqa: BLE001 - any shadow failure is its outcome

@@ -114,7 +114,8 @@ def test_offer_addresses_the_shadow_and_converts_the_primary_later():
     out["outputs"][0].pop("parameters")  # as the shared-memory delivery does before answering
     (item,) = offered
     assert (item.route, item.shadow_model) == ("cust1", "v2")
-    request = service_pb2.ModelInferRequest.FromString(item.request)
+    assert callable(item.request)  # converted only when the mirror is sent
+    request = service_pb2.ModelInferRequest.FromString(item.request())
     assert request.model_name == "family" and request.model_version == ""
     assert request.parameters[VARIANT_PARAMETER].string_param == "v2"
     assert request.parameters["adapter"].string_param == "ad"
