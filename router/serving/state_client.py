@@ -357,6 +357,9 @@ class RemoteState:
             await self._send_report(call)
         except ControlPlaneAway:
             pass  # kept for the next report; the reader's wait ends at its timeout
+        except Exception:
+            log.exception("answering the control plane's ask for a report failed")
+            self._count_loop_failure("report")
 
     async def _send_report(self, report_call: int = 0) -> None:
         """Send what was counted since the last report.  ``report_call``: the control
