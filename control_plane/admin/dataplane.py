@@ -13,13 +13,14 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 
 from aiohttp import web
 
 from control_plane.admin.api import json_body
 from control_plane.admin.global_limits import GlobalBuckets
 from control_plane.admin.published import PublishedState
+from control_plane.admin.worker_reports import ShadowReports, WorkerSeen, parse_report, worker_of
 from control_plane.domain.errors import InvalidInput
 from control_plane.domain.periodic import run_periodically
 from control_plane.rollouts.canary import CanaryController, registry_promoter
@@ -27,7 +28,6 @@ from control_plane.rollouts.stats import StatsBook
 from control_plane.state.background import BackgroundStore
 from router.rollouts.public_names import PublicNames
 from router.rollouts.routes import RouteTable
-from router.rollouts.shadow import ShadowReport
 
 log = logging.getLogger(__name__)
 
@@ -35,106 +35,9 @@ log = logging.getLogger(__name__)
 # model's placement is published as soon as its state changes).
 PUBLISH_INTERVAL_S = 0.1
 CANARY_INTERVAL_S = 1.0  # how often running canaries are judged
-WORKER_LIVE_S = 10.0  # a worker not heard from for this long no longer counts
 SETTLE_TIMEOUT_S = 2.0  # an admin change waits this long at most for workers to have it
 GATHER_TIMEOUT_S = 2.0  # a read of experiment / canary / shadow figures waits this long for reports
 MAX_WAIT_S = 30.0
-SHADOW_COUNTS = tuple(f.name for f in fields(ShadowReport) if f.name != "last")
-SHADOW_COUNT_TYPES = {name: type(getattr(ShadowReport(), name)) for name in SHADOW_COUNTS}  # int, float
-
-
-@dataclass
-class WorkerSeen:
-    worker: str
-    pid: int = 0
-    last_seen: float = 0.0
-    version: int = -1  # the snapshot version it has
-    epoch: str = ""
-    requests: int = 0  # requests it reported
-    samples: int = 0  # canary / experiment outcomes it reported
-    shadow: dict = field(default_factory=dict)  # route -> its cumulative ShadowReport counts
-    watching: int = 0  # its snapshot long-polls waiting here now
-    report_call: int = 0  # the latest ask for reports it answered (DataPlaneHub.gather_reports)
-
-    def live(self, now: float) -> bool:
-        return now - self.last_seen < WORKER_LIVE_S
-
-    def in_touch(self, now: float) -> bool:
-        """Live, or waiting in a long-poll: an idle worker's watch (``WATCH_WAIT_S`` of
-        router.serving.state_client, longer than ``WORKER_LIVE_S``) is its heartbeat."""
-        return self.watching > 0 or self.live(now)
-
-    def to_dict(self, now: float) -> dict:
-        return {"worker": self.worker, "pid": self.pid, "snapshot_version": self.version,
-                "seen_s_ago": round(now - self.last_seen, 3), "live": self.live(now),
-                "requests": self.requests, "samples": self.samples}
-
-
-@dataclass
-class WorkerReport:
-    worker: str
-    pid: int
-    uses: dict[str, int]  # model -> requests served since the last report
-    requests: int
-    samples: list[tuple[str, str, str, float | None, bool]]  # scope, variant, code, ms, random
-    shadow: dict[str, dict[str, int | float]] | None  # route -> cumulative ShadowReport counts
-    report_call: int = 0  # the ask for reports this one answers; 0: a periodic report
-
-
-def worker_of(body: dict) -> tuple[str, int]:
-    try:
-        return str(body.get("worker", "")), int(body.get("pid") or 0)
-    except (TypeError, ValueError):
-        raise InvalidInput(f"pid must be a number, got {body.get('pid')!r}") from None
-
-
-def parse_report(body: dict) -> WorkerReport:
-    """A worker's report, every field checked: a malformed one is refused whole (400)."""
-    worker, pid = worker_of(body)
-    try:
-        uses = {str(model): int(count) for model, count in (body.get("uses") or {}).items()}
-        requests = int(body.get("requests") or 0)
-        samples = [(str(scope), str(variant), str(code), None if ms is None else float(ms), bool(randomly))
-                   for scope, variant, code, ms, randomly in body.get("samples") or []]
-        report_call = int(body.get("report_call") or 0)
-        shadow = body.get("shadow")
-        if shadow is not None:
-            shadow = {str(route): {key: SHADOW_COUNT_TYPES[key](counts.get(key, 0)) for key in SHADOW_COUNTS}
-                      for route, counts in shadow.items()}
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise InvalidInput(f"malformed data-plane report from worker {worker!r} ({exc}): uses is "
-                           "{model: count}, requests a count, samples [scope, variant, code, "
-                           "served_ms or null, randomly_assigned] lists, shadow {route: {count: n}}") from None
-    return WorkerReport(worker, pid, uses, requests, samples, shadow, report_call)
-
-
-class ShadowReports:
-    """Shadow reports summed over workers (``control_plane.admin.rollout_routes`` reads ``reports`` and ``report``)."""
-
-    def __init__(self, hub: DataPlaneHub, log_dir: str | None):
-        self.hub = hub
-        self.log_dir = log_dir
-
-    @property
-    def reports(self) -> dict[str, ShadowReport]:
-        routes = {r for w in self.hub.workers.values() for r in w.shadow}
-        return {r: self._merged(r) for r in routes}
-
-    def _merged(self, route: str) -> ShadowReport:
-        total = ShadowReport()
-        for w in self.hub.workers.values():
-            counts = w.shadow.get(route)
-            for key in SHADOW_COUNTS:
-                if counts:
-                    setattr(total, key, getattr(total, key) + counts.get(key, 0))
-        return total
-
-    def report(self, route: str) -> dict:
-        body = self._merged(route).to_dict()
-        body["workers"] = sum(1 for w in self.hub.workers.values() if route in w.shadow)
-        if self.log_dir is not None:
-            body["log"] = f"{self.log_dir}/w*/{route}.jsonl"  # one folder per router worker
-        return body
 
 
 class DataPlaneHub:
@@ -150,7 +53,7 @@ class DataPlaneHub:
         self.stats = StatsBook(clock=time.time)
         self.canaries = CanaryController(self.table, self.stats)
         self.canaries.on_promote = registry_promoter(registry)  # one source of truth
-        self.shadow = ShadowReports(self, shadow_log_dir)
+        self.shadow = ShadowReports(lambda: self.workers.values(), shadow_log_dir)
         self.buckets = GlobalBuckets()
         self.workers: dict[str, WorkerSeen] = {}
         self.workers_expected = workers_expected

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from control_plane.admin import dataplane
+from control_plane.admin import dataplane, worker_reports
 from control_plane.admin.api import error_middleware
 from control_plane.admin.dataplane import DataPlaneHub
 from control_plane.rollouts.stats import StatsBook
@@ -166,7 +166,7 @@ def test_an_admin_change_waits_for_an_idle_worker_in_its_long_poll(tmp_path, mon
     async def go():
         # A worker idle for longer than it takes to stop counting as live: it sits in its
         # long-poll, unseen, and still serves the next request.
-        monkeypatch.setattr(dataplane, "WORKER_LIVE_S", 0.05)
+        monkeypatch.setattr(worker_reports, "WORKER_LIVE_S", 0.05)
         h, server, (w0,) = await serving_hub(tmp_path, monkeypatch)
         try:
             await asyncio.sleep(0.1)

@@ -17,7 +17,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from control_plane.admin.access import SESSION_COOKIE, SESSION_TTL_S, AdminAccess, access_middleware
 from control_plane.admin.api import SIGN_IN_KEY, error_middleware
-from control_plane.admin.dataplane import WORKER_LIVE_S, WorkerSeen
 from control_plane.admin.status_page import static_files
 from control_plane.admin.status_page.history import History
 from control_plane.admin.status_page.overview import (
@@ -35,6 +34,7 @@ from control_plane.admin.status_page.traffic import (
     samples_from_families,
     samples_from_text,
 )
+from control_plane.admin.worker_reports import WORKER_LIVE_S, WorkerSeen
 from control_plane.metrics import ControlPlaneMetrics, StateCollector
 from router.rollouts.routes import Canary, Experiment, Route, Shadow
 
