@@ -25,19 +25,18 @@ from control_plane.domain.periodic import guarded_step, run_periodically
 from control_plane.manager import ManagerConfig, ModelManager
 from control_plane.runtime.config import ServiceConfig, config_from_json, config_to_json  # noqa: F401  (their import path)
 from control_plane.runtime.supervisor import PROCESSES_FILE
-from control_plane.runtime.tritons import TritonLaunching, free_memory_probe
+from control_plane.runtime.tritons import TritonFleet, free_memory_probe
 from control_plane.state.store import StateStore
 from control_plane.triton.admin import admin_key_headers
-from control_plane.triton.process import TritonProcess
 
 log = logging.getLogger(__name__)
 
 
-class Service(TritonLaunching):
+class Service:
     def __init__(self, cfg: ServiceConfig):
         cfg.validate()
         self.cfg = cfg
-        self.processes: list[TritonProcess] = []
+        self.tritons = TritonFleet(cfg, supervised=self.supervised)
         self.manager: ModelManager | None = None
         self.runner: web.AppRunner | None = None
         self._loop_task: asyncio.Task | None = None
@@ -50,9 +49,6 @@ class Service(TritonLaunching):
         self.route_store = None  # control_plane.state.background.BackgroundStore
         self.grpc_server = None
         self.router_runner: web.AppRunner | None = None
-        self.devices: list = []  # devices.Device: the GPUs / MIG slices with a Triton each
-        self.nvml = None
-        self.labels: dict = {}  # server name -> placement.ServerLabels
         self.memory = None  # devices.GpuMemoryMeter on a GPU fleet
         self.reconciler = None  # devices.MemoryReconciler on a GPU fleet
         self.hub = None  # dataplane_hub.DataPlaneHub when router workers serve
@@ -152,18 +148,18 @@ class Service(TritonLaunching):
         self.families = FamilyCatalog(
             self.repository, lambda: ((v.name, v.family) for v in registry.versions() if v.family))
         registry.on_stage_change(self.families.refresh)  # a variant registered, or retired
-        self.devices = self.discover_devices()
         # Popen runs on the loop thread: PR_SET_PDEATHSIG fires when the *thread* that
         # forked exits, and executor threads can exit while Triton should live on.
-        servers = self._start_tritons()
+        servers = self.tritons.start(self.repository, self.families)
         for server in servers:  # model control: with Triton's key, and only while leading
             server.admin.headers = admin_key_headers(cfg.triton_admin_key)
             server.admin.guard = self.leadership.check if self.leadership is not None else None
         stager = self.warm
-        if self.devices:
+        devices = self.tritons.devices
+        if devices:
             from control_plane.triton.devices import GpuMemoryMeter, reserve_measured, server_name
 
-            self.memory = GpuMemoryMeter(self.nvml, {server_name(d): d for d in self.devices},
+            self.memory = GpuMemoryMeter(self.tritons.nvml, {server_name(d): d for d in devices},
                                          self.repository, registry=self.registry)
             stager = reserve_measured(self.warm, self.registry)  # a load reserves what it took
         self.manager = ModelManager(
@@ -175,7 +171,7 @@ class Service(TritonLaunching):
                                  server_lost_after_s=cfg.server_lost_after_s),
             free_memory=free_memory_probe(self.memory),
             stager=stager, priority_of=self.registry.stage_priority,
-            placer=Placer(facts=registry_facts(self.registry), labels=self.labels),
+            placer=Placer(facts=registry_facts(self.registry), labels=self.tritons.labels),
             warmup_enabled=self.registry.warmup_enabled, memory=self.memory)
         manager = self.manager
         if self.memory is not None:
@@ -356,9 +352,7 @@ class Service(TritonLaunching):
         elif self.database is not None:
             self.database.close()
             self.database = None
-        loop = asyncio.get_running_loop()
-        for proc in self.processes:
-            await loop.run_in_executor(None, proc.stop)
+        await asyncio.get_running_loop().run_in_executor(None, self.tritons.stop)
         if (self.cfg.repository is None and not self.cfg.attach and self.cfg.servers_file is None
                 and self.warm is not None):
             # The default warm tier in tmpfs is host RAM; only Tritons launched here read it,

@@ -1,6 +1,7 @@
 """Which Triton servers the control plane manages: one launched per GPU or MIG slice (or N
 on CPU), and servers that run elsewhere, registered by address (``--attach`` or a servers
-file listing every node's Tritons).  ``TritonLaunching`` is part of ``Service``."""
+file listing every node's Tritons).  ``Service`` builds one ``TritonFleet`` and asks it for
+its servers."""
 
 from __future__ import annotations
 
@@ -103,12 +104,36 @@ def _port(base: int, i: int) -> int:
     return 0 if base == 0 else base + 10 * i
 
 
-def _port(base: int, i: int) -> int:
-    return 0 if base == 0 else base + 10 * i
+class TritonFleet:
+    """The Tritons a control plane manages: launched here (one per GPU or MIG slice, or
+    ``--triton-servers`` on CPU) or registered by address.  ``start`` launches them and
+    returns the manager's servers; ``stop`` stops the ones launched here."""
 
+    def __init__(self, cfg, supervised: bool):
+        self.cfg = cfg  # runtime.config.ServiceConfig
+        # Router workers run beside the control plane: the Tritons launched here outlive a
+        # crash of it, and its next life adopts them.
+        self.supervised = supervised
+        self.processes: list[TritonProcess] = []
+        self.devices: list = []  # devices.Device: the GPUs / MIG slices with a Triton each
+        self.nvml = None
+        self.labels: dict = {}  # server name -> placement.ServerLabels
+        self.repository = Path()  # the warm tier the Tritons serve from
+        self.families = None  # families.FamilyCatalog
 
-class TritonLaunching:
-    """Part of ``Service``: its Tritons, launched here or registered by address."""
+    def start(self, repository: Path, families) -> list[TritonServer]:
+        """Discover the devices, launch a Triton per device (or the CPU ones), register the
+        attached ones; the servers, in that order."""
+        self.repository, self.families = repository, families
+        self.devices = self.discover_devices()
+        if self.devices:
+            return self._start_device_tritons() + self._attached_servers()
+        return self._start_cpu_tritons() + self._attached_servers()
+
+    def stop(self) -> None:
+        """Stop every Triton launched here (blocking: run it off the event loop)."""
+        for proc in self.processes:
+            proc.stop()
 
     @property
     def reserved_ports(self) -> tuple[int, ...]:
@@ -171,10 +196,8 @@ class TritonLaunching:
             self.labels[plan.name] = ServerLabels.from_device(plan.device)
         return servers
 
-    def _start_tritons(self) -> list[TritonServer]:
+    def _start_cpu_tritons(self) -> list[TritonServer]:
         cfg = self.cfg
-        if self.devices:
-            return self._start_device_tritons() + self._attached_servers()
         servers = []
         local_budget_bytes = self.local_memory_budget_bytes()
         for i in range(cfg.triton_servers):
@@ -198,7 +221,7 @@ class TritonLaunching:
                               max_loaded=cfg.max_loaded)
             servers.append(ModelManager.make_server(spec, cfg.policy, process=proc,
                                                     admin=self.family_admin(spec)))
-        return servers + self._attached_servers()
+        return servers
 
     def remote_servers(self) -> list[RemoteServer]:
         """--attach URLs (attached0, attached1, ...) and the servers file's entries."""

@@ -46,7 +46,7 @@ def test_nothing_known_means_no_budget():
 def test_service_derives_the_budget_unless_told(tmp_path):
     def budget(**cfg):
         service = Service(ServiceConfig(state_dir=tmp_path, **cfg))
-        return service.local_memory_budget_bytes(devices=[Device("cpu")], host_bytes=16 * GiB)
+        return service.tritons.local_memory_budget_bytes(devices=[Device("cpu")], host_bytes=16 * GiB)
 
     assert budget() == 8 * GiB
     assert budget(triton_servers=2) == 4 * GiB

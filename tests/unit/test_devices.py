@@ -194,22 +194,22 @@ def test_service_discovers_through_the_injected_nvml_and_checks_devices(tmp_path
     from control_plane.triton.fake_nvml import FakeGpu, FakeNVML
 
     fake = FakeNVML([FakeGpu("GPU-0", "H100", 80 * GiB), FakeGpu("GPU-1", "H100", 80 * GiB)])
-    assert [d.id for d in Service(ServiceConfig(state_dir=tmp_path, nvml=fake)).discover_devices()] == [
+    assert [d.id for d in Service(ServiceConfig(state_dir=tmp_path, nvml=fake)).tritons.discover_devices()] == [
         "gpu0", "gpu1"]
-    picked = Service(ServiceConfig(state_dir=tmp_path, nvml=fake, devices=["GPU-1"])).discover_devices()
+    picked = Service(ServiceConfig(state_dir=tmp_path, nvml=fake, devices=["GPU-1"])).tritons.discover_devices()
     assert [d.id for d in picked] == ["gpu1"]
     with pytest.raises(InvalidInput, match="'gpu7', which is not a device of this machine"):
-        Service(ServiceConfig(state_dir=tmp_path, nvml=fake, devices=["gpu7"])).discover_devices()
+        Service(ServiceConfig(state_dir=tmp_path, nvml=fake, devices=["gpu7"])).tritons.discover_devices()
     attach_only = ServiceConfig(state_dir=tmp_path, nvml=fake, triton_servers=0, attach=["h:1"])
-    assert Service(attach_only).discover_devices() == []  # no local Triton at all
+    assert Service(attach_only).tritons.discover_devices() == []  # no local Triton at all
     # Without GPUs: CPU as before, and GPU options are refused instead of ignored.
     cpu = ServiceConfig(state_dir=tmp_path, use_nvml=False)
-    assert Service(cpu).discover_devices() == []
+    assert Service(cpu).tritons.discover_devices() == []
     with pytest.raises(InvalidInput, match="NVML finds no GPU"):
-        Service(ServiceConfig(state_dir=tmp_path, use_nvml=False, devices=["gpu0"])).discover_devices()
+        Service(ServiceConfig(state_dir=tmp_path, use_nvml=False, devices=["gpu0"])).tritons.discover_devices()
     with pytest.raises(InvalidInput, match="use --memory-budget for CPU servers"):
         Service(ServiceConfig(state_dir=tmp_path, use_nvml=False,
-                              device_budgets={"gpu0": GiB})).discover_devices()
+                              device_budgets={"gpu0": GiB})).tritons.discover_devices()
 
 
 def test_device_budget_option_parsing(monkeypatch):
