@@ -173,24 +173,28 @@ def _check_input(index: int, tensor: Any) -> int:
     return params.get("binary_data_size", 0)
 
 
+def flat_row_major(data: list) -> list:
+    """Nested JSON arrays in row-major order, as Triton reads them: flattened level by level
+    (no recursion, so no depth limit to hit)."""
+    while any(type(item) is list for item in data):
+        flat: list = []
+        for item in data:
+            if type(item) is list:
+                flat.extend(item)
+            else:
+                flat.append(item)
+        data = flat
+    return data
+
+
 def _check_data(what: str, datatype: str, shape: list[int], elements: int, data: Any) -> None:
     if datatype in ("FP16", "BF16"):
         raise InvalidRequest(f"receiving {datatype} data via JSON is not supported. Please use the "
                              f"binary data format for {what}")
     if not isinstance(data, list):
         raise InvalidRequest(f"Unable to parse 'data' of {what}: expected an array, got {json_kind(data)}")
-    # Triton reads nested arrays in row-major order; flatten level by level (no recursion).
-    flat = data
+    flat = flat_row_major(data)
     types = set(map(type, flat))
-    while list in types:
-        nested: list = []
-        for item in flat:
-            if type(item) is list:
-                nested.extend(item)
-            else:
-                nested.append(item)
-        flat = nested
-        types = set(map(type, flat))
     if len(flat) != elements:
         raise InvalidRequest(
             f"Unable to parse 'data': Shape does not match true shape of 'data' field ({what} has "

@@ -27,6 +27,7 @@ from tritonclient.utils import triton_to_np_dtype
 
 from model_runtime.family.protocol import VARIANT_PARAMETER
 from router.frontends.http_request import InferRequest
+from router.frontends.http_request_checks import flat_row_major
 from router.rollouts.shadow import Outputs, ShadowItem
 from router.serving.core import Router
 from router.serving.send import Call
@@ -35,22 +36,9 @@ from router.serving.send import Call
 _HTTP_ONLY = ("binary_data_output", "binary_data", "binary_data_size")
 
 
-def _flat(data) -> list:
-    """Nested JSON arrays in row-major order, as Triton reads them (level by level)."""
-    while any(type(item) is list for item in data):
-        flat: list = []
-        for item in data:
-            if type(item) is list:
-                flat.extend(item)
-            else:
-                flat.append(item)
-        data = flat
-    return data
-
-
 def json_tensor_bytes(datatype: str, data: list) -> bytes:
     """A JSON tensor's ``data`` as Triton's raw bytes (BYTES: length-prefixed elements)."""
-    flat = _flat(data)
+    flat = flat_row_major(data)
     if datatype == "BYTES":
         items = [v.encode("utf-8", "surrogatepass") if isinstance(v, str) else bytes(v) for v in flat]
         return b"".join(struct.pack("<I", len(v)) + v for v in items)
