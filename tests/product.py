@@ -87,6 +87,13 @@ class Product:
         except FileNotFoundError:
             return {}
 
+    def triton_key_headers(self) -> dict[str, str]:
+        """gRPC metadata that opens the restricted APIs of this product's Tritons (the key
+        `mmctl up` keeps in its state directory)."""
+        from control_plane.triton.admin import admin_key_headers
+
+        return admin_key_headers((self.state_dir / "triton.key").read_text().strip())
+
     def client_env(self) -> dict[str, str]:
         """What a shell needs to drive this product with mmctl: its admin API and token."""
         env = {"MMS_URL": self.url, "MMS_TOKEN_FILE": str(self.token_file)}

@@ -8,8 +8,6 @@ import hashlib
 import hmac
 import ipaddress
 import logging
-import os
-import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,10 +17,13 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from control_plane.domain.errors import ControlPlaneError
+from control_plane.state.secret_files import ensure_secret_file
 
 log = logging.getLogger(__name__)
 
 TOKEN_FILE_NAME = "admin.token"  # in the state directory, mode 0600
+DATAPLANE_TOKEN_FILE_NAME = "dataplane.token"  # likewise: the router workers' credential
+DATAPLANE_PREFIX = "/v1/dataplane/"  # all that the data-plane token opens
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 LOOPBACK_NAMES = frozenset({"localhost"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
@@ -130,6 +131,9 @@ class AdminAccess:
 
     token: str | None = None
     bind_host: str = "127.0.0.1"
+    # The router workers' credential: opens DATAPLANE_PREFIX only (None: no such token; the
+    # admin token opens those routes too, so workers of an older deployment keep working).
+    dataplane_token: str | None = field(default=None, repr=False)
     allowed_hosts: frozenset[str] = frozenset()
     wrong_tokens: WrongTokens = field(default_factory=WrongTokens, compare=False)
 
@@ -163,11 +167,23 @@ class AdminAccess:
         return (address.is_loopback or bind in WILDCARD_HOSTS
                 or address == _address_or_none(bind) or name in self.allowed_hosts)
 
-    def token_ok(self, authorization: str | None, address: str | None = None) -> bool:
+    def token_ok(self, authorization: str | None, address: str | None = None,
+                 path: str = "") -> bool:
+        """Whether ``authorization`` opens ``path``: the admin token opens everything, the
+        data-plane token DATAPLANE_PREFIX only (Forbidden elsewhere: it is no guess)."""
         if self.token is None:
             return True
         scheme, _, given = (authorization or "").partition(" ")
-        return scheme.lower() == "bearer" and self.check_token(given.strip(), address)
+        if scheme.lower() != "bearer":
+            return False
+        given = given.strip()
+        if self.dataplane_token and hmac.compare_digest(given.encode(), self.dataplane_token.encode()):
+            if path.startswith(DATAPLANE_PREFIX):
+                return True
+            raise Forbidden(f"the data-plane token opens {DATAPLANE_PREFIX}* only, the router "
+                            "workers' endpoints; model control and everything else need the "
+                            f"admin token: {TOKEN_HINT}")
+        return self.check_token(given, address)
 
     def token_matches(self, given: str) -> bool:
         return self.token is None or hmac.compare_digest(given.encode(), self.token.encode())
@@ -197,7 +213,8 @@ def _address_or_none(text: str):
         return None
 
 
-def access_for(bind_host: str, token: str | None, extra_hosts: Iterable[str] = ()) -> AdminAccess:
+def access_for(bind_host: str, token: str | None, extra_hosts: Iterable[str] = (),
+               dataplane_token: str | None = None) -> AdminAccess:
     """The AdminAccess of an API bound to ``bind_host``; a wildcard bind also answers to the
     machine's host names (how other machines on a private network reach it)."""
     names = {h.strip().strip("[]").rstrip(".").lower() for h in extra_hosts if h.strip()}
@@ -205,7 +222,8 @@ def access_for(bind_host: str, token: str | None, extra_hosts: Iterable[str] = (
         import socket
 
         names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
-    return AdminAccess(token=token, bind_host=bind_host, allowed_hosts=frozenset(names))
+    return AdminAccess(token=token, bind_host=bind_host, allowed_hosts=frozenset(names),
+                       dataplane_token=dataplane_token)
 
 
 def _public(request: web.Request) -> bool:
@@ -246,7 +264,8 @@ def access_middleware(access: AdminAccess):
             raise Forbidden(f"cross-origin request from {origin or fetch_site!r} refused: the "
                             "admin API takes no requests from web pages")
         if not (_public(request) or _signs_in(request) or _session_opens(request, access)
-                or access.token_ok(request.headers.get("Authorization"), request.remote)):
+                or access.token_ok(request.headers.get("Authorization"), request.remote,
+                                   request.path)):
             given = "a wrong token" if request.headers.get("Authorization") else "no token"
             raise Unauthorized(f"the admin API needs its token and got {given}: {TOKEN_HINT}")
         if request.method not in SAFE_METHODS and request.content_type != "application/json":
@@ -260,24 +279,6 @@ def access_middleware(access: AdminAccess):
 
 
 def ensure_token_file(path: Path, token: str | None = None) -> str:
-    """The admin token, kept in ``path`` with mode 0600 so mmctl on this machine finds it.
-
-    ``token`` given (``--admin-token`` / MMS_ADMIN_TOKEN): written there.  Otherwise the file's
-    token is reused, so clients keep working across restarts (delete the file to rotate it),
-    unless the file is empty or readable by others; then a new one is generated.
-    """
-    if token is None and path.is_file():
-        mode = path.stat().st_mode & 0o777
-        existing = path.read_text().strip()
-        if existing and not mode & 0o077:
-            return existing
-        if existing:
-            log.warning("%s was readable by other users (mode %o); generating a new admin token",
-                        path, mode)
-    token = token or secrets.token_urlsafe(32)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)  # O_CREAT's mode does not apply to an existing file
-        f.write(token + "\n")
-    return token
+    """The admin token, kept in ``path`` with mode 0600 so mmctl on this machine finds it
+    (``--admin-token`` / MMS_ADMIN_TOKEN given: written there; see ensure_secret_file)."""
+    return ensure_secret_file(path, token, what="admin token")

@@ -143,6 +143,12 @@ def fleet(api: Api, as_json: bool):
              ",".join(s["loaded"]) or "-"] for s in servers]
     _emit(servers, as_json, _table(rows, ["SERVER", "DEVICE", "GRPC", "STATUS", "MAX MODELS",
                                           "BUDGET", "USED", "LOADED"]))
+    for s in servers:
+        if s.get("model_control") == "open":
+            click.echo(f"warning: {s['server']} ({s['grpc_url']}) takes model control without a key: "
+                       "anyone who reaches its ports can load a model and run its code; start it "
+                       "with Triton's restricted-API options and give the control plane the key "
+                       "(docs/operations.md: Security model)", err=True)
 
 
 @click.command()

@@ -106,14 +106,15 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
-def worker_config(cfg: ServiceConfig, name: str, admin_url: str, token: str, run_dir: Path,
-                  shared_memory_dir: Path) -> WorkerConfig:
+def worker_config(cfg: ServiceConfig, name: str, admin_url: str, dataplane_token: str,
+                  run_dir: Path, shared_memory_dir: Path) -> WorkerConfig:
     """What one router worker of ``mmctl up`` is started with: every setting the worker
     shares with ``cfg`` (its public ports, request size, load timeout, log level: one
     declaration, ``shared_values``), and the supervisor's plumbing."""
     from control_plane.domain.settings import shared_values
 
-    return WorkerConfig(**{**shared_values(cfg, WorkerConfig), "admin_token": token},
+    return WorkerConfig(**{**shared_values(cfg, WorkerConfig), "admin_token": None,
+                           "dataplane_token": dataplane_token},
                         control_url=admin_url, worker=name,
                         shadow_log_dir=cfg.state_dir / "shadow" / name,
                         shared_memory_dir=shared_memory_dir, ready_file=run_dir / f"{name}.ready")
@@ -122,16 +123,22 @@ def worker_config(cfg: ServiceConfig, name: str, admin_url: str, token: str, run
 def supervise(cfg: ServiceConfig) -> int:
     """Run the control plane and ``cfg.router_workers`` router workers as supervised
     sibling processes (control_plane.runtime.supervisor) until Ctrl-C."""
-    from control_plane.admin.access import TOKEN_FILE_NAME, ensure_token_file
-    from control_plane.domain.settings import secret_env, to_argv
+    from control_plane.admin.access import (
+        DATAPLANE_TOKEN_FILE_NAME,
+        TOKEN_FILE_NAME,
+        ensure_token_file,
+    )
+    from control_plane.domain.settings import ADMIN_TOKEN, secret_env, secret_env_names, to_argv
     from control_plane.runtime.config import SECRETS, config_to_json
     from control_plane.runtime.supervisor import Child, Supervisor, python_module
+    from control_plane.state.secret_files import ensure_private_dir, ensure_secret_file
     from control_plane.triton.process import free_port
 
     cfg.state_dir = cfg.state_dir.resolve()
     for attr in ("repository", "cold_dir"):
         if getattr(cfg, attr) is not None:
             setattr(cfg, attr, getattr(cfg, attr).resolve())
+    ensure_private_dir(cfg.state_dir)  # its secrets, the state database, clients' regions
     run_dir = cfg.state_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     # Fixed before any child starts: a restarted control plane binds the same admin port,
@@ -146,6 +153,9 @@ def supervise(cfg: ServiceConfig) -> int:
             setattr(cfg, attr, free_port(_connect_host(cfg.router_host), avoid=taken))
         taken.add(getattr(cfg, attr))
     token = ensure_token_file(cfg.state_dir / TOKEN_FILE_NAME, cfg.admin_token or None)
+    # Router workers parse untrusted input: they get a token that opens /v1/dataplane/* only.
+    dataplane_token = ensure_secret_file(cfg.state_dir / DATAPLANE_TOKEN_FILE_NAME,
+                                         cfg.dataplane_token or None, what="data-plane token")
     config_file = run_dir / "control-plane.json"
     config_file.write_text(config_to_json(cfg))
     admin_url = f"http://{_connect_host(cfg.admin_host)}:{cfg.admin_port}"
@@ -160,11 +170,15 @@ def supervise(cfg: ServiceConfig) -> int:
         "control_plane.runtime.service", "--config", str(config_file)),
         dict(os.environ, **secret_env(cfg, sorted(SECRETS - {"admin_token"}))))
     workers = []
+    # Nothing of the control plane's secrets reaches a worker through this environment.
+    worker_env = {k: v for k, v in os.environ.items()
+                  if k not in {*ADMIN_TOKEN.env_names, *secret_env_names(ServiceConfig)}
+                  and not k.startswith(("MMS_S3_", "AWS_"))}
     for i in range(cfg.router_workers):
-        worker = worker_config(cfg, f"w{i}", admin_url, token, run_dir, shared_memory_dir)
+        worker = worker_config(cfg, f"w{i}", admin_url, dataplane_token, run_dir, shared_memory_dir)
         workers.append(Child(
             "router-worker", worker.worker, python_module("router.serving.worker", *to_argv(worker)),
-            dict(os.environ, **secret_env(worker), PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)),
+            dict(worker_env, **secret_env(worker), PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)),
             ready_file=worker.ready_file))
     line = (f"ready: router gRPC {cfg.router_host}:{cfg.router_grpc_port}, HTTP {cfg.router_host}:"
             f"{cfg.router_http_port} ({cfg.router_workers} worker{'s' if cfg.router_workers > 1 else ''}); "

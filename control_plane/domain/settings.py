@@ -246,6 +246,11 @@ def env_values(cls: type, environ: Mapping[str, str] | None = None,
     return out
 
 
+def secret_env_names(cls: type) -> set[str]:
+    """Every environment name (old aliases too) of ``cls``'s secret settings."""
+    return {n for d in declared(cls) if d.setting.secret for n in d.setting.env_names}
+
+
 def secret_env(obj: object, names: Sequence[str] | None = None) -> dict[str, str]:
     """The secret settings of ``obj`` that have a value, as the environment of a child
     process (their MMS_ names, which win over any old name the child inherits)."""
@@ -341,8 +346,13 @@ def file_path(text: str) -> Path:
 ADMIN_TOKEN = Setting(
     None, "Bearer token of the admin API (prefer the environment: argv is visible to other "
     "users). mmctl up / control-plane: the token the admin API requires; default: reuse or "
-    "generate <state-dir>/admin.token (mode 0600), where mmctl finds it. mmctl and router "
-    "workers send it; it wins over their --token-file.",
+    "generate <state-dir>/admin.token (mode 0600), where mmctl finds it. mmctl sends it; it "
+    "wins over its --token-file.",
     env="MMS_ADMIN_TOKEN", aliases=("MMCTL_TOKEN",), secret=True)  # mmctl up: --admin-token
+DATAPLANE_TOKEN = Setting(
+    None, "Token of the data-plane endpoints (/v1/dataplane/*), the only ones it opens: router "
+    "workers send it instead of the admin token. mmctl up / control-plane: default: reuse or "
+    "generate <state-dir>/dataplane.token (mode 0600). Environment only.",
+    env="MMS_DATAPLANE_TOKEN", secret=True)
 MIN_TOKEN_CHARS = 16  # an admin token given by hand (a generated one has 43)
 LOG_LEVEL = Setting("INFO", "DEBUG, INFO, WARNING or ERROR.", flag="--log-level")

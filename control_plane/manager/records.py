@@ -147,6 +147,10 @@ class TritonServer:
     next_restart_at: float = 0.0  # monotonic; restarts of a crashing Triton back off
     down_since: float | None = None  # monotonic; when it stopped answering
     lost: bool = False  # down past ManagerConfig.server_lost_after_s: its models were re-placed
+    # Whether Triton's model control needs the restricted-API key: "restricted", "open"
+    # (anyone who reaches its ports can load code: an attached Triton started without
+    # the key) or "unknown" (not checked, or it did not answer).
+    model_control: str = "unknown"
 
     @property
     def name(self) -> str:
@@ -162,6 +166,7 @@ class TritonServer:
             "up": self.up,
             "lost": self.lost,
             "managed": self.process is not None,
+            "model_control": self.model_control,
             "memory_budget_bytes": self.spec.memory_budget_bytes,
             "max_loaded": self.spec.max_loaded,
             "used_bytes": self.planner.used_bytes,

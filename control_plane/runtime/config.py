@@ -19,6 +19,7 @@ from pathlib import Path
 from control_plane.domain.errors import InvalidInput
 from control_plane.domain.settings import (
     ADMIN_TOKEN,
+    DATAPLANE_TOKEN,
     FLAG,
     LOG_LEVEL,
     MIN_TOKEN_CHARS,
@@ -102,6 +103,7 @@ class ServiceConfig:
         8090, "Port of the admin API (0 = any free port; endpoints.json says which).",
         flag="--admin-port", parse=int)
     admin_token: str | None = ADMIN_TOKEN.field(flag="--admin-token")
+    dataplane_token: str | None = DATAPLANE_TOKEN.field()  # environment only: argv is visible
     admin_allowed_hosts: list[str] = setting(  # extra Host names
         (), "Another Host name the admin API answers to besides loopback and --admin-host "
         "(repeatable); any other name is refused (DNS rebinding).",
@@ -223,9 +225,11 @@ class ServiceConfig:
         '{"servers": [{"name", "grpc_url", "http_url", "metrics_url", "node", '
         '"memory_budget"}]}. README: More than one machine.',
         flag="--servers-file", parse=file_path, metavar="FILE")
-    triton_admin_key: str | None = setting(  # Triton's restricted model-repository key
-        None, "Key of Tritons started with --grpc-restricted-protocol=model-repository:"
-        "admin-key=<key>: sent with load and unload (prefer the environment).",
+    triton_admin_key: str | None = setting(  # the key of Triton's restricted APIs
+        None, "Key of the Tritons' restricted APIs (model control, shared memory, trace, "
+        "logging): the Tritons started here take those calls only with it, and the control "
+        "plane sends it to every Triton. Default: reuse or generate <state-dir>/triton.key "
+        "(mode 0600). Prefer the environment.",
         flag="--triton-admin-key", aliases=("MMCTL_TRITON_ADMIN_KEY",), secret=True)
     # A registered Triton that has not answered for this long is lost: its models are
     # placed again elsewhere (pinned ones at once, the others at their next request).

@@ -17,7 +17,12 @@ from pathlib import Path
 
 from aiohttp import web
 
-from control_plane.admin.access import TOKEN_FILE_NAME, access_for, ensure_token_file
+from control_plane.admin.access import (
+    DATAPLANE_TOKEN_FILE_NAME,
+    TOKEN_FILE_NAME,
+    access_for,
+    ensure_token_file,
+)
 from control_plane.admin.api import make_app
 from control_plane.demo import write_demo_repository
 from control_plane.demo.fleet import DEMO_MARKER, DEMO_VERSIONS
@@ -25,11 +30,14 @@ from control_plane.domain.periodic import guarded_step, run_periodically
 from control_plane.manager import ManagerConfig, ModelManager
 from control_plane.runtime.config import ServiceConfig, config_from_json, config_to_json  # noqa: F401  (their import path)
 from control_plane.runtime.supervisor import PROCESSES_FILE
-from control_plane.runtime.tritons import TritonFleet, free_memory_probe
+from control_plane.runtime.tritons import TritonFleet, check_model_control, free_memory_probe
+from control_plane.state.secret_files import ensure_private_dir, ensure_secret_file
 from control_plane.state.store import StateStore
 from control_plane.triton.admin import admin_key_headers
 
 log = logging.getLogger(__name__)
+
+TRITON_KEY_FILE_NAME = "triton.key"  # in the state directory, mode 0600
 
 
 class Service:
@@ -126,7 +134,7 @@ class Service:
         from control_plane.tiers.warm import WarmTier
 
         cfg = self.cfg
-        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(cfg.state_dir)
         self.repository = cfg.repository_dir
         store = StateStore(self.open_state())
         stores = [LocalDirStore((cfg.cold_dir or cfg.state_dir / "cold").resolve())]
@@ -150,10 +158,16 @@ class Service:
         registry.on_stage_change(self.families.refresh)  # a variant registered, or retired
         # Popen runs on the loop thread: PR_SET_PDEATHSIG fires when the *thread* that
         # forked exits, and executor threads can exit while Triton should live on.
+        # Triton's restricted APIs (model control first) take this key, given or kept in the
+        # state directory: Tritons adopted after a restart were started with the same one.
+        triton_key = ensure_secret_file(cfg.state_dir / TRITON_KEY_FILE_NAME,
+                                        cfg.triton_admin_key, what="Triton key")
+        self.tritons.restricted_key = triton_key
         servers = self.tritons.start(self.repository, self.families)
         for server in servers:  # model control: with Triton's key, and only while leading
-            server.admin.headers = admin_key_headers(cfg.triton_admin_key)
+            server.admin.headers = admin_key_headers(triton_key)
             server.admin.guard = self.leadership.check if self.leadership is not None else None
+        await check_model_control(servers)
         stager = self.warm
         devices = self.tritons.devices
         if devices:
@@ -188,13 +202,16 @@ class Service:
         self.admin_url = f"http://{cfg.admin_host}:{cfg.admin_port}"
         token_file = (cfg.state_dir / TOKEN_FILE_NAME).resolve()
         token = ensure_token_file(token_file, cfg.admin_token or None)
+        dataplane_token = ensure_secret_file(cfg.state_dir / DATAPLANE_TOKEN_FILE_NAME,
+                                             cfg.dataplane_token or None, what="data-plane token")
         endpoints = {"admin": self.admin_url, "state_dir": str(cfg.state_dir.resolve()),
                      "repository": str(self.repository), "admin_token_file": str(token_file),
                      "processes_file": str((cfg.state_dir / PROCESSES_FILE).resolve())}
         admin_app = make_app(self.manager, {"endpoints": endpoints,
                                             "locate": self.warm.locator(self.manager),
                                             "resolve_name": self.registry.resolve_name},
-                             access=access_for(cfg.admin_host, token, cfg.admin_allowed_hosts))
+                             access=access_for(cfg.admin_host, token, cfg.admin_allowed_hosts,
+                                               dataplane_token=dataplane_token))
         from control_plane.admin.registry_routes import add_registry_routes
 
         add_registry_routes(admin_app, self.registry, warm=self.warm,

@@ -5,6 +5,7 @@ its servers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -100,6 +101,36 @@ def free_memory_probe(memory=None):
     return free_memory
 
 
+OPEN_MODEL_CONTROL_WARNING = (
+    "%s (%s) takes model control from anyone who reaches its ports: any process or web page "
+    "that can connect to it can load a model, and so run code as its user. Start it with "
+    "--grpc-restricted-protocol=model-repository,shared-memory,trace,logging:admin-key=<key> and "
+    "--http-restricted-api=<the same>, and give the control plane the key with "
+    "MMS_TRITON_ADMIN_KEY (docs/operations.md: Security model)")
+
+
+async def check_model_control(servers: list[TritonServer]) -> None:
+    """Ask each server for its repository index without the key: an answer means its model
+    control is open to anyone (``server.model_control``); an attached server that is open is
+    logged as a warning at start, and ``mmctl fleet`` shows it."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    async def check(server: TritonServer) -> None:
+        async with grpc.aio.insecure_channel(server.spec.grpc_url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            try:
+                await stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(ready=True), timeout=5.0)
+            except grpc.aio.AioRpcError as exc:
+                restricted = "restricted" in (exc.details() or "")
+                server.model_control = "restricted" if restricted else "unknown"
+                return
+        server.model_control = "open"
+        log.warning(OPEN_MODEL_CONTROL_WARNING, server.name, server.spec.grpc_url)
+
+    await asyncio.gather(*(check(s) for s in servers))
+
+
 def _port(base: int, i: int) -> int:
     return 0 if base == 0 else base + 10 * i
 
@@ -120,6 +151,9 @@ class TritonFleet:
         self.labels: dict = {}  # server name -> placement.ServerLabels
         self.repository = Path()  # the warm tier the Tritons serve from
         self.families = None  # families.FamilyCatalog
+        # The key Tritons launched here take model control (and their other restricted APIs)
+        # with; Service sets it (given, or kept in the state directory) before ``start``.
+        self.restricted_key: str | None = None
 
     def start(self, repository: Path, families) -> list[TritonServer]:
         """Discover the devices, launch a Triton per device (or the CPU ones), register the
@@ -183,7 +217,8 @@ class TritonFleet:
                 grpc_port=_port(cfg.triton_grpc_port, i),
                 metrics_port=_port(cfg.triton_metrics_port, i),
                 ready_timeout_s=cfg.triton_ready_timeout_s, env=plan.launch_env(),
-                outlive_parent=self.supervised, reserved_ports=self.reserved_ports))
+                outlive_parent=self.supervised, reserved_ports=self.reserved_ports,
+                restricted_key=self.restricted_key))
             log.info("%s: %s %s (%s), budget %s bytes (%s)", plan.name, plan.device.kind,
                      plan.device.name, plan.device.uuid, plan.budget_bytes, plan.budget_source)
             proc.start()
@@ -213,6 +248,7 @@ class TritonFleet:
                 ready_timeout_s=cfg.triton_ready_timeout_s,
                 outlive_parent=self.supervised,
                 reserved_ports=self.reserved_ports,
+                restricted_key=self.restricted_key,
             ))
             proc.start()
             self.processes.append(proc)

@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -154,7 +155,10 @@ class SqliteDatabase(Database):
         self.url = f"sqlite:///{self.path}"
         if connection is None:
             if str(path) != ":memory:":
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                # Owner-only from its first byte (pins, routes, adapter and registry records);
+                # SQLite gives its -wal and -shm files the mode of the database file.
+                os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
             connection = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False,
                                          timeout=30.0)
             connection.execute("PRAGMA journal_mode=WAL")

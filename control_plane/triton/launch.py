@@ -54,6 +54,30 @@ _SECRET_MARKERS = ("SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "PRIVA
                    "ACCESS_KEY", "AUTH")
 
 
+# Triton's APIs that only the control plane may call, behind a key (Triton's restricted-API
+# options): model control runs the code of any model it is pointed at; shared memory, trace
+# and log settings read or write the server's memory and files.  Inference, metadata, health,
+# model configuration and statistics stay open to the router workers.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "trace", "logging")
+RESTRICTED_KEY_HEADER = "admin-key"  # HTTP header; gRPC metadata triton-grpc-protocol-admin-key
+
+
+def restricted_api_args(key: str | None) -> list[str]:
+    """The flags that put RESTRICTED_APIS behind ``key`` on both of Triton's protocols."""
+    if not key:
+        return []
+    spec = f"{','.join(RESTRICTED_APIS)}:{RESTRICTED_KEY_HEADER}={key}"
+    return [f"--grpc-restricted-protocol={spec}", f"--http-restricted-api={spec}"]
+
+
+def printable_command(cmd: list[str]) -> str:
+    """``cmd`` for a log line, with the restricted-API key replaced by ``***``."""
+    marker = f":{RESTRICTED_KEY_HEADER}="
+    return " ".join(arg.split(marker, 1)[0] + marker + "***" if arg.startswith(
+        ("--grpc-restricted-protocol=", "--http-restricted-api=")) and marker in arg else arg
+        for arg in cmd)
+
+
 def triton_environment(source: Mapping[str, str], extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The allow-listed part of ``source``, the stub environment, then ``extra`` (explicit)."""
     env = {
@@ -165,6 +189,9 @@ class TritonLaunchConfig:
     # Ports other processes of the product bind after this Triton starts (the admin API,
     # the router's public ports): a port picked for this Triton is never one of them.
     reserved_ports: tuple[int, ...] = ()
+    # The key of Triton's restricted APIs (RESTRICTED_APIS); None: they are open to anyone
+    # who reaches its ports (tests that drive a bare Triton; the product always sets one).
+    restricted_key: str | None = field(default=None, repr=False)
 
 
 def triton_args(cfg: TritonLaunchConfig, backend_dir: Path, log_path: Path) -> list[str]:
@@ -186,6 +213,7 @@ def triton_args(cfg: TritonLaunchConfig, backend_dir: Path, log_path: Path) -> l
         f"--log-file={log_path}",
         f"--log-verbose={cfg.log_verbose}",
         "--exit-timeout-secs=10",
+        *restricted_api_args(cfg.restricted_key),
         *cfg.extra_args,
     ]
 

@@ -28,6 +28,7 @@ from control_plane.triton.launch import (
     TritonLaunchConfig,
     build_backend_dir,
     free_port,
+    printable_command,
     pytriton_root,
     stub_environment,
     triton_args,
@@ -113,7 +114,7 @@ class TritonProcess(PreviousLife):
         backend_dir = build_backend_dir(cfg.work_dir / "backends")
         env = triton_environment(os.environ, cfg.env)
         cmd = [str(binary), *triton_args(cfg, backend_dir, self.log_path)]
-        log.info("starting tritonserver: %s", " ".join(cmd))
+        log.info("starting tritonserver: %s", printable_command(cmd))
         with open(cfg.work_dir / f"tritonserver-{cfg.grpc_port}.out", "ab") as stdout:
             self.proc = subprocess.Popen(
                 cmd if cfg.outlive_parent else with_parent_death_signal(cmd),

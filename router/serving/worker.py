@@ -43,11 +43,14 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
 
 
 def read_token(args: WorkerConfig) -> str:
-    token = (args.admin_token or "").strip()
+    """The credential this worker sends to the control plane: the data-plane token, which
+    opens /v1/dataplane/* only (the admin token of an older deployment also works)."""
+    token = (args.dataplane_token or args.admin_token or "").strip()
     if not token and args.token_file is not None:
         token = args.token_file.read_text().strip()
     if not token:
-        raise SystemExit("router worker: no admin token (MMS_ADMIN_TOKEN, MMCTL_TOKEN or --token-file)")
+        raise SystemExit("router worker: no data-plane token (MMS_DATAPLANE_TOKEN, or "
+                         "--token-file naming the control plane's <state-dir>/dataplane.token)")
     return token
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from control_plane.domain.settings import (
     ADMIN_TOKEN,
+    DATAPLANE_TOKEN,
     LOG_LEVEL,
     file_path,
     parse_argv,
@@ -48,10 +49,13 @@ class WorkerConfig:
     load_timeout: float = setting(120.0, "Seconds a request waits for its model to load.",
                                   flag="--load-timeout", parse=float)
     token_file: Path | None = setting(
-        None, "File holding the admin token, read when no MMS_ADMIN_TOKEN (or MMCTL_TOKEN) "
-        "is set.", flag="--token-file", parse=file_path, metavar="PATH",
+        None, "File holding the data-plane token, read when neither MMS_DATAPLANE_TOKEN nor "
+        "MMS_ADMIN_TOKEN (or MMCTL_TOKEN) is set.", flag="--token-file", parse=file_path, metavar="PATH",
         env="MMS_ROUTER_TOKEN_FILE")
-    admin_token: str | None = ADMIN_TOKEN.field()  # environment only: argv is visible
+    # The data-plane token (environment only: argv is visible); a worker configured with the
+    # admin token instead (a deployment from before the data-plane token) still works.
+    dataplane_token: str | None = DATAPLANE_TOKEN.field()
+    admin_token: str | None = ADMIN_TOKEN.field()
     log_level: str = LOG_LEVEL.field()
     # Plumbing from mmctl up's supervisor: files and folders in its run directory.
     shadow_log_dir: Path | None = setting(

@@ -36,8 +36,11 @@ def product_factory(repository, tmp_path):
         p.assert_no_triton_left()
 
 
-def ready_in_triton(grpc_url: str) -> set[str]:
-    index = grpcclient.InferenceServerClient(grpc_url).get_model_repository_index(as_json=True)
+def ready_in_triton(grpc_url: str, product: Product | None = None) -> set[str]:
+    """What Triton has loaded; a product's Triton answers with the product's key only."""
+    headers = product.triton_key_headers() if product is not None else None
+    index = grpcclient.InferenceServerClient(grpc_url).get_model_repository_index(
+        headers=headers, as_json=True)
     return {m["name"] for m in index["models"] if m.get("state") == "READY"}
 
 
@@ -66,12 +69,12 @@ def test_mmctl_walkthrough(product_factory):
     assert p.mmctl("pin", "cust007").returncode == 0
     full = p.mmctl("load", "cust003")
     assert full.returncode == 5 and "cust001" in full.stderr and "cust007" in full.stderr
-    assert ready_in_triton(grpc_url) == {"cust001", "cust007"}
+    assert ready_in_triton(grpc_url, p) == {"cust001", "cust007"}
 
     assert p.mmctl("unload", "cust007").returncode == 2  # pinned
     assert p.mmctl("unpin", "cust007").returncode == 0
     assert p.mmctl("unload", "cust007").returncode == 0
-    assert ready_in_triton(grpc_url) == {"cust001"}
+    assert ready_in_triton(grpc_url, p) == {"cust001"}
     unhealthy = p.mmctl("health", "cust007")
     assert unhealthy.returncode == 8 and "unhealthy" in unhealthy.stdout
 
@@ -129,13 +132,18 @@ def test_sigkill_restart_keeps_pins_and_matches_triton(product_factory, tmp_path
     assert status["cust001"]["pinned"] and status["cust001"]["state"] == "ready"
     assert status["cust002"]["state"] == "warm" and not status["cust002"]["pinned"]
     grpc_url = p2.json("endpoints")["triton"][0]["grpc"]
-    assert ready_in_triton(grpc_url) == {m for m, r in status.items() if r["state"] == "ready"}
+    assert ready_in_triton(grpc_url, p2) == {m for m, r in status.items() if r["state"] == "ready"}
 
 
 def test_sigkill_restart_attached_adopts_what_triton_has_loaded(product_factory, triton, tmp_path):
     state = tmp_path / "state-attached"
     p = product_factory("--attach", triton.grpc_url, "--max-loaded", "3", "--policy", "lru",
                         state_dir=state)
+    # A Triton started without the restricted-API key is named at start and by mmctl fleet.
+    attached = {s["server"]: s for s in p.json("fleet")}["attached0"]
+    assert attached["model_control"] == "open"
+    assert "attached0" in p.mmctl("fleet").stderr and "without a key" in p.mmctl("fleet").stderr
+    assert "takes model control from anyone" in p.log_text()
     assert p.mmctl("pin", "cust001").returncode == 0
     assert p.mmctl("load", "cust002").returncode == 0
     p.proc.send_signal(signal.SIGKILL)

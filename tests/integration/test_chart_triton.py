@@ -48,6 +48,10 @@ def test_the_charts_triton_flags_start_triton_and_lock_model_control(chart_trito
     refused = requests.post(f"http://{chart_triton.http_url}/v2/repository/models/identity/load",
                             timeout=30)
     assert refused.status_code >= 400 and "restricted" in refused.text.lower()
+    with pytest.raises(InferenceServerException, match="restricted"):  # the victim's memory
+        client.register_system_shared_memory("r", "/mms-chart", 64)
+    for path in ("/v2/logging", "/v2/trace/setting", "/v2/systemsharedmemory/status"):
+        assert requests.get(f"http://{chart_triton.http_url}{path}", timeout=10).status_code in (401, 403)
     client.load_model("identity", headers=admin_key_headers(KEY))
     assert client.is_model_ready("identity")  # health and inference are not restricted
     x = grpcclient.InferInput("INPUT0", [1, 4], "FP32")

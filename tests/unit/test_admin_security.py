@@ -201,6 +201,13 @@ def test_compose_exposes_only_the_router():
     command = services["control-plane"]["command"]
     assert command[command.index("--admin-host") + 1] == "127.0.0.1"
     assert "MMS_ADMIN_TOKEN" in services["control-plane"]["environment"]
+    # Triton's model control, shared memory, trace and log settings take the key only.
+    (script,) = triton["command"]
+    for flag in ("--grpc-restricted-protocol=$$APIS:admin-key=$$KEY",
+                 "--http-restricted-api=$$APIS:admin-key=$$KEY"):
+        assert flag in script
+    assert "APIS=model-repository,shared-memory,trace,logging;" in script
+    assert "state:/state:ro" in triton["volumes"]
 
 
 # ---------------------------------------------------------------------- wrong-token limit

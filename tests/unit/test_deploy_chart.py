@@ -26,7 +26,7 @@ KUBERNETES_VERSION = "1.30.0"
 NAMESPACE = "serving"
 POSTGRES_PASSWORD = "pw-must-stay-secret"
 POSTGRES_URL = f"postgresql://mms:{POSTGRES_PASSWORD}@db.example:5432/mms"
-CREDENTIAL_ENV = {"MMS_ADMIN_TOKEN", "MMS_STATE_URL", "MMS_TRITON_ADMIN_KEY", "TRITON_ADMIN_KEY",
+CREDENTIAL_ENV = {"MMS_ADMIN_TOKEN", "MMS_DATAPLANE_TOKEN", "MMS_STATE_URL", "MMS_TRITON_ADMIN_KEY", "TRITON_ADMIN_KEY",
                   "MMS_S3_ACCESS_KEY_ID", "MMS_S3_SECRET_ACCESS_KEY"}
 
 
@@ -241,14 +241,16 @@ def test_admin_service_stays_inside_the_cluster_and_reaches_the_leader(rendered)
     pairs = dict(zip(router["args"][1::2], router["args"][2::2]))
     assert router["args"][0] == "router"
     assert pairs["--control-url"] == f"http://{rendered.release}-admin:8090"
-    assert env_of(router)["MMS_URL"]["value"] == pairs["--control-url"]  # mmctl in a router pod
     # The admin API refuses Host names it was not told of (DNS rebinding): the routers' one.
     control = rendered.container("Deployment", f"{rendered.release}-control-plane")["args"]
     allowed = [control[i + 1] for i, a in enumerate(control) if a == "--admin-allowed-host"]
     assert f"{rendered.release}-admin" in allowed
-    # Routers and control plane share the admin token, from one Secret.
-    assert secret_ref(router, "MMS_ADMIN_TOKEN") == secret_ref(
-        rendered.container("Deployment", f"{rendered.release}-control-plane"), "MMS_ADMIN_TOKEN")
+    # Routers hold the data-plane token, from the Secret the control plane reads it from, and
+    # nothing that opens model control: not the admin token, not Triton's key.
+    control_plane = rendered.container("Deployment", f"{rendered.release}-control-plane")
+    assert secret_ref(router, "MMS_DATAPLANE_TOKEN") == secret_ref(control_plane, "MMS_DATAPLANE_TOKEN")
+    assert secret_ref(router, "MMS_DATAPLANE_TOKEN") != secret_ref(control_plane, "MMS_ADMIN_TOKEN")
+    assert not {"MMS_ADMIN_TOKEN", "MMCTL_TOKEN", "MMS_TRITON_ADMIN_KEY"} & set(env_of(router))
 
 
 def test_rendered_commands_are_ones_mmctl_accepts(rendered):
@@ -276,8 +278,8 @@ def test_triton_runs_explicit_model_control_behind_an_admin_key_from_a_secret(re
     for flag in ("--model-repository=/models", "--model-control-mode=explicit",
                  "--disable-auto-complete-config", "--strict-readiness=true",
                  "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002",
-                 "--grpc-restricted-protocol=model-repository:admin-key=$(TRITON_ADMIN_KEY)",
-                 "--http-restricted-api=model-repository:admin-key=$(TRITON_ADMIN_KEY)"):
+                 "--grpc-restricted-protocol=model-repository,shared-memory,trace,logging:admin-key=$(TRITON_ADMIN_KEY)",
+                 "--http-restricted-api=model-repository,shared-memory,trace,logging:admin-key=$(TRITON_ADMIN_KEY)"):
         assert flag in args
     key = secret_ref(triton, "TRITON_ADMIN_KEY")
     control = rendered.container("Deployment", f"{rendered.release}-control-plane")
@@ -431,7 +433,7 @@ def test_credentials_reach_pods_only_through_secrets(rendered):
             assert not any(POSTGRES_PASSWORD in a for a in container.get("args", []))
     if rendered.release != "prod":
         names = {s["metadata"]["name"] for s in rendered.all("Secret")}
-        assert names == {"mm-admin-token", "mm-triton-admin-key", "mm-postgres"}
+        assert names == {"mm-admin-token", "mm-dataplane-token", "mm-triton-admin-key", "mm-postgres"}
         assert POSTGRES_PASSWORD not in rendered.text  # only base64, inside the Secret
 
 

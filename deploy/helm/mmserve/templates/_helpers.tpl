@@ -41,6 +41,9 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- define "mmserve.adminTokenSecret" -}}
 {{- default (printf "%s-admin-token" (include "mmserve.fullname" .)) .Values.adminToken.existingSecret -}}
 {{- end -}}
+{{- define "mmserve.dataplaneTokenSecret" -}}
+{{- default (printf "%s-dataplane-token" (include "mmserve.fullname" .)) .Values.dataplaneToken.existingSecret -}}
+{{- end -}}
 {{- define "mmserve.tritonKeySecret" -}}
 {{- default (printf "%s-triton-admin-key" (include "mmserve.fullname" .)) .Values.triton.adminKey.existingSecret -}}
 {{- end -}}
