@@ -8,8 +8,10 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import re
+import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -136,6 +138,7 @@ class AdminAccess:
     dataplane_token: str | None = field(default=None, repr=False)
     allowed_hosts: frozenset[str] = frozenset()
     wrong_tokens: WrongTokens = field(default_factory=WrongTokens, compare=False)
+    revocations: SessionRevocations | None = field(default=None, compare=False)
 
     def check_token(self, given: str, address: str | None) -> bool:
         """``given`` is the token, counted against ``address`` when it is not (TooManyAttempts
@@ -189,21 +192,74 @@ class AdminAccess:
         return self.token is None or hmac.compare_digest(given.encode(), self.token.encode())
 
     def session_value(self, now: float) -> str:
-        """A session cookie's value: its expiry and a MAC of it keyed by the token."""
-        expires = int(now + SESSION_TTL_S)
-        return f"{expires}.{self._session_mac(expires)}"
+        """A session cookie's value: its expiry, its id and a MAC of both keyed by the token
+        (nothing kept per session; sign-out records the id, see SessionRevocations)."""
+        expires, sid = int(now + SESSION_TTL_S), secrets.token_hex(16)
+        return f"{expires}.{sid}.{self._session_mac(expires, sid)}"
 
     def session_ok(self, value: str | None, now: float) -> bool:
         if self.token is None:
             return True
-        expires, _, mac = (value or "").partition(".")
-        if not expires.isdigit() or int(expires) <= now:
-            return False
-        return hmac.compare_digest(mac.encode(), self._session_mac(int(expires)).encode())
+        session = self._session(value, now)
+        return session is not None and not (self.revocations is not None
+                                            and self.revocations.revoked(session[1]))
 
-    def _session_mac(self, expires: int) -> str:
-        return hmac.new((self.token or "").encode(), f"mms-status-page:{expires}".encode(),
+    def end_session(self, value: str | None, now: float) -> None:
+        """Sign-out: the session ``value`` opens nothing from now on, on every control plane
+        that shares the state store."""
+        session = self._session(value, now)
+        if session is not None and self.revocations is not None:
+            self.revocations.revoke(session[1], session[0])
+
+    def _session(self, value: str | None, now: float) -> tuple[int, str] | None:
+        """(expiry, id) of a well-formed, unexpired session of ours, else None."""
+        found = _SESSION_FORM.fullmatch(value or "")
+        if found is None or int(found[1]) <= now:
+            return None
+        expires, sid = int(found[1]), found[2]
+        if not hmac.compare_digest(found[3].encode(), self._session_mac(expires, sid).encode()):
+            return None
+        return expires, sid
+
+    def _session_mac(self, expires: int, sid: str) -> str:
+        return hmac.new((self.token or "").encode(), f"mms-status-page:{expires}:{sid}".encode(),
                         hashlib.sha256).hexdigest()
+
+
+# expiry (ASCII digits: str.isdigit takes characters int() refuses), id, MAC
+_SESSION_FORM = re.compile(r"([0-9]{1,12})\.([0-9a-f]{32})\.([0-9a-f]{64})", re.ASCII)
+
+
+class SessionRevocations:
+    """Sessions ended by sign-out, kept in the state store so that the leader, its standbys
+    and the next life refuse them alike.  A lookup is remembered for ``cache_s`` (the page
+    polls every 2 s); a revocation made here counts at once."""
+
+    PREFIX = "session-revoked:"
+    MAX_REMEMBERED = 10_000
+
+    def __init__(self, get: Callable[[str], str | None], put: Callable[[str, str], None],
+                 cache_s: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        self._get, self._put, self.cache_s, self.clock = get, put, cache_s, clock
+        self._seen: dict[str, tuple[bool, float]] = {}  # id -> (revoked, until)
+
+    def revoke(self, sid: str, expires: int) -> None:
+        self._put(self.PREFIX + sid, str(expires))
+        self._remember(sid, True, float("inf"))
+
+    def revoked(self, sid: str) -> bool:
+        now = self.clock()
+        known = self._seen.get(sid)
+        if known is not None and known[1] > now:
+            return known[0]
+        revoked = self._get(self.PREFIX + sid) is not None
+        self._remember(sid, revoked, float("inf") if revoked else now + self.cache_s)
+        return revoked
+
+    def _remember(self, sid: str, revoked: bool, until: float) -> None:
+        if len(self._seen) >= self.MAX_REMEMBERED:
+            self._seen.clear()
+        self._seen[sid] = (revoked, until)
 
 
 def _address_or_none(text: str):
@@ -214,7 +270,8 @@ def _address_or_none(text: str):
 
 
 def access_for(bind_host: str, token: str | None, extra_hosts: Iterable[str] = (),
-               dataplane_token: str | None = None) -> AdminAccess:
+               dataplane_token: str | None = None,
+               revocations: SessionRevocations | None = None) -> AdminAccess:
     """The AdminAccess of an API bound to ``bind_host``; a wildcard bind also answers to the
     machine's host names (how other machines on a private network reach it)."""
     names = {h.strip().strip("[]").rstrip(".").lower() for h in extra_hosts if h.strip()}
@@ -223,7 +280,7 @@ def access_for(bind_host: str, token: str | None, extra_hosts: Iterable[str] = (
 
         names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
     return AdminAccess(token=token, bind_host=bind_host, allowed_hosts=frozenset(names),
-                       dataplane_token=dataplane_token)
+                       dataplane_token=dataplane_token, revocations=revocations)
 
 
 def _public(request: web.Request) -> bool:

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import secrets
+import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,9 +55,14 @@ def control_key(repository: Path) -> str:
     control plane share it; clients that only reach Triton's inference port do not."""
     path = repository / CONTROL_KEY_FILE
     try:
-        key = path.read_text().strip()
-        if key:
+        mode = path.lstat().st_mode
+        key = path.read_text().strip() if stat.S_ISREG(mode) else ""
+        if key and not mode & 0o077:
             return key
+        if key:  # family models refuse a key others can read: a new one replaces it
+            log.warning("%s was readable by other users (mode %o); writing a new family "
+                        "control key (families loaded before take it at their next load)",
+                        path, stat.S_IMODE(mode))
     except FileNotFoundError:
         pass
     repository.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from aiohttp import web
 from control_plane.admin.access import (
     DATAPLANE_TOKEN_FILE_NAME,
     TOKEN_FILE_NAME,
+    SessionRevocations,
     access_for,
     ensure_token_file,
 )
@@ -211,7 +212,8 @@ class Service:
                                             "locate": self.warm.locator(self.manager),
                                             "resolve_name": self.registry.resolve_name},
                              access=access_for(cfg.admin_host, token, cfg.admin_allowed_hosts,
-                                               dataplane_token=dataplane_token))
+                                               dataplane_token=dataplane_token,
+                                               revocations=SessionRevocations(store.get, store.put)))
         from control_plane.admin.registry_routes import add_registry_routes
 
         add_registry_routes(admin_app, self.registry, warm=self.warm,

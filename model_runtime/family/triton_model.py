@@ -71,11 +71,21 @@ def _error(message: str, code: str | None = None):
 
 
 def _read_key(repository: str) -> str | None:
+    """The control key, or None (every control command refused) when the file is missing
+    or other users may read it: a key anyone can read opens the slots to anyone."""
     try:
-        with open(os.path.join(repository, CONTROL_KEY_FILE)) as f:
-            return f.read().strip() or None
+        fd = os.open(os.path.join(repository, CONTROL_KEY_FILE), os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return None
+    with os.fdopen(fd) as f:
+        if os.fstat(fd).st_mode & 0o077:
+            return None
+        return f.read().strip() or None
+
+
+def _describe(command: dict) -> str:
+    """A control command for an error message: its operation and variant, never its key."""
+    return f"{command.get('op')!r} of {command.get('variant')!r}" if isinstance(command, dict) else "?"
 
 
 def _parameter(config: dict, key: str, default: str | None = None) -> str | None:
@@ -201,6 +211,7 @@ class FamilyModel:
                 "usage": {v: u for v, u in self.usage.items() if v in self.bank.slot_of}}
 
     def _control(self, raw: str):
+        command: dict = {}
         try:
             command = json.loads(raw)
             if not isinstance(command, dict):
@@ -223,7 +234,7 @@ class FamilyModel:
         except SlotError as exc:
             return _error(str(exc), "UNAVAILABLE" if "slots hold" in str(exc) else "INVALID_ARG")
         except (OSError, ValueError, RuntimeError) as exc:  # a copy that failed: the slot is free
-            return _error(f"family control {raw[:200]!r} failed: {exc}", "INTERNAL")
+            return _error(f"family control {_describe(command)} failed: {exc}", "INTERNAL")
         body = json.dumps({**self.status(), **answer, "at": time.time()})
         pb_utils = _pb()
         return pb_utils.InferenceResponse(output_tensors=[

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import stat
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,5 +118,50 @@ def test_the_router_workers_credential_opens_the_data_plane_only(product):
     workers = [p for p in product.processes()["processes"] if p["role"] == "router-worker"]
     assert workers
     for worker in workers:
-        environ = open(f"/proc/{worker['pid']}/environ", "rb").read()
+        environ = Path(f"/proc/{worker['pid']}/environ").read_bytes()
         assert dataplane.encode() in environ and admin.encode() not in environ
+
+
+def test_a_failed_fill_shows_no_secret_anywhere(product):
+    """A variant whose fill fails: its failure text reaches the client, the health answers,
+    `mmctl status --json`, the logs and the metrics, and none of them holds a secret."""
+    endpoints = product.json("endpoints")
+    repository = Path(endpoints["repository"])
+    weights = repository / "cust003" / "weights.safetensors"
+    weights.unlink()
+    weights.mkdir()  # the fill cannot read it
+    x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
+    x.set_data_from_numpy(FEATURES[:1])
+    with pytest.raises(InferenceServerException) as failed:
+        grpcclient.InferenceServerClient(endpoints["router_grpc"]).infer("cust003", [x])
+    outputs = [str(failed.value),
+               requests.get(f"http://{endpoints['router_http']}/health/cust003", timeout=30).text,
+               requests.get(product.url + "/health/cust003", timeout=30).text,
+               product.mmctl("health", "cust003").stdout, product.mmctl("status", "--json").stdout,
+               requests.get(f"http://{endpoints['router_http']}/metrics", timeout=30).text,
+               requests.get(product.url + "/metrics", timeout=30).text, product.log_text()]
+    assert "cust003" in outputs[1] and "cannot" in outputs[1]  # the failure is told
+    secrets = [(repository / ".mms-family-key").read_text().strip(),
+               (product.state_dir / "triton.key").read_text().strip(),
+               (product.state_dir / "dataplane.token").read_text().strip(),
+               product.token_file.read_text().strip()]
+    for text in outputs:
+        for secret in secrets:
+            assert secret not in text
+
+
+def test_sign_out_ends_the_session_for_good(product):
+    """A copied cookie opens nothing once its browser signed out (it lived 12 h before)."""
+    json_type = {"Content-Type": "application/json"}
+    signed_in = requests.post(product.url + "/v1/session", headers=json_type, timeout=30,
+                              json={"token": product.token_file.read_text().strip()})
+    assert signed_in.status_code == 200
+    cookie = {"mms_session": signed_in.cookies["mms_session"]}
+    assert requests.get(product.url + "/v1/overview", cookies=cookie, timeout=30).status_code == 200
+    out = requests.delete(product.url + "/v1/session", cookies=cookie, headers=json_type, timeout=30)
+    assert out.status_code == 200
+    assert requests.get(product.url + "/v1/overview", cookies=cookie, timeout=30).status_code == 401
+    behind_tls = requests.post(product.url + "/v1/session", timeout=30,
+                               headers={**json_type, "X-Forwarded-Proto": "https"},
+                               json={"token": product.token_file.read_text().strip()})
+    assert "secure" in behind_tls.headers["Set-Cookie"].lower()

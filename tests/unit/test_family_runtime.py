@@ -120,3 +120,36 @@ def test_a_failing_forward_fails_its_own_requests_only(family):
     assert out[0].error.code == "INTERNAL" and "kernel fault" in out[0].error.message
     assert json.loads(out[1].outputs["MMS_FAMILY_STATUS"][0][0])["resident"] == {"acme": 0}
     assert out[2].error.code == "NOT_FOUND"
+
+
+def test_a_failed_fill_names_the_command_but_never_its_key(family):
+    """An I/O error in the middle of a fill answers with the operation and the variant: the
+    error becomes the model's failure text, which clients and health checks see."""
+    model, repo, key = family
+
+    def failing_read(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    model.bank._read_into = failing_read
+    out = model.execute([control(key, "load", variant="acme",
+                                 path=str(repo / "acme" / "weights.safetensors"))])
+    assert out[0].error is not None and out[0].error.code == "INTERNAL"
+    assert "'load' of 'acme'" in out[0].error.message and "Input/output error" in out[0].error.message
+    assert key not in out[0].error.message
+    assert model.bank.slot_of == {}
+
+
+def test_a_key_file_other_users_can_read_opens_no_slot(family):
+    model, repo, key = family
+    (repo / ".mms-family-key").chmod(0o644)
+    model.initialize({"model_config": json.dumps({"name": "scaler", "instance_group": [{"count": 1}],
+                                                  "parameters": {"forward_delay_s": {"string_value": "0"},
+                                                                 "mms_family_slots": {"string_value": "1"}}}),
+                      "model_repository": str(repo / "scaler"), "model_version": "1",
+                      "model_instance_kind": "CPU"})
+    out = model.execute([control(key, "load", variant="acme", path=str(repo / "acme" / "weights.safetensors"))])
+    assert out[0].error.code == "INVALID_ARG" and "key" in out[0].error.message
+    assert model.bank.slot_of == {}
+    # The control plane does not trust it either: it writes a new, owner-only key.
+    fresh = FamilyCatalog(repo).control_key
+    assert fresh != key and (repo / ".mms-family-key").stat().st_mode & 0o077 == 0

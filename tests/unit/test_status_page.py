@@ -373,3 +373,66 @@ def test_the_router_is_read_in_the_background_paced_by_what_a_read_costs():
     docs = asyncio.run(polls())
     assert len(reads) == 1
     assert not docs[0]["traffic"]["available"] and docs[-1]["traffic"]["available"]
+
+
+# ---------------------------------------------------------------------- sign-out
+def revocable_access(kv: dict, clock=time.monotonic) -> AdminAccess:
+    """An AdminAccess whose sign-outs go to ``kv`` (the state store both control planes read)."""
+    from control_plane.admin.access import SessionRevocations
+
+    return AdminAccess(token=TOKEN, revocations=SessionRevocations(kv.get, kv.__setitem__, clock=clock))
+
+
+def test_sign_out_ends_the_session_on_the_leader_and_on_every_other_control_plane():
+    kv: dict = {}
+    leader, standby = revocable_access(kv), revocable_access(kv)
+    session = leader.session_value(time.time())
+    other = leader.session_value(time.time())
+    assert standby.session_ok(session, time.time())  # seen, and remembered for a moment
+    leader.end_session(session, time.time())
+    assert not leader.session_ok(session, time.time())
+    assert leader.session_ok(other, time.time())  # another browser stays signed in
+    later = revocable_access(kv)  # a standby that takes over, or the next life
+    assert not later.session_ok(session, time.time())
+    assert TOKEN not in json.dumps(kv) and session not in json.dumps(kv)
+
+
+def test_a_standby_sees_a_sign_out_within_its_cache_time():
+    kv: dict = {}
+    now = [100.0]
+    leader, standby = revocable_access(kv), revocable_access(kv, clock=lambda: now[0])
+    session = leader.session_value(time.time())
+    assert standby.session_ok(session, time.time())
+    leader.end_session(session, time.time())
+    now[0] += 2.5
+    assert not standby.session_ok(session, time.time())
+
+
+def test_sign_out_through_the_api_revokes_the_cookie():
+    from control_plane.admin.access import SESSION_ENDPOINT
+    from control_plane.admin.status_page import sign_out
+
+    kv: dict = {}
+    access = revocable_access(kv)
+    session = access.session_value(time.time())
+    app = web.Application()
+    from control_plane.admin.api import ACCESS_KEY
+
+    app[ACCESS_KEY] = access
+    request = make_mocked_request("DELETE", SESSION_ENDPOINT, app=app,
+                                  headers={"Cookie": f"{SESSION_COOKIE}={session}"})
+    resp = asyncio.run(sign_out(request))
+    assert resp.status == 200 and not access.session_ok(session, time.time())
+
+
+@pytest.mark.parametrize("cookie", ["²²²²²²²²²²", "1" * 40, "٣٣٣." + "a" * 32 + "." + "0" * 64, "..", "\x00"])
+def test_a_malformed_cookie_is_a_401_not_a_500(cookie):
+    assert call("GET", "/v1/overview", cookie=cookie).status == 401
+
+
+def test_the_cookie_is_secure_behind_a_proxy_that_terminated_tls():
+    from control_plane.admin.status_page import served_over_tls
+
+    assert served_over_tls(make_mocked_request("POST", "/v1/session", headers={"X-Forwarded-Proto": "https"}))
+    assert served_over_tls(make_mocked_request("POST", "/v1/session", headers={"Forwarded": "for=1.2.3.4; proto=https"}))
+    assert not served_over_tls(make_mocked_request("POST", "/v1/session", headers={}))

@@ -86,11 +86,23 @@ async def sign_in(request: web.Request) -> web.Response:
     resp = web.json_response({"signed_in": True, "expires_in_s": SESSION_TTL_S},
                              headers={"Cache-Control": "no-store"})
     resp.set_cookie(SESSION_COOKIE, access.session_value(time.time()), max_age=SESSION_TTL_S,
-                    path="/", httponly=True, samesite="Strict", secure=request.secure)
+                    path="/", httponly=True, samesite="Strict", secure=served_over_tls(request))
     return resp
 
 
+def served_over_tls(request: web.Request) -> bool:
+    """The browser reached us over HTTPS: directly, or through a proxy that terminated TLS
+    and says so (X-Forwarded-Proto / Forwarded).  Believing a forged header only makes the
+    cookie stricter, never weaker."""
+    if request.secure or request.headers.get("X-Forwarded-Proto", "").lower() == "https":
+        return True
+    return "proto=https" in request.headers.get("Forwarded", "").lower().replace(" ", "")
+
+
 async def sign_out(request: web.Request) -> web.Response:
+    """Ends the session for good (the cookie opens nothing any more, on any control plane
+    sharing the state store), then clears it in the browser."""
+    request.app[ACCESS_KEY].end_session(request.cookies.get(SESSION_COOKIE), time.time())
     resp = web.json_response({"signed_in": False})
     resp.del_cookie(SESSION_COOKIE, path="/")
     return resp
