@@ -128,10 +128,17 @@ def supervise(cfg: ServiceConfig) -> int:
         TOKEN_FILE_NAME,
         ensure_token_file,
     )
-    from control_plane.domain.settings import ADMIN_TOKEN, secret_env, secret_env_names, to_argv
+    from control_plane.domain.settings import (
+        ADMIN_TOKEN,
+        env_names,
+        secret_env,
+        secret_env_names,
+        to_argv,
+    )
     from control_plane.runtime.config import SECRETS, config_to_json
     from control_plane.runtime.supervisor import Child, Supervisor, python_module
     from control_plane.state.secret_files import ensure_private_dir, ensure_secret_file
+    from control_plane.tiers.cold import S3Config
     from control_plane.triton.process import free_port
 
     cfg.state_dir = cfg.state_dir.resolve()
@@ -171,9 +178,9 @@ def supervise(cfg: ServiceConfig) -> int:
         dict(os.environ, **secret_env(cfg, sorted(SECRETS - {"admin_token"}))))
     workers = []
     # Nothing of the control plane's secrets reaches a worker through this environment.
+    kept_back = {*ADMIN_TOKEN.env_names, *secret_env_names(ServiceConfig), *env_names(S3Config)}
     worker_env = {k: v for k, v in os.environ.items()
-                  if k not in {*ADMIN_TOKEN.env_names, *secret_env_names(ServiceConfig)}
-                  and not k.startswith(("MMS_S3_", "AWS_"))}
+                  if k not in kept_back and not k.startswith("AWS_")}
     for i in range(cfg.router_workers):
         worker = worker_config(cfg, f"w{i}", admin_url, dataplane_token, run_dir, shared_memory_dir)
         workers.append(Child(

@@ -246,9 +246,14 @@ def env_values(cls: type, environ: Mapping[str, str] | None = None,
     return out
 
 
+def env_names(cls: type, secret_only: bool = False) -> set[str]:
+    """Every environment name (old aliases too) of ``cls``'s settings (or secret ones)."""
+    return {n for d in declared(cls) if d.setting.secret or not secret_only
+            for n in d.setting.env_names}
+
+
 def secret_env_names(cls: type) -> set[str]:
-    """Every environment name (old aliases too) of ``cls``'s secret settings."""
-    return {n for d in declared(cls) if d.setting.secret for n in d.setting.env_names}
+    return env_names(cls, secret_only=True)
 
 
 def secret_env(obj: object, names: Sequence[str] | None = None) -> dict[str, str]:

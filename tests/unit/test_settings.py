@@ -307,7 +307,7 @@ def everything_changed() -> ServiceConfig:
     return ServiceConfig(state_dir=Path("/srv/state"), router_host="0.0.0.0", router_grpc_port=9001,
                          router_http_port=9000, max_request_bytes=3 << 20,
                          load_wait_timeout_s=7.5, log_level="DEBUG", router_workers=2,
-                         admin_token="tok")
+                         admin_token="tok", dataplane_token="dataplane-tok")
 
 
 def test_the_worker_gets_every_setting_it_shares_with_the_control_plane():
@@ -318,24 +318,29 @@ def test_the_worker_gets_every_setting_it_shares_with_the_control_plane():
     defaults = WorkerConfig()
     for name, value in handed.items():
         assert value != getattr(defaults, name), f"{name}: the test config leaves it at its default"
-    w = serve.worker_config(cfg, "w1", "http://127.0.0.1:8090", "tok", Path("/srv/run"),
-                            Path("/srv/run/shm"))
-    assert {name: getattr(w, name) for name in handed} == handed
+    w = serve.worker_config(cfg, "w1", "http://127.0.0.1:8090", cfg.dataplane_token,
+                            Path("/srv/run"), Path("/srv/run/shm"))
+    # Every shared setting but the admin token: a worker parses untrusted input and holds
+    # the data-plane token only.
+    assert w.admin_token is None
+    assert {name: getattr(w, name) for name in handed if name != "admin_token"} == {
+        name: value for name, value in handed.items() if name != "admin_token"}
 
 
 def test_round_trip_config_to_worker_argv_to_parsed_config():
     cfg = everything_changed()
-    w = serve.worker_config(cfg, "w1", "http://127.0.0.1:8090", "tok", Path("/srv/run"),
-                            Path("/srv/run/shm"))
+    w = serve.worker_config(cfg, "w1", "http://127.0.0.1:8090", cfg.dataplane_token,
+                            Path("/srv/run"), Path("/srv/run/shm"))
     w.token_file = Path("/srv/token")
     argv = to_argv(w)
-    assert "tok" not in argv  # secrets travel in the environment only
+    assert not any("dataplane-tok" in word for word in argv)  # secrets travel in the environment only
     env = secret_env(w)
-    assert env == {"MMS_ADMIN_TOKEN": "tok"}
+    assert env == {"MMS_DATAPLANE_TOKEN": "dataplane-tok"}
     back = parse_argv(WorkerConfig, argv, "worker", "", environ=env)
     assert back == w
     for d in declared(WorkerConfig):  # none was left at its default: nothing can hide
-        assert getattr(w, d.name) != d.setting.default, d.name
+        if d.name != "admin_token":  # never handed to a worker of mmctl up
+            assert getattr(w, d.name) != d.setting.default, d.name
     # The old spelling of the worker's name still parses.
     assert parse_argv(WorkerConfig, ["--control-url", "u", "--worker", "w3"], "w", "",
                       environ={}).worker == "w3"
@@ -353,7 +358,8 @@ def test_round_trip_config_to_the_control_planes_file():
         setattr(back, name, getattr(cfg, name))
     assert back == cfg
     assert secret_env(cfg, sorted(SECRETS - {"admin_token"})) == {
-        "MMS_STATE_URL": "postgresql://u:pw@h/db", "MMS_TRITON_ADMIN_KEY": "key"}
+        "MMS_STATE_URL": "postgresql://u:pw@h/db", "MMS_TRITON_ADMIN_KEY": "key",
+        "MMS_DATAPLANE_TOKEN": "dataplane-tok"}
 
 
 def test_env_value_reads_aliases_in_order():
