@@ -3,7 +3,9 @@
 Each RPC converts and hands off to ``Router``.  Model control, repository, logging and
 trace RPCs are refused with PERMISSION_DENIED: the public port never controls what is
 loaded (that is remote code execution).  System shared memory is served for clients on this
-host (``router.frontends.shared_memory``); CUDA shared memory is refused with what to use instead.
+host only: every call that registers, lists, unregisters or names a region is refused for a
+peer that is not on loopback (``router.frontends.shared_memory``); CUDA shared memory is
+refused with what to use instead.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from router.frontends.shared_memory import CUDA_REFUSAL, loopback_peer
+from router.frontends.shared_memory import CUDA_REFUSAL, refuse_remote
 from router.serving.core import GRPC_MESSAGE_LIMIT_BYTES, Router
 from router.serving.errors import PermissionDenied, RateLimited, RouterError
 
@@ -61,8 +63,19 @@ def _refuse(name: str):
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, router: Router):
+    """``max_request_bytes``: the largest request, its shared-memory tensors included."""
+
+    def __init__(self, router: Router, max_request_bytes: int):
         self.router = router
+        self.max_request_bytes = max_request_bytes
+
+    async def _loopback_only(self, name: str, context) -> None:
+        """Abort a system shared-memory call from a peer not on the router's host."""
+        try:
+            refuse_remote(context.peer())
+        except PermissionDenied as exc:
+            self.router.metrics.refused.labels(name).inc()
+            await _abort(context, exc)
 
     async def ServerLive(self, request, context):
         return service_pb2.ServerLiveResponse(live=True)
@@ -101,6 +114,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         try:
+            self.router.shared_memory.admit(request, context.peer(), self.max_request_bytes)
             return await self.router.forwarder.infer(request, _user_id(request, context),
                                                    context.time_remaining())
         except RouterError as exc:  # Triton's own answers (shape, dtype, ...) included
@@ -109,12 +123,14 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(self, request_iterator, context):
         async for request in request_iterator:
             try:
+                self.router.shared_memory.admit(request, context.peer(), self.max_request_bytes)
                 response = await self.router.forwarder.infer(request, _user_id(request, context))
                 yield service_pb2.ModelStreamInferResponse(infer_response=response)
             except RouterError as exc:
                 yield service_pb2.ModelStreamInferResponse(error_message=exc.message)
 
     async def SystemSharedMemoryStatus(self, request, context):
+        await self._loopback_only("SystemSharedMemoryStatus", context)
         try:
             regions = self.router.shared_memory.status(request.name)
         except RouterError as exc:
@@ -126,11 +142,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return response
 
     async def SystemSharedMemoryRegister(self, request, context):
-        if not loopback_peer(context.peer()):
-            self.router.metrics.refused.labels("SystemSharedMemoryRegister").inc()
-            exc = PermissionDenied("system shared memory is only for clients on the router's host "
-                                   "(loopback); send the tensors in the request instead")
-            await _abort(context, exc)
+        await self._loopback_only("SystemSharedMemoryRegister", context)
         try:
             self.router.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
         except RouterError as exc:
@@ -138,6 +150,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request, context):
+        await self._loopback_only("SystemSharedMemoryUnregister", context)
         self.router.shared_memory.unregister(request.name)
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 
@@ -215,6 +228,20 @@ def _decoding_in_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandle
     return grpc.stream_stream_rpc_method_handler(stream_stream, None, handler.response_serializer)
 
 
+def model_infer_raw(router: Router, max_request_bytes: int):
+    """ModelInfer on bytes (no deserializer): the hot path never re-serializes.  A request
+    that names shared memory is admitted first (``SystemSharedMemory.admit_raw``)."""
+    async def infer(raw: bytes, context):
+        try:
+            router.shared_memory.admit_raw(raw, context.peer(), max_request_bytes)
+            return await router.forwarder.infer_raw(raw, lambda: _metadata_user_id(context),
+                                                    context.time_remaining())
+        except RouterError as exc:  # Triton's own answers (shape, dtype, ...) included
+            await _abort(context, exc)
+
+    return infer
+
+
 async def start_grpc(router: Router, host: str, port: int, max_request_bytes: int,
                      reuse_port: bool = False) -> tuple[grpc.aio.Server, int]:
     """Serve on host:port (0 = any free port); returns the server and the bound port.
@@ -225,16 +252,9 @@ async def start_grpc(router: Router, host: str, port: int, max_request_bytes: in
     ``grpc.max_receive_message_length`` makes gRPC refuse an oversize message from its
     length prefix, before the body is read into memory (RESOURCE_EXHAUSTED).
     """
-    async def model_infer_raw(raw: bytes, context):
-        # ModelInfer on bytes (no deserializer): the hot path never re-serializes.
-        try:
-            return await router.forwarder.infer_raw(raw, lambda: _metadata_user_id(context),
-                                                    context.time_remaining())
-        except RouterError as exc:  # Triton's own answers (shape, dtype, ...) included
-            await _abort(context, exc)
-
-    handlers = {name: _decoding_in_handler(h) for name, h in _servicer_handlers(InferenceServicer(router)).items()}
-    handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(model_infer_raw)
+    servicer = InferenceServicer(router, max_request_bytes)
+    handlers = {name: _decoding_in_handler(h) for name, h in _servicer_handlers(servicer).items()}
+    handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(model_infer_raw(router, max_request_bytes))
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_request_bytes),
         ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT_BYTES),

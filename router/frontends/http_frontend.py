@@ -240,6 +240,7 @@ async def infer(request: web.Request) -> web.Response:
                                       request.headers.get(HEADER_LENGTH), limit)
     params = parsed.parameters
     refuse_family_control(params)
+    router.shared_memory.admit_json(parsed.doc, len(parsed.body), request.remote, limit)
     user_id = request.headers.get("x-user-id") or params.get("user_id")
     logical = router.decider.public_name(request.match_info["model"], parsed.input_names,
                                          params.get("adapter") or None)

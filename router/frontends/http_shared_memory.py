@@ -1,6 +1,6 @@
 """Triton's shared-memory endpoints of KServe v2 HTTP on the public port: system shared
-memory for clients on the router's host (``router.frontends.shared_memory``), CUDA shared
-memory refused with what to use instead."""
+memory for clients on the router's host, every call from a peer not on loopback refused
+(``router.frontends.shared_memory``), CUDA shared memory refused with what to use instead."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import grpc
 from aiohttp import web
 
 from router.frontends.http_request_checks import json_kind
-from router.frontends.shared_memory import CUDA_REFUSAL, SharedMemoryError, loopback_peer
+from router.frontends.shared_memory import CUDA_REFUSAL, SharedMemoryError, refuse_remote
 from router.frontends.strict_json import loads
 from router.serving.core import Router
 from router.serving.errors import InvalidRequest, PermissionDenied
@@ -39,20 +39,26 @@ def _check_register_body(doc) -> None:
 def shared_memory_routes(router: Router) -> list[web.RouteDef]:
     memory = router.shared_memory
 
+    def loopback_only(request: web.Request) -> None:
+        try:
+            refuse_remote(request.remote)
+        except PermissionDenied:
+            router.metrics.refused.labels("systemsharedmemory").inc()
+            raise
+
     async def status(request: web.Request) -> web.Response:
+        loopback_only(request)
         return _json([r.as_json() for r in memory.status(request.match_info.get("name", ""))])
 
     async def register(request: web.Request) -> web.Response:
-        if not loopback_peer(request.remote):
-            router.metrics.refused.labels("systemsharedmemory").inc()
-            raise PermissionDenied("system shared memory is only for clients on the router's host "
-                                   "(loopback); send the tensors in the request instead")
+        loopback_only(request)
         doc = loads(await request.read() or b"{}")
         _check_register_body(doc)
         memory.register(request.match_info["name"], doc["key"], doc.get("offset", 0), doc["byte_size"])
         return web.Response(status=200)
 
     async def unregister(request: web.Request) -> web.Response:
+        loopback_only(request)
         memory.unregister(request.match_info.get("name", ""))
         return web.Response(status=200)
 

@@ -2,41 +2,50 @@
 
 A client registers a POSIX shared-memory object (``/dev/shm/<key>``) under a region name,
 then names the region in an inference request instead of sending the tensor: inputs are
-read from the region, outputs are written into it.  The router maps the region itself and
-sends the tensors inline to Triton, so Triton (on another host, another GPU or restarted
-since) never needs the client's memory, and a request may move between Tritons.
+read from the region, outputs are written into it.  The router reads and writes the object
+itself and sends the tensors inline to Triton, so Triton (on another host, another GPU or
+restarted since) never needs the client's memory, and a request may move between Tritons.
 
 Registrations are shared by every router worker of one ``mmctl up`` through a directory
 (one small file per region, created with ``link`` so a name is registered once): a client's
 register call and its inference calls may reach different workers over different
-connections.  Each worker maps a region once and checks the registration's file identity
-per request (one ``stat``), so an unregister or a re-register elsewhere is seen at once.
+connections.  Each use opens the object again (``O_NOFOLLOW``), checks its size as it is now
+and reads or writes with ``pread``/``pwrite``: no mapping outlives a request, so an object
+its owner truncated is a client error, never SIGBUS in a worker.
 
-Only a peer on the loopback interface may register: a region is this host's memory, and a
-remote client naming a key would read or overwrite another process's memory.  The texts and
-codes of every error are Triton's (tritonserver 2.51), so a client cannot tell the router
-from Triton.  CUDA shared memory is not served: its handle maps device memory of the GPU
-Triton runs on, which the router does not hold.
+Only a peer on the loopback interface may register, list, unregister or name a region: a
+region is this host's memory, and a remote client naming one would read or overwrite
+another process's memory.  The bytes a request reads from regions count against the
+request limit (``--max-request-bytes``) with its own.  The texts and codes of Triton's
+errors are Triton's (tritonserver 2.51), so a client cannot tell the router from Triton;
+the checks Triton does not make answer 4xx with what to do.  CUDA shared memory is not
+served: its handle maps device memory of the GPU Triton runs on, which the router does not
+hold.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import ipaddress
 import json
-import mmap
+import logging
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import serialize_byte_tensor, triton_to_np_dtype
 
-from router.serving.errors import RouterError
+from router.serving.errors import PayloadTooLarge, PermissionDenied, RouterError
+
+log = logging.getLogger(__name__)
 
 REGION = "shared_memory_region"
 OFFSET = "shared_memory_offset"
@@ -46,6 +55,10 @@ SHM_ROOT = Path("/dev/shm")
 CUDA_REFUSAL = ("CUDA shared memory is not available through the router: its handle maps memory of "
                 "a GPU that Triton, not the router, holds. Use system shared memory (same host) or "
                 "send the tensors in the request")
+REMOTE_REFUSAL = ("system shared memory is only for clients on the router's host (loopback); "
+                  "send the tensors in the request instead")
+# The parameter's name as it appears in a serialized request that names a region.
+REGION_MARK = REGION.encode()
 
 # Triton's HTTP status for each of its error codes (its HTTP front end maps them this way).
 _HTTP_STATUS = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.INTERNAL: 500,
@@ -71,6 +84,17 @@ class Region:
     def as_json(self) -> dict:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
+    @classmethod
+    def from_json(cls, doc) -> Region:
+        """Raises ValueError for anything but the four fields of ``as_json``."""
+        if not isinstance(doc, dict) or set(doc) != {"name", "key", "offset", "byte_size"}:
+            raise ValueError("not a registration")
+        region = cls(**doc)
+        if not (isinstance(region.name, str) and isinstance(region.key, str)
+                and all(type(v) is int and v >= 0 for v in (region.offset, region.byte_size))):
+            raise ValueError("not a registration")
+        return region
+
 
 @dataclass(frozen=True)
 class OutputPlace:
@@ -78,6 +102,12 @@ class OutputPlace:
     region: str
     offset: int
     byte_size: int
+
+
+def refuse_remote(peer: str | None) -> None:
+    """PermissionDenied unless ``peer`` (``loopback_peer``) is on the router's host."""
+    if not loopback_peer(peer):
+        raise PermissionDenied(REMOTE_REFUSAL)
 
 
 def loopback_peer(address: str | None) -> bool:
@@ -110,21 +140,27 @@ def _object_path(key: str) -> Path | None:
     return SHM_ROOT / name
 
 
-class _Mapping:
-    def __init__(self, region: Region, identity: tuple[int, int]):
-        self.region = region
-        self.identity = identity
-        path = _object_path(region.key)
-        if path is None:
-            raise OSError(f"not a shared-memory key: {region.key!r}")
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self.map = mmap.mmap(fd, 0)
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        self.map.close()
+def _open_object(key: str, flags: int) -> tuple[int, int]:
+    """A descriptor of shared-memory object ``key`` and its size now.  A symbolic link is
+    refused (it could point at any file the router may open), and so is anything but a
+    regular file (a FIFO would block the worker)."""
+    path = _object_path(key)
+    if path is None:
+        raise SharedMemoryError(grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'")
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"Unable to open shared memory region: '{key}' is a symbolic link; "
+                                    "register the shared-memory object itself") from None
+        raise SharedMemoryError(grpc.StatusCode.INTERNAL,
+                                f"Unable to open shared memory region: '{key}'") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise SharedMemoryError(grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'")
+    return fd, st.st_size
 
 
 class SystemSharedMemory:
@@ -137,12 +173,11 @@ class SystemSharedMemory:
         # never see one.
         self._directory = directory
         self._made = False
-        self._maps: dict[str, _Mapping] = {}
+        # name -> (identity of its registration file, the registration read from it)
+        self._regions: dict[str, tuple[tuple[int, int], Region]] = {}
 
     def close(self) -> None:
-        for mapping in self._maps.values():
-            mapping.close()
-        self._maps.clear()
+        self._regions.clear()
         if self._own and self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
             self._directory, self._made = None, False
@@ -161,10 +196,13 @@ class SystemSharedMemory:
         return self.directory / (hashlib.sha256(name.encode()).hexdigest()[:40] + ".json")
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        path = _object_path(key)
-        if path is None or not path.is_file():
-            raise SharedMemoryError(grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'")
-        if offset < 0 or byte_size < 0 or offset + byte_size > path.stat().st_size:
+        fd, size = _open_object(key, os.O_RDWR)  # outputs are written: read-write, as Triton opens it
+        os.close(fd)
+        if size == 0:
+            raise SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"shared memory object '{key}' is empty (0 bytes): size it "
+                                    "(ftruncate) to hold the tensors, then register it")
+        if offset < 0 or byte_size < 0 or offset + byte_size > size:
             raise SharedMemoryError(grpc.StatusCode.INTERNAL, f"Invalid shared memory region: '{key}'")
         target = self._file(name)
         if target.exists():
@@ -192,62 +230,96 @@ class SystemSharedMemory:
 
     def status(self, name: str = "") -> list[Region]:
         if name:
-            region = self._read(self._file(name))
+            region = self._read(self._file(name), name)
             if region is None:
                 raise SharedMemoryError(grpc.StatusCode.NOT_FOUND,
                                         f"Unable to find system shared memory region: '{name}'")
             return [region]
-        regions = (self._read(p) for p in sorted(self.directory.glob("*.json")))
-        return sorted((r for r in regions if r is not None), key=lambda r: r.name)
+        regions = []
+        for path in sorted(self.directory.glob("*.json")):
+            try:
+                region = self._read(path)
+            except SharedMemoryError:  # said when the region is named; the others are listed
+                continue
+            if region is not None:
+                regions.append(region)
+        return sorted(regions, key=lambda r: r.name)
 
     @staticmethod
-    def _read(path: Path) -> Region | None:
+    def _read(path: Path, name: str | None = None) -> Region | None:
+        """The registration in ``path``, None when there is none.  One that is not a
+        registration (cut short, written by hand) is a client error naming what to do."""
         try:
-            return Region(**json.loads(path.read_text()))
+            text = path.read_bytes()
         except FileNotFoundError:
             return None
+        try:
+            return Region.from_json(json.loads(text))
+        except (ValueError, TypeError):
+            log.warning("shared-memory registration %s is unreadable", path)
+            raise SharedMemoryError(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"the registration of shared memory region '{name or path.stem}' is "
+                                    "unreadable: unregister it and register it again") from None
 
-    def _mapping(self, name: str) -> _Mapping:
-        """The mapped region ``name``, mapped again when its registration changed."""
+    def _region(self, name: str) -> Region:
+        """The registration of ``name`` as it is now: one ``stat`` of its file, read again
+        when it changed (an unregister or a re-register by any worker)."""
         path = self._file(name)
-        mapping = self._maps.get(name)
         try:
             st = path.stat()
         except FileNotFoundError:
-            if mapping is not None:
-                self._maps.pop(name).close()
+            self._regions.pop(name, None)
             raise SharedMemoryError(grpc.StatusCode.NOT_FOUND,
                                     f"Unable to find shared memory region: '{name}'") from None
         identity = (st.st_ino, st.st_mtime_ns)
-        if mapping is not None and mapping.identity == identity:
-            return mapping
-        if mapping is not None:
-            self._maps.pop(name).close()
-        region = self._read(path)
-        try:
-            if region is None:
-                raise FileNotFoundError(path)
-            mapping = self._maps[name] = _Mapping(region, identity)
-        except OSError:
-            raise SharedMemoryError(grpc.StatusCode.NOT_FOUND,
-                                    f"Unable to find shared memory region: '{name}'") from None
-        return mapping
+        cached = self._regions.get(name)
+        if cached is not None and cached[0] == identity:
+            return cached[1]
+        region = self._read(path, name)
+        if region is None:
+            raise SharedMemoryError(grpc.StatusCode.NOT_FOUND, f"Unable to find shared memory region: '{name}'")
+        self._regions[name] = (identity, region)
+        return region
 
-    def _span(self, name: str, offset: int, byte_size: int) -> tuple[mmap.mmap, int]:
-        mapping = self._mapping(name)
-        region = mapping.region
+    def _open_span(self, name: str, offset: int, byte_size: int, flags: int) -> tuple[int, int]:
+        """A descriptor of region ``name``'s object and where ``byte_size`` bytes at
+        ``offset`` in the region start in it, checked against the registration and against
+        the object's size now.  The caller closes the descriptor."""
+        region = self._region(name)
         if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
             raise SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"Invalid offset + byte size for shared memory region: '{name}'")
+        try:
+            fd, size = _open_object(region.key, flags)
+        except SharedMemoryError as exc:
+            if exc.grpc_code != grpc.StatusCode.INTERNAL:
+                raise
+            # The object is gone since its registration (Triton's words for a region it lost).
+            raise SharedMemoryError(grpc.StatusCode.NOT_FOUND,
+                                    f"Unable to find shared memory region: '{name}'") from None
         start = region.offset + offset
-        if start + byte_size > len(mapping.map):  # the object shrank after it was registered
-            raise SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"Invalid offset + byte size for shared memory region: '{name}'")
-        return mapping.map, start
+        if start + byte_size > size:
+            os.close(fd)
+            raise _shrunk(name, region, size, start + byte_size)
+        return fd, start
 
     def read(self, name: str, offset: int, byte_size: int) -> bytes:
-        memory, start = self._span(name, offset, byte_size)
-        return memory[start:start + byte_size]  # a copy: no view outlives an unregister
+        fd, start = self._open_span(name, offset, byte_size, os.O_RDONLY)
+        try:
+            data = os.pread(fd, byte_size, start)
+            if len(data) < byte_size:  # cut between the size check and the read
+                parts = [data]
+                got = len(data)
+                while got < byte_size:
+                    more = os.pread(fd, byte_size - got, start + got)
+                    if not more:
+                        raise _shrunk(name, self._region(name), os.fstat(fd).st_size, start + byte_size)
+                    parts.append(more)
+                    got += len(more)
+                data = b"".join(parts)
+            return data
+        finally:
+            os.close(fd)
 
     def write(self, output: str, place: OutputPlace, data: bytes) -> None:
         if len(data) > place.byte_size:
@@ -255,8 +327,48 @@ class SystemSharedMemory:
                 grpc.StatusCode.INTERNAL,
                 f"shared memory size specified with the request for output '{output}' "
                 f"({place.byte_size} bytes) should be at least {len(data)} bytes to hold the results")
-        memory, start = self._span(place.region, place.offset, place.byte_size)
-        memory[start:start + len(data)] = data
+        fd, start = self._open_span(place.region, place.offset, place.byte_size, os.O_RDWR)
+        try:
+            view = memoryview(data)
+            written = 0
+            while written < len(view):
+                written += os.pwrite(fd, view[written:], start + written)
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, request: service_pb2.ModelInferRequest, peer: str | None, limit_bytes: int,
+              request_bytes: int | None = None) -> None:
+        """Refuse a request that names shared memory from a peer not on loopback, or whose
+        region bytes with its own (``request_bytes``, its serialized size when None) pass
+        ``limit_bytes``; nothing is read."""
+        if not uses_shared_memory(request):
+            return
+        refuse_remote(peer)
+        region_bytes = sum(max(_grpc_place(t.parameters)[2], 0) for t in request.inputs
+                           if REGION in t.parameters)
+        _within_limit(region_bytes, request.ByteSize() if request_bytes is None else request_bytes,
+                      limit_bytes)
+
+    def admit_raw(self, raw: bytes, peer: str | None, limit_bytes: int) -> None:
+        """``admit`` for a serialized ModelInferRequest; one that does not parse is left to
+        the caller's own parse to refuse."""
+        if not _names_region(raw):
+            return
+        try:
+            request = service_pb2.ModelInferRequest.FromString(raw)
+        except DecodeError:
+            return
+        self.admit(request, peer, limit_bytes, len(raw))
+
+    def admit_json(self, doc: dict, body_bytes: int, peer: str | None, limit_bytes: int) -> None:
+        """``admit`` for an HTTP request's JSON header ``doc`` (its body ``body_bytes`` long)."""
+        if not json_uses_shared_memory(doc):
+            return
+        refuse_remote(peer)
+        sizes = ((t.get("parameters") or {}).get(BYTE_SIZE, 0) for t in doc.get("inputs", ())
+                 if isinstance(t, dict) and REGION in (t.get("parameters") or {}))
+        _within_limit(sum(s for s in sizes if type(s) is int and s > 0), body_bytes, limit_bytes)
 
     # ------------------------------------------------------------------ gRPC requests
     def inline(self, request: service_pb2.ModelInferRequest) -> dict[str, OutputPlace]:
@@ -362,6 +474,68 @@ def uses_shared_memory(request: service_pb2.ModelInferRequest) -> bool:
 def json_uses_shared_memory(doc: dict) -> bool:
     return any(REGION in (t.get("parameters") or {})
                for t in (*doc.get("inputs", ()), *doc.get("outputs", ())) if isinstance(t, dict))
+
+
+def _shrunk(name: str, region: Region, size: int, end: int) -> SharedMemoryError:
+    return SharedMemoryError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"shared memory region '{name}' reaches byte {end} of object '{region.key}', which has "
+        f"{size} bytes now (truncated since it was registered): size the object again, or "
+        "unregister the region and register it again")
+
+
+def _within_limit(region_bytes: int, request_bytes: int, limit_bytes: int) -> None:
+    if region_bytes + request_bytes > limit_bytes:
+        raise PayloadTooLarge(
+            f"request reads {region_bytes} bytes from shared memory, {region_bytes + request_bytes} "
+            f"bytes with its own {request_bytes}, over the router's limit of {limit_bytes} bytes per "
+            "request: send smaller batches, or raise the router's --max-request-bytes")
+
+
+_WHOLE_SEARCH_BYTES = 8192
+
+
+def _names_region(raw: bytes) -> bool:
+    """Whether ``REGION_MARK`` is in the inputs or outputs (fields 5 and 6) of serialized
+    request ``raw``: a walk over its top-level fields that skips the tensor contents
+    (field 7), the bulk of a request.  Small or malformed bytes: a search of them all (in C,
+    faster than the walk below a few kilobytes)."""
+    pos, end = 0, len(raw)
+    if end <= _WHOLE_SEARCH_BYTES:
+        return REGION_MARK in raw
+    try:
+        while pos < end:
+            tag, pos = _varint(raw, pos)
+            wire = tag & 7
+            if wire == 0:
+                _, pos = _varint(raw, pos)
+            elif wire == 1:
+                pos += 8
+            elif wire == 5:
+                pos += 4
+            elif wire == 2:
+                length, pos = _varint(raw, pos)
+                if tag >> 3 in (5, 6) and raw.find(REGION_MARK, pos, pos + length) != -1:
+                    return True
+                pos += length
+            else:
+                return REGION_MARK in raw
+    except IndexError:
+        return REGION_MARK in raw
+    return False
+
+
+def _varint(raw: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = raw[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint too long")
 
 
 def _grpc_place(params) -> tuple[str, int, int]:
