@@ -16,6 +16,16 @@ miss is a Triton load), ``family`` (one model family: a miss is a copy into a we
 or ``both`` (the default), one after the other in the same run, with the family's
 occasional p50 put against the separate models' bare load.
 
+``--variant-mb 850`` gives every customer the seed's weight size (the hidden layers
+widened, as ``mmctl up --model-size-mb`` does).  Those fleets are written cheaply: the
+hidden layers are one random draw that every customer shares, and only the first and the
+last layer (a few MB) differ per customer; a family's variants are copies of the first
+one's file with those bytes rewritten.  Every customer still answers differently, and at
+the end a few customers' answers through the router are checked against their weights
+files (``answers``).  On a GPU the models run as KIND_GPU instances (a family's slots in
+device memory).  ``--work-dir`` puts the generated repository, which is the warm tier
+Triton serves from, in host DRAM (e.g. /dev/shm): 50 x 850 MB is 42.5 GB.
+
     .venv/bin/python -m bench.seed_scenario [--rate 4] [--seconds 60] [--slots 15] [--layout both]
 """
 
@@ -24,26 +34,47 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import shutil
 import sys
 import tempfile
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import requests
+import torch
+import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
+from safetensors.torch import load_file
 from tritonclient.grpc import InferInput
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.family_swap import gpu_used_mib
 from bench.traces import seed_scenario
-from control_plane.demo.fleet import FleetSpec, generate_family_fleet, generate_fleet
+from control_plane.demo.fleet import (
+    DELTA_SCALE,
+    DEMO_FAMILY,
+    FAMILY_TEMPLATE_DIR,
+    WEIGHTS_FILE,
+    FleetSpec,
+    base_weights,
+    demo_spec,
+    generate_family_fleet,
+    generate_fleet,
+    render_family_config,
+    write_model,
+)
+from control_plane.families import write_family, write_variant
+from model_runtime.family.layout import read_layout
 from tests.product import Product
+from tests.reference import mlp_scores
 
 TOP = 12
 
@@ -111,6 +142,79 @@ async def bare_loads(url: str, admin: str, headers: dict, names: list[str],
     return rows
 
 
+def varied_weights(spec: FleetSpec, name: str, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``name``'s own first and last layer (weights and biases): the base's plus a seeded
+    delta.  A few MB however wide the hidden layers are, so a sized fleet costs one random
+    draw of the big layers, not one per customer."""
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    out = {}
+    for i in (0, spec.hidden_layers):
+        bound = DELTA_SCALE / math.sqrt(base[f"layers.{i}.weight"].shape[1])
+        for key in (f"layers.{i}.weight", f"layers.{i}.bias"):
+            delta = (torch.rand(base[key].shape, generator=gen) * 2 - 1) * bound
+            out[key] = (base[key] + delta).contiguous()
+    return out
+
+
+def write_sized_fleet(repository: Path, spec: FleetSpec, layout: str,
+                      threads: int = min(16, os.cpu_count() or 1)) -> None:
+    """Every customer of ``spec`` (hidden layers shared, first and last layer their own),
+    as separate models or as the demo family's variants.  A variant is a copy of the first
+    customer's weights file (the same layout, so the same header) with its own layers'
+    bytes written over, ``threads`` at a time: the copies are the only pass over the big
+    layers."""
+    repository.mkdir(parents=True, exist_ok=True)
+    base = base_weights(spec)
+    names = spec.names()
+    if layout == "models":
+        for name in names:
+            write_model(repository, name, spec, {**base, **varied_weights(spec, name, base)})
+        return
+    template = write_variant(repository, names[0], DEMO_FAMILY,
+                             {**base, **varied_weights(spec, names[0], base)}) / WEIGHTS_FILE
+    write_family(repository, DEMO_FAMILY, config_text=render_family_config(spec),
+                 version_files=FAMILY_TEMPLATE_DIR / "1", base_weights=template)
+    layout_, data_offset = read_layout(template)
+    ranges = layout_.by_name()
+
+    def one(name: str) -> None:
+        folder = write_variant(repository, name, DEMO_FAMILY, template)
+        with open(folder / WEIGHTS_FILE, "r+b") as f:
+            for key, tensor in varied_weights(spec, name, base).items():
+                f.seek(data_offset + ranges[key].begin)
+                f.write(tensor.numpy().tobytes())
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, names[1:]))
+
+
+def check_answers(url: str, repository: Path, names: list[str], layout: str, feature_dim: int) -> list[dict]:
+    """Each of ``names`` asked once through the router, its SCORES against the reference
+    MLP over its weights file in the repository (what Triton serves from)."""
+    client = grpcclient.InferenceServerClient(url)
+    features = np.ones((1, feature_dim), np.float32)
+    x = InferInput("FEATURES", list(features.shape), "FP32")
+    x.set_data_from_numpy(features)
+    rows = []
+    try:
+        for name in names:
+            folder = repository / name
+            weights = load_file(str(folder / WEIGHTS_FILE if layout == "family" else folder / "1" / WEIGHTS_FILE))
+            expected = float(mlp_scores(weights, features)[0, 0])
+            del weights
+            try:
+                got = client.infer(name, [x], outputs=[grpcclient.InferRequestedOutput("SCORES")],
+                                   client_timeout=120)
+                answer, error = float(got.as_numpy("SCORES")[0, 0]), None
+            except Exception as exc:  # noqa: BLE001  (a failed check is a result)
+                answer, error = None, str(exc)[:200]
+            rows.append({"model": name, "expected": expected, "answer": answer, "error": error,
+                         "ok": answer is not None and math.isclose(answer, expected, rel_tol=1e-4, abs_tol=1e-6)})
+    finally:
+        client.close()
+    return rows
+
+
 def metric_sum(text: str, name: str, **labels) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -142,6 +246,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--hot-seconds", type=float, default=15.0, help="frequent-only phase")
     ap.add_argument("--slots", type=int, default=15, help="--max-loaded (the seed has 12-15)")
     ap.add_argument("--customers", type=int, default=50)
+    ap.add_argument("--variant-mb", type=float, default=None,
+                    help="each customer's weights in MB (the seed's is 850); default: the small "
+                         "demo model")
+    ap.add_argument("--work-dir", type=Path, default=None,
+                    help="where the generated repository (Triton's warm tier) and the state go; "
+                         "default: the system's temporary folder")
+    ap.add_argument("--check-answers", type=int, default=4,
+                    help="customers whose answers are checked against their weights at the end")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=120.0, help="client timeout per request")
     ap.add_argument("--bare-loads", type=int, default=7,
@@ -189,15 +301,32 @@ def run(args, layout: str, out_path: Path) -> dict:
     frequent = {customer(i) for i in range(TOP)}
     hot_names = [customer(i) for i in trace.requests.tolist() if i < TOP][:n_hot]
 
-    work = Path(tempfile.mkdtemp(prefix="bench-seed-"))
+    if args.work_dir is not None:
+        args.work_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-seed-", dir=args.work_dir))
     repo = work / "repository"
-    if layout == "family":
-        generate_family_fleet(repo, FleetSpec(count=args.customers))
+    spec = demo_spec(args.customers, args.variant_mb)  # KIND_GPU where torch sees a GPU
+    started = time.monotonic()
+    if args.variant_mb:
+        write_sized_fleet(repo, spec, layout)
+    elif layout == "family":
+        generate_family_fleet(repo, spec)
     else:
-        generate_fleet(repo, FleetSpec(count=args.customers))
+        generate_fleet(repo, spec)
+    generate_s = time.monotonic() - started
+    weight_bytes = sum(int(np.prod(s)) * 4 for s in (
+        (spec.hidden_dim, spec.feature_dim + 1), *[(spec.hidden_dim, spec.hidden_dim + 1)] * (spec.hidden_layers - 1),
+        (1, spec.hidden_dim + 1)))
+    print(f"seed scenario ({layout}): wrote {args.customers} customers of {weight_bytes / 1e6:.1f} MB "
+          f"({spec.instance_kind}) into {repo} in {generate_s:.1f}s", flush=True)
+    started = time.monotonic()
     product = Product(work / "state", repo, "--max-loaded", str(args.slots),
                       *args.up_args.split()).start()
+    up_s = time.monotonic() - started
+    print(f"  mmctl up ready in {up_s:.1f}s", flush=True)
     load_before = os.getloadavg()
+    answers: list[dict] = []
+    gpu_mib: dict[str, float | None] = {}
     try:
         endpoints = product.json("endpoints")
         router = endpoints["router_grpc"]
@@ -206,6 +335,8 @@ def run(args, layout: str, out_path: Path) -> dict:
             codes = list(pool.map(lambda n: product.mmctl("pin", n).returncode, sorted(frequent)))
         assert codes == [0] * TOP, f"pinning failed: {codes}"
         pin_s = time.monotonic() - pin_start
+        gpu_mib["after_pins"] = gpu_used_mib()
+        print(f"  pinned the top {TOP} in {pin_s:.1f}s", flush=True)
         hot = asyncio.run(open_loop(router, hot_names, args.rate, args.timeout))
         before = requests.get(f"http://{endpoints['router_http']}/metrics", timeout=10).text
         admin_before = requests.get(endpoints["admin"] + "/metrics", timeout=10).text
@@ -216,15 +347,24 @@ def run(args, layout: str, out_path: Path) -> dict:
         admin_after = requests.get(endpoints["admin"] + "/metrics", timeout=10).text
         status = product.json("status")
         load_after_mixed = os.getloadavg()
+        gpu_mib["after_mixed"] = gpu_used_mib()
         # Bare loads of the least requested customers: cold, and never one a pin holds.
         rare = [customer(i) for i in range(args.customers - 1, TOP - 1, -1)][:args.bare_loads]
         bare = asyncio.run(bare_loads(router, endpoints["admin"], product.admin_headers(), rare,
                                       args.timeout))
+        # Two frequent and the rest occasional customers, the rarest first.
+        checked = sorted(frequent)[:2] + [customer(i) for i in range(args.customers - 1, TOP - 1, -1)]
+        answers = check_answers(router, repo, checked[:args.check_answers], layout, spec.feature_dim)
     finally:
         product.stop()
         if args.log_out is not None:
             args.log_out.parent.mkdir(parents=True, exist_ok=True)
-            args.log_out.write_text(product.log_text())
+            # Triton's own log after the control plane's: a model's load or stub failure is
+            # written there (the last 300 lines of each server's).
+            tritons = "".join(f"\n===== {path.name} (last 300 lines)\n" + "\n".join(
+                path.read_text(errors="replace").splitlines()[-300:])
+                for path in sorted((work / "state" / "triton").glob("*.log")))
+            args.log_out.write_text(product.log_text() + tritons)
         shutil.rmtree(work, ignore_errors=True)
 
     cold_waits = metric_sum(after, "mmr_cold_load_waits_total") - metric_sum(before, "mmr_cold_load_waits_total")
@@ -246,7 +386,14 @@ def run(args, layout: str, out_path: Path) -> dict:
             "customers": args.customers, "pinned": TOP, "slots": args.slots, "layout": layout,
             "rate_per_s": args.rate, "mixed_requests": n_mixed, "hot_requests": len(hot_names),
             "traffic": "top 12 customers send 80% (trace 'seed', Zipf 0.6 within groups)",
-            "model": "recommender MLP 64-128-128-1, python backend, KIND_CPU",
+            "model": (f"recommender MLP {spec.feature_dim}-" + "-".join([str(spec.hidden_dim)] * spec.hidden_layers)
+                      + f"-1, python backend, {spec.instance_kind}"),
+            "weight_bytes_per_customer": weight_bytes,
+            "weights": ("hidden layers shared, first and last layer per customer" if args.variant_mb
+                        else "every layer per customer"),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "repository": str(repo),
+            "generate_s": round(generate_s, 1), "up_s": round(up_s, 1),
             "pin_all_12_s": round(pin_s, 2),
             "up_args": args.up_args,
             # The machine is shared: 1/5/15-minute load averages at start, after the mixed
@@ -269,6 +416,12 @@ def run(args, layout: str, out_path: Path) -> dict:
         "errors": sum(not r["ok"] for r in mixed) + sum(not r["ok"] for r in hot),
         "error_messages": errors[:5],
         "pinned_ready_after": len(pinned_ready),
+        "gpu_used_mib": gpu_mib,
+        # A few customers asked once at the end: their answer against the reference MLP over
+        # their weights file; distinct customers must answer differently.
+        "answers": answers,
+        "answers_ok": bool(answers) and all(a["ok"] for a in answers)
+        and len({round(a["expected"], 7) for a in answers}) == len(answers),
         # Every mixed-phase request: send time (epoch s), customer, latency (ms), ok; to line
         # up with the control plane's log (--log-out).
         "mixed_requests": [[round(r["sent_at"], 3), r["model"], round(r["latency_s"] * 1000, 2), r["ok"]]
@@ -300,6 +453,11 @@ def run(args, layout: str, out_path: Path) -> dict:
               f"occasional p50 / bare load = {ratio if ratio is not None else '-'}")
     print(f"  load average (1 min) at start {load_before[0]:.2f}, after the mixed phase "
           f"{load_after_mixed[0]:.2f}")
+    if answers:
+        shown = ", ".join(f"{a['model']} {a['answer']} (expected {a['expected']:.6f})" for a in answers)
+        print(f"  answers against the weights files: {'ok' if result['answers_ok'] else 'WRONG'}: {shown}")
+    if any(v is not None for v in gpu_mib.values()):
+        print(f"  GPU memory in use: {gpu_mib}")
     for e in errors[:3]:
         print(f"  error: {e}")
     print(f"wrote {out_path}")
