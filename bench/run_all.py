@@ -14,6 +14,7 @@ Each benchmark is its own module and can run alone with its own options:
     python -m bench.family_swap      model families vs separate models: miss vs memcpy, hits
     python -m bench.thrash           failed requests and latency under thrash (models, family)
     python -m bench.scale            50, 1,000 and 10,000 models: idle CPU, bytes per change, status, hits
+    python -m bench.abuse            CPU and memory of one hostile HTTP body vs a normal one, same size
 
 This runner uses shorter settings (`--full` uses each benchmark's defaults), writes
 bench/results/summary.json (machine, versions, conditions, headline numbers) and the plots
@@ -52,6 +53,7 @@ QUICK = {
                "--workers", "1"],
     "scale": ["-m", "bench.scale", "--sizes", "50,1000", "--idle-s", "5", "--changes", "10",
               "--hits", "200", "--replay", "500"],
+    "abuse": ["-m", "bench.abuse", "--quick"],
 }
 FULL = {
     "load_unload": ["-m", "bench.load_unload"],
@@ -66,6 +68,7 @@ FULL = {
     "family_swap": ["-m", "bench.family_swap"],
     "thrash": ["-m", "bench.thrash"],
     "scale": ["-m", "bench.scale"],
+    "abuse": ["-m", "bench.abuse"],
 }
 
 
@@ -237,6 +240,13 @@ def summary_rows() -> list[tuple[str, str, str]]:
                      f"serving loop +{ph['canary']['loop_cpu_ms_per_s'] - ph['none']['loop_cpu_ms_per_s']:.1f}"
                      f"ms CPU per second ({sum(canary['conditions']['canary_window_requests'].values())} "
                      "requests in the window)")))
+    abuse = load("abuse.json")
+    if abuse:
+        size_mib = abuse["conditions"]["size_bytes"] / (1 << 20)
+        for r in abuse["rows"][1:]:
+            rows.append((f"hostile HTTP body: {r['body']} ({size_mib:g} MiB)", "router",
+                         (f"answered {r['status']} with {r['cpu_s'] * 1000:.0f}ms CPU = "
+                          f"{r['cpu_vs_normal']:.2f}x a normal body's")))
     lora = load("lora.json")
     if lora:
         for size, ratios in lora["throughput_ratio_many_vs_one"].items():

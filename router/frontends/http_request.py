@@ -45,6 +45,7 @@ __all__ = [
     "HEADER_LENGTH",
     "INT_RANGES",
     "ITEM_BYTES",
+    "MAX_GZIP_MEMBERS",
     "MAX_JSON_DEPTH",
     "PARSE_IN_THREAD_BYTES",
     "InferRequest",
@@ -61,6 +62,12 @@ __all__ = [
 
 # Bodies larger than this are parsed in a worker thread, not on the serving event loop.
 PARSE_IN_THREAD_BYTES = 256 * 1024
+# gzip streams one after another in one body: clients send one, concatenated files a few.
+# Each member costs a decompressor, so their number is bounded, not only the bytes.
+MAX_GZIP_MEMBERS = 64
+# Compressed bytes fed to the decompressor at a time: a member's end copies what is left of
+# the slice, never the rest of the body.
+_INFLATE_SLICE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -97,31 +104,48 @@ def decode_body(body: bytes, encoding: str, limit_bytes: int) -> bytes:
 
     The router decompresses itself (aiohttp's automatic decoding is off): a truncated
     deflate body made aiohttp's parser fail after the handler had started reading, which
-    left the handler waiting for a body that never ended."""
+    left the handler waiting for a body that never ended.
+
+    The work is linear in the body's bytes: the input is fed in slices of a memoryview (a
+    member's end copies at most one slice, as ``unused_data``), the output is counted as it
+    comes out (no decompression bomb), and a gzip body may hold at most
+    ``MAX_GZIP_MEMBERS`` members."""
     if not encoding:
         return body
     # deflate is the zlib format (RFC 9110); some clients send raw deflate, told apart by
     # the zlib header's compression-method nibble.
     wbits = 31 if encoding == "gzip" else (15 if body[:1] and body[0] & 0x0F == 8 else -15)
+    view = memoryview(body)
     parts: list[bytes] = []
-    left = body
+    produced = at = members = 0
     while True:
+        members += 1
+        if members > MAX_GZIP_MEMBERS:
+            raise InvalidRequest(f"gzip request body has more than {MAX_GZIP_MEMBERS} members (gzip "
+                                 "streams one after another); compress the whole body as one gzip "
+                                 "stream, or send it uncompressed")
         inflater = zlib.decompressobj(wbits)
-        try:
-            parts.append(inflater.decompress(left, limit_bytes + 1 - sum(map(len, parts))))
-        except zlib.error as exc:
-            raise InvalidRequest(f"request body is not valid {encoding} data ({exc}); compress the "
-                                 "whole body, or send it uncompressed") from None
-        if inflater.unconsumed_tail or sum(map(len, parts)) > limit_bytes:
-            raise PayloadTooLarge(f"request body inflates past the router's limit of {limit_bytes} "
-                                  "bytes; send smaller batches")
+        while not inflater.eof and at < len(body):
+            chunk = view[at:at + _INFLATE_SLICE_BYTES]
+            at += len(chunk)
+            try:
+                # At most one byte past the limit comes out: enough to know it is past.
+                out = inflater.decompress(chunk, limit_bytes + 1 - produced)
+            except zlib.error as exc:
+                raise InvalidRequest(f"request body is not valid {encoding} data ({exc}); compress "
+                                     "the whole body, or send it uncompressed") from None
+            produced += len(out)
+            if produced > limit_bytes:
+                raise PayloadTooLarge(f"request body inflates past the router's limit of {limit_bytes} "
+                                      "bytes; send smaller batches")
+            parts.append(out)
         if not inflater.eof:
             raise InvalidRequest(f"request body ends inside its {encoding} stream; send the whole body")
-        left = inflater.unused_data
-        if not left or encoding != "gzip":  # a gzip body may hold several members
+        at -= len(inflater.unused_data)  # where the next member (or trailing bytes) starts
+        if at == len(body) or encoding != "gzip":  # a gzip body may hold several members
             break
-    if left:
-        raise InvalidRequest(f"request body has {len(left)} bytes after its {encoding} stream")
+    if at < len(body):
+        raise InvalidRequest(f"request body has {len(body) - at} bytes after its {encoding} stream")
     return b"".join(parts)
 
 

@@ -7,6 +7,7 @@ outputs.  Messages use Triton's wording where Triton has one ("Unable to parse '
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import Any
 
 from router.frontends.strict_json import DOUBLE_MAX
@@ -174,17 +175,61 @@ def _check_input(index: int, tensor: Any) -> int:
 
 
 def flat_row_major(data: list) -> list:
-    """Nested JSON arrays in row-major order, as Triton reads them: flattened level by level
-    (no recursion, so no depth limit to hit)."""
-    while any(type(item) is list for item in data):
-        flat: list = []
-        for item in data:
-            if type(item) is list:
-                flat.extend(item)
-            else:
-                flat.append(item)
-        data = flat
-    return data
+    """Nested JSON arrays in row-major order, as Triton reads them (any nesting, ragged too:
+    only the element count is checked against the shape).
+
+    One walk with an explicit stack (no recursion, so no depth limit to hit) that puts each
+    element in the result once: the work is linear in the body's bytes however deep the
+    nesting (flattening level by level copied every finished element again at each level).
+    Runs of plain values and arrays of arrays are copied by C loops, not element by element."""
+    kinds = list(map(type, data))
+    arrays = kinds.count(list)
+    if not arrays:
+        return data  # already flat: the common case, nothing to copy
+    flat: list = []
+    # Arrays still to walk, the next on top: (array, its elements' types, how many of them
+    # are arrays, where to go on: -1 before the array is looked at as a whole).
+    todo: list[tuple[list, list, int, int]] = [(data, kinds, arrays, -1)]
+    while todo:
+        items, kinds, arrays, start = todo.pop()
+        if start < 0:
+            if not arrays:
+                flat.extend(items)
+                continue
+            merged = _one_level(items, arrays)
+            if merged is not None:
+                kinds = list(map(type, merged))
+                todo.append((merged, kinds, kinds.count(list), -1))
+                continue
+            start = 0
+        try:
+            nested = kinds.index(list, start)
+        except ValueError:
+            flat.extend(items[start:])
+            continue
+        flat.extend(items[start:nested])
+        todo.append((items, kinds, arrays, nested + 1))
+        child = items[nested]
+        child_kinds = list(map(type, child))
+        todo.append((child, child_kinds, child_kinds.count(list), -1))
+    return flat
+
+
+def _one_level(items: list, arrays: int) -> list | None:
+    """``items`` with its ``arrays`` arrays opened one level, when that costs less than
+    walking to each of them (None otherwise).  Each array is opened once, and at most 8
+    other elements are copied per array opened: the walk stays linear."""
+    if arrays == len(items):
+        return list(chain.from_iterable(items))  # an array of arrays: a C loop
+    if arrays * 8 < len(items):
+        return None
+    merged: list = []
+    for item in items:
+        if type(item) is list:
+            merged.extend(item)
+        else:
+            merged.append(item)
+    return merged
 
 
 def _check_data(what: str, datatype: str, shape: list[int], elements: int, data: Any) -> None:

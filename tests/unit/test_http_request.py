@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
+import random
 import threading
 import zlib
 
@@ -12,6 +14,7 @@ import pytest
 
 from router.frontends import http_request
 from router.frontends.http_request import (
+    MAX_GZIP_MEMBERS,
     MAX_JSON_DEPTH,
     decode_body,
     parse_header_length,
@@ -19,6 +22,7 @@ from router.frontends.http_request import (
     read_infer_request,
     with_adapter,
 )
+from router.frontends.http_request_checks import flat_row_major
 from router.serving.errors import InvalidRequest, PayloadTooLarge
 
 FEATURES = {"name": "FEATURES", "shape": [2, 2], "datatype": "FP32", "data": [[1, 2], [3, 4.5]]}
@@ -75,6 +79,27 @@ def test_nesting_up_to_the_limit_is_accepted():
     for _ in range(depth):
         data = [data]
     parse_infer_request(tensor(data=data, shape=[1] * depth), None)
+
+
+def _row_major(data) -> list:
+    """The order Triton reads nested data in, written the obvious (recursive) way."""
+    return [leaf for item in data for leaf in (_row_major(item) if isinstance(item, list) else [item])]
+
+
+def test_nested_data_is_read_in_row_major_order():
+    rng = random.Random(29)
+
+    def nested(depth: int, arrays: float, width: int):
+        if depth == 0 or rng.random() > arrays:
+            return rng.randrange(100)
+        return [nested(depth - 1, arrays, width) for _ in range(rng.randrange(width))]
+
+    for arrays, width in ((0.9, 3), (0.5, 6), (0.2, 20), (0.05, 40)):
+        for _ in range(60):
+            data = [nested(6, arrays, width) for _ in range(rng.randrange(width))]
+            assert flat_row_major(data) == _row_major(data), data
+    deep = list(range(1000)) + [[[[1000, [1001]], 1002]]] + [[1003, 1004]] * 3
+    assert flat_row_major(deep) == list(range(1003)) + [1003, 1004] * 3
 
 
 def test_brackets_inside_strings_do_not_count_as_nesting():
@@ -258,6 +283,23 @@ def test_a_compressed_body_may_not_inflate_past_the_limit():
     bomb = gzip.compress(b"\0" * (4 << 20))
     with pytest.raises(PayloadTooLarge, match="inflates past the router's limit of 1048576 bytes"):
         decode_body(bomb, "gzip", 1 << 20)
+
+
+def test_gzip_members_after_one_another_are_decoded_up_to_a_limit():
+    raw = os.urandom(300_000)  # members longer than the slices the decompressor is fed
+    pieces = [raw[i:i + 7_000] for i in range(0, 7_000 * (MAX_GZIP_MEMBERS - 1), 7_000)]
+    pieces.append(raw[len(b"".join(pieces)):])
+    assert len(pieces) == MAX_GZIP_MEMBERS
+    assert decode_body(b"".join(map(gzip.compress, pieces)), "gzip", 1 << 20) == raw
+    with pytest.raises(InvalidRequest, match=f"more than {MAX_GZIP_MEMBERS} members .*one gzip stream"):
+        decode_body(gzip.compress(b"") * (MAX_GZIP_MEMBERS + 1), "gzip", 1 << 20)
+
+
+def test_the_inflate_limit_counts_every_member():
+    member = gzip.compress(b"\0" * (300 << 10))
+    assert len(decode_body(member * 3, "gzip", 1 << 20)) == 900 << 10
+    with pytest.raises(PayloadTooLarge, match="inflates past the router's limit of 1048576 bytes"):
+        decode_body(member * 4, "gzip", 1 << 20)
 
 
 @pytest.mark.parametrize("value, expected", [(None, ""), ("identity", ""), ("GZIP", "gzip"),
