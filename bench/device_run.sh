@@ -34,7 +34,8 @@ prepare() {
     mkdir -p "$WHEELS_DIR"
     rm -f "$WHEELS_DIR"/*.whl "$TREE"
     python3 -m pip download -q "${PIP_312[@]}" -d "$WHEELS_DIR" tritonclient==2.73.0 \
-        python-rapidjson==1.25 grpcio==1.85.3 protobuf==6.33.6 psycopg==3.3.9 psycopg-binary==3.3.9
+        python-rapidjson==1.25 grpcio==1.85.3 protobuf==6.33.6 psycopg==3.3.9 psycopg-binary==3.3.9 \
+        numpy==1.26.4
     python3 -m pip download -q "${PIP_312[@]}" -d "$tmp" nvidia-pytriton==0.7.0
     mkdir -p "$tmp/x" "$tmp/tree/pytriton/tritonserver/python_backend_stubs"
     (cd "$tmp/x" && unzip -q ../nvidia_pytriton-0.7.0-*.whl)
@@ -81,6 +82,16 @@ if [ "${WHEELS:-1}" = 1 ]; then
         --target /tmp/site "$WHEELS_DIR"/*.whl
     "$PY" -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('/tmp/site', filter='tar')" "$TREE"
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    # Triton 2.51's python-backend stub answers BYTES tensors (a family's status) empty under
+    # numpy 2, which the GPU machine has; the production image pins numpy<2 too. So the
+    # product runs from a venv whose packages are /tmp/site (numpy 1.26 first), then the
+    # machine's own: the stubs take theirs from the first python3 on PATH (stub_environment),
+    # and they ignore PYTHONPATH but read .pth files.
+    "$PY" -m venv --without-pip /tmp/venv
+    VENV_SITE=$(/tmp/venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    { echo /tmp/site; "$PY" -c "import site; print(chr(10).join(site.getsitepackages()))"; } \
+        >"$VENV_SITE/device-packages.pth"
+    PY=/tmp/venv/bin/python
 fi
 
 phase "preflight"
