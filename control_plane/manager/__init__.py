@@ -50,15 +50,18 @@ Eviction off the critical path (a miss should cost one load, not an unload and a
 Layout: records.py (records, server specs, configuration), room.py (held room, the
 overlap rule, the host's free memory), state.py (``ManagerState``: what the parts share),
 one module per part (catalog.py, recency.py, unloader.py, loader.py with warmup.py,
-pins.py, reconciler.py, leases.py), and core.py, where ``ModelManager`` builds the parts
-and gives each the parts it calls:
+pins.py, reconciler.py with health.py, leases.py), and core.py, where ``ModelManager``
+builds the parts and gives each the parts it calls:
 
     catalog, recency          <- state only
     unloader                  <- catalog
     loader                    <- catalog, recency, unloader
     pins                      <- catalog, loader
-    reconciler                <- catalog, recency, unloader, pins
+    reconciler                <- catalog, recency, unloader, pins (owns health)
     leases                    <- catalog, recency, loader, reconciler
+
+A server's health (up, suspect, down) has one writer, ``health.Health``: probes every
+second per server, down after three missed in a row (a frozen Triton within ~4 s).
 """
 
 from control_plane.manager.catalog import UNKNOWN_NAME_TTL_S, UNKNOWN_NAMES_MAX
@@ -68,6 +71,7 @@ from control_plane.manager.records import (
     ManagerConfig,
     ModelRecord,
     ModelState,
+    ServerHealth,
     ServerSpec,
     Stager,
     TritonServer,
@@ -83,6 +87,7 @@ __all__ = [
     "ModelRecord",
     "ModelState",
     "RoomLedger",
+    "ServerHealth",
     "ServerSpec",
     "Stager",
     "TritonServer",

@@ -105,15 +105,21 @@ class Catalog:
         self._unknown.pop(name, None)
 
     async def refresh_catalog(self) -> None:
-        errors = []
-        for server in self.state.servers.values():
+        """Every model the servers that are up have in their repositories.  A server that
+        does not answer is left to the reconcile pass and the probes (``health.Health``):
+        raises the first error when none answered."""
+        errors: list[TritonUnavailable] = []
+        asked = [s for s in self.state.servers.values() if s.up]
+        for server in asked:
             try:
                 self.state.known_names.update((await server.admin.index()).keys())
-                server.up = True
             except TritonUnavailable as exc:
-                server.up = False
                 errors.append(exc)
-        if errors and len(errors) == len(self.state.servers):
+        if not asked:
+            where = ", ".join(f"{s.name} at {s.spec.grpc_url}" for s in self.state.servers.values())
+            raise TritonUnavailable(f"no Triton server is up ({where}: not reachable); check that "
+                                    "tritonserver is running (mmctl fleet) and restart it with mmctl up")
+        if len(errors) == len(asked):
             raise errors[0]
 
     def artifact_bytes(self, name: str) -> int:

@@ -58,7 +58,9 @@ class ModelManager:
     * ``loader``: loads (placement and reservation, room, warm-up), evicting through the
       unloader;
     * ``pins``: pinned models stay loaded, through the loader;
-    * ``reconciler``: each pass corrects what drifted from Triton's indexes;
+    * ``reconciler``: each pass corrects what drifted from Triton's indexes; it owns
+      ``health`` (``reconciler.health``), the one writer of each server's health, whose
+      probes run beside the passes;
     * ``leases``: requests holding models, through the loader and the reconciler.
 
     Its own methods are the product's API of the manager and say which part answers."""
@@ -249,5 +251,6 @@ class ModelManager:
         st = self.state
         for task in list(st.background) + list(st.loads.values()) + list(st.unloads.values()):
             task.cancel()
+        self.reconciler.health.close()
         for server in self.servers.values():
             await server.admin.close()

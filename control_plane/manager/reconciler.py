@@ -1,6 +1,9 @@
 """The reconcile loop: each pass re-reads every Triton's index and corrects what drifted
 (adopts what Triton loaded, forgets what it dropped, restarts a managed Triton that died,
-evicts down to the budget, loads pinned models again)."""
+evicts down to the budget, loads pinned models again), and what follows a server's health
+(``health.Health``): a local Triton that is down is killed (a frozen one never exits) and
+started again, a down server's models are placed on the others, and the copies a server
+kept while it was down are unloaded when it answers again."""
 
 from __future__ import annotations
 
@@ -12,9 +15,10 @@ import time
 from control_plane.domain.errors import ControlPlaneError, TritonUnavailable
 from control_plane.eviction import Resident
 from control_plane.manager.catalog import Catalog
+from control_plane.manager.health import Health
 from control_plane.manager.pins import Pins
 from control_plane.manager.recency import Recency
-from control_plane.manager.records import ModelRecord, ModelState, TritonServer
+from control_plane.manager.records import ModelRecord, ModelState, ServerHealth, TritonServer
 from control_plane.manager.state import ManagerState
 from control_plane.manager.unloader import Unloader
 from control_plane.triton.admin import TritonModelState
@@ -35,26 +39,40 @@ class Reconciler:
         self.unloader = unloader
         self.pins = pins
         self._catalog_read_at: dict[str, float] = {}  # server -> monotonic; its whole index read
-        self._probes: dict[str, asyncio.Task] = {}  # server name -> liveness probe a request asked for
+        self.health = Health(state)
+        self.health.on_down = self._server_down
+        self.health.on_up = self._server_up
+        self._strays: set[tuple[str, str]] = set()  # (server, model) unloads in flight
 
     async def start(self) -> None:
-        """Reconcile with every Triton, then load the pinned models."""
+        """Reconcile with every Triton, then load the pinned models; the liveness probes
+        run from then on, beside the passes (``Health.run_forever``)."""
         await self.step()
         await self.pins.load_pinned()
+        self.state.spawn(self.health.run_forever())
 
     async def step(self) -> None:
-        """One reconcile pass: re-read each Triton's index and correct what drifted."""
-        for server in list(self.state.servers.values()):
+        """One reconcile pass: re-read each Triton's index and correct what drifted.  The
+        servers are reconciled side by side: one that is slow to answer (frozen until the
+        probes declare it down) holds up no other."""
+        async def reconcile(server: TritonServer) -> None:
             try:
                 await self._reconcile_server(server)
             except Exception:  # one failing server never stops the loop
                 log.exception("reconcile of %s failed", server.name)
             self.unloader.maintain_headroom(server)
+
+        await asyncio.gather(*(reconcile(s) for s in list(self.state.servers.values())))
         self.pins.repair_pins()
 
     async def _reconcile_server(self, server: TritonServer) -> None:
         if server.process is not None and not server.process.alive():
             await self._restart_triton(server)
+            return
+        if server.health is ServerHealth.SUSPECT:
+            return  # its index may not come for health_s: the probes decide first
+        if not server.up and not await self.health.probe(server):
+            self._maybe_lost(server)  # still down: asked by a short probe, not an index read
             return
         # The whole index (every folder of the repository: new models join the catalogue)
         # every CATALOG_READ_S; in between only what is loaded, so a pass costs the same
@@ -63,19 +81,13 @@ class Reconciler:
         read_at = time.monotonic()  # a model that changed state after this: the index may not show it
         try:
             index = await server.admin.index(ready_only=not whole)
-        except TritonUnavailable:
-            if server.up:
-                log.error("Triton %s at %s is not answering", server.name, server.spec.grpc_url)
-            server.up = False
-            self.state.metrics.server_up.labels(server.name).set(0)
-            self._maybe_lost(server)
+        except TritonUnavailable as exc:
+            # Confirmed by a probe: down at once, as for a request that could not reach it.
+            if await self.health.probe(server) is False:
+                self.health.unreachable(server, f"its repository index could not be read ({exc.message})")
+                self._maybe_lost(server)
             return
-        was_down = not server.up
-        if server.lost:
-            log.warning("Triton %s at %s answers again; it takes models again", server.name,
-                        server.spec.grpc_url)
-        server.up, server.down_since, server.lost = True, None, False
-        self.state.metrics.server_up.labels(server.name).set(1)
+        self.health.answered(server)
         self.state.known_names.update(index)
         if whole:
             self._catalog_read_at[server.name] = time.monotonic()
@@ -91,14 +103,23 @@ class Reconciler:
                  if to_adopt else {})
         busy = set(self.state.loads) | set(self.state.unloads)
         async with self.state.lock:
+            # Copies left behind that are gone, or placed here again: nothing to unload.
+            for name in list(server.left_behind):
+                entry, rec = index.get(name), self.state.records.get(name)
+                if (entry is None or entry.state != TritonModelState.READY
+                        or (rec is not None and rec.server == server.name)):
+                    server.left_behind.discard(name)
             for name, entry in index.items():
                 if name in busy:
                     continue
                 rec = self.state.record(name)
                 if entry.state == TritonModelState.READY and not ours(rec):
+                    if name in server.left_behind and rec.server is not None:
+                        # Placed elsewhere while this server was down: drop the copy it kept
+                        # (else loaded twice, counted once).  One placed nowhere is adopted.
+                        self._unload_stray(server, name)
+                        continue
                     if rec.state == ModelState.READY and rec.server != server.name:
-                        if was_down:  # re-placed while this server was down or lost: drop its copy
-                            self.state.spawn(self._unload_stray(server, name))
                         continue  # loaded on another server too; keep our placement
                     size = sizes.get(name)
                     if size is None:
@@ -148,18 +169,16 @@ class Reconciler:
         with contextlib.suppress(ControlPlaneError):
             await self.recency.refresh_usage(server)
         await self.unloader.enforce_capacity(server)
-        if was_down:
-            self.state.spawn(self.pins.load_pinned())
 
     async def _restart_triton(self, server: TritonServer) -> None:
-        """Relaunch a managed Triton that died; the event loop keeps serving meanwhile."""
+        """Relaunch a managed Triton that died (or was killed, frozen); the event loop keeps
+        serving meanwhile.  Restarts that fail back off (2 s doubling to 60 s)."""
         now = time.monotonic()
         if now < server.next_restart_at:
             return
         log.error("tritonserver %s exited (code %s); restarting it", server.name,
                   server.process.proc.returncode if server.process.proc else None)
-        server.up = False
-        self.state.metrics.server_up.labels(server.name).set(0)
+        self.health.unreachable(server, "tritonserver exited")
         self._forget_server_models(server, "tritonserver exited")
         # Popen on the loop thread (PR_SET_PDEATHSIG follows the forking thread); the
         # readiness wait runs in a worker thread so requests for other servers go on.
@@ -174,18 +193,43 @@ class Reconciler:
             await asyncio.to_thread(server.process.stop)
             return
         server.restart_failures = 0
-        server.up = True
-        self.state.metrics.server_up.labels(server.name).set(1)
+        # Up once it answers its probe (the channel the probes and loads use), not before:
+        # a probe that finds the channel still reconnecting is no reason to kill it again.
+        await self.health.probe(server)
+
+    def _server_down(self, server: TritonServer, why: str) -> None:
+        """``server`` became down (``Health.on_down``).  A Triton registered by address keeps
+        its models until a request needs one (``place_off_down``) or it is lost
+        (``_maybe_lost``): its node may answer again in a moment.  A local Triton's models
+        are placed elsewhere now; one still running is frozen or broken and never exits on
+        its own: it is killed, and the next pass starts it again (``_restart_triton``)."""
+        if server.process is None:
+            return
+        self._forget_server_models(server, f"tritonserver {server.name} is down: {why}")
+        self.state.spawn(self.pins.load_pinned())
+        if server.process.alive():
+            self.state.spawn(self._kill(server))
+
+    async def _kill(self, server: TritonServer) -> None:
+        log.error("tritonserver %s (pid %s) does not answer: killing it (SIGKILL); it is started "
+                  "again", server.name, server.process.pid)
+        try:
+            await asyncio.to_thread(server.process.kill_unanswering)
+        except Exception:  # it stays down; the next pass tries again
+            log.exception("killing tritonserver %s failed", server.name)
+
+    def _server_up(self, server: TritonServer) -> None:
+        """``server`` answers again (``Health.on_up``): pinned models may go back to it; the
+        copies it kept of models placed elsewhere meanwhile are unloaded by the next pass."""
         self.state.spawn(self.pins.load_pinned())
 
     def _maybe_lost(self, server: TritonServer) -> None:
-        """A Triton registered by address (its node) that stays away is lost: what it held
-        is placed on the others.  A managed Triton is restarted instead (_restart_triton)."""
+        """A Triton that stays down is lost: what it held is placed on the others (a local
+        one's models were already, when it went down)."""
         now = time.monotonic()
         if server.down_since is None:
             server.down_since = now
-        if (server.process is not None or server.lost
-                or now - server.down_since < self.state.config.server_lost_after_s):
+        if server.lost or now - server.down_since < self.state.config.server_lost_after_s:
             return
         server.lost = True
         held = sorted(n for n, r in self.state.records.items() if r.server == server.name)
@@ -196,21 +240,14 @@ class Reconciler:
 
     async def check_reachable(self, name: str) -> None:
         """A router could not reach server ``name``: ask it now instead of at the next pass.
-        One that does not answer is down (and, past ``server_lost_after_s``, lost).  Probes
-        asked for meanwhile share one."""
+        One that does not answer either is down (and, past ``server_lost_after_s``, lost).
+        Probes asked for meanwhile share one."""
         server = self.state.servers.get(name)
         if server is None or not server.up:
             return
-        probe = self._probes.get(name)
-        if probe is None:
-            probe = self._probes[name] = asyncio.get_running_loop().create_task(server.admin.is_live())
-            probe.add_done_callback(lambda _t: self._probes.pop(name, None))
-        if await asyncio.shield(probe) or not server.up:
+        if await self.health.probe(server) is not False or not server.up:
             return
-        log.error("Triton %s at %s is not answering (a request could not reach it)", server.name,
-                  server.spec.grpc_url)
-        server.up = False
-        self.state.metrics.server_up.labels(server.name).set(0)
+        self.health.unreachable(server, "a request could not reach it, nor a probe")
         self._maybe_lost(server)
 
     def place_off_down(self, rec: ModelRecord) -> None:
@@ -225,6 +262,7 @@ class Reconciler:
             return  # nowhere else to go: it stays where it is until its server answers again
         log.warning("%s is needed by a request and its server %s is down: placing it on "
                     "another server", rec.name, server.name)
+        server.left_behind.add(rec.name)  # its copy there is unloaded when it answers again
         server.planner.remove(rec.name)
         self.state.release_warm(rec.name)
         rec.move(ModelState.WARM)
@@ -232,18 +270,31 @@ class Reconciler:
         rec.failure = f"server {server.name} was down when a request needed it"
         self.state.update_gauges(server)
 
-    async def _unload_stray(self, server: TritonServer, name: str) -> None:
-        try:
-            await server.admin.unload(name)
-            log.warning("unloaded %s from %s: it is served from %s now", name, server.name,
-                        self.state.records[name].server)
-        except ControlPlaneError as exc:
-            log.warning("could not unload the stray copy of %s from %s: %s", name, server.name,
-                        exc.message)
+    def _unload_stray(self, server: TritonServer, name: str) -> None:
+        """Unload ``server``'s copy of ``name`` in the background (one at a time); the next
+        pass tries again while its index still lists it."""
+        key = (server.name, name)
+        if key in self._strays:
+            return
+        self._strays.add(key)
+
+        async def unload() -> None:
+            try:
+                await server.admin.unload(name)
+                log.warning("unloaded %s from %s: it was placed elsewhere while %s was down",
+                            name, server.name, server.name)
+            except ControlPlaneError as exc:
+                log.warning("could not unload the stray copy of %s from %s: %s", name,
+                            server.name, exc.message)
+            finally:
+                self._strays.discard(key)
+
+        self.state.spawn(unload())
 
     def _forget_server_models(self, server: TritonServer, reason: str) -> None:
         for name, rec in self.state.records.items():
             if rec.server == server.name:
+                server.left_behind.add(name)  # a copy it keeps is unloaded when it answers
                 server.planner.remove(name)
                 self.state.release_warm(name)
                 rec.move(ModelState.WARM)

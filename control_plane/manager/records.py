@@ -136,17 +136,39 @@ class ServerSpec:
             raise InvalidInput(f"max_loaded ({self.max_loaded}) must be >= 1")
 
 
+class ServerHealth(str, enum.Enum):
+    """Whether a Triton answers (``control_plane.manager.health.Health`` moves it)."""
+
+    UP = "up"
+    SUSPECT = "suspect"  # missed a probe, fewer than ManagerConfig.probe_failures in a row: serves
+    DOWN = "down"  # missed probe_failures in a row, refused a request, or its index read failed
+
+
+_H = ServerHealth
+# Every change of a server's health; ``Health`` is the only writer and checks each change
+# against this table.  A down server is up again only once it answers.
+HEALTH_TRANSITIONS: dict[ServerHealth, frozenset[ServerHealth]] = {
+    _H.UP: frozenset({_H.SUSPECT, _H.DOWN}),  # a probe missed; no answer at all
+    _H.SUSPECT: frozenset({_H.UP, _H.DOWN}),  # it answered; probe_failures missed in a row
+    _H.DOWN: frozenset({_H.UP}),  # it answers again
+}
+
+
 @dataclass
 class TritonServer:
     spec: ServerSpec
     admin: TritonAdmin
     planner: CachePlanner
     process: TritonProcess | None = None
-    up: bool = True
+    health: ServerHealth = ServerHealth.UP  # written by manager.health.Health only
+    missed_probes: int = 0  # in a row, since it last answered
     restart_failures: int = 0
     next_restart_at: float = 0.0  # monotonic; restarts of a crashing Triton back off
     down_since: float | None = None  # monotonic; when it stopped answering
     lost: bool = False  # down past ManagerConfig.server_lost_after_s: its models were re-placed
+    # Models forgotten here while it did not answer (placed elsewhere since): a copy it
+    # still has when it answers again is unloaded, so nothing is loaded twice.
+    left_behind: set[str] = field(default_factory=set)
     # Whether Triton's model control needs the restricted-API key: "restricted", "open"
     # (anyone who reaches its ports can load code: an attached Triton started without
     # the key) or "unknown" (not checked, or it did not answer).
@@ -156,6 +178,11 @@ class TritonServer:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def up(self) -> bool:
+        """Serves and takes models: up, or suspect (one missed probe is no alarm)."""
+        return self.health is not ServerHealth.DOWN
+
     def to_dict(self) -> dict:
         return {
             "server": self.name,
@@ -164,6 +191,7 @@ class TritonServer:
             "http_url": self.spec.http_url,
             "metrics_url": self.spec.metrics_url,
             "up": self.up,
+            "health": self.health.value,
             "lost": self.lost,
             "managed": self.process is not None,
             "model_control": self.model_control,
@@ -195,9 +223,17 @@ class ManagerConfig:
     # python stub with torch: about 0.3 GB of RAM; on a GPU its CUDA context), kept free for
     # each load in flight before a load may start ahead of its victims' unloads.
     overlap_margin_bytes: int = 1 << 30
-    # A Triton registered by address (another node) that has not answered for this long is
-    # lost: its models are forgotten there and placed on the others (pinned ones at once).
+    # A Triton that has not answered for this long is lost: its models are forgotten there
+    # and placed on the others (pinned ones at once).  A local Triton's went when it went
+    # down (it is killed and started again); a registered one keeps them until now.
     server_lost_after_s: float = 10.0
+    # Liveness probes (Triton's ServerLive, answered by its front end even while models
+    # compute): one every probe_interval_s per server, each given probe_timeout_s;
+    # probe_failures missed in a row make the server down (a frozen Triton: within
+    # interval + failures x timeout).  probe_interval_s 0: no probes (reconcile passes only).
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 1.0
+    probe_failures: int = 3
     # A model the router had loaded for a request stays out of the victims until the router
     # says the request was answered, and at most this long (a router that died meanwhile).
     # Generous: on a busy machine a request can take seconds between its load and Triton's
@@ -205,10 +241,14 @@ class ManagerConfig:
     on_its_way_s: float = 10.0
 
     def __post_init__(self):
-        for name in ("headroom_models", "headroom_bytes", "overlap_margin_bytes"):
+        for name in ("headroom_models", "headroom_bytes", "overlap_margin_bytes", "probe_interval_s"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise InvalidInput(f"{name} ({value}) must be >= 0")
+        if self.probe_timeout_s <= 0:
+            raise InvalidInput(f"probe_timeout_s ({self.probe_timeout_s}) must be > 0")
+        if self.probe_failures < 1:
+            raise InvalidInput(f"probe_failures ({self.probe_failures}) must be >= 1")
 
 
 

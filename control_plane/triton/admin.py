@@ -18,7 +18,13 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
-from tritonclient.grpc import InferInput, model_config_pb2, service_pb2, service_pb2_grpc
+from tritonclient.grpc import (
+    MAX_GRPC_MESSAGE_SIZE,
+    InferInput,
+    model_config_pb2,
+    service_pb2,
+    service_pb2_grpc,
+)
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from control_plane.domain.errors import (
@@ -63,6 +69,12 @@ class IndexEntry:
 
 
 UNLOAD_POLL_MAX_S = 0.025  # longest pause between index polls while an unload frees memory
+# A Triton restarted after a crash or a kill is reached again within a second, not after
+# gRPC's default reconnect backoff (up to 120 s once a few connects failed): its liveness
+# probe answers, and loads go there again.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200),
+                     ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 @dataclass(frozen=True)
@@ -170,13 +182,16 @@ class TritonAdmin:
     @property
     def client(self) -> grpcclient.InferenceServerClient:
         if self._client is None:
-            self._client = grpcclient.InferenceServerClient(self.grpc_url)
+            self._client = grpcclient.InferenceServerClient(self.grpc_url, channel_args=[
+                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+                *RECONNECT_OPTIONS])
         return self._client
 
     @property
     def stub(self) -> service_pb2_grpc.GRPCInferenceServiceStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.grpc_url)
+            self._channel = grpc.aio.insecure_channel(self.grpc_url, options=RECONNECT_OPTIONS)
             self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         return self._stub
 
@@ -206,10 +221,16 @@ class TritonAdmin:
         return True
 
     async def is_live(self) -> bool:
+        """Triton's ServerLive: answered by its front end even while every model instance
+        computes, so a busy server answers and a frozen one does not.  False when it
+        refuses or does not answer within ``timeouts.health_s`` (the manager's probes
+        give it less: ``ManagerConfig.probe_timeout_s``)."""
         try:
-            return await self.client.is_server_live(client_timeout=self.timeouts.health_s)
-        except InferenceServerException:
+            resp = await self.stub.ServerLive(service_pb2.ServerLiveRequest(),
+                                              timeout=self.timeouts.health_s)
+        except grpc.RpcError:
             return False
+        return bool(resp.live)
 
     async def index(self, ready_only: bool = False) -> dict[str, IndexEntry]:
         """What this server has, by model (FamilyAdmin lists a family's variants here).

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import requests
 
@@ -36,7 +37,7 @@ from control_plane.triton.launch import (
     which_tritonserver,
     with_parent_death_signal,
 )
-from control_plane.triton.previous_life import PreviousLife, process_start_ticks
+from control_plane.triton.previous_life import PreviousLife, _shm_regions_of, process_start_ticks
 
 # Names imported from here since before the launch arguments and the previous life had
 # modules of their own.
@@ -176,6 +177,29 @@ class TritonProcess(PreviousLife):
                 proc.kill()
                 proc.wait(timeout=10)
         self._forget_pid(proc)
+
+    def kill_unanswering(self, wait_s: float = 10.0) -> None:
+        """End a tritonserver that stopped answering (SIGSTOP, a hung GPU, a stuck backend):
+        it never exits on its own, and SIGKILL ends a stopped process too.  The python-backend
+        shared memory it would have freed on a clean exit is removed for it.  Blocking (waits
+        for the exit, ``wait_s`` at most): run it off the event loop.  A ``launch`` meanwhile
+        is left alone: the process is taken once, here."""
+        proc, adopted = self.proc, self.adopted
+        pid = proc.pid if proc is not None else (adopted[0] if adopted is not None else None)
+        if pid is None or not self.alive():
+            return
+        shm = _shm_regions_of(pid)
+        if proc is not None:
+            proc.kill()
+            try:
+                proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                log.error("tritonserver %d did not exit %.0fs after SIGKILL", pid, wait_s)
+                return
+        else:
+            self._stop_adopted(signal.SIGKILL)
+        for path in shm:
+            Path(path).unlink(missing_ok=True)
 
     def kill(self) -> None:
         """Simulate a crash (tests)."""

@@ -42,13 +42,14 @@ from router.serving.errors import (
     PayloadTooLarge,
     PermissionDenied,
     RateLimited,
+    RequestTimeout,
     RouterError,
     from_control_plane,
     parse_version,
 )
 from router.serving.forward import refuse_family_control, routing_shown
 from router.serving.repository_config import triton_json
-from router.serving.send import MAX_RESENDS
+from router.serving.send import Resend
 from router.serving.serving_state import UNLOADED_PREFIX
 
 log = logging.getLogger(__name__)
@@ -220,10 +221,21 @@ async def all_stats(request):
 UNLOADED_BODY = ('{"error":"' + UNLOADED_PREFIX).encode()
 
 
-async def _post(session: aiohttp.ClientSession, server, path: str, body, headers: dict):
-    async with session.post(f"http://{server.http_url}{path}", data=body, headers=headers) as resp:
+async def _post(session: aiohttp.ClientSession, server, path: str, body, headers: dict,
+                timeout_s: float):
+    async with session.post(f"http://{server.http_url}{path}", data=body, headers=headers,
+                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
         return (await resp.read(), resp.status, resp.headers.get(HEADER_LENGTH),
                 resp.headers.get("Content-Type", "application/json"))
+
+
+def _resend_for(outcome) -> Resend | None:
+    """Why an HTTP send is sent again (``Sender.resending``, the rule gRPC follows too)."""
+    if isinstance(outcome, aiohttp.ClientConnectionError):
+        return Resend.UNREACHABLE  # its server is down: placed on one that is up, sent there
+    if isinstance(outcome, tuple) and outcome[1] == 404 and outcome[0].startswith(UNLOADED_BODY):
+        return Resend.UNLOADED  # unloaded between placement and send: loaded again
+    return None
 
 
 async def infer(request: web.Request) -> web.Response:
@@ -245,7 +257,7 @@ async def infer(request: web.Request) -> web.Response:
     logical = router.decider.public_name(request.match_info["model"], parsed.input_names,
                                          params.get("adapter") or None)
     async with router.sender.serving(logical, str(user_id) if user_id is not None else None, version) as call:
-        decision, server = call.decision, call.server
+        decision = call.decision
         carrier = router.state.carrier_of(decision.model)
         path = (f"/v2/models/{carrier or decision.model}"
                 + (f"/versions/{decision.version}" if decision.version else "") + "/infer")
@@ -266,32 +278,20 @@ async def infer(request: web.Request) -> web.Response:
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         if header_length is not None:
             headers[HEADER_LENGTH] = str(header_length)
-        resends = 0
-        while True:
-            try:
-                payload, status, resp_header_len, content_type = await _post(
-                    request.app[SESSION_KEY], server, path, body, headers)
-            except aiohttp.ClientConnectionError as exc:
-                unavailable = BackendUnavailable(
-                    f"Triton {server.name} at {server.http_url} is unavailable ({exc}); "
-                    "the control plane restarts it, retry shortly")
-                if resends >= MAX_RESENDS:
-                    call.code = "UNAVAILABLE"
-                    raise unavailable from exc
-                # Its server is down: placed on one that is up, sent there (Sender.send).
-                resends += 1
-                try:
-                    server = await router.sender.resend_after_unavailable(call, server)
-                except BackendUnavailable:
-                    call.code = "UNAVAILABLE"
-                    raise unavailable from exc
-                continue
-            if status == 404 and payload.startswith(UNLOADED_BODY) and resends < MAX_RESENDS:
-                # Unloaded between placement and send: load again, send once more.
-                resends += 1
-                server = await router.sender.resend_after_unload(call)
-                continue
-            break
+        session = request.app[SESSION_KEY]
+        try:  # one deadline for the request and its resends, as over gRPC
+            payload, status, resp_header_len, content_type = await router.sender.resending(
+                call, lambda server, left_s: _post(session, server, path, body, headers, left_s),
+                _resend_for, None)
+        except aiohttp.ClientConnectionError as exc:
+            call.code = "UNAVAILABLE"
+            raise BackendUnavailable(
+                f"Triton {call.server.name} at {call.server.http_url} is unavailable ({exc}); "
+                "the control plane restarts it, retry shortly") from exc
+        except TimeoutError as exc:
+            call.code = "DEADLINE_EXCEEDED"
+            raise RequestTimeout(f"Triton did not answer within the request's deadline of "
+                                 f"{router.config.request_timeout_s:.0f}s") from exc
         asked = request.match_info["model"]
         if status != 200:
             call.code = "INVALID_ARGUMENT" if status == 400 else f"HTTP_{status}"

@@ -5,16 +5,19 @@ places it on a server that is up), turn Triton's failures into the client's answ
 record the outcome.
 
 ``Channels`` holds one gRPC channel per Triton server; ``Sender`` serves requests over them.
-Every retry of a request sent to Triton lives in ``Sender`` (``send``, ``resend_after_unload``,
-``resend_after_unavailable``); the HTTP front end uses ``serving`` and the resends around its
-own POST."""
+Every retry of a request sent to Triton lives in ``Sender.resending``, for gRPC (``send``)
+and HTTP (the front end's POST) alike: one deadline per request, bounded resends, and a wait
+on a server cut short when the control plane declares that server down (``DownWatch``: a
+frozen Triton neither answers nor refuses, so without it a request would wait out its
+deadline)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
@@ -45,6 +48,73 @@ GRPC_MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024
 # explicit unload or a restart in between.
 MAX_RESENDS = 3
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+# How often requests waiting on a server look whether the control plane declared it down.
+DOWN_CHECK_S = 0.1
+# A Triton restarted after a crash or a kill is reached again within a second, not after
+# gRPC's default reconnect backoff (up to 120 s once a few connects failed).
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200),
+                     ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+class Resend(enum.Enum):
+    """Why a request is sent once more (``Sender.resending``)."""
+
+    UNLOADED = "unloaded"  # Triton no longer holds the model: loaded again, sent again
+    UNREACHABLE = "unreachable"  # its server could not be reached, or was declared down
+
+
+class ServerDown(BackendUnavailable):
+    """The control plane declared down the server a request was waiting on."""
+
+    def __init__(self, server: ServerAddress):
+        super().__init__(f"Triton {server.name} at {server.grpc_url} stopped answering and is "
+                         "down; retry shortly")
+
+
+class DownWatch:
+    """Requests waiting on a server, cut short when ``servers()`` (the control plane's
+    published view) reports that server down: they are sent where their model is placed
+    now, within their deadline, instead of waiting on a server that may never answer.
+
+    Looks every ``interval_s`` while any request waits; nothing runs when none does."""
+
+    def __init__(self, servers: Callable[[], Iterable[ServerAddress]], interval_s: float = DOWN_CHECK_S):
+        self._servers = servers
+        self.interval_s = interval_s
+        self._waiting: dict[asyncio.Timeout, str] = {}  # a request's cut -> its server's name
+        self._task: asyncio.Task | None = None
+
+    async def wait(self, server: ServerAddress, answer: Awaitable):
+        """``await answer``; raises ServerDown when ``server`` is declared down first."""
+        cut = asyncio.timeout(None)  # expired by _watch: the request's wait ends, its send is cancelled
+        try:
+            async with cut:
+                self._waiting[cut] = server.name
+                if self._task is None:
+                    self._task = asyncio.get_running_loop().create_task(self._watch())
+                try:
+                    return await answer
+                finally:
+                    del self._waiting[cut]
+        except TimeoutError:
+            if cut.expired():
+                raise ServerDown(server) from None
+            raise  # the transport's own timeout
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._waiting:
+                await asyncio.sleep(self.interval_s)
+                down = {s.name for s in self._servers() if not s.up}
+                if not down:
+                    continue
+                for cut, name in list(self._waiting.items()):
+                    if name in down and cut.when() is None:
+                        cut.reschedule(loop.time())
+        finally:
+            self._task = None
 
 
 @dataclass
@@ -75,6 +145,7 @@ class Channels:
             channel = grpc.aio.insecure_channel(server.grpc_url, options=[
                 ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT_BYTES),
                 ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT_BYTES),
+                *RECONNECT_OPTIONS,
             ])
             # The raw ModelInfer callable sends and receives bytes: the router never
             # re-serializes a request or parses a response it only passes through.
@@ -112,6 +183,7 @@ class Sender:
         self.metrics = metrics
         self.config = config
         self.inflight = 0  # requests in serving(): shadows are shed first when it is high
+        self.down_watch = DownWatch(lambda: self.state.servers())
 
     # ------------------------------------------------------------------ where
     async def server_for(self, model: str, asked: str | None = None, fresh: bool = False,
@@ -226,43 +298,65 @@ class Sender:
 
     async def send(self, call: Call, rpc: Callable[[ServerAddress], Callable], message,
                    timeout_s: float | None, asked: str):
-        """``rpc(server)(message)`` on the call's server; once more, after an ensure, when
-        Triton unloaded the model in between or could not be reached.  ``rpc``:
-        ``channels.raw_infer`` or ``channels.typed_infer``.  Raises RouterError with
-        Triton's answer about ``asked``, the name the client used."""
-        server = call.server
-        timeout = timeout_s or self.config.request_timeout_s
-        deadline = time.monotonic() + timeout
-        resends = 0
+        """``rpc(server)(message)`` on the call's server, sent again where ``resending``
+        says.  ``rpc``: ``channels.raw_infer`` or ``channels.typed_infer``.  Raises
+        RouterError with Triton's answer about ``asked``, the name the client used."""
+        def resend_for(outcome) -> Resend | None:
+            if not isinstance(outcome, grpc.aio.AioRpcError):
+                return None
+            # Unloaded between placement and send (under thrash, again after a resend).
+            if unloaded_under(outcome):
+                return Resend.UNLOADED
+            # A Triton that cannot be reached did not run the request; one whose connection
+            # broke mid-request may have, and inference is sent again as a client retry would.
+            return Resend.UNREACHABLE if outcome.code() == grpc.StatusCode.UNAVAILABLE else None
+
         try:
-            while True:
-                try:
-                    return await rpc(server)(message, timeout=max(0.001, deadline - time.monotonic()))
-                except grpc.aio.AioRpcError as exc:
-                    if resends >= MAX_RESENDS or time.monotonic() >= deadline:
-                        raise
-                    # Unloaded between placement and send (under thrash, again after a
-                    # resend): have it loaded again, within the request's deadline.
-                    if unloaded_under(exc):
-                        resend = self.resend_after_unload(call)
-                    # The server is down (its node died): the control plane places the
-                    # model on a server that is up, so the request does not fail until the
-                    # server is declared lost.  A Triton that cannot be reached did not run
-                    # the request; one whose connection broke mid-request may have, and
-                    # inference is sent again as a client retry would send it.
-                    elif exc.code() == grpc.StatusCode.UNAVAILABLE:
-                        try:
-                            resends += 1
-                            server = await self.resend_after_unavailable(call, server)
-                            continue
-                        except BackendUnavailable:
-                            raise exc from None  # nowhere else to serve it: Triton's own answer
-                    else:
-                        raise
-                resends += 1
-                server = await resend
+            return await self.resending(
+                call, lambda server, left_s: rpc(server)(message, timeout=left_s), resend_for, timeout_s)
         except grpc.aio.AioRpcError as exc:
-            self._reraise(call, server, exc, asked)
+            self._reraise(call, call.server, exc, asked)
+
+    async def resending(self, call: Call, attempt: Callable[[ServerAddress, float], Awaitable],
+                        resend_for: Callable[[object], Resend | None], timeout_s: float | None):
+        """The resend rule of both transports.  ``attempt(server, left_s)`` sends the request
+        to ``server`` with ``left_s`` seconds of its deadline left and returns the answer or
+        raises; ``resend_for(answer or exception)`` says why to send it once more, or None.
+
+        One deadline for the request and all its sends (``timeout_s``: the client's, else
+        ``config.request_timeout_s``); at most MAX_RESENDS resends.  A model unloaded under
+        the request is loaded again; a server that could not be reached, or that the control
+        plane declared down while the request waited on it (``DownWatch``), has the control
+        plane place the model on a server that is up (at once, not when the server is
+        declared lost).  When no resend is left, or there is nowhere else to send, the last
+        answer is returned or its exception raised (Triton's own UNAVAILABLE, say)."""
+        server = call.server
+        deadline = time.monotonic() + (timeout_s or self.config.request_timeout_s)
+        resends = 0
+        while True:
+            try:
+                outcome = await self.down_watch.wait(
+                    server, attempt(server, max(0.001, deadline - time.monotonic())))
+                why = resend_for(outcome)
+            except ServerDown as exc:
+                outcome, why = exc, Resend.UNREACHABLE
+            except Exception as exc:
+                why = resend_for(exc)
+                if why is None:
+                    raise
+                outcome = exc
+            if why is None:
+                return outcome
+            if resends >= MAX_RESENDS or time.monotonic() >= deadline:
+                return _last(outcome)
+            resends += 1
+            if why is Resend.UNLOADED:
+                server = await self.resend_after_unload(call)
+                continue
+            try:
+                server = await self.resend_after_unavailable(call, server)
+            except BackendUnavailable:
+                return _last(outcome)  # nowhere else to serve it
 
     async def resend_after_unload(self, call: Call) -> ServerAddress:
         """Triton no longer holds the model the request was sent to (evicted in between):
@@ -297,3 +391,10 @@ class Sender:
         """A shadow's copy of a request (``router.rollouts.shadow``): no resend, no record."""
         server = await self.server_for(model)
         return await self.channels.raw_infer(server)(request, timeout=timeout_s)
+
+
+def _last(outcome):
+    """The answer a request ends with when it is not sent again: returned, or raised."""
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
