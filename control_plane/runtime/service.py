@@ -314,7 +314,8 @@ class Service:
         canaries = CanaryController(table, stats, on_promote=registry_promoter(registry))
         self.router = Router(self.manager, table, RouterConfig(
             load_timeout_s=cfg.load_wait_timeout_s, max_request_bytes=cfg.max_request_bytes,
-            shadow_log_dir=(cfg.state_dir / "shadow").resolve()), names=names,
+            shadow_log_dir=(cfg.state_dir / "shadow").resolve(),
+            miss_budget_per_s=cfg.miss_budget, client_header=cfg.client_header), names=names,
             families=self.families, stats=stats, canaries=canaries)
         await self.router.start()
         add_router_routes(admin_app, self.router)

@@ -19,6 +19,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from router.frontends.shared_memory import CUDA_REFUSAL, refuse_remote
 from router.serving.core import GRPC_MESSAGE_LIMIT_BYTES, Router
 from router.serving.errors import PermissionDenied, RateLimited, RouterError
+from router.serving.miss_budget import CLIENT, grpc_client
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._model_call(context, request.name, "statistics", request.version)
 
     async def ModelInfer(self, request, context):
+        CLIENT.set(grpc_client(self.router.config, context))
         try:
             self.router.shared_memory.admit(request, context.peer(), self.max_request_bytes)
             return await self.router.forwarder.infer(request, _user_id(request, context),
@@ -121,6 +123,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             await _abort(context, exc)
 
     async def ModelStreamInfer(self, request_iterator, context):
+        CLIENT.set(grpc_client(self.router.config, context))
         async for request in request_iterator:
             try:
                 self.router.shared_memory.admit(request, context.peer(), self.max_request_bytes)
@@ -232,6 +235,7 @@ def model_infer_raw(router: Router, max_request_bytes: int):
     """ModelInfer on bytes (no deserializer): the hot path never re-serializes.  A request
     that names shared memory is admitted first (``SystemSharedMemory.admit_raw``)."""
     async def infer(raw: bytes, context):
+        CLIENT.set(grpc_client(router.config, context))
         try:
             router.shared_memory.admit_raw(raw, context.peer(), max_request_bytes)
             return await router.forwarder.infer_raw(raw, lambda: _metadata_user_id(context),

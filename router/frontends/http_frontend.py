@@ -48,6 +48,7 @@ from router.serving.errors import (
     parse_version,
 )
 from router.serving.forward import refuse_family_control, routing_shown
+from router.serving.miss_budget import CLIENT, http_client
 from router.serving.repository_config import triton_json
 from router.serving.send import Resend
 from router.serving.serving_state import UNLOADED_PREFIX
@@ -240,6 +241,7 @@ def _resend_for(outcome) -> Resend | None:
 
 async def infer(request: web.Request) -> web.Response:
     router = _router(request)
+    CLIENT.set(http_client(router.config, request))
     version = _version(request)  # Triton routes no other URL: refused before the body is read
     limit = router.config.max_request_bytes
     if request.content_length is not None and request.content_length > limit:

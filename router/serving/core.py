@@ -78,6 +78,10 @@ class RouterConfig:
     # Shared-memory registrations, shared by the router workers of one host (None: this
     # process's own, in a temporary directory).
     shared_memory_dir: Path | None = None
+    # Misses one client may cause a second (miss_budget.MissBudget; 0: no budget), and the
+    # trusted header that names clients (None: their peer address).
+    miss_budget_per_s: float = 0.0
+    client_header: str | None = None
 
 
 class Router:

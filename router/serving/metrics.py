@@ -32,6 +32,9 @@ class RouterMetrics:
         self.shadow_results = Counter("mmr_shadow_results_total",
                                       "Shadow outcomes: match, diverged, error, timeout",
                                       ["route", "result"], registry=r)
+        self.miss_budget_refused = Counter(
+            "mmr_miss_budget_refused_total",
+            "Requests refused because their client caused more misses than its budget", registry=r)
         self.refused = Counter("mmr_refused_total", "Model-control calls refused on the public port",
                                ["api"], registry=r)
         self.inflight = Gauge("mmr_inflight_requests", "Requests in flight", registry=r,

@@ -37,6 +37,7 @@ from router.serving.errors import (
     from_control_plane,
 )
 from router.serving.metrics import Recording, RouterMetrics
+from router.serving.miss_budget import MissBudget
 from router.serving.serving_state import UNLOADED_PREFIX, ServerAddress, ServingState
 
 if TYPE_CHECKING:
@@ -184,6 +185,8 @@ class Sender:
         self.config = config
         self.inflight = 0  # requests in serving(): shadows are shed first when it is high
         self.down_watch = DownWatch(lambda: self.state.servers())
+        self.miss_budget = MissBudget(config.miss_budget_per_s,
+                                      on_refused=metrics.miss_budget_refused.inc)
 
     # ------------------------------------------------------------------ where
     async def server_for(self, model: str, asked: str | None = None, fresh: bool = False,
@@ -202,6 +205,8 @@ class Sender:
                 return server
             unreachable = server.name
         asked = asked or model
+        if not fresh and unreachable is None:  # the client's own miss, not one of our resends
+            self.miss_budget.spend(asked)
         start = time.perf_counter()
         counted = False
         try:

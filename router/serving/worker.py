@@ -64,7 +64,8 @@ async def serve(args: WorkerConfig) -> None:
     router = Router(state, state.table, RouterConfig(
         load_timeout_s=args.load_timeout, max_request_bytes=args.max_request_bytes,
         shadow_log_dir=args.shadow_log_dir, canary_interval_s=0,
-        shared_memory_dir=args.shared_memory_dir), names=state.names,
+        shared_memory_dir=args.shared_memory_dir, miss_budget_per_s=args.miss_budget,
+        client_header=args.client_header), names=state.names,
         metrics=metrics, stats=state, limiter=limiter)
     state.loop_failures = router.metrics.loop_failures
 

@@ -48,6 +48,16 @@ class WorkerConfig:
         flag="--max-request-bytes", parse=parse_size, show=size_text, metavar="SIZE")
     load_timeout: float = setting(120.0, "Seconds a request waits for its model to load.",
                                   flag="--load-timeout", parse=float)
+    miss_budget: float = setting(
+        2.0, "Misses (requests that wait for their model to load or a slot to fill) one client "
+        "may cause a second in each router worker, and 10 s of them at once; past it the client "
+        "gets RESOURCE_EXHAUSTED / 429 before anything is loaded or evicted for it. A client is "
+        "its peer address (loopback peers are not counted) or --client-header. 0: no budget.",
+        flag="--miss-budget", parse=float)
+    client_header: str | None = setting(
+        None, "Header that names the client for the miss budget, set by a proxy you trust "
+        "(e.g. X-Forwarded-For); calls without it count against their peer address.",
+        flag="--client-header")
     token_file: Path | None = setting(
         None, "File holding the data-plane token, read when neither MMS_DATAPLANE_TOKEN nor "
         "MMS_ADMIN_TOKEN (or MMCTL_TOKEN) is set.", flag="--token-file", parse=file_path, metavar="PATH",

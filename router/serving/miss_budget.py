@@ -1,0 +1,125 @@
+"""How many misses one client may cause: a miss loads a model (or fills a family's slot) and
+may evict another client's, so a client cycling through model names could otherwise push
+every hot model out of memory.
+
+Each client has a token bucket per router worker (``rate_per_s``, up to ``burst``); a request
+that needs a load spends a token, and a client with none left gets RESOURCE_EXHAUSTED / 429
+with the reason and when to retry, before anything is loaded or evicted for it.  Requests for
+resident models never spend one.  A client is its peer address, or the value of a header the
+operator names (set by a proxy they trust); peers on the loopback interface are not counted
+unless that header names them (local tools, health checks, a proxy on the same host that does
+not say who its clients are).
+
+The frontends set ``CLIENT`` at the start of each inference call (the transport knows the
+peer); the sender reads it where it finds a miss, so gRPC and HTTP share one check.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections.abc import Callable
+from contextvars import ContextVar
+
+from router.serving.errors import RateLimited
+
+# The client of the inference call this task serves (None: not counted).
+CLIENT: ContextVar[str | None] = ContextVar("mms_client", default=None)
+BURST_SECONDS = 10.0  # the bucket holds this many seconds of the rate
+
+
+def client_identity(peer_host: str | None, named: str | None = None) -> str | None:
+    """Who a call counts against: the trusted header's value when the operator named one and
+    the call carries it, else the peer's address; None for a loopback peer."""
+    if named:
+        return named[:200]
+    if not peer_host:
+        return None
+    try:
+        if ipaddress.ip_address(peer_host.strip("[]")).is_loopback:
+            return None
+    except ValueError:
+        pass
+    return peer_host
+
+
+def named_client(value: str | None) -> str | None:
+    """The client a trusted header names: its last comma-separated entry (a proxy appends
+    the address it saw to what the client sent, so only the last one is its own)."""
+    if not value:
+        return None
+    return value.rsplit(",", 1)[-1].strip() or None
+
+
+def grpc_client(router_config, context) -> str | None:
+    """The client of a gRPC call, as ``client_identity`` says."""
+    header = (router_config.client_header or "").lower()
+    named = None
+    if header:
+        named = named_client(next((v for k, v in context.invocation_metadata() or ()
+                                   if k == header), None))
+    return client_identity(grpc_peer_host(context.peer()), named)
+
+
+def http_client(router_config, request) -> str | None:
+    """The client of an HTTP request (aiohttp), as ``client_identity`` says."""
+    header = router_config.client_header
+    named = named_client(request.headers.get(header)) if header else None
+    return client_identity(request.remote, named)
+
+
+def grpc_peer_host(peer: str | None) -> str | None:
+    """The address in a gRPC peer string (``ipv4:10.0.0.7:5123``, ``ipv6:[::1]:5123``)."""
+    if not peer:
+        return None
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0].strip("[]")
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    return rest or None
+
+
+class MissBudget:
+    """Token buckets of misses, one per client.  ``rate_per_s`` <= 0 turns the budget off."""
+
+    MAX_CLIENTS = 10_000
+
+    def __init__(self, rate_per_s: float, clock: Callable[[], float] = time.monotonic,
+                 on_refused: Callable[[], None] | None = None):
+        self.rate_per_s = rate_per_s
+        self.burst = max(1.0, rate_per_s * BURST_SECONDS)
+        self.clock = clock
+        self.on_refused = on_refused
+        self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, at)
+
+    def spend(self, model: str, client: str | None = None) -> None:
+        """Count a miss for ``client`` (default: this call's, ``CLIENT``); raises RateLimited
+        when it has none left."""
+        client = CLIENT.get() if client is None else client
+        if self.rate_per_s <= 0 or client is None:
+            return
+        now = self.clock()
+        tokens, at = self._buckets.get(client, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate_per_s)
+        if tokens < 1.0:
+            self._buckets[client] = (tokens, now)
+            if self.on_refused is not None:
+                self.on_refused()
+            retry_after_s = (1.0 - tokens) / self.rate_per_s
+            raise RateLimited(
+                f"'{model}' is not loaded and client {client} has caused more misses than its "
+                f"budget ({self.rate_per_s:g} a second, {self.burst:g} at once): each one loads a "
+                f"model and may evict another's; retry in {retry_after_s:.1f} s, or ask for "
+                "models that are loaded", retry_after_s)
+        if len(self._buckets) >= self.MAX_CLIENTS and client not in self._buckets:
+            self._forget_full(now)
+        self._buckets[client] = (tokens - 1.0, now)
+
+    def _forget_full(self, now: float) -> None:
+        """Drop clients whose bucket has refilled (they are as if never seen); if every one is
+        still spending, drop them all rather than grow without bound."""
+        self._buckets = {c: (t, at) for c, (t, at) in self._buckets.items()
+                         if t + (now - at) * self.rate_per_s < self.burst}
+        if len(self._buckets) >= self.MAX_CLIENTS:
+            self._buckets.clear()
