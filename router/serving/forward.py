@@ -26,10 +26,15 @@ from router.serving.serving_state import ServingState
 
 
 def refuse_family_control(parameters) -> None:
-    """A family's slot control is model control: never from the public port."""
+    """A family's slot control is model control: never from the public port.  Nor is the
+    variant a family model answers for: the router names it from the model asked for, so a
+    client cannot reach a variant's weights past its routes and limits through another name."""
     if CONTROL_PARAMETER in parameters:
         raise PermissionDenied(f"parameter {CONTROL_PARAMETER} is model control, not available on "
                                "the public port; use mmctl load/unload/pin")
+    if VARIANT_PARAMETER in parameters:
+        raise InvalidRequest(f"parameter {VARIANT_PARAMETER} is set by the router, not by clients: "
+                             "ask for the variant by its model name")
 
 
 def routing_shown(asked: str, decision: Decision) -> bool:

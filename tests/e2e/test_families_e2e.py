@@ -96,6 +96,17 @@ def test_the_demo_family_serves_every_variant_by_name_through_the_router(product
         grpcclient.InferenceServerClient(grpc_url).infer(
             "cust003", [grpcclient.InferInput("FEATURES", [1, 64], "FP32").set_data_from_numpy(
                 np.zeros((1, 64), np.float32))], parameters={"mms_family_control": "{}"})
+    # Nor may a client name the variant a family model answers for: another variant's weights
+    # would answer under this name, past that variant's routes and limits.
+    for model in ("cust003", "recommender"):
+        crossed = requests.post(f"http://{http_url}/v2/models/{model}/infer", timeout=10, json={
+            "parameters": {"mms_variant": "cust004"},
+            "inputs": [{"name": "FEATURES", "shape": [1, 64], "datatype": "FP32", "data": [0.0] * 64}]})
+        assert crossed.status_code == 400 and "set by the router" in crossed.text, crossed.text
+    with pytest.raises(Exception, match="INVALID_ARGUMENT"):
+        grpcclient.InferenceServerClient(grpc_url).infer(
+            "cust003", [grpcclient.InferInput("FEATURES", [1, 64], "FP32").set_data_from_numpy(
+                np.zeros((1, 64), np.float32))], parameters={"mms_variant": "cust004"})
 
     # A wrong shape is Triton's own answer, about the variant the client named.
     bad = grpcclient.InferInput("FEATURES", [1, 32], "FP32")
