@@ -131,6 +131,12 @@ def health(api: Api, model: str, probe: bool, as_json: bool):
         sys.exit(EXIT_UNHEALTHY)
 
 
+def _server_state(server: dict) -> str:
+    """up, suspect (a probe missed: still serving) or DOWN."""
+    health = server.get("health") or ("up" if server["up"] else "down")
+    return "DOWN" if health == "down" else health
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_api
@@ -138,7 +144,7 @@ def fleet(api: Api, as_json: bool):
     """Triton servers: device, capacity, used, models."""
     servers = api.fleet()
     rows = [[s["server"], s["device"] + (" (isolated)" if s.get("isolated") else ""),
-             s["grpc_url"], "up" if s["up"] else "DOWN",
+             s["grpc_url"], _server_state(s),
              str(s["max_loaded"] or "-"), _bytes(s["memory_budget_bytes"]), _bytes(s["used_bytes"]),
              ",".join(s["loaded"]) or "-"] for s in servers]
     _emit(servers, as_json, _table(rows, ["SERVER", "DEVICE", "GRPC", "STATUS", "MAX MODELS",

@@ -435,3 +435,12 @@ def test_a_grpc_request_ends_with_tritons_deadline_answer_when_nothing_says_its_
         assert info.value.grpc_code == grpc.StatusCode.DEADLINE_EXCEEDED and state.unreachable == []
 
     run(go())
+
+
+def test_mmctl_fleet_says_when_a_server_is_suspect_or_down():
+    from control_plane.cli.main import _server_state
+
+    assert _server_state({"up": True, "health": "up"}) == "up"
+    assert _server_state({"up": True, "health": "suspect"}) == "suspect"
+    assert _server_state({"up": False, "health": "down"}) == "DOWN"
+    assert _server_state({"up": False}) == "DOWN"  # a control plane from before health states
