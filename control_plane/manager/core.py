@@ -249,7 +249,7 @@ class ModelManager:
 
     async def close(self) -> None:
         st = self.state
-        for task in list(st.background) + list(st.loads.values()) + list(st.unloads.values()):
+        for task in [*st.loops, *st.background, *st.loads.values(), *st.unloads.values()]:
             task.cancel()
         self.reconciler.health.close()
         for server in self.servers.values():

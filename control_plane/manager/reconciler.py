@@ -49,7 +49,7 @@ class Reconciler:
         run from then on, beside the passes (``Health.run_forever``)."""
         await self.step()
         await self.pins.load_pinned()
-        self.state.spawn(self.health.run_forever())
+        self.state.spawn(self.health.run_forever(), forever=True)
 
     async def step(self) -> None:
         """One reconcile pass: re-read each Triton's index and correct what drifted.  The

@@ -59,7 +59,8 @@ class ManagerState:
         self.lock = asyncio.Lock()
         self.loads: dict[str, asyncio.Task] = {}  # one load task per model; late callers await it
         self.unloads: dict[str, asyncio.Task] = {}  # one unload task per model
-        self.background: set[asyncio.Task] = set()
+        self.background: set[asyncio.Task] = set()  # work that ends (a repair, an unload)
+        self.loops: set[asyncio.Task] = set()  # work that runs until close (the probes)
         self.load_listeners: list[Callable[[str, ModelRecord], None]] = []
         self.move_listeners: list[Callable[[str], None]] = []  # a model's state changed
 
@@ -103,11 +104,14 @@ class ManagerState:
 
         self.store.db.off_loop(self.store.save_model, name, **fields).add_done_callback(logged)
 
-    def spawn(self, coro) -> None:
-        """Run ``coro`` in the background; ``ModelManager.close`` cancels what is left."""
+    def spawn(self, coro, forever: bool = False) -> None:
+        """Run ``coro`` in the background; ``ModelManager.close`` cancels what is left.
+        ``forever``: a loop that never ends, kept apart from the work that does (whoever
+        waits for the manager to be idle waits for ``background``)."""
         task = asyncio.get_running_loop().create_task(coro)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
+        tasks = self.loops if forever else self.background
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     def evictable_again(self, rec: ModelRecord) -> None:
         """A resident is evictable when it is READY and no request holds it."""
