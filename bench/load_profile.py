@@ -136,6 +136,12 @@ def stub_rss_bytes(model: str, repo: Path) -> int | None:
     return None
 
 
+def median_or_none(values: list) -> float | None:
+    """The median of the values measured (a cycle may measure none of one kind)."""
+    measured = [v for v in values if v is not None]
+    return statistics.median(measured) if measured else None
+
+
 class Timed:
     """Wraps a TritonAdmin's calls and records how long each took (seconds, last call)."""
 
@@ -144,7 +150,9 @@ class Timed:
         self.last: dict[str, float] = {}
         self.started: dict[str, float] = {}
         self.calls: dict[str, list[float]] = {}
-        for method in ("load", "warmup_plan", "warmup", "statistics", "index"):
+        # triton_index: the index RPC itself, which the unload's wait for UNAVAILABLE polls
+        # (index() is the manager's view and calls it too).
+        for method in ("load", "warmup_plan", "warmup", "statistics", "triton_index"):
             setattr(admin, method, self._wrap(method, getattr(admin, method)))
 
     def _wrap(self, method, real):
@@ -223,11 +231,11 @@ async def profile(proc: TritonProcess, repo: Path, work: Path, names: list[str],
         u0 = time.time()
         await admin.unload(name)
         tight = asyncio.create_task(tight_free(watcher, name))
-        timed.calls.pop("index", None)
+        timed.calls.pop("triton_index", None)
         await admin.wait_unavailable(name)
         seen_by_control_plane = time.time()
         freed = await tight
-        polls = timed.calls.get("index", [])
+        polls = timed.calls.get("triton_index", [])
         row["unload_to_free_s"] = freed - u0
         row["polling_lag_s"] = max(0.0, seen_by_control_plane - freed)
         row["index_polls"] = len(polls)
@@ -281,7 +289,7 @@ def main(argv=None) -> dict:
     phases = ["triton_to_stub_process_s", "stub_startup_s", "imports_s", "triton_until_initialize_s",
               "weights_read_s", "model_build_s", "after_initialize_until_load_returns_s",
               "warmup_plan_s", "warmup_infer_s", "control_plane_rest_s"]
-    med = {k: statistics.median(r[k] for r in rows) for k in
+    med = {k: median_or_none([r[k] for r in rows]) for k in
            phases + ["ensure_s", "load_rpc_s", "statistics_rpc_s", "unload_to_free_s", "polling_lag_s",
                      "index_polls", "index_rpc_ms"]}
     refs = {}
@@ -328,7 +336,8 @@ def main(argv=None) -> dict:
           f"{refs['floor']['stub_rss_bytes'] / 2**20:.0f} MiB")
     print(f"  unload until Triton shows UNAVAILABLE {med['unload_to_free_s']:.3f} s; the control "
           f"plane's polling saw it {med['polling_lag_s'] * 1000:.0f} ms later, after "
-          f"{med['index_polls']:.0f} index RPCs of {med['index_rpc_ms']:.2f} ms (medians)")
+          f"{med['index_polls']:.0f} index RPCs of "
+          f"{'-' if med['index_rpc_ms'] is None else format(med['index_rpc_ms'], '.2f')} ms (medians)")
     print(f"wrote {args.out}")
     return result
 
