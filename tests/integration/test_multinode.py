@@ -28,6 +28,7 @@ import tritonclient.grpc as grpcclient
 from control_plane.triton.admin import admin_key_headers
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess, free_port
 from tests.conftest import fresh_database, triton_log_count
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.multinode]
 
@@ -78,15 +79,9 @@ class ControlPlane:
                 self.proc.wait()
 
 
-def wait_for(predicate, timeout_s: float, what: str, logs: list[Path] = ()):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    tails = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs if p.exists())
-    raise AssertionError(f"{what} within {timeout_s}s\n{tails}")
+def log_tails(logs: list[Path]):
+    return lambda: "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                             for p in logs if p.exists())
 
 
 def ready_models(proc: TritonProcess) -> set[str]:
@@ -126,10 +121,10 @@ def cluster(postgres_server, fleet_template, tmp_path_factory):
             "--reconcile-interval", "0.5"]
     planes = {"cp-a": ControlPlane("cp-a", root, args, env)}
     logs = [planes["cp-a"].log]
-    wait_for(planes["cp-a"].ready, 120, "the first control plane did not lead", logs)
+    wait_for(planes["cp-a"].ready, 120, "the first control plane did not lead", log_tails(logs))
     planes["cp-b"] = ControlPlane("cp-b", root, args, env)
     logs.append(planes["cp-b"].log)
-    wait_for(lambda: planes["cp-b"].answers("/livez") == 200, 60, "the standby did not start", logs)
+    wait_for(lambda: planes["cp-b"].answers("/livez") == 200, 60, "the standby did not start", log_tails(logs))
     grpc_port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     control_urls = ",".join(cp.url for cp in planes.values())
     routers = []
@@ -149,7 +144,7 @@ def cluster(postgres_server, fleet_template, tmp_path_factory):
         except requests.RequestException:
             return False
 
-    wait_for(routers_ready, 60, "the router workers did not get ready", logs)
+    wait_for(routers_ready, 60, "the router workers did not get ready", log_tails(logs))
     yield {"tritons": tritons, "planes": planes, "routers": routers, "logs": logs,
            "postgres_url": postgres_url,
            "grpc": f"127.0.0.1:{grpc_port}", "http": router_url}
@@ -212,7 +207,7 @@ def test_leader_killed_under_traffic_standby_takes_over_then_a_node_is_lost(clus
     killed_at = time.monotonic()
     leader.proc.send_signal(signal.SIGKILL)
     leader.proc.wait()
-    wait_for(standby.ready, 10.0, "the standby did not lead within 10 s", logs)
+    wait_for(standby.ready, 10.0, "the standby did not lead within 10 s", log_tails(logs))
     took_over_s = time.monotonic() - killed_at
     time.sleep(2.0)  # traffic goes on through the new leader's snapshots
     stop.set()
@@ -253,7 +248,7 @@ def test_leader_killed_under_traffic_standby_takes_over_then_a_node_is_lost(clus
                 return False
 
         wait_for(served_again, LOST_AFTER_S + 60, f"the models of the lost node {lost} were "
-                 "not served again", logs)
+                 "not served again", log_tails(logs))
         for model in lost_models:
             assert standby.call("GET", f"/v1/models/{model}").json()["server"] == survivor
         assert lost_models <= ready_models(cluster["tritons"][survivor])
@@ -263,12 +258,12 @@ def test_leader_killed_under_traffic_standby_takes_over_then_a_node_is_lost(clus
             assert fleet[lost]["up"] is False
             return fleet[lost]["lost"]
 
-        wait_for(declared_lost, LOST_AFTER_S + 30, f"{lost} was not declared lost", logs)
+        wait_for(declared_lost, LOST_AFTER_S + 30, f"{lost} was not declared lost", log_tails(logs))
     finally:
         frozen.send_signal(signal.SIGCONT)
     # Back: it takes models again, and the copies it kept while cut off are unloaded.
     wait_for(lambda: not ready_models(cluster["tritons"][lost]) & lost_models, 30,
-             f"{lost} kept its stray copies after it came back", logs)
+             f"{lost} kept its stray copies after it came back", log_tails(logs))
     fleet = {s["server"]: s for s in standby.call("GET", "/v1/fleet").json()}
     assert fleet[lost]["up"] is True and fleet[lost]["lost"] is False
     for model in lost_models:
@@ -290,12 +285,12 @@ def test_a_paused_leader_is_deposed_and_exits_without_acting(cluster):
     successor = ControlPlane("cp-c", root, args, env)
     cluster["planes"]["cp-c"] = successor
     logs = cluster["logs"] + [successor.log]
-    wait_for(lambda: successor.answers("/livez") == 200, 60, "the new standby did not start", logs)
+    wait_for(lambda: successor.answers("/livez") == 200, 60, "the new standby did not start", log_tails(logs))
     loaded_before = {node: ready_models(p) for node, p in cluster["tritons"].items()
                      if p.alive()}
     leader.proc.send_signal(signal.SIGSTOP)
     try:
-        wait_for(successor.ready, 10.0, "the standby did not lead within 10 s of the pause", logs)
+        wait_for(successor.ready, 10.0, "the standby did not lead within 10 s of the pause", log_tails(logs))
     finally:
         leader.proc.send_signal(signal.SIGCONT)
     assert leader.proc.wait(15) == 75, "the deposed leader did not exit as deposed"

@@ -26,6 +26,7 @@ from control_plane.demo.fleet import WEIGHTS_FILE
 from tests.conftest import pid_alive
 from tests.product import Product
 from tests.reference import mlp_scores
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -59,14 +60,8 @@ def ready_on(http_url: str) -> bool:
         return False
 
 
-def wait_for(predicate, timeout_s: float, what: str, product: Product):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"{what} within {timeout_s}s\n{product.log_text()[-4000:]}")
+def product_log(product: Product):
+    return lambda: product.log_text()[-4000:]
 
 
 def test_a_frozen_triton_is_down_and_its_requests_are_answered_elsewhere(repository, tmp_path):
@@ -119,12 +114,12 @@ def test_a_frozen_triton_is_down_and_its_requests_are_answered_elsewhere(reposit
         def up(server: str) -> bool:
             return next(s for s in admin("/v1/fleet") if s["server"] == server)["up"]
 
-        wait_for(lambda: not up(frozen), 10, f"{frozen} was not declared down", product)
+        wait_for(lambda: not up(frozen), 10, f"{frozen} was not declared down", product_log(product))
         down_after_s = time.monotonic() - stopped_at
         wait_for(lambda: admin(f"/v1/models/{MODEL}")["server"] == survivor, DEADLINE_S,
-                 f"{MODEL} was not placed on {survivor}", product)
+                 f"{MODEL} was not placed on {survivor}", product_log(product))
         wait_for(lambda: sum(1 for _p, _sent, answered in served if answered > stopped_at) >= 8
-                 or errors, DEADLINE_S, "requests were not answered after the freeze", product)
+                 or errors, DEADLINE_S, "requests were not answered after the freeze", product_log(product))
         stop.set()
         for t in threads:
             t.join(DEADLINE_S + 5)
@@ -140,8 +135,8 @@ def test_a_frozen_triton_is_down_and_its_requests_are_answered_elsewhere(reposit
 
         # The frozen process is killed and started again, empty: the model is loaded once.
         wait_for(lambda: not pid_alive(frozen_pid), 10,
-                 f"the frozen tritonserver {frozen_pid} was not killed", product)
-        wait_for(lambda: up(frozen), 30, f"{frozen} was not started again", product)
+                 f"the frozen tritonserver {frozen_pid} was not killed", product_log(product))
+        wait_for(lambda: up(frozen), 30, f"{frozen} was not started again", product_log(product))
         fleet = {s["server"]: s for s in admin("/v1/fleet")}
         assert MODEL in fleet[survivor]["loaded"] and MODEL not in fleet[frozen]["loaded"]
         assert ready_on(fleet[survivor]["http_url"]) and not ready_on(fleet[frozen]["http_url"])
