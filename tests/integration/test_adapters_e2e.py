@@ -16,13 +16,11 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from control_plane.demo.lora import LoraDemoSpec, write_demo_adapter, write_lora_model
-from control_plane.triton.process import which_tritonserver
 from model_runtime.lora.models import TinyLMConfig
 from tests.product import Product
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(which_tritonserver() is None, reason="no tritonserver binary"),
 ]
 
 SPEC = LoraDemoSpec(

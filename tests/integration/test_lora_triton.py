@@ -12,9 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import tritonclient.grpc as tritonclient_grpc
+from tritonclient.utils import InferenceServerException
 
 from control_plane.demo.lora import LoraDemoSpec, generate_lora_demo, write_demo_adapter
-from control_plane.triton.process import TritonLaunchConfig, TritonProcess, which_tritonserver
+from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 from model_runtime.lora.manifest import Manifest, write_manifest
 from model_runtime.lora.models import load_recommender, load_tinylm
 from model_runtime.lora.runtime import (
@@ -26,12 +28,8 @@ from model_runtime.lora.runtime import (
 )
 from model_runtime.lora.server import Job
 
-tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
-from tritonclient.utils import InferenceServerException
-
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(which_tritonserver() is None, reason="no tritonserver binary"),
 ]
 
 LOAD_DELAY_S = 1.0  # recommender_lora's cold loads are slowed to make blocking observable

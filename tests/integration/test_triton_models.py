@@ -13,15 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as tritonclient_grpc
+import tritonclient.http as tritonclient_http
 
-from control_plane.triton.process import TritonLaunchConfig, TritonProcess, which_tritonserver
-
-tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
-tritonclient_http = pytest.importorskip("tritonclient.http")
+from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(which_tritonserver() is None, reason="no tritonserver binary"),
 ]
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "models"

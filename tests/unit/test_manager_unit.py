@@ -41,6 +41,9 @@ class FakeAdmin:
     def measured(self, model):
         return True
 
+    async def is_live(self):  # the liveness probe: this Triton always answers
+        return True
+
     async def index(self, ready_only=False):
         return {m: IndexEntry(m, s) for m, s in self.states.items()
                 if not ready_only or s == TritonModelState.READY}
@@ -384,6 +387,14 @@ def test_capacity_message_counts_only_models_really_pinned(tmp_path):
             pinned = re.search(r"pinned: ([^;)]*)", message).group(1).split(", ")
             assert len(pinned) <= 2, message
             assert "m2" not in pinned, message  # it was unloading: busy, not a pinned slot
+        if not messages:
+            # m3 found room (m2's slot was not counted as a pin while it unloaded); the pin
+            # then loaded m2 again, evicting m3: both pins hold, within the two slots.
+            assert mgr.get("m1").pinned and mgr.get("m2").pinned
+            assert mgr.get("m2").state == ModelState.READY and mgr.get("m3").state != ModelState.READY
+        resident = {n for n in ("m1", "m2", "m3") if mgr.get(n).state == ModelState.READY}
+        assert len(resident) <= 2 and resident == {
+            n for n in ("m1", "m2", "m3") if _admin.states[n] == TritonModelState.READY}
 
     run(go())
 
