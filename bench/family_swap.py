@@ -16,7 +16,7 @@ Unmodified tritonclient gRPC through the router measures:
   (VmRSS) after the first round and after the cycles, against one slot's bytes.
 
 ``--light-fleet`` (family layout): the variants are written as ``bench.seed_scenario
---variant-mb`` writes them (one random draw of the hidden layers shared by all, each
+--variant-mb`` writes them (``bench.sized_fleet``: one random draw of the hidden layers shared by all, each
 variant's own first and last layer) into a repository in /dev/shm that ``mmctl up`` serves,
 instead of its demo fleet (a full random draw per variant, and the demo's extra models):
 the same sizes and files for a miss, written in a fraction of the time (850 MB variants).
@@ -102,7 +102,7 @@ def family_rss_bytes() -> int | None:
 
 def light_repository(args) -> Path:
     """The family's variants written cheaply into host DRAM (see --light-fleet)."""
-    from bench.seed_scenario import write_sized_fleet
+    from bench.sized_fleet import write_sized_fleet
     from control_plane.demo.fleet import demo_spec
 
     where = args.work_dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
