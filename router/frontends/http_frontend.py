@@ -33,7 +33,7 @@ from router.frontends.http_request import (
 )
 from router.frontends.http_shadow import offer as offer_shadow
 from router.frontends.http_shared_memory import shared_memory_routes
-from router.frontends.shared_memory import json_uses_shared_memory
+from router.frontends.shared_memory_requests import json_uses_shared_memory
 from router.serving.core import Router
 from router.serving.errors import (
     BackendUnavailable,

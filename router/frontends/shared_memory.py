@@ -25,14 +25,11 @@ hold.
 
 from __future__ import annotations
 
-import errno
 import hashlib
-import ipaddress
 import json
 import logging
 import os
 import shutil
-import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,36 +40,27 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import serialize_byte_tensor, triton_to_np_dtype
 
-from router.serving.errors import PayloadTooLarge, PermissionDenied, RouterError
+from router.frontends.peers import loopback_peer
+from router.frontends.shared_memory_objects import SharedMemoryError, open_object
+from router.frontends.shared_memory_requests import (
+    BYTE_SIZE,
+    OFFSET,
+    REGION,
+    SHM_PARAMETERS,
+    grpc_place,
+    json_uses_shared_memory,
+    names_region,
+    uses_shared_memory,
+)
+from router.serving.errors import PayloadTooLarge, PermissionDenied
 
 log = logging.getLogger(__name__)
 
-REGION = "shared_memory_region"
-OFFSET = "shared_memory_offset"
-BYTE_SIZE = "shared_memory_byte_size"
-SHM_PARAMETERS = (REGION, OFFSET, BYTE_SIZE)
-SHM_ROOT = Path("/dev/shm")
 CUDA_REFUSAL = ("CUDA shared memory is not available through the router: its handle maps memory of "
                 "a GPU that Triton, not the router, holds. Use system shared memory (same host) or "
                 "send the tensors in the request")
 REMOTE_REFUSAL = ("system shared memory is only for clients on the router's host (loopback); "
                   "send the tensors in the request instead")
-# The parameter's name as it appears in a serialized request that names a region.
-REGION_MARK = REGION.encode()
-
-# Triton's HTTP status for each of its error codes (its HTTP front end maps them this way).
-_HTTP_STATUS = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.INTERNAL: 500,
-                grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.UNIMPLEMENTED: 501}
-
-
-class SharedMemoryError(RouterError):
-    """A shared-memory answer in Triton's code and words."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.grpc_code = code
-        self.http_status = _HTTP_STATUS.get(code, 400)
-
 
 @dataclass(frozen=True)
 class Region:
@@ -110,59 +98,6 @@ def refuse_remote(peer: str | None) -> None:
         raise PermissionDenied(REMOTE_REFUSAL)
 
 
-def loopback_peer(address: str | None) -> bool:
-    """``address``: an IP ("127.0.0.1", "::1") or gRPC's peer ("ipv4:127.0.0.1:5000",
-    "ipv6:[::1]:5000", "unix:/path")."""
-    if not address:
-        return False
-    if address.startswith("unix:"):
-        return True
-    if address.startswith(("ipv4:", "ipv6:")):
-        address = address[5:].rsplit(":", 1)[0].strip("[]")
-    try:
-        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return False
-
-
-# Objects of the serving processes themselves (Triton's python-backend stubs, PostgreSQL,
-# POSIX semaphores): a client may not name them as its region.
-PRIVATE_PREFIXES = ("triton_python_backend", "PostgreSQL", "sem.")
-
-
-def _object_path(key: str) -> Path | None:
-    """The file of POSIX shared-memory object ``key`` (shm_open's name), or None for a key
-    that names no client object in /dev/shm (a path, "..", a serving process's own)."""
-    name = key.removeprefix("/")
-    if (not name or "/" in name or name in (".", "..") or "\0" in name
-            or name.startswith(PRIVATE_PREFIXES)):
-        return None
-    return SHM_ROOT / name
-
-
-def _open_object(key: str, flags: int) -> tuple[int, int]:
-    """A descriptor of shared-memory object ``key`` and its size now.  A symbolic link is
-    refused (it could point at any file the router may open), and so is anything but a
-    regular file (a FIFO would block the worker)."""
-    path = _object_path(key)
-    if path is None:
-        raise SharedMemoryError(grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'")
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"Unable to open shared memory region: '{key}' is a symbolic link; "
-                                    "register the shared-memory object itself") from None
-        raise SharedMemoryError(grpc.StatusCode.INTERNAL,
-                                f"Unable to open shared memory region: '{key}'") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise SharedMemoryError(grpc.StatusCode.INTERNAL, f"Unable to open shared memory region: '{key}'")
-    return fd, st.st_size
-
-
 class SystemSharedMemory:
     """The regions registered through this router (all of its workers when ``directory`` is
     shared), and the reads and writes of tensors in them."""
@@ -196,7 +131,7 @@ class SystemSharedMemory:
         return self.directory / (hashlib.sha256(name.encode()).hexdigest()[:40] + ".json")
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        fd, size = _open_object(key, os.O_RDWR)  # outputs are written: read-write, as Triton opens it
+        fd, size = open_object(key, os.O_RDWR)  # outputs are written: read-write, as Triton opens it
         os.close(fd)
         if size == 0:
             raise SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -290,7 +225,7 @@ class SystemSharedMemory:
             raise SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"Invalid offset + byte size for shared memory region: '{name}'")
         try:
-            fd, size = _open_object(region.key, flags)
+            fd, size = open_object(region.key, flags)
         except SharedMemoryError as exc:
             if exc.grpc_code != grpc.StatusCode.INTERNAL:
                 raise
@@ -345,7 +280,7 @@ class SystemSharedMemory:
         if not uses_shared_memory(request):
             return
         refuse_remote(peer)
-        region_bytes = sum(max(_grpc_place(t.parameters)[2], 0) for t in request.inputs
+        region_bytes = sum(max(grpc_place(t.parameters)[2], 0) for t in request.inputs
                            if REGION in t.parameters)
         _within_limit(region_bytes, request.ByteSize() if request_bytes is None else request_bytes,
                       limit_bytes)
@@ -353,7 +288,7 @@ class SystemSharedMemory:
     def admit_raw(self, raw: bytes, peer: str | None, limit_bytes: int) -> None:
         """``admit`` for a serialized ModelInferRequest; one that does not parse is left to
         the caller's own parse to refuse."""
-        if not _names_region(raw):
+        if not names_region(raw):
             return
         try:
             request = service_pb2.ModelInferRequest.FromString(raw)
@@ -378,7 +313,7 @@ class SystemSharedMemory:
         places = {}
         for output in request.outputs:
             if REGION in output.parameters:
-                places[output.name] = OutputPlace(*_grpc_place(output.parameters))
+                places[output.name] = OutputPlace(*grpc_place(output.parameters))
                 for key in SHM_PARAMETERS:
                     output.parameters.pop(key, None)
         if not any(REGION in i.parameters for i in request.inputs):
@@ -388,7 +323,7 @@ class SystemSharedMemory:
         for tensor in request.inputs:
             params = tensor.parameters
             if REGION in params:
-                region, offset, byte_size = _grpc_place(params)
+                region, offset, byte_size = grpc_place(params)
                 contents.append(self.read(region, offset, byte_size))
                 for key in SHM_PARAMETERS:
                     params.pop(key, None)
@@ -466,16 +401,6 @@ class SystemSharedMemory:
         return b"".join(kept)
 
 
-def uses_shared_memory(request: service_pb2.ModelInferRequest) -> bool:
-    return (any(REGION in t.parameters for t in request.inputs)
-            or any(REGION in t.parameters for t in request.outputs))
-
-
-def json_uses_shared_memory(doc: dict) -> bool:
-    return any(REGION in (t.get("parameters") or {})
-               for t in (*doc.get("inputs", ()), *doc.get("outputs", ())) if isinstance(t, dict))
-
-
 def _shrunk(name: str, region: Region, size: int, end: int) -> SharedMemoryError:
     return SharedMemoryError(
         grpc.StatusCode.FAILED_PRECONDITION,
@@ -490,58 +415,6 @@ def _within_limit(region_bytes: int, request_bytes: int, limit_bytes: int) -> No
             f"request reads {region_bytes} bytes from shared memory, {region_bytes + request_bytes} "
             f"bytes with its own {request_bytes}, over the router's limit of {limit_bytes} bytes per "
             "request: send smaller batches, or raise the router's --max-request-bytes")
-
-
-_WHOLE_SEARCH_BYTES = 8192
-
-
-def _names_region(raw: bytes) -> bool:
-    """Whether ``REGION_MARK`` is in the inputs or outputs (fields 5 and 6) of serialized
-    request ``raw``: a walk over its top-level fields that skips the tensor contents
-    (field 7), the bulk of a request.  Small or malformed bytes: a search of them all (in C,
-    faster than the walk below a few kilobytes)."""
-    pos, end = 0, len(raw)
-    if end <= _WHOLE_SEARCH_BYTES:
-        return REGION_MARK in raw
-    try:
-        while pos < end:
-            tag, pos = _varint(raw, pos)
-            wire = tag & 7
-            if wire == 0:
-                _, pos = _varint(raw, pos)
-            elif wire == 1:
-                pos += 8
-            elif wire == 5:
-                pos += 4
-            elif wire == 2:
-                length, pos = _varint(raw, pos)
-                if tag >> 3 in (5, 6) and raw.find(REGION_MARK, pos, pos + length) != -1:
-                    return True
-                pos += length
-            else:
-                return REGION_MARK in raw
-    except IndexError:
-        return REGION_MARK in raw
-    return False
-
-
-def _varint(raw: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = raw[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise IndexError("varint too long")
-
-
-def _grpc_place(params) -> tuple[str, int, int]:
-    return (params[REGION].string_param,
-            params[OFFSET].int64_param if OFFSET in params else 0,
-            params[BYTE_SIZE].int64_param if BYTE_SIZE in params else 0)
 
 
 _TYPED_FIELDS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",

@@ -15,7 +15,8 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from model_runtime.family.protocol import CONTROL_PARAMETER, VARIANT_PARAMETER
-from router.frontends.shared_memory import SystemSharedMemory, uses_shared_memory
+from router.frontends.shared_memory import SystemSharedMemory
+from router.frontends.shared_memory_requests import uses_shared_memory
 from router.rollouts.routes import Decision
 from router.rollouts.shadow import ShadowItem, ShadowMirror, outputs_of
 from router.serving.answers import BYTES_CACHE_MAX

@@ -16,11 +16,11 @@ peer); the sender reads it where it finds a miss, so gRPC and HTTP share one che
 
 from __future__ import annotations
 
-import ipaddress
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
 
+from router.frontends.peers import loopback_peer, peer_host
 from router.serving.errors import RateLimited
 
 # The client of the inference call this task serves (None: not counted).
@@ -28,19 +28,15 @@ CLIENT: ContextVar[str | None] = ContextVar("mms_client", default=None)
 BURST_SECONDS = 10.0  # the bucket holds this many seconds of the rate
 
 
-def client_identity(peer_host: str | None, named: str | None = None) -> str | None:
+def client_identity(peer: str | None, named: str | None = None) -> str | None:
     """Who a call counts against: the trusted header's value when the operator named one and
-    the call carries it, else the peer's address; None for a loopback peer."""
+    the call carries it, else the peer's address (``peers.peer_host``); None for a peer on
+    this host."""
     if named:
         return named[:200]
-    if not peer_host:
+    if loopback_peer(peer):
         return None
-    try:
-        if ipaddress.ip_address(peer_host.strip("[]")).is_loopback:
-            return None
-    except ValueError:
-        pass
-    return peer_host
+    return peer_host(peer)
 
 
 def named_client(value: str | None) -> str | None:
@@ -58,7 +54,7 @@ def grpc_client(router_config, context) -> str | None:
     if header:
         named = named_client(next((v for k, v in context.invocation_metadata() or ()
                                    if k == header), None))
-    return client_identity(grpc_peer_host(context.peer()), named)
+    return client_identity(context.peer(), named)
 
 
 def http_client(router_config, request) -> str | None:
@@ -66,18 +62,6 @@ def http_client(router_config, request) -> str | None:
     header = router_config.client_header
     named = named_client(request.headers.get(header)) if header else None
     return client_identity(request.remote, named)
-
-
-def grpc_peer_host(peer: str | None) -> str | None:
-    """The address in a gRPC peer string (``ipv4:10.0.0.7:5123``, ``ipv6:[::1]:5123``)."""
-    if not peer:
-        return None
-    kind, _, rest = peer.partition(":")
-    if kind == "ipv6":
-        return rest.rsplit(":", 1)[0].strip("[]")
-    if kind == "ipv4":
-        return rest.rsplit(":", 1)[0]
-    return rest or None
 
 
 class MissBudget:

@@ -36,7 +36,8 @@ from tritonclient.utils import InferenceServerException
 
 from router.frontends import grpc_frontend
 from router.frontends.http_frontend import make_http_app
-from router.frontends.shared_memory import SystemSharedMemory, _names_region
+from router.frontends.shared_memory import SystemSharedMemory
+from router.frontends.shared_memory_requests import names_region
 from router.serving.core import RouterConfig
 from router.serving.errors import RouterError
 from router.serving.metrics import RouterMetrics
@@ -482,7 +483,7 @@ def test_a_large_request_naming_a_region_is_found_without_searching_its_tensors(
             memory.admit_raw(raw, remote_peer, LIMIT_BYTES)
         assert refused.value.grpc_code == grpc.StatusCode.PERMISSION_DENIED
     # The parameter's name in tensor bytes names no region, and those bytes are not searched.
-    assert not _names_region(request(mark_in_data=True))
+    assert not names_region(request(mark_in_data=True))
     memory.admit_raw(request(mark_in_data=True), remote_peer, LIMIT_BYTES)
     memory.admit_raw(request(region_in="victim"), "ipv4:127.0.0.1:40000", LIMIT_BYTES)
     with pytest.raises(RouterError, match=f"limit of {64 * 1024} bytes") as over:

@@ -9,7 +9,6 @@ from router.serving.miss_budget import (
     CLIENT,
     MissBudget,
     client_identity,
-    grpc_peer_host,
     named_client,
 )
 
@@ -83,8 +82,9 @@ def test_who_a_call_counts_against(peer, named, expected):
 
 
 def test_peer_strings_and_forwarded_chains():
-    assert grpc_peer_host("ipv4:10.0.0.7:5123") == "10.0.0.7"
-    assert grpc_peer_host("ipv6:[::1]:5123") == "::1"
-    assert grpc_peer_host("ipv6:[2001:db8::2]:80") == "2001:db8::2"
+    assert client_identity("ipv4:10.0.0.7:5123") == "10.0.0.7"
+    assert client_identity("ipv6:[::1]:5123") is None
+    assert client_identity("ipv6:[2001:db8::2]:80") == "2001:db8::2"
+    assert client_identity("unix:/run/router.sock") is None
     assert named_client("198.51.100.1, 203.0.113.5") == "203.0.113.5"  # what the proxy saw
     assert named_client("") is None

@@ -12,7 +12,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.grpc import service_pb2
 
-from router.frontends.shared_memory import SharedMemoryError, SystemSharedMemory, loopback_peer
+from router.frontends.peers import loopback_peer
+from router.frontends.shared_memory import SharedMemoryError, SystemSharedMemory
 
 
 @pytest.fixture
