@@ -2,7 +2,7 @@
 program that drives the product uses.
 
 Every failure is an exception, never an exit: the admin API's own errors arrive as the
-``control_plane.domain.errors`` class of their code (``ModelNotFound``,
+``domain.errors`` class of their code (``ModelNotFound``,
 ``CapacityExhausted``, ...); a control plane that cannot be reached is
 ``ControlPlaneUnreachable``; no answer in time is ``NoAnswerInTime`` (an
 ``OperationTimeout``); a refused token or call is ``AdminRefused`` with the API's code
@@ -22,13 +22,13 @@ from urllib.parse import quote
 
 import requests
 
-from control_plane.domain.errors import (
+from domain.errors import (
     ERRORS_BY_CODE,
     ControlPlaneError,
     InvalidInput,
     OperationTimeout,
 )
-from control_plane.domain.settings import ADMIN_TOKEN, env_text, setting
+from domain.settings import ADMIN_TOKEN, env_text, setting
 
 DEFAULT_URL = "http://127.0.0.1:8090"
 DEFAULT_TOKEN_FILE = Path(".state") / "admin.token"  # where `mmctl up` (default --state-dir) writes it
@@ -54,7 +54,7 @@ class AdminRefused(ControlPlaneError):
 @dataclass
 class ClientSettings:
     """How mmctl reaches the admin API: the options of ``mmctl`` itself (before the command),
-    declared once (``control_plane.domain.settings``).  MMCTL_URL and MMCTL_TOKEN_FILE, the
+    declared once (``domain.settings``).  MMCTL_URL and MMCTL_TOKEN_FILE, the
     names of earlier releases, are still read."""
 
     url: str = setting(DEFAULT_URL, "Admin API of the control plane.", flag="--url",

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from control_plane.domain.periodic import loop_failures_counter
-from control_plane.domain.series import BoundedLabel
+from domain.periodic import loop_failures_counter
+from domain.series import BoundedLabel
 
 LOAD_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 PROPAGATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -29,7 +29,7 @@ class ControlPlaneMetrics:
         r = self.registry
         self.loop_failures = loop_failures_counter("mms", r)
         # Per-model series (hits, misses) for at most MODEL_SERIES_CAP models; the rest
-        # share one series labelled "_other" (control_plane.domain.series).
+        # share one series labelled "_other" (domain.series).
         self.model_label = BoundedLabel()
         self.illegal_transitions = Counter(
             "mms_illegal_transitions_total", "Model state changes that the state machine does not "

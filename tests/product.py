@@ -12,8 +12,8 @@ from pathlib import Path
 
 import requests
 
-from control_plane.domain.settings import ADMIN_TOKEN
 from control_plane.triton.process import free_port
+from domain.settings import ADMIN_TOKEN
 from tests.conftest import pid_alive
 
 MMCTL = [sys.executable, "-m", "control_plane.cli"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane.domain import model_config
-from control_plane.domain.errors import InvalidInput, ModelNotFound
-from control_plane.domain.names import validate_model_name
+from domain import model_config
+from domain.errors import InvalidInput, ModelNotFound
+from domain.names import validate_model_name
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from control_plane.adapters.base import CONFIG_FILE, PEFT_FILES, WEIGHTS_FILE, LoraBase
-from control_plane.domain.errors import InvalidInput, ModelNotFound
 from control_plane.tiers.cold import (
     ColdStore,
     ColdStores,
@@ -27,6 +26,7 @@ from control_plane.tiers.cold import (
     inspect,
     publish,
 )
+from domain.errors import InvalidInput, ModelNotFound
 
 
 @dataclass(frozen=True)

@@ -27,15 +27,15 @@ from control_plane.adapters.files import (
 from control_plane.adapters.metrics import AdapterMetrics
 from control_plane.adapters.rows import _peft_summary, merge_rows
 from control_plane.adapters.store import AdapterStore
-from control_plane.domain.errors import (
+from control_plane.tiers.cold import ColdStores
+from domain.errors import (
     CapacityExhausted,
     ControlPlaneError,
     InvalidInput,
     ModelLoadFailed,
     ModelNotFound,
 )
-from control_plane.domain.periodic import guarded_step, run_periodically
-from control_plane.tiers.cold import ColdStores
+from domain.periodic import guarded_step, run_periodically
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from collections import defaultdict
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from control_plane.domain.series import OTHER_LABEL, BoundedLabel
+from domain.series import OTHER_LABEL, BoundedLabel
 
 COUNTS = ("requests", "device_hits", "host_hits", "misses", "cold_loads")
 

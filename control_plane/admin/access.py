@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from control_plane.domain.errors import ControlPlaneError
 from control_plane.state.secret_files import ensure_secret_file
+from domain.errors import ControlPlaneError
 
 log = logging.getLogger(__name__)
 

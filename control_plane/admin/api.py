@@ -36,8 +36,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from control_plane.admin.access import SAFE_METHODS, AdminAccess, Unauthorized, access_middleware
-from control_plane.domain.errors import ControlPlaneError, InvalidInput
 from control_plane.manager import ModelManager, ModelState
+from domain.errors import ControlPlaneError, InvalidInput
 
 log = logging.getLogger(__name__)
 

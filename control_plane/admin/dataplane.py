@@ -21,11 +21,11 @@ from control_plane.admin.api import json_body
 from control_plane.admin.global_limits import GlobalBuckets
 from control_plane.admin.published import PublishedState
 from control_plane.admin.worker_reports import ShadowReports, WorkerSeen, parse_report, worker_of
-from control_plane.domain.errors import InvalidInput
-from control_plane.domain.periodic import run_periodically
 from control_plane.rollouts.canary import CanaryController, registry_promoter
 from control_plane.rollouts.stats import StatsBook
 from control_plane.state.background import BackgroundStore
+from domain.errors import InvalidInput
+from domain.periodic import run_periodically
 from router.rollouts.public_names import PublicNames
 from router.rollouts.routes import RouteTable
 

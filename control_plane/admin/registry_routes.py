@@ -24,9 +24,9 @@ from collections.abc import Callable
 from aiohttp import web
 
 from control_plane.admin.api import json_body as _json
-from control_plane.domain.errors import ControlPlaneError, InvalidInput
-from control_plane.domain.names import validate_model_name
 from control_plane.registry import DEFAULT_SLA, Registry, parse_metrics, register_version
+from domain.errors import ControlPlaneError, InvalidInput
+from domain.names import validate_model_name
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from dataclasses import asdict
 from aiohttp import web
 
 from control_plane.admin.api import json_body as _json
-from control_plane.domain import errors as cp
-from control_plane.domain.names import validate_model_name
 from control_plane.rollouts.canary import abort
+from domain import errors as cp
+from domain.names import validate_model_name
 from router.rollouts.routes import split_adapter, validate_logical_name
 from router.serving.core import Router
 from router.serving.errors import InvalidRequest, ModelNotFound, RouterError

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 
-from control_plane.domain.errors import InvalidInput
+from domain.errors import InvalidInput
 from router.rollouts.shadow import ShadowReport
 
 WORKER_LIVE_S = 10.0  # a worker not heard from for this long no longer counts as live

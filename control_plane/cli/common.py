@@ -10,8 +10,8 @@ import sys
 import click
 
 from control_plane.client import AdminClient, ControlPlaneUnreachable
-from control_plane.domain.errors import ControlPlaneError
-from control_plane.domain.exit_codes import EXIT_BY_ERROR, EXIT_ERROR, EXIT_UNREACHABLE
+from domain.errors import ControlPlaneError
+from domain.exit_codes import EXIT_BY_ERROR, EXIT_ERROR, EXIT_UNREACHABLE
 
 
 class Api(AdminClient):

@@ -20,7 +20,7 @@ from control_plane.cli.common import Api, _table, pass_api
 from control_plane.cli.common import fmt_ago as _ago
 from control_plane.cli.common import fmt_bytes as _bytes
 from control_plane.client import ClientSettings
-from control_plane.domain.exit_codes import EXIT_UNHEALTHY
+from domain.exit_codes import EXIT_UNHEALTHY
 
 
 @click.group(context_settings={"max_content_width": 100})

@@ -17,8 +17,8 @@ import click
 
 from control_plane.cli.common import _table, current_api, who_am_i
 from control_plane.cli.common import fmt_bytes as _size
-from control_plane.domain.exit_codes import EXIT_BY_ERROR, EXIT_LOAD_FAILED, EXIT_TIMEOUT
-from control_plane.domain.stages import DEFAULT_SLA, SLA_CLASSES, STAGES
+from domain.exit_codes import EXIT_BY_ERROR, EXIT_LOAD_FAILED, EXIT_TIMEOUT
+from domain.stages import DEFAULT_SLA, SLA_CLASSES, STAGES
 
 
 def _call(method: str, path: str, body: dict | None = None, params: dict | None = None,

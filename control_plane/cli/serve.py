@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 
 from control_plane.cli import settings
-from control_plane.domain.exit_codes import EXIT_BY_ERROR, EXIT_ERROR
 from control_plane.runtime.config import ServiceConfig
+from domain.exit_codes import EXIT_BY_ERROR, EXIT_ERROR
 from router.serving.worker_settings import WorkerConfig
 
 
@@ -42,8 +42,8 @@ def service_config(opts: dict, command: str) -> ServiceConfig:
 
 
 def _run_service(cfg: ServiceConfig) -> None:
-    from control_plane.domain.errors import ControlPlaneError
     from control_plane.runtime.service import Service
+    from domain.errors import ControlPlaneError
 
     try:
         if cfg.router and cfg.router_workers:
@@ -92,7 +92,7 @@ def control_plane_command(**opts):
 def router_command(**opts):
     """Run one router worker in the foreground: the public Triton-compatible ports, serving
     from the control plane's state (start as many as the load needs; they share nothing)."""
-    from control_plane.domain.settings import to_argv
+    from domain.settings import to_argv
     from router.serving.worker import main as worker_main
 
     worker_main(to_argv(WorkerConfig(**settings.values(WorkerConfig, "router", opts))))
@@ -111,7 +111,7 @@ def worker_config(cfg: ServiceConfig, name: str, admin_url: str, dataplane_token
     """What one router worker of ``mmctl up`` is started with: every setting the worker
     shares with ``cfg`` (its public ports, request size, load timeout, log level: one
     declaration, ``shared_values``), and the supervisor's plumbing."""
-    from control_plane.domain.settings import shared_values
+    from domain.settings import shared_values
 
     return WorkerConfig(**{**shared_values(cfg, WorkerConfig), "admin_token": None,
                            "dataplane_token": dataplane_token},
@@ -128,18 +128,18 @@ def supervise(cfg: ServiceConfig) -> int:
         TOKEN_FILE_NAME,
         ensure_token_file,
     )
-    from control_plane.domain.settings import (
+    from control_plane.runtime.config import SECRETS, config_to_json
+    from control_plane.runtime.supervisor import Child, Supervisor, python_module
+    from control_plane.state.secret_files import ensure_private_dir, ensure_secret_file
+    from control_plane.tiers.cold import S3Config
+    from control_plane.triton.process import free_port
+    from domain.settings import (
         ADMIN_TOKEN,
         env_names,
         secret_env,
         secret_env_names,
         to_argv,
     )
-    from control_plane.runtime.config import SECRETS, config_to_json
-    from control_plane.runtime.supervisor import Child, Supervisor, python_module
-    from control_plane.state.secret_files import ensure_private_dir, ensure_secret_file
-    from control_plane.tiers.cold import S3Config
-    from control_plane.triton.process import free_port
 
     cfg.state_dir = cfg.state_dir.resolve()
     for attr in ("repository", "cold_dir"):

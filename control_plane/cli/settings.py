@@ -1,4 +1,4 @@
-"""mmctl's options, derived from the settings' one declaration (``control_plane.domain.settings``):
+"""mmctl's options, derived from the settings' one declaration (``domain.settings``):
 ``options(cls, command)`` puts every setting of ``cls`` that ``command`` takes on it as a click
 option (flag, type, default, help, environment variables); ``values(cls, command, opts)``
 maps what click parsed back onto ``cls``'s fields; ``--config FILE`` (TOML) gives the same
@@ -19,8 +19,10 @@ import click
 from click.core import ParameterSource
 
 from control_plane.client import ClientSettings
-from control_plane.domain.errors import InvalidInput
-from control_plane.domain.settings import (
+from control_plane.runtime.config import ServiceConfig
+from control_plane.tiers.cold.s3 import S3Config
+from domain.errors import InvalidInput
+from domain.settings import (
     FLAG,
     MULTIPLE,
     SWITCH,
@@ -30,8 +32,6 @@ from control_plane.domain.settings import (
     env_text,
     file_path,
 )
-from control_plane.runtime.config import ServiceConfig
-from control_plane.tiers.cold.s3 import S3Config
 from router.serving.worker_settings import WorkerConfig
 
 # Every config class with settings, and the mmctl commands that take them as options

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from control_plane.domain import model_config
-from control_plane.domain.names import validate_model_name
+from domain import model_config
+from domain.names import validate_model_name
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "model_repository" / "recommender"
 WEIGHTS_FILE = "weights.safetensors"

@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import save_file
 
 from control_plane.demo.fleet import FEATURES_INPUT, FleetSpec, base_weights, default_instance_kind
-from control_plane.domain import model_config
-from control_plane.domain.names import validate_model_name
+from domain import model_config
+from domain.names import validate_model_name
 from model_runtime.lora.models import (
     RecommenderMLP,
     TinyLM,

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from control_plane.domain.errors import CapacityExhausted
 from control_plane.eviction.headroom import (
     HEADROOM_DEFAULT_MODELS,
     HEADROOM_MAX_FRACTION,
@@ -23,6 +22,7 @@ from control_plane.eviction.headroom import (
     HeadroomSpec,
 )
 from control_plane.eviction.policy import EvictionPolicy
+from domain.errors import CapacityExhausted
 
 # Rollout stage -> eviction priority; lower is evicted first, pinned is never evicted.
 STAGE_PRIORITY = {"shadow": 0, "canary": 1, "registered": 2, "production": 2, "retired": 0}

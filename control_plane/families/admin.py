@@ -36,14 +36,6 @@ from google.protobuf import json_format
 from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-from control_plane.domain import model_config
-from control_plane.domain.errors import (
-    CapacityExhausted,
-    ControlPlaneError,
-    InvalidInput,
-    ModelLoadFailed,
-    ModelNotFound,
-)
 from control_plane.families.catalog import WEIGHTS_FILE, Family, FamilyCatalog
 from control_plane.triton.admin import (
     IndexEntry,
@@ -52,6 +44,14 @@ from control_plane.triton.admin import (
     TritonModelState,
     WarmupPlan,
     warmup_plan,
+)
+from domain import model_config
+from domain.errors import (
+    CapacityExhausted,
+    ControlPlaneError,
+    InvalidInput,
+    ModelLoadFailed,
+    ModelNotFound,
 )
 from model_runtime.family.protocol import (
     CONTROL_PARAMETER,

@@ -18,10 +18,10 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2
 
-from control_plane.domain import model_config
-from control_plane.domain.errors import InvalidInput
-from control_plane.domain.names import validate_model_name
 from control_plane.families.catalog import VARIANT_FILE, WEIGHTS_FILE, Family
+from domain import model_config
+from domain.errors import InvalidInput
+from domain.names import validate_model_name
 from model_runtime.family.layout import Layout, LayoutError, read_layout
 from model_runtime.family.protocol import LAYOUT_FILE, STATUS_OUTPUT
 

@@ -16,11 +16,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from control_plane.domain.errors import ControlPlaneError, InvalidInput
-from control_plane.domain.names import validate_model_name
 from control_plane.families.catalog import FamilyCatalog
 from control_plane.families.folders import write_family
 from control_plane.tiers.cold import download_verified, publish
+from domain.errors import ControlPlaneError, InvalidInput
+from domain.names import validate_model_name
 
 log = logging.getLogger(__name__)
 

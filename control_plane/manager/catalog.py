@@ -6,10 +6,10 @@ import fnmatch
 import time
 from collections.abc import Callable, Iterable
 
-from control_plane.domain.errors import ModelNotFound, TritonUnavailable
-from control_plane.domain.names import validate_model_name
 from control_plane.manager.records import ModelRecord, ModelState, TritonServer
 from control_plane.manager.state import ManagerState
+from domain.errors import ModelNotFound, TritonUnavailable
+from domain.names import validate_model_name
 
 GLOB_CHARS = frozenset("*?[")  # a status pattern with none of these is one model's name
 UNKNOWN_NAME_TTL_S = 5.0

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from control_plane.domain.errors import ControlPlaneError, InvalidInput
 from control_plane.eviction import (
     DEFAULT_POLICY,
     DEFAULT_PRIORITY,
@@ -42,12 +41,13 @@ from control_plane.state.store import StateStore
 from control_plane.triton.admin import TritonAdmin, TritonModelState
 from control_plane.triton.devices import NoMemoryMeter
 from control_plane.triton.process import TritonProcess
+from domain.errors import ControlPlaneError, InvalidInput
 
 
 class ModelManager:
     """What is loaded on which Triton server: ``ensure``/``lease`` for requests,
     ``unload``/``pin``/``unpin`` for operators, ``step`` for the reconcile loop (run
-    by the service through ``control_plane.domain.periodic``).  The rules it keeps are in
+    by the service through ``domain.periodic``).  The rules it keeps are in
     the package docstring.
 
     It owns one ``ManagerState`` and one object per part, each given the parts it calls:

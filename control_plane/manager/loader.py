@@ -8,14 +8,6 @@ import contextlib
 import logging
 import time
 
-from control_plane.domain.errors import (
-    CapacityExhausted,
-    ControlPlaneError,
-    ModelLoadFailed,
-    ModelNotFound,
-    OperationTimeout,
-)
-from control_plane.domain.names import validate_model_name
 from control_plane.eviction import Resident, victim_priority_limit
 from control_plane.manager.catalog import Catalog
 from control_plane.manager.placement import plan_measured
@@ -24,6 +16,14 @@ from control_plane.manager.records import ModelRecord, ModelState, TritonServer
 from control_plane.manager.state import ManagerState
 from control_plane.manager.unloader import Unloader, retrieve
 from control_plane.manager.warmup import warm_up
+from domain.errors import (
+    CapacityExhausted,
+    ControlPlaneError,
+    ModelLoadFailed,
+    ModelNotFound,
+    OperationTimeout,
+)
+from domain.names import validate_model_name
 
 log = logging.getLogger(__name__)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import time
 
-from control_plane.domain.errors import ControlPlaneError
-from control_plane.domain.names import validate_model_name
 from control_plane.manager.catalog import Catalog
 from control_plane.manager.loader import Loader
 from control_plane.manager.records import ModelRecord, ModelState
 from control_plane.manager.state import ManagerState
+from domain.errors import ControlPlaneError
+from domain.names import validate_model_name
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from control_plane.domain.errors import CapacityExhausted, ControlPlaneError, TritonUnavailable
-from control_plane.domain.stages import DEFAULT_SLA
+from domain.errors import CapacityExhausted, ControlPlaneError, TritonUnavailable
+from domain.stages import DEFAULT_SLA
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import time
 
-from control_plane.domain.errors import ControlPlaneError, TritonUnavailable
 from control_plane.eviction import Resident
 from control_plane.manager.catalog import Catalog
 from control_plane.manager.health import Health
@@ -22,6 +21,7 @@ from control_plane.manager.records import ModelRecord, ModelState, ServerHealth,
 from control_plane.manager.state import ManagerState
 from control_plane.manager.unloader import Unloader
 from control_plane.triton.admin import TritonModelState
+from domain.errors import ControlPlaneError, TritonUnavailable
 
 log = logging.getLogger(__name__)
 

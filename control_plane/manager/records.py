@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from control_plane.domain.errors import InvalidInput
 from control_plane.eviction import DEFAULT_POLICY, CachePlanner
 from control_plane.triton.admin import TritonAdmin
 from control_plane.triton.process import TritonProcess
+from domain.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 

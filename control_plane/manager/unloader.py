@@ -11,10 +11,10 @@ import contextlib
 import logging
 import time
 
-from control_plane.domain.errors import ControlPlaneError, InvalidInput
 from control_plane.manager.catalog import Catalog
 from control_plane.manager.records import ModelRecord, ModelState, TritonServer
 from control_plane.manager.state import ManagerState
+from domain.errors import ControlPlaneError, InvalidInput
 
 log = logging.getLogger(__name__)
 

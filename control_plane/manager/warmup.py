@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from control_plane.domain.errors import ModelLoadFailed, OperationTimeout
 from control_plane.manager.records import ManagerConfig, TritonServer
+from domain.errors import ModelLoadFailed, OperationTimeout
 
 
 async def warm_up(server: TritonServer, name: str, config: ManagerConfig,

@@ -9,13 +9,13 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from control_plane.domain import model_config
-from control_plane.domain.errors import InvalidInput
-from control_plane.domain.names import validate_model_name
 from control_plane.families import VARIANT_FILE, WEIGHTS_FILE, check_variant_weights, write_variant
 from control_plane.registry.store import Registry
 from control_plane.registry.versions import DEFAULT_SLA, ModelVersion, concrete_name
 from control_plane.tiers.cold import inspect, normalize_sha256, publish
+from domain import model_config
+from domain.errors import InvalidInput
+from domain.names import validate_model_name
 from model_runtime.family.layout import LayoutError, layout_of_bytes
 
 

@@ -9,10 +9,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane.domain.errors import ControlPlaneError
-from control_plane.domain.names import validate_model_name
 from control_plane.registry.store import Registry
 from control_plane.registry.versions import ModelVersion, parse_concrete, repository_uri
+from domain.errors import ControlPlaneError
+from domain.names import validate_model_name
 
 log = logging.getLogger(__name__)
 

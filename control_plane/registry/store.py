@@ -11,8 +11,6 @@ import sqlite3
 import time
 from collections.abc import Callable
 
-from control_plane.domain.errors import InvalidInput, ModelNotFound
-from control_plane.domain.names import MAX_NAME_LENGTH, validate_model_name
 from control_plane.eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
 from control_plane.registry.versions import (
     DEFAULT_SLA,
@@ -25,6 +23,8 @@ from control_plane.registry.versions import (
 )
 from control_plane.state import Database, as_database, migrate
 from control_plane.tiers.cold import normalize_sha256
+from domain.errors import InvalidInput, ModelNotFound
+from domain.names import MAX_NAME_LENGTH, validate_model_name
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from control_plane.domain.errors import InvalidInput
-from control_plane.domain.names import validate_model_name
-from control_plane.domain.stages import DEFAULT_SLA, SLA_CLASSES, STAGES  # noqa: F401  (the registry's names)
+from domain.errors import InvalidInput
+from domain.names import validate_model_name
+from domain.stages import DEFAULT_SLA, SLA_CLASSES, STAGES  # noqa: F401  (the registry's names)
 
 _CONCRETE_RE = re.compile(r"^(?P<model>.+)\.v(?P<version>[0-9]+)$")
 # Artifacts that are folders of Triton's repository itself (no cold copy).

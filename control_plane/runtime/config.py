@@ -1,4 +1,4 @@
-"""The control plane's settings, declared once (``control_plane.domain.settings``): each
+"""The control plane's settings, declared once (``domain.settings``): each
 field below that is a ``setting`` is an option of ``mmctl up`` / ``mmctl control-plane``
 (control_plane/cli/settings.py derives them), an ``MMS_`` environment variable, and a row
 of ``mmctl settings --markdown``.  Parsed once by mmctl, validated here, carried to the
@@ -16,8 +16,9 @@ import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from control_plane.domain.errors import InvalidInput
-from control_plane.domain.settings import (
+from control_plane.eviction import DEFAULT_POLICY, POLICIES
+from domain.errors import InvalidInput
+from domain.settings import (
     ADMIN_TOKEN,
     DATAPLANE_TOKEN,
     FLAG,
@@ -31,8 +32,7 @@ from control_plane.domain.settings import (
     same_as,
     setting,
 )
-from control_plane.domain.sizes import parse_size, size_text
-from control_plane.eviction import DEFAULT_POLICY, POLICIES
+from domain.sizes import parse_size, size_text
 from router.serving.worker_settings import WorkerConfig
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from control_plane.domain.errors import ControlPlaneError
+from domain.errors import ControlPlaneError
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ from control_plane.admin.access import (
 from control_plane.admin.api import make_app
 from control_plane.demo import write_demo_repository
 from control_plane.demo.fleet import DEMO_MARKER, DEMO_VERSIONS
-from control_plane.domain.periodic import guarded_step, run_periodically
 from control_plane.manager import ManagerConfig, ModelManager
 from control_plane.runtime.config import ServiceConfig, config_from_json, config_to_json  # noqa: F401  (their import path)
 from control_plane.runtime.supervisor import PROCESSES_FILE
@@ -35,6 +34,7 @@ from control_plane.runtime.tritons import TritonFleet, check_model_control, free
 from control_plane.state.secret_files import ensure_private_dir, ensure_secret_file
 from control_plane.state.store import StateStore
 from control_plane.triton.admin import admin_key_headers
+from domain.periodic import guarded_step, run_periodically
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ class Service:
     async def _control_loop(self) -> None:
         """Reconcile Triton state, then the GPU memory pass and promotion (auto-pin /
         prefetch) when configured; each is its own guarded step, so one failing never
-        skips the others or ends the loop (``control_plane.domain.periodic``)."""
+        skips the others or ends the loop (``domain.periodic``)."""
         await run_periodically("control", self._control_step, self.cfg.reconcile_interval_s,
                                self.manager.metrics.loop_failures)
 
@@ -401,11 +401,11 @@ def main(argv: list[str] | None = None) -> None:
     """The control plane as its own process (started by mmctl up's supervisor): its settings
     from the file mmctl wrote, the secrets (the state URL, Triton's admin key) and S3's from
     its environment; the admin token from its file, which the supervisor wrote."""
-    from control_plane.domain.errors import ControlPlaneError
-    from control_plane.domain.settings import env_values
     from control_plane.runtime.config import SECRETS
     from control_plane.tiers.cold import S3Config
     from control_plane.triton.fake_nvml import from_test_hook
+    from domain.errors import ControlPlaneError
+    from domain.settings import env_values
 
     parser = argparse.ArgumentParser(prog="python -m control_plane.runtime.service")
     parser.add_argument("--config", type=Path, required=True, help="Settings written by mmctl up.")
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         asyncio.run(Service(cfg).serve_forever())
     except ControlPlaneError as exc:
-        from control_plane.domain.exit_codes import (  # mmctl up's exit codes
+        from domain.exit_codes import (  # mmctl up's exit codes
             EXIT_BY_ERROR,
             EXIT_ERROR,
         )

@@ -11,10 +11,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane.domain.errors import InvalidInput
-from control_plane.domain.sizes import parse_size
 from control_plane.manager import ModelManager, ServerSpec, TritonServer
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
+from domain.errors import InvalidInput
+from domain.sizes import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class RemoteServer:
 def load_servers_file(path: Path) -> list[RemoteServer]:
     """``{"servers": [{"name", "grpc_url", "http_url", "metrics_url"?, "node"?,
     "memory_budget"? (bytes or "70GiB"), "max_loaded"?}, ...]}`` (JSON)."""
-    from control_plane.domain.names import validate_model_name
+    from domain.names import validate_model_name
 
     try:
         doc = json.loads(path.read_text())

@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 
 import psycopg
 
-from control_plane.domain.errors import ControlPlaneError, InvalidInput
+from domain.errors import ControlPlaneError, InvalidInput
 
 _WRITES = ("INSERT", "UPDATE", "DELETE")
 # What a state store that is away (network, restart, full disk) raises.

@@ -163,7 +163,7 @@ def migrate(db: Database) -> list[int]:
             done = applied_versions(db)
             newer = max(done, default=0)
             if newer > LATEST_VERSION:
-                from control_plane.domain.errors import InvalidInput
+                from domain.errors import InvalidInput
 
                 raise InvalidInput(
                     f"the state store is at schema version {newer}, newer than this release "

@@ -27,7 +27,7 @@ from tritonclient.grpc import (
 )
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-from control_plane.domain.errors import (
+from domain.errors import (
     CapacityExhausted,
     ControlPlaneError,
     InvalidInput,

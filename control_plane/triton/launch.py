@@ -20,7 +20,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from control_plane.domain.errors import InvalidInput
+from domain.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 

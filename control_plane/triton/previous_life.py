@@ -16,7 +16,7 @@ from pathlib import Path
 
 import requests
 
-from control_plane.domain.errors import TritonUnavailable
+from domain.errors import TritonUnavailable
 
 log = logging.getLogger(__name__)
 

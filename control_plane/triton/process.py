@@ -21,7 +21,6 @@ from pathlib import Path
 
 import requests
 
-from control_plane.domain.errors import TritonUnavailable
 from control_plane.triton.launch import (
     _PDEATHSIG_EXEC,
     TRITON_ENV_NAMES,
@@ -38,6 +37,7 @@ from control_plane.triton.launch import (
     with_parent_death_signal,
 )
 from control_plane.triton.previous_life import PreviousLife, _shm_regions_of, process_start_ticks
+from domain.errors import TritonUnavailable
 
 # Names imported from here since before the launch arguments and the previous life had
 # modules of their own.

@@ -1,5 +1,5 @@
 """Adapter-name validation: a name becomes a directory under the adapter root, so only a
-conservative alphabet passes (the same rules as model names in ``control_plane.domain.names``)."""
+conservative alphabet passes (the same rules as model names in ``domain.names``)."""
 
 import re
 

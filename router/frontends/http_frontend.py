@@ -22,7 +22,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from control_plane.domain.errors import ControlPlaneError
+from domain.errors import ControlPlaneError
 from model_runtime.family.protocol import VARIANT_PARAMETER
 from router.frontends.grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
 from router.frontends.http_request import (

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
-from control_plane.domain.errors import InvalidModelName
-from control_plane.domain.names import validate_model_name
+from domain.errors import InvalidModelName
+from domain.names import validate_model_name
 from router.serving.errors import InvalidRequest, ModelNotFound
 
 BUCKETS = 10_000

@@ -39,7 +39,7 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane.domain.periodic import run_periodically
+from domain.periodic import run_periodically
 from router.frontends.shared_memory import SystemSharedMemory
 from router.rollouts.limits import LocalLimiter
 from router.rollouts.public_names import PublicNames

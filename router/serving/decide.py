@@ -15,8 +15,8 @@ from typing import Protocol
 
 from tritonclient.grpc import service_pb2
 
-from control_plane.domain import errors as cp
-from control_plane.domain.errors import ControlPlaneError
+from domain import errors as cp
+from domain.errors import ControlPlaneError
 from router.rollouts.public_names import PublicNames
 from router.rollouts.routes import ADAPTER_SEPARATOR, Decision, RouteTable, split_adapter
 from router.serving.errors import (

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import grpc
 
-from control_plane.domain import errors as cp
+from domain import errors as cp
 
 
 class RouterError(Exception):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from control_plane.domain.errors import ControlPlaneError
+from domain.errors import ControlPlaneError
 from router.rollouts.limits import grant_batch, rate_limited
 from router.rollouts.ratelimit import TokenBucket
 from router.serving.state_client import ControlPlaneAway, RemoteState

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from control_plane.domain.periodic import loop_failures_counter
-from control_plane.domain.series import BoundedLabel
+from domain.periodic import loop_failures_counter
+from domain.series import BoundedLabel
 from router.rollouts.routes import Decision
 from router.serving.outcomes import OutcomeSink
 
@@ -41,7 +41,7 @@ class RouterMetrics:
                               multiprocess_mode="livesum")  # summed over live router workers
         self.loop_failures = loop_failures_counter("mmr", r)
         # Route and model labels for at most MODEL_SERIES_CAP names each; the rest share one
-        # series labelled "_other" (control_plane.domain.series): sums stay exact.
+        # series labelled "_other" (domain.series): sums stay exact.
         self.model_label = BoundedLabel()
         self.route_label = BoundedLabel()
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, NoReturn
 import grpc
 from tritonclient.grpc import service_pb2_grpc
 
-from control_plane.domain import errors as cp
-from control_plane.domain.errors import ControlPlaneError
+from domain import errors as cp
+from domain.errors import ControlPlaneError
 from router.rollouts.routes import Decision
 from router.serving.decide import Decider
 from router.serving.errors import (

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from control_plane.domain.errors import ERRORS_BY_CODE, ControlPlaneError
+from domain.errors import ERRORS_BY_CODE, ControlPlaneError
 from router.rollouts.public_names import PublicNames
 from router.rollouts.routes import Route, RouteTable
 from router.serving.errors import BackendUnavailable

@@ -1,4 +1,4 @@
-"""A router worker's settings, declared once (``control_plane.domain.settings``).
+"""A router worker's settings, declared once (``domain.settings``).
 
 ``mmctl router`` takes the user-facing ones as options; ``mmctl up`` shares the public
 ports, request size, load timeout and log level with the same declarations (its
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane.domain.settings import (
+from domain.settings import (
     ADMIN_TOKEN,
     DATAPLANE_TOKEN,
     LOG_LEVEL,
@@ -20,7 +20,7 @@ from control_plane.domain.settings import (
     parse_argv,
     setting,
 )
-from control_plane.domain.sizes import parse_size, size_text
+from domain.sizes import parse_size, size_text
 
 PROG = "python -m router.serving.worker"
 DESCRIPTION = ("One router worker process: the public gRPC and HTTP ports, serving from the "

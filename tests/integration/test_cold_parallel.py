@@ -9,7 +9,6 @@ import threading
 import boto3
 import pytest
 
-from control_plane.domain.errors import ModelLoadFailed
 from control_plane.tiers.cold import (
     MANIFEST_NAME,
     S3Config,
@@ -19,6 +18,7 @@ from control_plane.tiers.cold import (
     publish,
 )
 from control_plane.triton.process import free_port
+from domain.errors import ModelLoadFailed
 
 pytestmark = pytest.mark.integration
 

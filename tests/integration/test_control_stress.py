@@ -20,10 +20,10 @@ import time
 import pytest
 import tritonclient.grpc as grpcclient
 
-from control_plane.domain.errors import ControlPlaneError
-from control_plane.domain.periodic import run_periodically
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.state.store import StateStore
+from domain.errors import ControlPlaneError
+from domain.periodic import run_periodically
 
 pytestmark = pytest.mark.integration
 

@@ -18,12 +18,12 @@ import tritonclient.grpc as grpcclient
 from safetensors.torch import save_file
 from tritonclient.utils import InferenceServerException
 
-from control_plane.domain.errors import ControlPlaneError
 from control_plane.families import FamilyCatalog, family_slots, write_family, write_variant
 from control_plane.families.admin import FamilyAdmin
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
 from control_plane.state.store import StateStore
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
+from domain.errors import ControlPlaneError
 from tests.conftest import run, triton_log_count
 
 pytestmark = pytest.mark.integration
@@ -116,7 +116,7 @@ def test_variants_take_slots_by_lru_and_pins_and_each_answers_with_its_own_weigh
 
 
 def test_every_slot_pinned_is_a_clear_error_and_nothing_is_counted(triton, repository, tmp_path):
-    from control_plane.domain.errors import CapacityExhausted
+    from domain.errors import CapacityExhausted
 
     async def scenario():
         mgr = make_manager(triton, repository, tmp_path, max_loaded=2)

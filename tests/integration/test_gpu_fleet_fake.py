@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.domain.errors import ModelLoadFailed
 from control_plane.manager.placement import instance_kind_override
 from control_plane.triton.admin import TritonAdmin
+from domain.errors import ModelLoadFailed
 from tests.conftest import run
 from tests.product import Product
 

@@ -11,16 +11,16 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from control_plane.domain.errors import (
+from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
+from control_plane.state.store import StateStore
+from control_plane.triton.process import free_port
+from domain.errors import (
     CapacityExhausted,
     InvalidModelName,
     ModelLoadFailed,
     ModelNotFound,
     TritonUnavailable,
 )
-from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
-from control_plane.state.store import StateStore
-from control_plane.triton.process import free_port
 from tests.conftest import run, triton_log_count
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,6 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from control_plane.demo.fleet import FleetSpec, base_weights, customer_weights, write_model
-from control_plane.domain.errors import CapacityExhausted, ModelLoadFailed
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.manager.placement import Placer, ServerLabels, registry_facts
 from control_plane.registry import Registry
@@ -27,6 +26,7 @@ from control_plane.state.store import StateStore
 from control_plane.tiers.cold import ColdStores, LocalDirStore, S3Config, S3Store, publish
 from control_plane.tiers.warm import WarmTier
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess, free_port
+from domain.errors import CapacityExhausted, ModelLoadFailed
 from tests.conftest import pid_alive, run, triton_log_count
 
 pytestmark = pytest.mark.integration

@@ -27,13 +27,13 @@ from control_plane.demo.lora import (
     write_demo_adapter,
     write_lora_model,
 )
-from control_plane.domain.errors import (
+from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256
+from domain.errors import (
     CapacityExhausted,
     InvalidInput,
     InvalidModelName,
     ModelNotFound,
 )
-from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256
 from model_runtime.lora.manifest import read_manifest
 from model_runtime.lora.models import TinyLMConfig
 from router.rollouts.routes import RouteTable, split_adapter
@@ -173,7 +173,7 @@ def test_metrics_come_from_the_latest_status():
 
 
 def test_adapters_past_the_series_cap_are_summed_under_other():
-    from control_plane.domain.series import BoundedLabel
+    from domain.series import BoundedLabel
 
     registry = CollectorRegistry()
     metrics = AdapterMetrics(registry, label=BoundedLabel(cap=2))

@@ -11,14 +11,14 @@ from click.testing import CliRunner
 
 from control_plane.cli.main import cli
 from control_plane.client import AdminClient, AdminRefused, ControlPlaneUnreachable, NoAnswerInTime
-from control_plane.domain.errors import CapacityExhausted, InvalidInput, ModelNotFound
-from control_plane.domain.exit_codes import (
+from control_plane.triton.process import free_port
+from domain.errors import CapacityExhausted, InvalidInput, ModelNotFound
+from domain.exit_codes import (
     EXIT_CAPACITY,
     EXIT_NOT_FOUND,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
 )
-from control_plane.triton.process import free_port
 
 ANSWERS = {  # path -> (status, JSON body)
     "/v1/models/cust001/load": (200, b'{"model": "cust001", "state": "ready", "server": "triton0"}'),

@@ -262,8 +262,8 @@ def test_loopback_clients_are_never_locked_out():
 
 
 def test_a_short_admin_token_given_by_hand_is_refused_at_start(tmp_path):
-    from control_plane.domain.errors import InvalidInput
     from control_plane.runtime.config import ServiceConfig
+    from domain.errors import InvalidInput
 
     with pytest.raises(InvalidInput, match="at least 16"):
         ServiceConfig(state_dir=tmp_path, admin_token="secret").validate()

@@ -3,7 +3,7 @@ others share one "_other" series, and the sums stay exact."""
 
 from __future__ import annotations
 
-from control_plane.domain.series import OTHER_LABEL, BoundedLabel
+from domain.series import OTHER_LABEL, BoundedLabel
 from router.rollouts.routes import Decision
 from router.serving.metrics import Recording, RouterMetrics
 from tests.conftest import run
@@ -53,7 +53,7 @@ def test_the_control_planes_hit_and_miss_series_are_bounded(tmp_path):
 def test_the_cap_is_documented_where_operators_read_about_metrics():
     from pathlib import Path
 
-    from control_plane.domain.series import MODEL_SERIES_CAP
+    from domain.series import MODEL_SERIES_CAP
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     assert f"{MODEL_SERIES_CAP:,}" in text and OTHER_LABEL in text

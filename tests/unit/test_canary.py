@@ -15,11 +15,11 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from control_plane.admin.rollout_routes import ROUTER_ADMIN_KEY, canary_action, router_errors
-from control_plane.domain.errors import ModelNotFound as CpModelNotFound
 from control_plane.registry import Registry
 from control_plane.rollouts.canary import WINDOW_KEY_PREFIX, CanaryController, registry_promoter
 from control_plane.rollouts.stats import StatsBook, VariantStats
 from control_plane.state.store import StateStore
+from domain.errors import ModelNotFound as CpModelNotFound
 from router.rollouts.routes import ROUTES_KEY, RouteTable
 from router.serving.core import Router
 from router.serving.errors import BackendUnavailable, InvalidRequest, ModelNotFound, RouterError

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.domain.errors import InvalidInput, ModelLoadFailed, ModelNotFound
 from control_plane.tiers.cold import (
     MANIFEST_NAME,
     LocalDirStore,
@@ -21,6 +20,7 @@ from control_plane.tiers.cold import (
     normalize_sha256,
     publish,
 )
+from domain.errors import InvalidInput, ModelLoadFailed, ModelNotFound
 
 
 def make_folder(root: Path, name: str = "m", weights: bytes = b"w" * 5000) -> Path:

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from control_plane.domain.errors import InvalidInput, ModelLoadFailed
 from control_plane.tiers.cold import (
     MANIFEST_NAME,
     S3Config,
@@ -15,6 +14,7 @@ from control_plane.tiers.cold import (
     download_verified,
     manifest_digest,
 )
+from domain.errors import InvalidInput, ModelLoadFailed
 
 DATA = bytes(range(256)) * 4096  # 1 MiB
 

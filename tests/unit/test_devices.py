@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from control_plane.domain.errors import InvalidInput
 from control_plane.eviction import CachePlanner, Capacity, Resident, make_policy
 from control_plane.manager import ModelRecord, ModelState
 from control_plane.triton.devices import (
@@ -19,6 +18,7 @@ from control_plane.triton.devices import (
     discover,
     discover_or_config,
 )
+from domain.errors import InvalidInput
 
 GiB = 1 << 30
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.domain.errors import CapacityExhausted
 from control_plane.eviction import (
     STAGE_PRIORITY,
     CachePlanner,
@@ -14,6 +13,7 @@ from control_plane.eviction import (
     Resident,
     make_policy,
 )
+from domain.errors import CapacityExhausted
 
 MB = 1_000_000
 

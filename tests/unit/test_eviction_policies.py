@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.domain.errors import CapacityExhausted
 from control_plane.eviction import (
     DEFAULT_POLICY,
     POLICIES,
@@ -24,6 +23,7 @@ from control_plane.eviction import (
     make_policy,
 )
 from control_plane.eviction.sketch import FrequencySketch
+from domain.errors import CapacityExhausted
 
 ALL = sorted(POLICIES)
 

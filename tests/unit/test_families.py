@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import save_file
 
 from control_plane.demo.fleet import FleetSpec, customer_weights, generate_family_fleet
-from control_plane.domain.errors import InvalidInput
 from control_plane.families import (
     FamilyCatalog,
     check_variant_weights,
@@ -20,6 +19,7 @@ from control_plane.families import (
     write_variant,
 )
 from control_plane.families.catalog import Family
+from domain.errors import InvalidInput
 from model_runtime.family import Layout, LayoutError, SlotBank, SlotError, read_layout
 
 SCALER = Path(__file__).resolve().parents[1] / "fixtures" / "families" / "scaler"

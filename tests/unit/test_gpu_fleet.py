@@ -9,7 +9,6 @@ import itertools
 
 import pytest
 
-from control_plane.domain.errors import CapacityExhausted, InvalidInput
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.manager.placement import ModelFacts, Placer, ServerLabels
 from control_plane.state.store import StateStore
@@ -21,6 +20,7 @@ from control_plane.triton.devices import (
     server_name,
 )
 from control_plane.triton.fake_nvml import FakeGpu, FakeMig, FakeNVML, from_spec, from_test_hook
+from domain.errors import CapacityExhausted, InvalidInput
 from tests.conftest import run
 from tests.unit.test_manager_unit import FakeAdmin
 

@@ -1,6 +1,7 @@
 """The layout's import contracts ([tool.importlinter] in pyproject.toml) hold: code run
-inside Triton imports neither the control plane nor the router, the router imports only the
-control plane's domain, and the domain imports no other part of the product."""
+inside Triton imports neither the control plane nor the router, the router imports nothing of
+the control plane (what both share is `domain`), and the domain imports no other part of the
+product."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ import logging
 
 import pytest
 
-from control_plane.domain.errors import CapacityExhausted, InvalidInput
 from control_plane.eviction import STAGE_PRIORITY
 from control_plane.manager import (
     ManagerConfig,
@@ -18,6 +17,7 @@ from control_plane.manager import (
 )
 from control_plane.state.store import StateStore
 from control_plane.triton.admin import TritonModelState
+from domain.errors import CapacityExhausted, InvalidInput
 from tests.conftest import run
 from tests.unit.test_manager_unit import FakeAdmin
 

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from control_plane.domain.errors import InvalidInput, ModelNotFound
 from control_plane.eviction import Resident
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.manager.catalog import Catalog
@@ -24,6 +23,7 @@ from control_plane.metrics import ControlPlaneMetrics
 from control_plane.state.store import StateStore
 from control_plane.triton.admin import TritonModelState
 from control_plane.triton.devices import NoMemoryMeter
+from domain.errors import InvalidInput, ModelNotFound
 from tests.conftest import run
 from tests.unit.test_manager_unit import MODELS, FakeAdmin
 

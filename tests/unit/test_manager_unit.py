@@ -9,17 +9,17 @@ import time
 
 import pytest
 
-from control_plane.domain.errors import (
+from control_plane.eviction import STAGE_PRIORITY
+from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
+from control_plane.state.store import StateStore
+from control_plane.triton.admin import IndexEntry, TritonModelState
+from domain.errors import (
     CapacityExhausted,
     ModelLoadFailed,
     ModelNotFound,
     OperationTimeout,
     TritonUnavailable,
 )
-from control_plane.eviction import STAGE_PRIORITY
-from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
-from control_plane.state.store import StateStore
-from control_plane.triton.admin import IndexEntry, TritonModelState
 from tests.conftest import run
 
 

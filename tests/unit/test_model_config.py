@@ -10,9 +10,9 @@ from control_plane.demo.fleet import FleetSpec
 from control_plane.demo.fleet import render_config as render_fleet_config
 from control_plane.demo.lora import RECOMMENDER, TINYLM, LoraDemoSpec
 from control_plane.demo.lora import render_config as render_lora_config
-from control_plane.domain import model_config
-from control_plane.domain.errors import InvalidInput
 from control_plane.registry import check_model_config
+from domain import model_config
+from domain.errors import InvalidInput
 
 # What Triton accepts and a line pattern does not expect: a comment before the name, the
 # name indented and single-quoted, repeated ``input {}`` blocks instead of ``input [ ]``,

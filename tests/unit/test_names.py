@@ -1,7 +1,7 @@
 import pytest
 
-from control_plane.domain.errors import InvalidModelName
-from control_plane.domain.names import validate_model_name
+from domain.errors import InvalidModelName
+from domain.names import validate_model_name
 
 
 @pytest.mark.parametrize("name", ["cust001", "cust017.v3", "rec-ab_2", "A1", "x" * 128])

@@ -8,8 +8,8 @@ from aiohttp.test_utils import make_mocked_request
 
 from control_plane.admin import api as admin_api
 from control_plane.admin.api import make_app
-from control_plane.domain.errors import InvalidInput, ModelNotFound
 from control_plane.registry import register_repository
+from domain.errors import InvalidInput, ModelNotFound
 from tests.conftest import run
 from tests.unit.test_warm_tier import Env, make_folder
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.domain.errors import CapacityExhausted, TritonUnavailable
 from control_plane.eviction import CachePlanner, Capacity, Resident, make_policy
 from control_plane.manager import ModelManager, ServerSpec
 from control_plane.manager.placement import (
@@ -20,6 +19,7 @@ from control_plane.manager.placement import (
     sla_isolation,
     tenant_affinity,
 )
+from domain.errors import CapacityExhausted, TritonUnavailable
 
 MB = 1_000_000
 

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from control_plane.domain.errors import CapacityExhausted
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
 from control_plane.registry import Registry, resident_priority_updater
 from control_plane.runtime.promotion import (
@@ -17,6 +16,7 @@ from control_plane.runtime.promotion import (
     counter_by_label,
 )
 from control_plane.state.store import StateStore
+from domain.errors import CapacityExhausted
 from tests.conftest import run
 from tests.unit.test_manager_unit import FakeAdmin
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.domain.errors import InvalidInput, InvalidModelName, ModelNotFound
-from control_plane.domain.names import validate_model_name
 from control_plane.eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
 from control_plane.registry import (
     _WARM_MANIFEST,
@@ -18,6 +16,8 @@ from control_plane.registry import (
 from control_plane.state.store import StateStore
 from control_plane.tiers.cold import folder_sha256
 from control_plane.tiers.warm import WARM_MANIFEST
+from domain.errors import InvalidInput, InvalidModelName, ModelNotFound
+from domain.names import validate_model_name
 
 SHA = "ab" * 32
 

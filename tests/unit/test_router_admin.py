@@ -14,7 +14,7 @@ from aiohttp.test_utils import make_mocked_request
 import control_plane.admin.rollout_routes as router_admin
 from control_plane.admin.api import error_middleware
 from control_plane.admin.rollout_routes import ROUTER_ADMIN_KEY, alias_set, limit_set, router_errors
-from control_plane.domain.errors import ModelNotFound as CpModelNotFound
+from domain.errors import ModelNotFound as CpModelNotFound
 from router.rollouts.routes import RouteTable
 
 

@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from control_plane.domain.errors import InvalidModelName
 from control_plane.rollouts.canary import CanaryController
 from control_plane.rollouts.stats import StatsBook
+from domain.errors import InvalidModelName
 from router.rollouts.ratelimit import TokenBucket
 from router.rollouts.routes import RouteTable, bucket
 from router.rollouts.shadow import ShadowItem, ShadowMirror, compare_outputs

@@ -1,4 +1,4 @@
-"""Each setting is declared once (control_plane/domain/settings.py) and everything else is
+"""Each setting is declared once (domain/settings.py) and everything else is
 derived from that declaration: mmctl's options with their defaults, help and environment
 variables, the config objects, the control plane's file, and the command line of a router
 worker.  These tests fail when a consumer declares a setting of its own."""
@@ -18,8 +18,18 @@ from click.testing import CliRunner
 from control_plane.cli import serve
 from control_plane.cli import settings as cli_settings
 from control_plane.client import ClientSettings, find_token
-from control_plane.domain.errors import InvalidInput
-from control_plane.domain.settings import (
+from control_plane.runtime.config import (
+    SECRETS,
+    ServiceConfig,
+    at_least_zero,
+    config_from_json,
+    config_to_json,
+    parse_budget,
+    parse_device_budget,
+)
+from control_plane.tiers.cold.s3 import S3Config
+from domain.errors import InvalidInput
+from domain.settings import (
     ADMIN_TOKEN,
     ENV_PREFIX,
     FLAG,
@@ -38,17 +48,7 @@ from control_plane.domain.settings import (
     shared_values,
     to_argv,
 )
-from control_plane.domain.sizes import parse_size
-from control_plane.runtime.config import (
-    SECRETS,
-    ServiceConfig,
-    at_least_zero,
-    config_from_json,
-    config_to_json,
-    parse_budget,
-    parse_device_budget,
-)
-from control_plane.tiers.cold.s3 import S3Config
+from domain.sizes import parse_size
 from router.serving import worker
 from router.serving.worker_settings import WorkerConfig, parse_worker_argv
 

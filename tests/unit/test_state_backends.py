@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.domain.errors import InvalidInput
 from control_plane.state import Deposed, LeaderLease, SqliteDatabase, migrate, open_database
 from control_plane.state.migrations import LATEST_VERSION, applied_versions
 from control_plane.state.store import StateStore
+from domain.errors import InvalidInput
 
 
 class Clock:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from control_plane.domain.errors import (
+from control_plane.triton.admin import TritonAdmin, TritonModelState
+from domain.errors import (
     ControlPlaneError,
     ModelLoadFailed,
     OperationTimeout,
     TritonUnavailable,
 )
-from control_plane.triton.admin import TritonAdmin, TritonModelState
 from tests.conftest import run
 
 

@@ -4,8 +4,8 @@ import pytest
 
 
 def test_triton_that_dies_while_starting_is_started_once_more(tmp_path, monkeypatch):
-    from control_plane.domain.errors import TritonUnavailable
     from control_plane.triton.process import TritonLaunchConfig, TritonProcess
+    from domain.errors import TritonUnavailable
 
     class DeadProc:
         returncode = -6

@@ -30,8 +30,8 @@ from control_plane.admin.access import (
 from control_plane.admin.api import ACCESS_KEY, PAGE_HEADERS, SIGN_IN_KEY, json_body
 from control_plane.admin.status_page.history import SAMPLE_EVERY_S
 from control_plane.admin.status_page.overview import Overview, OverviewCache, StatusSources
-from control_plane.domain.errors import InvalidInput
-from control_plane.domain.periodic import run_periodically
+from domain.errors import InvalidInput
+from domain.periodic import run_periodically
 
 __all__ = ["StatusSources", "add_status_page"]
 

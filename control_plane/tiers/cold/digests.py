@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane.domain.errors import InvalidInput, ModelLoadFailed, ModelNotFound
+from domain.errors import InvalidInput, ModelLoadFailed, ModelNotFound
 
 MANIFEST_NAME = "mms-manifest.json"
 MANIFEST_FORMAT = "mms-artifact/1"

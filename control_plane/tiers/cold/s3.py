@@ -12,8 +12,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from urllib.parse import urlparse
 
-from control_plane.domain.errors import ControlPlaneError, InvalidInput, ModelLoadFailed
-from control_plane.domain.settings import env_values, setting
 from control_plane.tiers.cold.digests import (
     CHUNK_BYTES,
     MANIFEST_NAME,
@@ -22,12 +20,14 @@ from control_plane.tiers.cold.digests import (
     _safe_relpath,
 )
 from control_plane.tiers.cold.stores import ColdStore, _with_slash
+from domain.errors import ControlPlaneError, InvalidInput, ModelLoadFailed
+from domain.settings import env_values, setting
 
 
 @dataclass
 class S3Config:
     """Where the S3-compatible store is: settings of the environment only (``MMS_S3_*``,
-    ``control_plane.domain.settings``).  Credentials left None come from boto3's usual chain
+    ``domain.settings``).  Credentials left None come from boto3's usual chain
     (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / profiles / instance roles)."""
 
     bucket: str = setting("", "Bucket of the cold store (S3 or S3-compatible); empty: no S3.",

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from control_plane.domain.errors import InvalidInput
 from control_plane.tiers.cold.digests import CHUNK_BYTES, FileEntry, _artifact_files
+from domain.errors import InvalidInput
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ import time
 import uuid
 from pathlib import Path
 
-from control_plane.domain.errors import ControlPlaneError, ModelLoadFailed, ModelNotFound
 from control_plane.tiers.cold.digests import (
     MANIFEST_NAME,
     FileEntry,
@@ -33,6 +32,7 @@ from control_plane.tiers.cold.digests import (
     normalize_sha256,
 )
 from control_plane.tiers.cold.stores import ArtifactInfo, ColdStore, _with_slash
+from domain.errors import ControlPlaneError, ModelLoadFailed, ModelNotFound
 
 log = logging.getLogger(__package__)  # one logger name for the whole package
 

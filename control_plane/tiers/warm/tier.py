@@ -15,18 +15,18 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from control_plane.domain.errors import (
+from control_plane.registry import ModelVersion, Registry
+from control_plane.tiers.cold import ColdStore, ColdStores, download_verified
+from control_plane.tiers.warm.entries import Download, WarmEntry
+from control_plane.tiers.warm.location import folder_bytes, staging_dir_for
+from domain.errors import (
     CapacityExhausted,
     InvalidInput,
     ModelLoadFailed,
     ModelNotFound,
 )
-from control_plane.domain.model_config import set_name_in_file
-from control_plane.domain.names import validate_model_name
-from control_plane.registry import ModelVersion, Registry
-from control_plane.tiers.cold import ColdStore, ColdStores, download_verified
-from control_plane.tiers.warm.entries import Download, WarmEntry
-from control_plane.tiers.warm.location import folder_bytes, staging_dir_for
+from domain.model_config import set_name_in_file
+from domain.names import validate_model_name
 
 log = logging.getLogger(__package__)  # one logger name for the whole package
 

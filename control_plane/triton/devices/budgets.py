@@ -7,8 +7,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane.domain.errors import InvalidInput
 from control_plane.triton.devices.discovery import Device
+from domain.errors import InvalidInput
 
 # --------------------------------------------------------------------------- default budget
 # With no --memory-budget, each local Triton gets a share of what the machine has, so a

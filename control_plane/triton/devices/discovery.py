@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from control_plane.domain.errors import InvalidInput
+from domain.errors import InvalidInput
 
 log = logging.getLogger(__package__)  # one logger name for the whole package
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from control_plane.domain.errors import InvalidInput
+from domain.errors import InvalidInput
 
 ENV_PREFIX = "MMS_"
 # Switches of the test suite, never settings a user sets: MMS_TEST_FAKE_NVML

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from control_plane.domain.errors import InvalidInput
+from domain.errors import InvalidInput
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10,
           "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

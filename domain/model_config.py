@@ -24,7 +24,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc.model_config_pb2 import ModelConfig, ModelInstanceGroup
 
-from control_plane.domain.errors import InvalidInput
+from domain.errors import InvalidInput
 
 CONFIG_FILE = "config.pbtxt"
 

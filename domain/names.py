@@ -3,7 +3,7 @@ conservative alphabet passes (model control is remote code execution)."""
 
 import re
 
-from control_plane.domain.errors import InvalidModelName
+from domain.errors import InvalidModelName
 
 MAX_NAME_LENGTH = 128
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
