@@ -1,28 +1,75 @@
 """Thrash: many clients over more models than fit, through the router, on the real stack.
-Slow is acceptable under thrash; an error for a request that could be served is not."""
+Slow is acceptable under thrash; an error for a request that could be served is not, and
+neither is an answer that is not the asked model's own (a swap gone wrong serves another
+model's weights under the right name and shape)."""
 
 from __future__ import annotations
 
+import random
 import shutil
+import threading
 
 import pytest
+import tritonclient.grpc as grpcclient
 
-from bench.thrash import thrash
+from tests.integration.answers import Answers, features
 from tests.product import Product
 
 pytestmark = pytest.mark.integration
 
 CLIENTS, REQUESTS_EACH = 16, 5
+MODELS = [f"cust00{i}" for i in range(1, 9)]
 
 
-def assert_thrash_loses_nothing(p: Product) -> None:
-    """Thrash the started product ``p`` over cust001..cust008; stop it; no request failed."""
+def thrash_checking_answers(url: str, answers: Answers) -> tuple[int, list[str]]:
+    """CLIENTS threads, each sending REQUESTS_EACH requests one after the other to models
+    drawn at random; (requests answered, failures), where a failure is an error or an answer
+    that is not the model's own."""
+    failures: list[str] = []
+    answered = [0]
+    lock = threading.Lock()
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        c = grpcclient.InferenceServerClient(url)
+        try:
+            for i in range(REQUESTS_EACH):
+                model = rng.choice(MODELS)
+                x = features(1, seed=seed * 1000 + i)
+                inp = grpcclient.InferInput("FEATURES", list(x.shape), "FP32")
+                inp.set_data_from_numpy(x)
+                try:
+                    scores = c.infer(model, [inp], client_timeout=240).as_numpy("SCORES")
+                except Exception as exc:  # noqa: BLE001  (every failure is the test's finding)
+                    with lock:
+                        failures.append(f"{model}: {str(exc)[:200]}")
+                    continue
+                with lock:
+                    answered[0] += 1
+                    if not answers.matches(model, x, scores):
+                        found = answers.which(MODELS, x, scores) or "no model here"
+                        failures.append(f"{model}: answered {scores.ravel().tolist()}, "
+                                        f"the answer of {found}")
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answered[0], failures
+
+
+def assert_thrash_loses_nothing(p: Product, answers: Answers) -> None:
+    """Thrash the started product ``p`` over cust001..cust008; stop it; every request was
+    answered with its model's own scores."""
+    answers.assert_distinct(MODELS, features(1, seed=0))  # the value check has teeth
     try:
-        records = thrash(p.json("endpoints")["router_grpc"], [f"cust00{i}" for i in range(1, 9)],
-                         CLIENTS, REQUESTS_EACH)
-        errors = [f"{r['model']}: {r['error']}" for r in records if not r["ok"]]
-        assert len(records) == CLIENTS * REQUESTS_EACH
-        assert errors == [], f"{len(errors)} of {CLIENTS * REQUESTS_EACH} requests failed: {errors[:5]}"
+        answered, failures = thrash_checking_answers(p.json("endpoints")["router_grpc"], answers)
+        sent = CLIENTS * REQUESTS_EACH
+        assert failures == [], f"{len(failures)} of {sent} failed: {failures[:5]}"
+        assert answered == CLIENTS * REQUESTS_EACH
     finally:
         p.stop()
         p.assert_no_triton_left()
@@ -32,9 +79,12 @@ def test_thrash_over_separate_models_loses_no_request(fleet_template, tmp_path):
     repo = tmp_path / "repository"
     shutil.copytree(fleet_template, repo)
     assert_thrash_loses_nothing(Product(tmp_path / "state", repo, "--max-loaded", "3",
-                                        "--router-workers", "1", "--policy", "lru").start())
+                                        "--router-workers", "1", "--policy", "lru").start(),
+                                Answers(repo))
 
 
 def test_thrash_over_a_family_loses_no_request(tmp_path):
-    assert_thrash_loses_nothing(Product(tmp_path / "state", None, "--fleet-size", "8", "--max-loaded",
-                                        "3", "--router-workers", "1", "--policy", "lru").start())
+    assert_thrash_loses_nothing(Product(tmp_path / "state", None, "--fleet-size", "8",
+                                        "--max-loaded", "3", "--router-workers", "1",
+                                        "--policy", "lru").start(),
+                                Answers(family=True))
