@@ -38,7 +38,6 @@ from control_plane.registry.artifacts import (
 )
 from control_plane.registry.priorities import apply_stage_priorities, resident_priority_updater
 from control_plane.registry.repository import (
-    _WARM_MANIFEST,
     FoundFolder,
     add_repository_versions,
     collect_repository,
@@ -63,7 +62,6 @@ __all__ = [
     "REPOSITORY_SCHEME",
     "SLA_CLASSES",
     "STAGES",
-    "_WARM_MANIFEST",
     "FoundFolder",
     "ModelVersion",
     "Registry",

@@ -9,19 +9,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from control_plane.families import VARIANT_FILE
 from control_plane.registry.store import Registry
 from control_plane.registry.versions import ModelVersion, parse_concrete, repository_uri
+from control_plane.tiers.warm import WARM_MANIFEST
 from domain.errors import ControlPlaneError
 from domain.names import validate_model_name
+from model_runtime.family.protocol import LAYOUT_FILE
 
 log = logging.getLogger(__name__)
-
-# warm_tier.WARM_MANIFEST (that package imports this one): marks a folder the warm tier staged.
-_WARM_MANIFEST = ".mms-warm.json"
-# families.VARIANT_FILE / LAYOUT_FILE: a variant's folder (weights, no config.pbtxt) and a
-# family's (the Triton model that holds the variants: not a model clients call).
-_VARIANT_FILE = "variant.json"
-_FAMILY_FILE = "family.json"
 
 
 def variant_family(folder: Path) -> str | None:
@@ -29,7 +25,7 @@ def variant_family(folder: Path) -> str | None:
     import json
 
     try:
-        family = json.loads((folder / _VARIANT_FILE).read_text())["family"]
+        family = json.loads((folder / VARIANT_FILE).read_text())["family"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return family if isinstance(family, str) else None
@@ -79,7 +75,7 @@ def collect_repository(registry: Registry, repository: Path,
         name = child.name
         if name in known or name.startswith(".") or not child.is_dir():
             continue
-        if (child / _WARM_MANIFEST).exists() or (child / _FAMILY_FILE).exists():
+        if (child / WARM_MANIFEST).exists() or (child / LAYOUT_FILE).exists():
             continue
         family = variant_family(child)
         if family is None and not (child / "config.pbtxt").is_file():

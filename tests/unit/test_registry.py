@@ -6,13 +6,13 @@ import pytest
 
 from control_plane.eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
 from control_plane.registry import (
-    _WARM_MANIFEST,
     Registry,
     concrete_name,
     parse_concrete,
     parse_metrics,
     register_repository,
 )
+from control_plane.registry.repository import WARM_MANIFEST as _WARM_MANIFEST
 from control_plane.state.store import StateStore
 from control_plane.tiers.cold import folder_sha256
 from control_plane.tiers.warm import WARM_MANIFEST

@@ -14,8 +14,8 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
-from control_plane.registry import ModelVersion, Registry
 from control_plane.tiers.cold import ColdStore, ColdStores, download_verified
 from control_plane.tiers.warm.entries import Download, WarmEntry
 from control_plane.tiers.warm.location import folder_bytes, staging_dir_for
@@ -35,10 +35,34 @@ VARIANT_FILE = "variant.json"  # families.VARIANT_FILE: a variant's folder has n
 LARGE_DOWNLOAD_BYTES = 64 << 20
 
 
+class RegisteredVersion(Protocol):
+    """What the warm tier reads of a registered version (``registry.ModelVersion``)."""
+
+    model: str
+    version: int
+    stage: str
+    artifact_uri: str
+    sha256: str
+    size_bytes: int
+
+    @property
+    def in_repository(self) -> bool: ...
+
+
+class Versions(Protocol):
+    """The registry as the warm tier asks it (``registry.Registry``): the tier sits below
+    the registry, which publishes to the cold store beside it, so it takes this instead of
+    importing the registry back."""
+
+    def by_name(self, name: str) -> RegisteredVersion | None: ...
+
+    def concrete_names(self) -> set[str]: ...
+
+
 class WarmTier:
     """Host-DRAM model repository with a byte budget and LRU eviction (see the package doc)."""
 
-    def __init__(self, repository: Path, registry: Registry | None = None,
+    def __init__(self, repository: Path, registry: Versions | None = None,
                  stores: ColdStores | None = None, budget_bytes: int | None = None,
                  clock: Callable[[], float] = time.time, attempts: int = 2):
         if budget_bytes is not None and budget_bytes <= 0:
@@ -170,7 +194,7 @@ class WarmTier:
         return size
 
     # ------------------------------------------------------------------ blocking part
-    def _fetch_into_place(self, name: str, mv: ModelVersion, store: ColdStore, download: Download) -> int:
+    def _fetch_into_place(self, name: str, mv: RegisteredVersion, store: ColdStore, download: Download) -> int:
         """Runs in an executor thread: download, verify, fix the config name, rename in."""
         started = time.monotonic()
         next_log = [0.1]
