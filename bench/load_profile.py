@@ -40,7 +40,7 @@ from control_plane.demo.fleet import (
     hidden_dim_for_size,
 )
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import TritonModelState
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from control_plane.demo.fleet import FleetSpec, generate_fleet, hidden_dim_for_size
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 
 

@@ -253,6 +253,8 @@ def main(argv=None) -> dict:
     started = time.monotonic()
     product.start()
     up_s = time.monotonic() - started
+    print(f"soak: mmctl up ready in {up_s:.1f} s; {args.clients} clients for {args.duration:g} s",
+          flush=True)
     load_before = os.getloadavg()
     records: list = []
     polls: list[dict] = []
@@ -267,7 +269,7 @@ def main(argv=None) -> dict:
         first_wrong = reference.check(names[0], features, first.infer(names[0], features))
         first.close()
         assert first_wrong is None, first_wrong
-        start = time.monotonic()
+        start, start_epoch = time.monotonic(), time.time()
         deadline = start + args.duration
         helpers = [threading.Thread(target=rss_loop, args=(product.proc.pid, args.rss_every, stop,
                                                            start, rss), daemon=True)]
@@ -299,6 +301,14 @@ def main(argv=None) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
     failures = Counter(r[4] for r in records if r[4] is not None)
+    # When each message was seen (wall clock, as the product's log writes it), to line the
+    # failures up with the log.
+    seen: dict[str, list[str]] = {}
+    for r in sorted(records):
+        if r[4] is not None:
+            at = start_epoch + r[0]
+            seen.setdefault(r[4], []).append(
+                time.strftime("%H:%M:%S", time.localtime(at)) + f".{int(at % 1 * 1000):03d}")
     wrong = [r[5] for r in records if r[5] is not None]
     ok_ms = np.array([r[1] for r in records if r[4] is None and r[5] is None]) * 1000
     status_failures = Counter(p["error"] for p in polls if p["exit"] != 0)
@@ -330,7 +340,7 @@ def main(argv=None) -> dict:
         },
         "requests": len(records),
         "failed": sum(failures.values()),
-        "failures": [{"count": n, "message": m} for m, n in failures.most_common()],
+        "failures": [{"count": n, "message": m, "at": seen[m][:20]} for m, n in failures.most_common()],
         "wrong_answers": len(wrong),
         "wrong_answer_examples": wrong[:5],
         "req_per_s": round(len(records) / wall_s, 1),

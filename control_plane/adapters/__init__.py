@@ -35,6 +35,7 @@ restoring and the manifest: blocking file work), ``manager`` (``AdapterManager``
 operations themselves).
 """
 
+from control_plane.adapters.adapter_table import AdapterStore
 from control_plane.adapters.base import (
     CONFIG_FILE,
     CONTROL_INPUT,
@@ -54,7 +55,6 @@ from control_plane.adapters.files import AdapterFiles, StagedAdapter
 from control_plane.adapters.manager import AdapterManager
 from control_plane.adapters.metrics import AdapterMetrics
 from control_plane.adapters.rows import _peft_summary, merge_rows, public_tier
-from control_plane.adapters.store import AdapterStore
 
 __all__ = [
     "CONFIG_FILE",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from control_plane.adapters.adapter_table import AdapterStore
 from control_plane.adapters.base import LoraBase, describe_base, parse_adapter_ref
 from control_plane.adapters.files import (
     AdapterFiles,
@@ -26,7 +27,6 @@ from control_plane.adapters.files import (
 )
 from control_plane.adapters.metrics import AdapterMetrics
 from control_plane.adapters.rows import _peft_summary, merge_rows
-from control_plane.adapters.store import AdapterStore
 from control_plane.tiers.cold import ColdStores
 from domain.errors import (
     CapacityExhausted,

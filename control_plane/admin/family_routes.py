@@ -11,7 +11,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from control_plane.admin.api import json_body as _json
-from control_plane.families.store import add_family
+from control_plane.families.added_families import add_family
 
 FAMILY_CONTEXT_KEY = web.AppKey("family_context", dict)
 

@@ -15,7 +15,7 @@ Modules:
     admin     FamilyAdmin: TritonAdmin whose load/unload/index of a variant are slot operations
 """
 
-from control_plane.families.catalog import Family, FamilyCatalog, family_slots
+from control_plane.families.family_catalog import Family, FamilyCatalog, family_slots
 from control_plane.families.folders import (
     VARIANT_FILE,
     WEIGHTS_FILE,

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from control_plane.families.catalog import FamilyCatalog
+from control_plane.families.family_catalog import FamilyCatalog
 from control_plane.families.folders import write_family
 from control_plane.tiers.cold import download_verified, publish
 from domain.errors import ControlPlaneError, InvalidInput

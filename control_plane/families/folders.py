@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2
 
-from control_plane.families.catalog import VARIANT_FILE, WEIGHTS_FILE, Family
+from control_plane.families.family_catalog import VARIANT_FILE, WEIGHTS_FILE, Family
 from domain import model_config
 from domain.errors import InvalidInput
 from domain.names import validate_model_name

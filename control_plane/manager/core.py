@@ -37,7 +37,7 @@ from control_plane.manager.room import RoomLedger
 from control_plane.manager.state import ManagerState
 from control_plane.manager.unloader import Unloader
 from control_plane.metrics import ControlPlaneMetrics
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import TritonAdmin, TritonModelState
 from control_plane.triton.devices import NoMemoryMeter
 from control_plane.triton.process import TritonProcess

@@ -25,7 +25,7 @@ from control_plane.manager.records import (
 )
 from control_plane.manager.room import RoomLedger
 from control_plane.metrics import ControlPlaneMetrics
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from control_plane.triton.devices import GpuMemoryMeter, NoMemoryMeter
 
 log = logging.getLogger(__name__)

@@ -37,13 +37,13 @@ from control_plane.registry.artifacts import (
     register_version,
 )
 from control_plane.registry.priorities import apply_stage_priorities, resident_priority_updater
+from control_plane.registry.registered_versions import Registry
 from control_plane.registry.repository import (
     FoundFolder,
     add_repository_versions,
     collect_repository,
     register_repository,
 )
-from control_plane.registry.store import Registry
 from control_plane.registry.versions import (
     DEFAULT_SLA,
     REPOSITORY_SCHEME,

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from control_plane.families import VARIANT_FILE, WEIGHTS_FILE, check_variant_weights, write_variant
-from control_plane.registry.store import Registry
+from control_plane.registry.registered_versions import Registry
 from control_plane.registry.versions import DEFAULT_SLA, ModelVersion, concrete_name
 from control_plane.tiers.cold import inspect, normalize_sha256, publish
 from domain import model_config

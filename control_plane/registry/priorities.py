@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from control_plane.eviction import DEFAULT_PRIORITY, STAGE_PRIORITY
-from control_plane.registry.store import Registry
+from control_plane.registry.registered_versions import Registry
 
 
 def resident_priority_updater(manager) -> Callable[[str, str], None]:

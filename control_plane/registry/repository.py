@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from control_plane.families import VARIANT_FILE
-from control_plane.registry.store import Registry
+from control_plane.registry.registered_versions import Registry
 from control_plane.registry.versions import ModelVersion, parse_concrete, repository_uri
 from control_plane.tiers.warm import WARM_MANIFEST
 from domain.errors import ControlPlaneError

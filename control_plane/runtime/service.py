@@ -32,7 +32,7 @@ from control_plane.runtime.config import ServiceConfig, config_from_json, config
 from control_plane.runtime.supervisor import PROCESSES_FILE
 from control_plane.runtime.tritons import TritonFleet, check_model_control, free_memory_probe
 from control_plane.state.secret_files import ensure_private_dir, ensure_secret_file
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import admin_key_headers
 from domain.periodic import guarded_step, run_periodically
 
@@ -149,7 +149,7 @@ class Service:
         self.warm.recover()  # partial downloads from a crash never reach Triton
         await self.register_repository()
         from control_plane.families import FamilyCatalog
-        from control_plane.families.store import recorded_families, restore_families
+        from control_plane.families.added_families import recorded_families, restore_families
 
         await asyncio.to_thread(restore_families, recorded_families(store), self.registry.stores,
                                 self.repository)

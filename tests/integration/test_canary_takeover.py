@@ -9,7 +9,7 @@ import pytest
 from control_plane.admin.dataplane import DataPlaneHub
 from control_plane.registry import Registry
 from control_plane.state import LeaderLease, open_database
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from domain.errors import ControlPlaneError
 from domain.periodic import run_periodically
 

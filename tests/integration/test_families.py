@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 from control_plane.families import FamilyCatalog, family_slots, write_family, write_variant
 from control_plane.families.admin import FamilyAdmin
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 from domain.errors import ControlPlaneError
 from tests.conftest import run, triton_log_count

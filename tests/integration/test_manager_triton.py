@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from control_plane.triton.process import free_port
 from domain.errors import (
     CapacityExhausted,

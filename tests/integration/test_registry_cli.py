@@ -18,7 +18,7 @@ from control_plane.admin.registry_routes import add_registry_routes
 from control_plane.cli.common import Api
 from control_plane.cli.registry import registry as registry_cli
 from control_plane.registry import Registry
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256
 from control_plane.tiers.warm import WarmTier
 from control_plane.triton.process import free_port

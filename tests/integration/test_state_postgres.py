@@ -12,7 +12,7 @@ from control_plane.adapters import AdapterStore
 from control_plane.registry import Registry
 from control_plane.state import Deposed, LeaderLease, PostgresDatabase, migrate, open_database
 from control_plane.state.migrations import LATEST_VERSION, applied_versions
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 
 pytestmark = pytest.mark.integration
 

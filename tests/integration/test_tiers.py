@@ -22,7 +22,7 @@ from control_plane.demo.fleet import FleetSpec, base_weights, customer_weights, 
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.manager.placement import Placer, ServerLabels, registry_facts
 from control_plane.registry import Registry
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from control_plane.tiers.cold import ColdStores, LocalDirStore, S3Config, S3Store, publish
 from control_plane.tiers.warm import WarmTier
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess, free_port
@@ -256,7 +256,7 @@ CRASHING_STAGER = textwrap.dedent("""
     from pathlib import Path
     from control_plane.tiers.cold import ColdStores, S3Config, S3Store
     from control_plane.registry import Registry
-    from control_plane.state.store import StateStore
+    from control_plane.state.state_store import StateStore
     from control_plane.tiers.warm import WarmTier, tier
 
     state, repo, endpoint = sys.argv[1:4]
@@ -362,7 +362,7 @@ CONTROL_PLANE = textwrap.dedent("""
     from control_plane.tiers.cold import ColdStores, S3Config, S3Store
     from control_plane.manager import ModelManager, ServerSpec
     from control_plane.registry import Registry
-    from control_plane.state.store import StateStore
+    from control_plane.state.state_store import StateStore
     from control_plane.triton.process import TritonLaunchConfig, TritonProcess
     from control_plane.tiers.warm import WarmTier
 

@@ -7,7 +7,7 @@ import threading
 import time
 
 from control_plane.state.background import BackgroundStore
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from router.rollouts.routes import ROUTES_KEY, RouteTable
 
 

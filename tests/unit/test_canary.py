@@ -18,7 +18,7 @@ from control_plane.admin.rollout_routes import ROUTER_ADMIN_KEY, canary_action, 
 from control_plane.registry import Registry
 from control_plane.rollouts.canary import WINDOW_KEY_PREFIX, CanaryController, registry_promoter
 from control_plane.rollouts.stats import StatsBook, VariantStats
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from domain.errors import ModelNotFound as CpModelNotFound
 from router.rollouts.routes import ROUTES_KEY, RouteTable
 from router.serving.core import Router

@@ -98,7 +98,7 @@ async def serving_hub(tmp_path, monkeypatch, workers: int = 1):
     from aiohttp.test_utils import TestServer
 
     from control_plane.registry import Registry
-    from control_plane.state.store import StateStore
+    from control_plane.state.state_store import StateStore
     from router.serving import state_client
 
     monkeypatch.setattr(state_client, "REPORT_INTERVAL_S", 3600.0)

@@ -18,7 +18,7 @@ from control_plane.families import (
     write_family,
     write_variant,
 )
-from control_plane.families.catalog import Family
+from control_plane.families.family_catalog import Family
 from domain.errors import InvalidInput
 from model_runtime.family import Layout, LayoutError, SlotBank, SlotError, read_layout
 

@@ -11,7 +11,7 @@ import pytest
 
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.manager.placement import ModelFacts, Placer, ServerLabels
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from control_plane.triton.devices import (
     GpuMemoryMeter,
     device_servers,

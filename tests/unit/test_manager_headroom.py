@@ -15,7 +15,7 @@ from control_plane.manager import (
     ServerSpec,
     host_available_bytes,
 )
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import TritonModelState
 from domain.errors import CapacityExhausted, InvalidInput
 from tests.conftest import run

@@ -64,7 +64,7 @@ def test_nothing_but_the_record_writes_a_models_state():
 
 def test_the_manager_counts_illegal_changes(monkeypatch, tmp_path):
     from control_plane.manager import ModelManager, ServerSpec
-    from control_plane.state.store import StateStore
+    from control_plane.state.state_store import StateStore
 
     monkeypatch.delenv(STRICT_ENV)
     server = ModelManager.make_server(ServerSpec("s0", "fake:1", "fake:2"), "lru")

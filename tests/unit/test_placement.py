@@ -174,7 +174,7 @@ def test_placer_builds_candidates_from_planners_and_labels():
 
 
 def test_manager_uses_the_placer_and_counts_capacity_errors(tmp_path):
-    from control_plane.state.store import StateStore
+    from control_plane.state.state_store import StateStore
     from tests.unit.test_manager_unit import FakeAdmin
 
     admin_a, admin_b = FakeAdmin(["x"]), FakeAdmin(["x"])

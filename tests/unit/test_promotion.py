@@ -15,7 +15,7 @@ from control_plane.runtime.promotion import (
     TrafficTracker,
     counter_by_label,
 )
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from domain.errors import CapacityExhausted
 from tests.conftest import run
 from tests.unit.test_manager_unit import FakeAdmin

@@ -11,7 +11,7 @@ from control_plane.admin.dataplane import DataPlaneHub
 from control_plane.admin.published import PublishedState
 from control_plane.manager import ModelRecord, ModelState
 from control_plane.registry import Registry
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from router.serving.state_client import RemoteState
 from tests.conftest import run
 

@@ -13,7 +13,7 @@ from control_plane.registry import (
     register_repository,
 )
 from control_plane.registry.repository import WARM_MANIFEST as _WARM_MANIFEST
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from control_plane.tiers.cold import folder_sha256
 from control_plane.tiers.warm import WARM_MANIFEST
 from domain.errors import InvalidInput, InvalidModelName, ModelNotFound

@@ -13,7 +13,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from control_plane.manager import ModelManager, ServerSpec
 from control_plane.registry import ModelVersion
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from router.rollouts.public_names import PublicNames
 from router.rollouts.routes import RouteTable
 from router.serving.core import Router

@@ -74,7 +74,7 @@ def test_route_validation_errors():
 
 
 def test_routes_persist(tmp_path):
-    from control_plane.state.store import StateStore
+    from control_plane.state.state_store import StateStore
 
     store = StateStore(tmp_path / "s.db")
     table = RouteTable(store)

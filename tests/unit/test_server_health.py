@@ -23,7 +23,7 @@ from aiohttp.test_utils import TestServer
 
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerHealth, ServerSpec
 from control_plane.manager.health import Health
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import TritonModelState
 from control_plane.triton.process import TritonProcess
 from router.frontends.http_frontend import make_http_app

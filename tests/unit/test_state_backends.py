@@ -7,7 +7,7 @@ import pytest
 
 from control_plane.state import Deposed, LeaderLease, SqliteDatabase, migrate, open_database
 from control_plane.state.migrations import LATEST_VERSION, applied_versions
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from domain.errors import InvalidInput
 
 

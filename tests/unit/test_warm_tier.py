@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from control_plane.registry import Registry
-from control_plane.state.store import StateStore
+from control_plane.state.state_store import StateStore
 from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256, publish
 from control_plane.tiers.warm import WARM_MANIFEST, WarmTier, default_warm_repository, folder_bytes
 from domain.errors import (

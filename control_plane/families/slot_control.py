@@ -36,7 +36,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-from control_plane.families.catalog import WEIGHTS_FILE, Family, FamilyCatalog
+from control_plane.families.family_catalog import WEIGHTS_FILE, Family, FamilyCatalog
 from control_plane.triton.admin import (
     IndexEntry,
     Timeouts,
