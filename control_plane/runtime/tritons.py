@@ -285,7 +285,7 @@ class TritonFleet:
         """Model control for one server, with model families' variants in weight slots
         sized from the server's budget (control_plane.families)."""
         from control_plane.families import family_slots
-        from control_plane.families.admin import FamilyAdmin
+        from control_plane.families.slot_control import FamilyAdmin
 
         families = self.families
 

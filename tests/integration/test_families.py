@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from tritonclient.utils import InferenceServerException
 
 from control_plane.families import FamilyCatalog, family_slots, write_family, write_variant
-from control_plane.families.admin import FamilyAdmin
+from control_plane.families.slot_control import FamilyAdmin
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
 from control_plane.state.state_store import StateStore
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
