@@ -30,7 +30,7 @@ Tiers in ``list``: ``gpu`` (a device slot of a model on a GPU; ``device`` on a C
 ``missing`` (registered, folder gone, not restorable yet).
 
 Modules: ``base`` (adapter names, which models are LoRA bases), ``rows`` (the merged
-``list`` rows), ``store`` (the SQLite table), ``metrics`` (Prometheus), ``files`` (staging,
+``list`` rows), ``adapter_table`` (the SQLite table), ``metrics`` (Prometheus), ``files`` (staging,
 restoring and the manifest: blocking file work), ``manager`` (``AdapterManager``, the
 operations themselves).
 """

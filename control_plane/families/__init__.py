@@ -10,9 +10,11 @@ model instead of Triton loads, loading the family model itself through Triton's 
 the first time one of its variants is placed on a server.
 
 Modules:
-    catalog   which families exist, which family a variant belongs to, slots per server
-    folders   writing and checking family and variant folders (registration)
-    admin     FamilyAdmin: TritonAdmin whose load/unload/index of a variant are slot operations
+    family_catalog  which families exist, which family a variant belongs to, slots per server
+    folders         writing and checking family and variant folders (registration)
+    added_families  families added with ``mmctl family add``: recorded, restored at each start
+    slot_control    FamilyAdmin: TritonAdmin whose load/unload/index of a variant are slot
+                    operations
 """
 
 from control_plane.families.family_catalog import Family, FamilyCatalog, family_slots

@@ -25,10 +25,10 @@ before canary before production, see eviction.STAGE_PRIORITY); pins still win ov
 Writes happen on the event-loop thread, like StateStore's.  Tables live in the same SQLite
 file as the rest of the control plane's state (``StateStore.db``).
 
-Modules: ``versions`` (a version, its names and stage changes), ``store`` (``Registry``, the
-tables and their migrations), ``artifacts`` (checking and registering a cold-store artifact),
-``repository`` (registering the folders of Triton's repository), ``priorities`` (stage as
-the eviction priority of loaded models).
+Modules: ``versions`` (a version, its names and stage changes), ``registered_versions``
+(``Registry``, the tables and their migrations), ``artifacts`` (checking and registering a
+cold-store artifact), ``repository`` (registering the folders of Triton's repository),
+``priorities`` (stage as the eviction priority of loaded models).
 """
 
 from control_plane.registry.artifacts import (

@@ -1,5 +1,6 @@
 """Durable state behind one interface (``database``), its versioned schema
-(``migrations``) and leader election with fencing through it (``leader``)."""
+(``migrations``), leader election with fencing through it (``leader``), and what is kept
+there: pins, history and keys (``state_store``), written off the loop (``background``)."""
 
 from control_plane.state.database import (
     Database,

@@ -26,7 +26,7 @@ RETRY_PAUSE_S = 1.0
 class BackgroundStore:
     """``get``/``put`` of a ``StateStore``'s key-value table, written by one thread."""
 
-    def __init__(self, store):  # a control_plane.state.store.StateStore
+    def __init__(self, store):  # a control_plane.state.state_store.StateStore
         self.store = store
         self._pending: dict[str, str] = {}
         self._writing = False
