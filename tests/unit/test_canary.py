@@ -287,11 +287,22 @@ def test_window_summary_of_a_full_window_is_cheap_and_right():
         stats.record(1000.0 + i * 0.01, float(lat), i % 50 != 0)
     since = 1000.0 + 20_000 * 0.01  # the window: the last 40,000 requests
     stats.window(since)
-    cpu_start = time.thread_time()
-    for _ in range(10):
-        w = stats.window(since)
-    cpu_ms = (time.thread_time() - cpu_start) * 100  # per call
-    assert cpu_ms < 3.0, f"one window summary took {cpu_ms:.1f} ms of CPU on the serving loop"
+
+    def cpu_ms_per_call(work) -> float:
+        cpu_start = time.thread_time()
+        for _ in range(10):
+            work()
+        return (time.thread_time() - cpu_start) * 100
+
+    w_ms = cpu_ms_per_call(lambda: stats.window(since))
+    # Cheap means vectorised: measured against one pure-Python pass that sorts the window's
+    # latencies, on the same CPU at the same moment (a busy machine slows both alike); the
+    # summary costs about a tenth of it here, a per-sample Python summary costs more.
+    in_window = latencies[20_000:].tolist()
+    python_ms = cpu_ms_per_call(lambda: sorted(in_window))
+    assert w_ms < python_ms / 3, (f"one window summary took {w_ms:.2f} ms of CPU on the serving "
+                                  f"loop, a Python sort of its latencies {python_ms:.2f} ms")
+    w = stats.window(since)
     kept = latencies[20_000:]
     assert w.requests == 40_000 and w.errors == sum(1 for i in range(20_000, 60_000) if i % 50 == 0)
     assert w.p99_ms == pytest.approx(np.percentile(kept, 99), rel=0.05)

@@ -9,7 +9,6 @@ model is now, within its deadline, over gRPC and HTTP alike."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import signal
 import subprocess
@@ -152,14 +151,22 @@ def test_a_frozen_server_is_down_after_three_probe_timeouts_and_blocks_nothing(t
                 await asyncio.sleep(0.01)
 
         tick_task = asyncio.get_running_loop().create_task(ticker())
+        probes_before = {name: admin.probes for name, admin in admins.items()}
+        ticks_before = len(ticks)
         admins["s0"].freeze()
-        took_s = await wait_until(lambda: not mgr.servers["s0"].up, what="s0 down")
-        # interval + 3 x timeout, with slack for a loaded machine
-        assert took_s < 1.0, took_s
-        assert mgr.servers["s1"].health is ServerHealth.UP  # its probes went on meanwhile
-        step = asyncio.get_running_loop().create_task(mgr.step())  # a pass holds up on nothing
-        await asyncio.wait_for(step, 1.0)
-        assert max(b - a for a, b in itertools.pairwise(ticks)) < 0.2
+        await wait_until(lambda: not mgr.servers["s0"].up, what="s0 down")
+        # Down on the missed probes themselves (counted, not timed: a loaded machine only
+        # spreads them out): three timed out, and at most one more was under way.
+        missed = admins["s0"].probes - probes_before["s0"]
+        assert FAST["probe_failures"] <= missed <= FAST["probe_failures"] + 1, missed
+        # Meanwhile s1's probes and the loop went on beside the frozen ones.
+        assert admins["s1"].probes - probes_before["s1"] >= FAST["probe_failures"] - 1
+        assert mgr.servers["s1"].health is ServerHealth.UP
+        assert len(ticks) - ticks_before >= FAST["probe_failures"]
+        # A pass holds up on nothing: waiting on the frozen server would never end, so a
+        # bound far above a busy machine's slowest pass still tells the two apart.
+        step = asyncio.get_running_loop().create_task(mgr.step())
+        await asyncio.wait_for(step, 10.0)
         admins["s0"].thaw()
         await wait_until(lambda: mgr.servers["s0"].up, what="s0 up again")
         tick_task.cancel()
@@ -340,8 +347,10 @@ def test_a_grpc_request_waiting_on_a_server_declared_down_is_sent_where_the_mode
         assert not task.done()  # suspect, not down yet: it waits
         started = time.monotonic()
         state.down = True  # the control plane declared it down
-        await asyncio.wait_for(task, 2.0)
-        assert time.monotonic() - started < 1.0
+        # Cut short: waiting on the frozen server would last the 30 s deadline, which a
+        # bound of a few seconds tells apart even on a busy machine.
+        await asyncio.wait_for(task, 10.0)
+        assert time.monotonic() - started < 5.0
         assert [name for name, _ in sent] == ["triton0", "triton1"]
         assert state.unreachable == ["triton0"]
         assert sent[1][1] < 30.0 - 0.3  # the resend has what is left of the one deadline
@@ -388,10 +397,11 @@ def test_an_http_request_waiting_on_a_server_declared_down_is_sent_where_the_mod
             assert not posting.done()
             started = time.monotonic()
             state.down = True
-            resp = await asyncio.wait_for(posting, 2.0)
+            resp = await asyncio.wait_for(posting, 10.0)
             body = await resp.json()
         assert resp.status == 200 and body["outputs"][0]["data"] == [2.0]
-        assert time.monotonic() - started < 1.0 and state.unreachable == ["triton0"]
+        # Cut short, not after the request deadline (30 s by default).
+        assert time.monotonic() - started < 5.0 and state.unreachable == ["triton0"]
         for server in (router, frozen, alive):
             await server.close()
 
@@ -405,13 +415,16 @@ def test_an_http_request_has_one_deadline_for_all_its_sends_as_over_grpc():
         never = asyncio.Event()
         frozen = await fake_triton(never)
         state = PublishedState(ServerAddress("triton0", "x:1", f"127.0.0.1:{frozen.port}"))
-        router = await http_router(state, RouterConfig(request_timeout_s=0.5))
+        deadline_s = 2.0
+        router = await http_router(state, RouterConfig(request_timeout_s=deadline_s))
         started = time.monotonic()
         async with ClientSession() as session, session.post(
                 router.make_url("/v2/models/m/infer"), data=BODY) as resp:
             status, body = resp.status, await resp.json()
         assert status == 504 and "deadline" in body["error"]
-        assert time.monotonic() - started < 1.5
+        # One deadline: a second send with a fresh one would answer after twice as long;
+        # the bound leaves a busy machine most of a deadline of slack below that.
+        assert time.monotonic() - started < 1.75 * deadline_s
         for server in (router, frozen):
             await server.close()
 
