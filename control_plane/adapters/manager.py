@@ -100,9 +100,7 @@ class AdapterManager:
             return None
         status = await server.admin.adapter_control(base, command)
         if quiet:
-            rec = self.manager.records.get(base)
-            if rec is not None:
-                rec.last_inference_ms = max(rec.last_inference_ms, int(time.time() * 1000))
+            self.manager.not_use(base, int(time.time() * 1000))
         self._absorb(base, status)
         return status
 

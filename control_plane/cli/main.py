@@ -44,7 +44,7 @@ def _one_line(rec: dict) -> str:
 
 @click.command()
 @click.argument("pattern", required=False)
-@click.option("--state", type=click.Choice(["cold", "warm", "loading", "ready", "unloading", "failed"]),
+@click.option("--state", type=click.Choice(["warm", "loading", "ready", "unloading", "failed", "unload_failed"]),
               help="Only models in this state.")
 @click.option("--tier", type=click.Choice(["hot", "staging", "warm", "cold"]),
               help="Only models in this tier.")

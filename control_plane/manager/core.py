@@ -118,7 +118,7 @@ class ModelManager:
             rec.load_time_s = row["load_time_s"]
             rec.memory_bytes = row["memory_bytes"] or 0
         for name in store.pins():
-            self.state.record(name).pinned = True
+            self.state.record(name).set_pinned(True)
         for s in servers:
             metrics.capacity_bytes.labels(s.name).set(s.spec.memory_budget_bytes or 0)
 
@@ -196,6 +196,25 @@ class ModelManager:
 
     def release(self, rec: ModelRecord) -> None:
         self.leases.release(rec)
+
+    # What others tell the manager (it stays the only writer of its records and planners).
+    def set_priority(self, name: str, priority: int) -> None:
+        """``name``'s rollout stage changed: its eviction priority on the server that holds
+        it (a loaded shadow promoted to production stops being the first to go)."""
+        self.state.residency.set_priority(name, priority)
+
+    def correct_size(self, name: str, size_bytes: int) -> None:
+        """The memory ``name`` holds on its server, as measured (the GPU memory pass)."""
+        rec = self.state.records.get(name)
+        if rec is not None and rec.state == ModelState.READY:
+            rec.resize(size_bytes)
+
+    def not_use(self, name: str, until_ms: int) -> None:
+        """Inferences Triton counted for ``name`` up to ``until_ms`` (epoch ms) were control
+        requests, not use: recency read from Triton's statistics skips them."""
+        rec = self.state.records.get(name)
+        if rec is not None:
+            rec.last_inference_ms = max(rec.last_inference_ms, until_ms)
 
     # Operators.
     async def unload(self, name: str, force: bool = False) -> ModelRecord:

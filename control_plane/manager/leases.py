@@ -115,12 +115,8 @@ class Leases:
             validate_model_name(name)
             await self.catalog.known(name)
             rec = self.state.record(name)
-        rec.inflight += 1
-        if rec.inflight == 1:
-            self.state.evictable_again(rec)
+        rec.hold()
         return rec
 
     def release(self, rec: ModelRecord) -> None:
-        rec.inflight -= 1
-        if rec.inflight == 0:
-            self.state.evictable_again(rec)
+        rec.release()

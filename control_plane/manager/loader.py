@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 
-from control_plane.eviction import Resident, victim_priority_limit
+from control_plane.eviction import victim_priority_limit
 from control_plane.manager.catalog import Catalog
 from control_plane.manager.placement import plan_measured
 from control_plane.manager.recency import Recency
@@ -48,7 +48,8 @@ class Loader:
             metrics.hits.labels(metrics.model_label(name)).inc()
             self.recency.touch(name)
             return rec
-        if (rec is not None and rec.state == ModelState.FAILED and not retry_failed
+        if (rec is not None and rec.state in (ModelState.FAILED, ModelState.UNLOAD_FAILED)
+                and not retry_failed
                 and rec.failed_at is not None
                 and time.monotonic() - rec.failed_at < self.state.config.failure_backoff_s):
             wait_s = self.state.config.failure_backoff_s - (time.monotonic() - rec.failed_at)
@@ -86,7 +87,7 @@ class Loader:
         rec = self.state.record(name)
         if rec.state == ModelState.READY:
             return rec
-        if rec.state == ModelState.FAILED and rec.server is not None:
+        if rec.state == ModelState.UNLOAD_FAILED and rec.server is not None:
             # Its unload failed: the server may still hold it.  Loading it elsewhere would
             # serve it twice and leak that server's room, so unload it there first.
             held_by = self.state.servers[rec.server]
@@ -132,18 +133,11 @@ class Loader:
                         raise
                     waiting = self._busy_tasks()
                 else:
-                    now = self.state.clock()
                     for v in victims:
-                        server.planner.update(v, evictable=False, leaving=True)
                         self.state.records[v].move(ModelState.UNLOADING)
-                    server.planner.admit(
-                        Resident(name, size_bytes, pinned=rec.pinned, evictable=False,
-                                 priority=self.state.priority_of(name)), now,
-                        load_cost_s=rec.load_time_s or 1.0,
-                    )
                     previous_state = rec.state
-                    rec.move(ModelState.LOADING)
-                    rec.server, rec.memory_bytes, rec.failure = server.name, size_bytes, None
+                    rec.failure = None
+                    rec.move(ModelState.LOADING, server=server.name, memory_bytes=size_bytes)
                     self.state.room.queue(server, name, size_bytes)
                     self.unloader.maintain_headroom(server)  # the next miss finds room again
                     break
@@ -169,9 +163,8 @@ class Loader:
         except BaseException as exc:
             self.state.room.unqueue(server, name)
             self.state.release_warm(name)
-            server.planner.remove(name)
-            rec.move(previous_state if previous_state != ModelState.LOADING else ModelState.WARM)
-            rec.server = None
+            rec.move(previous_state if previous_state not in (ModelState.LOADING, ModelState.UNLOAD_FAILED)
+                     else ModelState.WARM, server=None)
             self.state.metrics.loads.labels(server.name, "evict_failed").inc()
             if isinstance(exc, ControlPlaneError):
                 raise OperationTimeout(
@@ -206,12 +199,10 @@ class Loader:
             self.state.metrics.warmup_failures.labels(server.name).inc()
             log.warning("%s is served, but its synthetic warm-up failed: %s", name, warmup.get("error"))
         rec.move(ModelState.READY)
-        self.state.evictable_again(rec)
         self.unloader.maintain_headroom(server)
         rec.last_used = self.state.clock()
         self.state.metrics.loads.labels(server.name, "ok").inc()
         self.state.metrics.load_seconds.labels(server.name).observe(rec.load_time_s)
-        self.state.update_gauges(server)
         self.state.save_row(name, last_used=rec.last_used, load_time_s=rec.load_time_s,
                        memory_bytes=rec.memory_bytes, server=server.name, failure=None)
         log.info("loaded %s on %s in %.2fs", name, server.name, rec.load_time_s)
@@ -225,16 +216,14 @@ class Loader:
         async with self.state.lock:
             victims = plan_measured(server.planner, rec.name, measured_bytes)
             for v in victims:
-                server.planner.update(v, evictable=False)
-                self.state.records[v].move(ModelState.UNLOADING)
-            server.planner.update(rec.name, size_bytes=measured_bytes)
-            rec.memory_bytes = measured_bytes
+                # Its room already went to this model's growth: no load may plan on it.
+                self.state.records[v].move(ModelState.UNLOADING, room_promised=False)
+            rec.resize(measured_bytes)
         if victims:
             log.info("%s measured %d bytes on %s: evicting %s", rec.name, measured_bytes,
                      server.name, victims)
             await asyncio.gather(*(self.unloader.unload_now(server, v, reason="evicted") for v in victims),
                                  return_exceptions=True)  # a failed one stays counted
-        self.state.update_gauges(server)
 
     async def _wait_for_room(self, server: TritonServer, name: str, size_bytes: int,
                              evictions: list[asyncio.Future], deadline: float) -> bool:
@@ -274,7 +263,7 @@ class Loader:
         for server in self.state.servers.values():
             for r in server.planner.residents.values():
                 rec = self.state.records.get(r.key)
-                if r.evictable or r.pinned or rec is None or rec.state == ModelState.FAILED:
+                if r.evictable or r.pinned or rec is None or rec.state == ModelState.UNLOAD_FAILED:
                     continue
                 if limit is None or rec.state == ModelState.UNLOADING or r.priority <= limit:
                     return True
@@ -303,12 +292,9 @@ class Loader:
         except ControlPlaneError as cleanup_exc:
             # Triton may still hold it: keep the bytes counted, the reconcile loop retries.
             log.error("%s failed (%s) and could not be unloaded: %s", rec.name, reason, cleanup_exc)
-            rec.move(ModelState.FAILED)
+            rec.move(ModelState.UNLOAD_FAILED)
             return
-        server.planner.remove(rec.name)
         self.state.release_warm(rec.name)
-        rec.move(ModelState.FAILED)
-        rec.server = None
-        self.state.update_gauges(server)
+        rec.move(ModelState.FAILED, server=None)
         self.state.save_row(rec.name, failure=reason)
         log.warning("load of %s on %s failed: %s", rec.name, server.name, reason)

@@ -53,14 +53,8 @@ class Pins:
         return rec
 
     def _set_pinned(self, rec: ModelRecord, pinned: bool) -> None:
-        """Set the pin on the record and on its resident, if it holds one."""
-        rec.pinned = pinned
-        server = self.state.servers.get(rec.server) if rec.server else None
-        if server is not None:
-            # A model on its way out (unloading, or stuck after a failure) holds its slot as
-            # busy, not as a pin: the pin takes its slot again when the model is reloaded.
-            server.planner.update(
-                rec.name, pinned=pinned and rec.state in (ModelState.READY, ModelState.LOADING))
+        """Set the pin on the record; its resident follows (residency.resident_view)."""
+        rec.set_pinned(pinned)
 
     def repair_pins(self) -> None:
         """Start a load of every pinned model that is not loaded: Triton dropped it, a
@@ -71,7 +65,7 @@ class Pins:
                     or name in self.state.loads or name in self.state.unloads or name in self._repairs
                     or now < self._retry_at.get(name, 0.0)):
                 continue
-            if (rec.state == ModelState.FAILED and rec.failed_at is not None
+            if (rec.state in (ModelState.FAILED, ModelState.UNLOAD_FAILED) and rec.failed_at is not None
                     and now - rec.failed_at < self.state.config.failure_backoff_s):
                 continue
             self._repairs.add(name)

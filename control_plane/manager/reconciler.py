@@ -12,7 +12,6 @@ import contextlib
 import logging
 import time
 
-from control_plane.eviction import Resident
 from control_plane.manager.catalog import Catalog
 from control_plane.manager.health import Health
 from control_plane.manager.pins import Pins
@@ -94,7 +93,7 @@ class Reconciler:
 
         def ours(rec: ModelRecord | None) -> bool:
             return (rec is not None and rec.server == server.name
-                    and rec.state in (ModelState.READY, ModelState.FAILED))
+                    and rec.state in (ModelState.READY, ModelState.UNLOAD_FAILED))
 
         # Models to adopt are sized first, in a thread (a file walk), outside the lock.
         to_adopt = [n for n, e in index.items()
@@ -113,6 +112,11 @@ class Reconciler:
                 if name in busy:
                     continue
                 rec = self.state.record(name)
+                if rec.moved_at >= read_at:
+                    # Changed after the index was read (an unload that completed meanwhile
+                    # would be adopted back, counted and served from an empty slot): the
+                    # next pass sees what came of it.
+                    continue
                 if entry.state == TritonModelState.READY and not ours(rec):
                     if name in server.left_behind and rec.server is not None:
                         # Placed elsewhere while this server was down: drop the copy it kept
@@ -124,33 +128,30 @@ class Reconciler:
                     size = sizes.get(name)
                     if size is None:
                         continue  # it changed while the others were sized: the next pass
-                    server.planner.admit(Resident(name, size, pinned=rec.pinned,
-                                                  priority=self.state.priority_of(name)), self.state.clock())
-                    rec.move(ModelState.READY)
-                    rec.server, rec.memory_bytes = server.name, size
+                    if rec.state != ModelState.WARM and rec.server is not None:
+                        continue  # it has a copy elsewhere (loading, unloading): not adopted
+                    rec.move(ModelState.READY, server=server.name, memory_bytes=size)
                     rec.warmup = rec.warmup or {"ok": True, "latency_ms": None,
                                                 "checked_at": self.state.clock(), "error": None,
                                                 "note": "adopted from Triton's index"}
                     log.warning("adopted %s: Triton %s has it loaded", name, server.name)
-                elif (entry.state == TritonModelState.READY and rec.state == ModelState.FAILED
-                        and rec.server == server.name):
+                elif (entry.state == TritonModelState.READY
+                        and rec.state == ModelState.UNLOAD_FAILED and rec.server == server.name):
                     # Its unload (after a failure) did not complete: try again after the
                     # backoff, so the memory is freed and counted free once Triton confirms.
                     if (rec.failed_at is None
                             or time.monotonic() - rec.failed_at >= self.state.config.failure_backoff_s):
                         self.state.spawn(self.unloader.retry_unload(server, name))
-                elif entry.state != TritonModelState.READY and ours(rec) and rec.moved_at < read_at:
+                elif entry.state != TritonModelState.READY and ours(rec):
                     if entry.state in (TritonModelState.LOADING, TritonModelState.UNLOADING):
                         continue
-                    server.planner.remove(name)
                     self.state.release_warm(name)
                     if rec.state == ModelState.READY:
                         log.warning("%s is no longer loaded on %s (%s)", name, server.name,
                                     entry.reason or entry.state.value)
-                        rec.move(ModelState.WARM)
-                    else:
-                        rec.move(ModelState.FAILED)  # keep the failure reason visible
-                    rec.server = None
+                        rec.move(ModelState.WARM, server=None)
+                    else:  # its failed unload completed after all; the failure stays visible
+                        rec.move(ModelState.FAILED, server=None)
             # What this server holds room for and Triton no longer lists as loaded (the
             # models placed on a server are its planner's residents).
             for name in list(server.planner.residents):
@@ -158,13 +159,12 @@ class Reconciler:
                 if (rec is None or rec.server != server.name or name in index or name in busy
                         or rec.moved_at >= read_at):  # loaded while the index was read
                     continue
-                server.planner.remove(name)
                 self.state.release_warm(name)
                 if rec.state == ModelState.READY:
                     log.warning("%s is no longer loaded on %s", name, server.name)
                 # A failed model keeps its failure visible; any other is warm again.
-                rec.move(ModelState.FAILED if rec.state == ModelState.FAILED else ModelState.WARM)
-                rec.server = None
+                rec.move(ModelState.FAILED if rec.state in (ModelState.FAILED, ModelState.UNLOAD_FAILED)
+                         else ModelState.WARM, server=None)
         self.state.update_gauges(server)
         with contextlib.suppress(ControlPlaneError):
             await self.recency.refresh_usage(server)
@@ -263,12 +263,9 @@ class Reconciler:
         log.warning("%s is needed by a request and its server %s is down: placing it on "
                     "another server", rec.name, server.name)
         server.left_behind.add(rec.name)  # its copy there is unloaded when it answers again
-        server.planner.remove(rec.name)
         self.state.release_warm(rec.name)
-        rec.move(ModelState.WARM)
-        rec.server = None
         rec.failure = f"server {server.name} was down when a request needed it"
-        self.state.update_gauges(server)
+        rec.move(ModelState.WARM, server=None)
 
     def _unload_stray(self, server: TritonServer, name: str) -> None:
         """Unload ``server``'s copy of ``name`` in the background (one at a time); the next
@@ -295,10 +292,8 @@ class Reconciler:
         for name, rec in self.state.records.items():
             if rec.server == server.name:
                 server.left_behind.add(name)  # a copy it keeps is unloaded when it answers
-                server.planner.remove(name)
                 self.state.release_warm(name)
-                rec.move(ModelState.WARM)
-                rec.server = None
                 rec.failure = reason
+                rec.move(ModelState.WARM, server=None)
         self.state.update_gauges(server)
 

@@ -22,12 +22,15 @@ log = logging.getLogger(__name__)
 
 
 class ModelState(str, enum.Enum):
-    COLD = "cold"  # known, artifacts only in the cold store
-    WARM = "warm"  # artifacts in Triton's repository, not loaded
+    """Where a model is: no copy (``warm``: its artifacts wait in a tier; ``failed``: its
+    load failed and nothing holds it), or its copy's state on ``ModelRecord.server``."""
+
+    WARM = "warm"  # no copy on any server; the artifacts are in the warm or cold tier
     LOADING = "loading"
     READY = "ready"
     UNLOADING = "unloading"
-    FAILED = "failed"
+    FAILED = "failed"  # its load failed; no server holds it (retried after the backoff)
+    UNLOAD_FAILED = "unload_failed"  # its unload did not complete: its server may hold it
 
 
 _S = ModelState
@@ -35,18 +38,20 @@ _S = ModelState
 # only writer of ``state`` and checks each change against this table.  Staying in a state
 # is always allowed.
 TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
-    _S.COLD: frozenset({_S.WARM, _S.LOADING, _S.FAILED}),  # staged; loaded; staging failed
-    # loaded; Triton already has it (adopted at start); staging failed; gone from the store
-    _S.WARM: frozenset({_S.LOADING, _S.READY, _S.FAILED, _S.COLD}),
-    # Triton answered; the load failed; no room after all (back to where it was); its
-    # server went away mid-load
-    _S.LOADING: frozenset({_S.READY, _S.FAILED, _S.WARM, _S.COLD, _S.UNLOADING}),
-    # evicted or unloaded; Triton no longer has it or its server went down; health failed
-    _S.READY: frozenset({_S.UNLOADING, _S.WARM, _S.FAILED}),
+    # loaded; Triton already has it (adopted at start); staging failed
+    _S.WARM: frozenset({_S.LOADING, _S.READY, _S.FAILED}),
+    # Triton answered; the load failed (cleaned up, or not: it may hold room); no room after
+    # all (back to where it was); its server went away mid-load
+    _S.LOADING: frozenset({_S.READY, _S.FAILED, _S.UNLOAD_FAILED, _S.WARM, _S.UNLOADING}),
+    # evicted or unloaded; Triton no longer has it or its server went down
+    _S.READY: frozenset({_S.UNLOADING, _S.WARM}),
     # unloaded; the unload failed; Triton still has it (found by the reconcile)
-    _S.UNLOADING: frozenset({_S.WARM, _S.FAILED, _S.READY}),
-    # retried; given up and forgotten; Triton has it after all; a failed unload retried
-    _S.FAILED: frozenset({_S.LOADING, _S.WARM, _S.READY, _S.UNLOADING, _S.COLD}),
+    _S.UNLOADING: frozenset({_S.WARM, _S.UNLOAD_FAILED, _S.READY}),
+    # retried; given up and forgotten; Triton has it after all (adopted)
+    _S.FAILED: frozenset({_S.LOADING, _S.WARM, _S.READY}),
+    # retried; Triton confirmed it gone (the load that failed stays visible: failed); Triton
+    # serves it after all (adopted); forgotten with its server
+    _S.UNLOAD_FAILED: frozenset({_S.UNLOADING, _S.FAILED, _S.WARM, _S.READY}),
 }
 # The test suite sets MMS_STRICT_TRANSITIONS=1: an illegal change fails loudly there.  In
 # production it is logged and counted (``mms_illegal_transitions_total``) and made anyway:
@@ -58,8 +63,17 @@ class IllegalTransition(RuntimeError):
     """A change of a model's state that ``TRANSITIONS`` does not list."""
 
 
+# ``ModelRecord.move``'s default for ``server``: leave it as it is.
+KEEP = object()
+
+
 @dataclass
 class ModelRecord:
+    """A model and its copy: ``state`` on ``server``.  ``move``, ``set_pinned``, ``hold`` and
+    ``release`` are the only writers of the fields the eviction planner sees (state, server,
+    size, pin, holds); each tells ``on_change``, which derives the planner's entry
+    (``residency.Residency.sync``)."""
+
     name: str
     state: ModelState = ModelState.WARM
     server: str | None = None
@@ -74,16 +88,25 @@ class ModelRecord:
     active: int = 0  # of those, requests sent to Triton: what an unload drains
     last_inference_ms: int = 0  # newest Triton-reported inference, to refresh recency
     failed_at: float | None = None  # monotonic time of the last failed load
+    # Unloading: whether its room is promised to the loads planned on it (False while a
+    # failed unload is retried, or a victim of a load that grew: its room is not free).
+    room_promised: bool = False
     # Called with (from, to) for an illegal change (the manager counts it).
     on_illegal: Callable[[ModelState, ModelState], None] | None = field(default=None, repr=False,
                                                                          compare=False)
     # Called with the model's name after each change of state (the data-plane hub publishes
     # the model's placement then).
     on_move: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
+    # Called with the record after every change of what the planner sees.
+    on_change: Callable[[ModelRecord], None] | None = field(default=None, repr=False,
+                                                            compare=False)
     moved_at: float = 0.0  # monotonic time of the last change of state
 
-    def move(self, to: ModelState) -> None:
-        """Change the model's state; the change must be one ``TRANSITIONS`` lists."""
+    def move(self, to: ModelState, server: str | None | object = KEEP,
+             memory_bytes: int | None = None, room_promised: bool = True) -> None:
+        """Change the model's state (one ``TRANSITIONS`` lists), and with it where its copy
+        is (``server``) and its size.  ``room_promised``: for ``UNLOADING``, whether loads
+        may plan on its room."""
         now = self.state
         if to != now and to not in TRANSITIONS[now]:
             message = f"{self.name}: illegal state change {now.value} -> {to.value}"
@@ -93,9 +116,40 @@ class ModelRecord:
             if self.on_illegal is not None:
                 self.on_illegal(now, to)
         self.state = to
+        if server is not KEEP:
+            self.server = server  # type: ignore[assignment]
+        if memory_bytes is not None:
+            self.memory_bytes = memory_bytes
+        if to == ModelState.UNLOADING and now != ModelState.UNLOADING:
+            self.room_promised = room_promised and now != ModelState.UNLOAD_FAILED
         self.moved_at = time.monotonic()
+        self._changed()
         if to != now and self.on_move is not None:
             self.on_move(self.name)
+
+    def resize(self, memory_bytes: int) -> None:
+        """The copy's measured size."""
+        self.memory_bytes = memory_bytes
+        self._changed()
+
+    def set_pinned(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self._changed()
+
+    def hold(self) -> None:
+        """One more request holds the model (waiting for it or running on it)."""
+        self.inflight += 1
+        if self.inflight == 1:
+            self._changed()
+
+    def release(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
 
     def to_dict(self) -> dict:
         return {

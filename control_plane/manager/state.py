@@ -23,6 +23,7 @@ from control_plane.manager.records import (
     Stager,
     TritonServer,
 )
+from control_plane.manager.residency import Residency
 from control_plane.manager.room import RoomLedger
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.state.state_store import StateStore
@@ -54,6 +55,8 @@ class ManagerState:
         self.memory = memory
         self.room = room
         self.records: dict[str, ModelRecord] = {}
+        # Each server's planner, derived from the records (residency.py): never set by hand.
+        self.residency = Residency(servers, clock, priority_of, self.update_gauges)
         self.known_names: set[str] = set()  # names some Triton's repository index listed
         # Held with no ``await`` between placement and reservation (package docstring).
         self.lock = asyncio.Lock()
@@ -69,7 +72,8 @@ class ManagerState:
         rec = self.records.get(name)
         if rec is None:
             rec = self.records[name] = ModelRecord(name, on_illegal=self._count_illegal,
-                                                   on_move=self._moved)
+                                                   on_move=self._moved,
+                                                   on_change=self.residency.sync)
         return rec
 
     def _moved(self, name: str) -> None:
@@ -112,10 +116,3 @@ class ManagerState:
         tasks = self.loops if forever else self.background
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-
-    def evictable_again(self, rec: ModelRecord) -> None:
-        """A resident is evictable when it is READY and no request holds it."""
-        server = self.servers.get(rec.server) if rec.server else None
-        if server is not None:
-            server.planner.update(rec.name,
-                                  evictable=rec.state == ModelState.READY and rec.inflight == 0)

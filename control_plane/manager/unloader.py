@@ -45,17 +45,14 @@ class Unloader:
             if rec.pinned and not force:
                 raise InvalidInput(f"{name} was pinned while this unload waited for its load; "
                                    f"unpin it first (mmctl unpin {name})")
-            if (rec.state not in (ModelState.READY, ModelState.FAILED, ModelState.UNLOADING)
+            if (rec.state not in (ModelState.READY, ModelState.UNLOAD_FAILED, ModelState.UNLOADING)
                     or rec.server is None):
                 return rec
             server = self.state.servers[rec.server]
-            # On its way out it holds its slot as busy, not as a pin (a forced unload of a
-            # pinned model keeps the pin: the reconcile loads it again).  A failed model
-            # retried here is not leaving: its room stays held until confirmed.
-            server.planner.update(name, evictable=False, pinned=False,
-                                  leaving=rec.state == ModelState.READY)
-            if rec.state == ModelState.READY:
-                rec.move(ModelState.UNLOADING)
+            # On its way out it holds its room as busy, not as a pin (a forced unload of a
+            # pinned model keeps the pin: the reconcile loads it again).  A failed unload
+            # retried here promises no room: it stays held until Triton confirms it gone.
+            rec.move(ModelState.UNLOADING)
         await self.unload_now(server, name, reason="requested")
         return rec
 
@@ -87,11 +84,10 @@ class Unloader:
         except ControlPlaneError as exc:
             # Triton may still hold it: the server, and its room, stay counted until Triton
             # confirms it gone (the reconcile retries after the backoff, as does a load).
-            rec.move(ModelState.FAILED)
+            # It holds its room again, promised to no load.
             rec.failure = f"unload did not complete: {exc.message}"
             rec.failed_at = time.monotonic()
-            # It holds its room again.
-            server.planner.update(name, evictable=False, pinned=False, leaving=False)
+            rec.move(ModelState.UNLOAD_FAILED)
             log.error("unload of %s on %s failed: %s", name, server.name, exc.message)
             raise
         # Free only once NVML shows the memory back (on a GPU; what is not back stays counted).
@@ -99,11 +95,9 @@ class Unloader:
         freed_s = time.monotonic() - start
         self.state.metrics.unload_free_seconds.labels(server.name).observe(freed_s)
         self.state.metrics.unloads.labels(server.name, reason).inc()
-        server.planner.remove(name)
         self.state.release_warm(name)
-        rec.move(ModelState.WARM)
-        rec.server, rec.warmup = None, None
-        self.state.update_gauges(server)
+        rec.warmup = None
+        rec.move(ModelState.WARM, server=None)
         self.state.save_row(name, server=None)
         log.info("unloaded %s from %s (%s); memory free after %.2fs", name, server.name, reason, freed_s)
 
@@ -130,7 +124,7 @@ class Unloader:
                 log.error("%s is over its budget (%s) with only pinned models", server.name,
                           cap.describe())
                 return
-            server.planner.update(victim, evictable=False, leaving=True)
+            self.state.records[victim].move(ModelState.UNLOADING)
             try:
                 await self.unload_now(server, victim, reason="over_budget")
             except ControlPlaneError:
@@ -144,7 +138,6 @@ class Unloader:
             return
         victims = server.planner.headroom_victims()
         for v in victims:
-            server.planner.update(v, evictable=False, leaving=True)
             self.state.records[v].move(ModelState.UNLOADING)
         if victims:
             log.info("%s: unloading %s to keep room for the next miss", server.name, ", ".join(victims))

@@ -17,9 +17,7 @@ def resident_priority_updater(manager) -> Callable[[str, str], None]:
     """
 
     def update(name: str, stage: str) -> None:
-        priority = STAGE_PRIORITY.get(stage, DEFAULT_PRIORITY)
-        for server in manager.servers.values():
-            server.planner.update(name, priority=priority)
+        manager.set_priority(name, STAGE_PRIORITY.get(stage, DEFAULT_PRIORITY))
 
     return update
 

@@ -256,6 +256,11 @@ class FakeManager:
     def ready_server_of(self, name):
         return self.server if name == "tinylm" else None
 
+    def not_use(self, name, until_ms):
+        rec = self.records.get(name)
+        if rec is not None:
+            rec.last_inference_ms = max(rec.last_inference_ms, until_ms)
+
     async def ensure(self, name):
         self.ensured.append(name)
 

@@ -145,7 +145,13 @@ def test_reconciler_corrects_drift_and_logs_it(caplog):
     records = {n: ModelRecord(n, state=ModelState.READY, server="gpu0", memory_bytes=GiB)
                for n in ("a.v1", "b.v1", "c.v1")}
     records["c.v1"].state = ModelState.LOADING
-    manager = SimpleNamespace(servers={"gpu0": SimpleNamespace(up=True, planner=planner)}, records=records)
+
+    def correct_size(name, size_bytes):  # the manager's own writer of a copy's size
+        planner.update(name, size_bytes=size_bytes)
+        records[name].memory_bytes = size_bytes
+
+    manager = SimpleNamespace(servers={"gpu0": SimpleNamespace(up=True, planner=planner)},
+                              records=records, correct_size=correct_size)
     recorded = {}
     registry = SimpleNamespace(record_memory=lambda n, b: recorded.__setitem__(n, b))
     probe = FakeProbe({"a.v1": 3 * GiB, "b.v1": GiB + (1 << 20), "c.v1": 5 * GiB}, device_used=5 * GiB)

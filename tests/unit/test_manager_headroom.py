@@ -153,7 +153,7 @@ def test_a_failed_headroom_unload_holds_its_room(tmp_path):
         admin.fail_unload.add("m1")
         clock.tick()
         await mgr.ensure("m8")  # the headroom unload of m1 fails
-        await settle(mgr, lambda: mgr.get("m1").state == ModelState.FAILED)
+        await settle(mgr, lambda: mgr.get("m1").state == ModelState.UNLOAD_FAILED)
         planner = mgr.servers["s0"].planner
         assert "m1" in planner.residents and not planner.residents["m1"].leaving
         clock.tick()

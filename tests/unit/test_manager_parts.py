@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from control_plane.eviction import Resident
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.manager.catalog import Catalog
 from control_plane.manager.leases import Leases
@@ -44,12 +43,9 @@ def resident_ready(state: ManagerState, name: str) -> None:
     """``name`` READY on s0, as a finished load leaves it."""
     server = state.servers["s0"]
     server.admin.states[name] = TritonModelState.READY
-    server.planner.admit(Resident(name, 0), state.clock())
     rec = state.record(name)
-    rec.move(ModelState.LOADING)
+    rec.move(ModelState.LOADING, server="s0", memory_bytes=0)
     rec.move(ModelState.READY)
-    rec.server = "s0"
-    state.evictable_again(rec)
 
 
 def test_the_manager_is_wired_from_parts_that_share_one_state(tmp_path):
@@ -85,7 +81,7 @@ def test_unloader_alone_unloads_and_frees_the_room(tmp_path):
         await unloader.unload("m1")
         assert state.records["m1"].state == ModelState.WARM
         assert state.servers["s0"].planner.used_slots == 0
-        state.record("m2").pinned = True
+        state.record("m2").set_pinned(True)
         resident_ready(state, "m2")
         with pytest.raises(InvalidInput, match="pinned"):
             await unloader.unload("m2")
@@ -145,7 +141,7 @@ def test_the_catalog_finds_models_by_name_glob_state_and_server(tmp_path):
         catalog = Catalog(state)
         await catalog.refresh_catalog()
         resident_ready(state, "m2")
-        state.record("m3").pinned = True
+        state.record("m3").set_pinned(True)
         names = lambda found: [r.name for r in found[0]]
         assert names(catalog.find("m2")) == ["m2"]
         assert names(catalog.find("nosuch")) == []

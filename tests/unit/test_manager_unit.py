@@ -177,7 +177,7 @@ def test_stuck_unload_keeps_memory_counted_and_fails_the_new_load(tmp_path):
         admin.stuck_unloading.add("m1")
         with pytest.raises(OperationTimeout):
             await mgr.ensure("m2")
-        assert mgr.get("m1").state == ModelState.FAILED  # stuck, still counted
+        assert mgr.get("m1").state == ModelState.UNLOAD_FAILED  # stuck, still counted
         assert "m1" in mgr.servers["s0"].planner.residents
         assert "m2" not in mgr.servers["s0"].planner.residents
         assert mgr.get("m2").state == ModelState.WARM
@@ -420,7 +420,7 @@ def test_failed_unload_never_loads_the_model_elsewhere_and_keeps_it_counted(tmp_
         admins[first].fail_unload.add("m1")
         with pytest.raises(ModelLoadFailed, match="unload"):
             await mgr.unload("m1")
-        assert rec.state == ModelState.FAILED and rec.server == first
+        assert rec.state == ModelState.UNLOAD_FAILED and rec.server == first
         assert "m1" in mgr.servers[first].planner.residents  # still counted as used
         # Right after the failure: backoff, and never a second copy on the other server.
         with pytest.raises(ModelLoadFailed, match="not retrying"):

@@ -215,13 +215,14 @@ def test_canary_goes_before_production_and_promotion_updates_loaded_models(tmp_p
 
 
 def test_adopted_models_get_their_stage_priority(tmp_path):
-    from control_plane.eviction import Resident
+    from control_plane.manager import ModelState
     from control_plane.registry import apply_stage_priorities
 
     mgr, reg = staged_manager(tmp_path, slots=4)
     planner = mgr.servers["s0"].planner
     for name in ("shadow.v1", "canary.v1", "prod.v1", "unregistered"):
-        planner.admit(Resident(name, 1), 0)  # as reconcile adopts them: default priority
+        # As the reconcile adopts them, before their stage is known: the default priority.
+        mgr.state.record(name).move(ModelState.READY, server="s0", memory_bytes=1)
     apply_stage_priorities(mgr, reg)
     assert {n: r.priority for n, r in planner.residents.items()} == {
         "shadow.v1": 0, "canary.v1": 1, "prod.v1": 2, "unregistered": 2}

@@ -130,8 +130,7 @@ class MemoryReconciler:
                 log.warning("memory accounting of %s on %s corrected: %d bytes accounted, %d "
                             "measured by NVML", name, server_name, resident.size_bytes, actual)
                 corrections.append(Correction(server_name, name, resident.size_bytes, actual))
-                server.planner.update(name, size_bytes=actual)
-                rec.memory_bytes = actual
+                self.manager.correct_size(name, actual)
                 if self.registry is not None:
                     self.registry.record_memory(name, actual)
             accounted = server.planner.used_bytes

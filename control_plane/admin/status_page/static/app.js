@@ -158,7 +158,7 @@
     const cols = data.models.columns;
     const iFailure = cols.indexOf("failure");
     for (const row of data.models.rows) {
-      if (row[2] === "failed" && row[iFailure]) {
+      if ((row[2] === "failed" || row[2] === "unload_failed") && row[iFailure]) {
         const text = String(row[iFailure]);
         const first = text.split("\n")[0];
         items.push(h("li", {data: {problem: "model"}, title: text}, h("b", {class: "mono"}, row[0]), " failed: ",
