@@ -2,16 +2,20 @@
 not refused until the node is declared lost.
 
 Two real tritonservers stand for two nodes (registered by address, as other machines'
-Tritons are), under `mmctl up` with a router worker.  The node holding a model is killed;
-the next request for that model succeeds within its deadline, served by the other node,
-while the dead node is still only down (its "lost" bookkeeping waits for
---server-lost-after, far longer than the request).
+Tritons are), under `mmctl up` with a router worker.  The node holding a model is killed
+while requests for it are in flight (it takes 3 s per request) and clients keep sending
+requests for another model; every request in flight then is either answered with its
+model's own scores or refused with a clear, retryable error, and the next request for the
+dead node's model succeeds within its deadline, served by the other node, while the dead
+node is still only down (its "lost" bookkeeping waits for --server-lost-after, far longer
+than the request).
 """
 
 from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 
 import numpy as np
@@ -19,24 +23,38 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
+from tests.integration.answers import Answers, features
 from tests.product import Product
 
 pytestmark = pytest.mark.integration
 
 LOST_AFTER_S = 300.0  # the test is over long before a node is declared lost
 REQUEST_DEADLINE_S = 30.0
+SLOW = "slow"  # 3 s per request: requests for it are surely in flight at the kill
+IN_FLIGHT = 2
+# What a client may be told for a request its node died under: the service is unavailable,
+# try again (gRPC UNAVAILABLE, HTTP 503), with a message; never a wrong answer or a hang.
+RETRYABLE = {"grpc": "StatusCode.UNAVAILABLE", "http": "503"}
 
 
-def infer(client, model: str):
-    """One request over gRPC or HTTP (``client``'s module)."""
+def make_client(endpoints: dict, protocol: str):
+    return (grpcclient.InferenceServerClient(endpoints["router_grpc"]) if protocol == "grpc"
+            else httpclient.InferenceServerClient(endpoints["router_http"], network_timeout=60))
+
+
+def infer(client, model: str, x: np.ndarray) -> np.ndarray:
+    """One request over gRPC or HTTP (``client``'s module); the scores answered."""
     module = grpcclient if isinstance(client, grpcclient.InferenceServerClient) else httpclient
-    x = module.InferInput("FEATURES", [1, 64], "FP32")
-    x.set_data_from_numpy(np.ones((1, 64), np.float32))
+    inp = module.InferInput("FEATURES", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
     if module is grpcclient:
-        return client.infer(model, [x], client_timeout=REQUEST_DEADLINE_S)
-    return client.infer(model, [x], timeout=int(REQUEST_DEADLINE_S))
+        result = client.infer(model, [inp], client_timeout=REQUEST_DEADLINE_S)
+    else:
+        result = client.infer(model, [inp], timeout=int(REQUEST_DEADLINE_S))
+    return result.as_numpy("SCORES")
 
 
 @pytest.fixture
@@ -55,8 +73,9 @@ def two_nodes(repository, tmp_path):
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_a_request_for_a_model_on_a_dead_node_is_served_by_another_node(two_nodes, repository, tmp_path,
-                                                                        protocol):
+def test_a_request_for_a_model_on_a_dead_node_is_served_by_another_node(two_nodes, repository,
+                                                                        tmp_path, protocol):
+    answers = Answers(repository)
     servers_file = tmp_path / "servers.json"
     servers_file.write_text(json.dumps({"servers": [
         {"name": name, "grpc_url": p.grpc_url, "http_url": p.http_url, "node": name,
@@ -66,31 +85,89 @@ def test_a_request_for_a_model_on_a_dead_node_is_served_by_another_node(two_node
                       "--router-workers", "1").start()
     try:
         endpoints = product.json("endpoints")
-        client = (grpcclient.InferenceServerClient(endpoints["router_grpc"]) if protocol == "grpc"
-                  else httpclient.InferenceServerClient(endpoints["router_http"], network_timeout=60))
-        expected = infer(client, "cust001").as_numpy("SCORES")
+        client = make_client(endpoints, protocol)
+        answers.assert_distinct([SLOW, "cust001"], features(1, 0))
+        for seed, model in enumerate((SLOW, "cust001")):
+            x = features(1, seed)
+            answers.assert_answer(model, x, infer(client, model, x))
         headers = product.admin_headers()
 
         def model(name: str) -> dict:
-            return requests.get(f"{product.url}/v1/models/{name}", headers=headers, timeout=10).json()
+            return requests.get(f"{product.url}/v1/models/{name}", headers=headers,
+                                timeout=10).json()
 
-        dead = model("cust001")["server"]
+        dead = model(SLOW)["server"]
         survivor = next(n for n in two_nodes if n != dead)
+
+        # Requests in flight on the node when it dies, and clients that keep sending.
+        outcomes: list[tuple[str, str]] = []  # (model, "answered" or the refusal)
+        wrong: list[str] = []
+        stop = threading.Event()
+
+        def request(c, name: str, seed: int) -> None:
+            x = features(1, seed)
+            try:
+                scores = infer(c, name, x)
+            except InferenceServerException as exc:
+                if exc.status() == RETRYABLE[protocol] and exc.message():
+                    outcomes.append((name, f"refused: {exc.message()[:120]}"))
+                else:
+                    wrong.append(f"{name}: not a retryable error: {exc.status()} {exc}")
+                return
+            except Exception as exc:  # noqa: BLE001  (a broken connection is not a clear error)
+                wrong.append(f"{name}: {type(exc).__name__}: {exc}")
+                return
+            if answers.matches(name, x, scores):
+                outcomes.append((name, "answered"))
+            else:
+                wrong.append(f"{name}: answered {scores.ravel().tolist()}, not its own scores")
+
+        def in_flight(seed: int) -> None:
+            c = make_client(endpoints, protocol)
+            request(c, SLOW, seed)
+            c.close()
+
+        def steady(thread: int) -> None:
+            c = make_client(endpoints, protocol)
+            sent = 0
+            while not stop.is_set():
+                sent += 1
+                request(c, "cust001", 1000 * thread + sent)
+            c.close()
+
+        threads = ([threading.Thread(target=in_flight, args=(100 + i,)) for i in range(IN_FLIGHT)]
+                   + [threading.Thread(target=steady, args=(i,)) for i in range(2)])
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # the first slow request is executing, the others wait in its queue
         killed = two_nodes[dead].proc
         killed.send_signal(signal.SIGKILL)
         killed.wait(10)
 
         started = time.monotonic()
-        scores = infer(client, "cust001").as_numpy("SCORES")  # before the fix: UNAVAILABLE
+        x = features(1, 7)
+        scores = infer(client, SLOW, x)  # before the fix: UNAVAILABLE
         took_s = time.monotonic() - started
-        assert np.array_equal(scores, expected)
-        assert model("cust001")["server"] == survivor
+        answers.assert_answer(SLOW, x, scores)
+        stop.set()
+        for t in threads:
+            t.join(REQUEST_DEADLINE_S + 10)
+        assert not any(t.is_alive() for t in threads), "a request hung past its deadline"
+        assert wrong == [], wrong[:5]
+        assert sum(1 for name, _ in outcomes if name == SLOW) == IN_FLIGHT
+        assert sum(1 for name, what in outcomes if name == "cust001" and what == "answered") > 0
+        assert model(SLOW)["server"] == survivor
         fleet = {s["server"]: s for s in requests.get(f"{product.url}/v1/fleet", headers=headers,
                                                       timeout=10).json()}
         # Re-placed for the request, not by the lost-node bookkeeping: that waits its time.
         assert fleet[dead]["up"] is False and fleet[dead]["lost"] is False
-        assert "cust001" in fleet[survivor]["loaded"] and "cust001" not in fleet[dead]["loaded"]
-        print(f"served from {survivor} {took_s:.2f}s after {dead} died")
+        assert SLOW in fleet[survivor]["loaded"] and SLOW not in fleet[dead]["loaded"]
+        # Traffic afterwards: every model answers with its own scores.
+        for seed, name in enumerate((SLOW, "cust001", "cust002")):
+            x = features(1, 200 + seed)
+            answers.assert_answer(name, x, infer(client, name, x))
+        print(f"served from {survivor} {took_s:.2f}s after {dead} died; in flight then: "
+              f"{[what for name, what in outcomes if name == SLOW]}")
         client.close()
     finally:
         product.stop()

@@ -34,7 +34,7 @@ from control_plane.admin.status_page.traffic import (
     samples_from_families,
     samples_from_text,
 )
-from control_plane.admin.worker_reports import WORKER_LIVE_S, WorkerSeen
+from control_plane.dataplane.workers import WORKER_LIVE_S, WorkerSeen
 from control_plane.metrics import ControlPlaneMetrics, StateCollector
 from router.rollouts.routes import Canary, Experiment, Route, Shadow
 
