@@ -34,9 +34,9 @@ import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
+from domain.router_errors import RouterError
 from router.frontends.http_request import decode_body, parse_infer_request
 from router.frontends.strict_json import MAX_JSON_DEPTH
-from router.serving.errors import RouterError
 from router.serving.worker_settings import WorkerConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -145,6 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="1 MiB bodies")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per body; the least counts")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc runs")
+    ap.add_argument("--out", type=Path, default=RESULTS / "abuse.json")
     args = ap.parse_args(argv)
     size_bytes = int((1 if args.quick else args.size_mb) * (1 << 20))
     limit_bytes = max(size_bytes, LIMIT_BYTES)
@@ -166,8 +167,9 @@ def main(argv=None) -> int:
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
         print(f"{r['body']:<20} {r['bytes']:>10} {r['status']:>6} {r['cpu_s']:>8.3f} "
               f"{r['cpu_vs_normal']:>8.2f} {peak:>9}" + (f"  {r['message'][:70]}" if r["message"] else ""))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "abuse.json").write_text(json.dumps({"conditions": cond, "rows": rows}, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"conditions": cond, "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -30,7 +30,13 @@ class BeladyResult:
         return self.hits / self.requests if self.requests else 0.0
 
     def cost_weighted_miss_s(self, load_costs_s: Sequence[float]) -> float:
-        return float(np.dot(self.misses_per_key, np.asarray(load_costs_s, dtype=np.float64)))
+        """Misses weighted by each key's load cost.  ``misses_per_key`` ends at the highest key
+        requested; a short trace need not request the last keys of a catalogue, which missed
+        nothing."""
+        costs = np.asarray(load_costs_s, dtype=np.float64)
+        if costs.size < self.misses_per_key.size:
+            raise ValueError(f"{costs.size} load costs for {self.misses_per_key.size} keys")
+        return float(np.dot(self.misses_per_key, costs[:self.misses_per_key.size]))
 
 
 def next_use(requests: np.ndarray) -> np.ndarray:

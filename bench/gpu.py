@@ -144,7 +144,10 @@ def main(argv=None) -> int:
     except ImportError:
         has_cuda = False
     if not has_cuda:
-        print("bench/gpu.py needs a CUDA GPU and nvidia-smi; this machine has none")
+        # Both sections measure the GPU itself: nothing of them means anything on a CPU.
+        print("bench/gpu.py needs a CUDA GPU and nvidia-smi; this machine has none. Skipped, "
+              "for lack of a GPU: adapter swap-in vs a pinned host-to-device copy, and KIND_GPU "
+              "load/evict cycles with GPU memory sampled. Nothing was measured.")
         return 2
     result = {"device": torch.cuda.get_device_name(), "swap_in": swap_in_section(),
               "load_evict": load_evict_section(args.model_size_mb, args.cycles)}

@@ -325,6 +325,11 @@ def main(argv=None):
     parser.add_argument("--customers", type=int, default=50)
     parser.add_argument("--iters", type=int, default=9)
     parser.add_argument("--quick", action="store_true", help="3 iterations")
+    parser.add_argument("--smoke", action="store_true",
+                        help="smallest size: 1 iteration, 4 adapters and customers, batch 8, "
+                             "2 new tokens, no wider base")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parent / "results" / "lora.json")
     parser.add_argument("--only", choices=["throughput", "swap", "memory"], help="one section")
     parser.add_argument("--no-wide", action="store_true", help="skip the wider-base throughput run")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -340,6 +345,9 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     if args.quick:
         args.iters = 3
+    if args.smoke:
+        args.iters, args.adapters, args.customers, args.batch = 1, 4, 4, 8
+        args.churn_slots, args.new_tokens, args.no_wide = 2, 2, True
     device = args.device
     print("LoRA bench conditions:")
     print(f"  host {platform.node()}, {os.cpu_count()} CPUs (load avg {os.getloadavg()[0]:.1f}), "
@@ -370,7 +378,7 @@ def main(argv=None):
             if "wide" in dirs:
                 ratios["wide"] = throughput(args, dirs["wide"], device, WIDE,
                                             "wider bases (same code, realistic rank/width)")
-        out = Path(__file__).resolve().parent / "results" / "lora.json"
+        out = args.out
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"benchmark": "lora", "device": device, "adapters": args.adapters,
                                    "batch": args.batch, "throughput_ratio_many_vs_one": ratios},

@@ -16,6 +16,8 @@ Each catalogue is a real `mmctl up` with the demo fleet as one model family of N
 
     .venv/bin/python -m bench.scale [--sizes 50,1000,10000] [--idle-s 15] [--replay 3000]
         [--baseline-tree DIR]   # another checkout, measured side by side in the same run
+
+``--smoke``: 20 variants, one router worker, 1 s idle, 2 changes, 20 hits, 40 replayed.
 """
 
 from __future__ import annotations
@@ -39,7 +41,11 @@ import tritonclient.grpc as grpcclient
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from control_plane.demo.reference import ReferenceAnswers
 from tests.product import MMCTL, Product
+
+SMOKE = ["--sizes", "20", "--workers", "1", "--idle-s", "1", "--changes", "2", "--hits", "20",
+         "--replay", "40"]
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -90,7 +96,10 @@ def hit_latency(url: str, model: str, count: int) -> dict:
     return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3)}
 
 
-def zipf_replay(url: str, models: list[str], requests_total: int, clients: int = 8) -> dict:
+def zipf_replay(url: str, models: list[str], requests_total: int, reference: ReferenceAnswers,
+                clients: int = 8) -> dict:
+    """Every answer checked against the reference MLP over the variant's own weights file."""
+    features = np.ones((1, 64), np.float32)
     rng = np.random.default_rng(7)
     ranks = np.arange(1, len(models) + 1)
     weights = 1.0 / ranks ** 1.1
@@ -101,11 +110,13 @@ def zipf_replay(url: str, models: list[str], requests_total: int, clients: int =
     def client(share: np.ndarray) -> None:
         c = grpcclient.InferenceServerClient(url)
         x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
-        x.set_data_from_numpy(np.ones((1, 64), np.float32))
+        x.set_data_from_numpy(features)
         for i in share:
             try:
-                if c.infer(models[i], [x], client_timeout=120).as_numpy("SCORES").shape != (1, 1):
-                    raise AssertionError("wrong output shape")
+                wrong = reference.check(models[i], features,
+                                        c.infer(models[i], [x], client_timeout=120).as_numpy("SCORES"))
+                if wrong:
+                    raise AssertionError(wrong)
             except Exception as exc:  # noqa: BLE001  (every failure is a result the bench reports)
                 with lock:
                     failures.append(f"{models[i]}: {str(exc)[:160]}")
@@ -179,7 +190,8 @@ def run_size(size: int, args) -> dict:
         status_one_s, _ = timed_mmctl(product, "status", models[size // 2])
         status_ready_s, lines = timed_mmctl(product, "status", "--state", "ready")
         hits = hit_latency(endpoints["router_grpc"], models[0], args.hits)
-        replay = zipf_replay(endpoints["router_grpc"], models, args.replay)
+        reference = ReferenceAnswers(Path(endpoints["repository"]), models, "family")
+        replay = zipf_replay(endpoints["router_grpc"], models, args.replay, reference)
         router_text = requests.get(f"http://{endpoints['router_http']}/metrics", timeout=30).text
         control_metrics = requests.get(product.url + "/metrics", timeout=30).text
     finally:
@@ -201,7 +213,7 @@ def run_baseline(size: int, tree: Path, args) -> dict:
     """The same catalogue on another checkout of the product (``--baseline-tree``, e.g. the
     commit before per-key changes): start-up, idle CPU and what one load sends a worker."""
     here = Path.cwd()
-    os.chdir(tree)  # its processes run its code: python -m control_plane.cli from its root
+    os.chdir(tree)  # its processes run its code: python -m mmctl from its root
     try:
         product, startup_s = start_stack(size, args, "-baseline")
     finally:
@@ -216,7 +228,7 @@ def run_baseline(size: int, tree: Path, args) -> dict:
             "whole_state_bytes": len(whole), "one_load_bytes": len(change)}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="50,1000,10000")
     parser.add_argument("--workers", type=int, default=4)
@@ -227,7 +239,11 @@ def main() -> None:
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="Another checkout of the product (git worktree add DIR <commit>): "
                              "start-up, idle CPU and bytes per load measured on it too, in this run")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="smallest size: " + " ".join(SMOKE))
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale.json")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args = parser.parse_args([*(argv if argv is not None else sys.argv[1:]), *SMOKE])
     conditions = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                   "python": platform.python_version(), "router_workers": args.workers,
                   "max_loaded": 8, "layout": "family (demo fleet)", "idle_s": args.idle_s}
@@ -261,10 +277,11 @@ def main() -> None:
                 print(f"{r['models']:>7} {label:>9} {row['startup_s']:>8} "
                       f"{row['control_plane_idle_cpu_percent']:>10} {row['whole_state_bytes']:>10} "
                       f"{row['one_load_bytes']:>9}")
-    out = ROOT / "bench" / "results" / "scale.json"
+    out = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"conditions": conditions, "results": results, "baselines": baselines},
                               indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import tritonclient.grpc as grpcclient
-from safetensors.torch import load_file
 from tritonclient.grpc import InferInput
 
 from control_plane.demo.fleet import (
@@ -25,9 +24,9 @@ from control_plane.demo.fleet import (
     render_family_config,
     write_model,
 )
+from control_plane.demo.reference import load_weights, mlp_scores, scores_match
 from control_plane.families import write_family, write_variant
 from model_runtime.family.layout import read_layout
-from tests.reference import mlp_scores
 
 
 def varied_weights(spec: FleetSpec, name: str, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -86,10 +85,8 @@ def check_answers(url: str, repository: Path, names: list[str], layout: str, fea
     rows = []
     try:
         for name in names:
-            folder = repository / name
-            weights = load_file(str(folder / WEIGHTS_FILE if layout == "family" else folder / "1" / WEIGHTS_FILE))
-            expected = float(mlp_scores(weights, features)[0, 0])
-            del weights
+            # One variant's weights at a time: a sized fleet's are hundreds of MB each.
+            expected = float(mlp_scores(load_weights(repository, name, layout), features)[0, 0])
             try:
                 got = client.infer(name, [x], outputs=[grpcclient.InferRequestedOutput("SCORES")],
                                    client_timeout=120)
@@ -97,7 +94,7 @@ def check_answers(url: str, repository: Path, names: list[str], layout: str, fea
             except Exception as exc:  # noqa: BLE001  (a failed check is a result)
                 answer, error = None, str(exc)[:200]
             rows.append({"model": name, "expected": expected, "answer": answer, "error": error,
-                         "ok": answer is not None and math.isclose(answer, expected, rel_tol=1e-4, abs_tol=1e-6)})
+                         "ok": answer is not None and scores_match(answer, expected)})
     finally:
         client.close()
     return rows

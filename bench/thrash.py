@@ -4,9 +4,13 @@ one model family, with one and two router workers, side by side in one run.
 
 Each client sends its requests one after the other, every one to a model drawn at random
 from ``--models`` demo customers, while ``--max-loaded`` of them fit; every answer is checked
-to be the model's (shape).  A failed request is any exception the client sees.
+against the reference MLP over that model's own weights file in the repository Triton serves
+from (``control_plane.demo.reference``).  A failed request is any exception the client sees
+or a wrong answer.
 
     .venv/bin/python -m bench.thrash [--clients 40] [--requests 6] [--models 16] [--max-loaded 4]
+
+``--smoke``: 4 clients x 2 requests over 4 models with room for 2, family layout, one worker.
 """
 
 from __future__ import annotations
@@ -30,23 +34,30 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.seed_scenario import metric_sum
+from control_plane.demo.reference import ReferenceAnswers
 from tests.product import Product
 
+SMOKE = ["--clients", "4", "--requests", "2", "--models", "4", "--max-loaded", "2",
+         "--layouts", "family", "--workers", "1"]
+FEATURES = np.ones((1, 64), np.float32)
 
-def thrash(url: str, models: list[str], clients: int, requests_each: int) -> list[dict]:
+
+def thrash(url: str, models: list[str], clients: int, requests_each: int,
+           reference: ReferenceAnswers) -> list[dict]:
     records: list[dict] = []
 
     def client(seed: int) -> None:
         rng = random.Random(seed)
         c = grpcclient.InferenceServerClient(url)
         x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
-        x.set_data_from_numpy(np.ones((1, 64), np.float32))
+        x.set_data_from_numpy(FEATURES)
         for _ in range(requests_each):
             model = rng.choice(models)
             t0 = time.perf_counter()
             try:
-                ok = c.infer(model, [x], client_timeout=240).as_numpy("SCORES").shape == (1, 1)
-                error = None if ok else "wrong output shape"
+                error = reference.check(model, FEATURES,
+                                        c.infer(model, [x], client_timeout=240).as_numpy("SCORES"))
+                ok = error is None
             except Exception as exc:  # noqa: BLE001  (every failure is a result the bench reports)
                 ok, error = False, str(exc)[:200]
             records.append({"model": model, "latency_s": time.perf_counter() - t0, "ok": ok, "error": error})
@@ -67,8 +78,9 @@ def run_case(args, layout: str, workers: int) -> dict:
     try:
         endpoints = product.json("endpoints")
         models = [f"cust{i:03d}" for i in range(1, args.models + 1)]
+        reference = ReferenceAnswers(Path(endpoints["repository"]), models, layout)
         start = time.perf_counter()
-        records = thrash(endpoints["router_grpc"], models, args.clients, args.requests)
+        records = thrash(endpoints["router_grpc"], models, args.clients, args.requests, reference)
         wall_s = time.perf_counter() - start
         metrics = requests.get(endpoints["admin"] + "/metrics", timeout=10).text
     finally:
@@ -95,8 +107,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--max-loaded", type=int, default=4)
     p.add_argument("--layouts", default="models,family")
     p.add_argument("--workers", default="1,2")
+    p.add_argument("--smoke", action="store_true", help="smallest size: " + " ".join(SMOKE))
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "thrash.json")
     args = p.parse_args(argv)
+    if args.smoke:
+        args = p.parse_args([*(argv if argv is not None else sys.argv[1:]), *SMOKE])
     print(f"thrash: {args.clients} gRPC clients x {args.requests} requests over {args.models} demo models, "
           f"--max-loaded {args.max_loaded}, policy lru; {os.cpu_count()} cores, {platform.machine()}")
     results = []

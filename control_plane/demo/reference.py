@@ -9,6 +9,7 @@ answers with another variant's weights, or with a slot half overwritten, is caug
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -67,15 +68,27 @@ def scores_match(answer, expected) -> bool:
 
 
 class ReferenceAnswers:
-    """Every checked model's weights, read once from the repository; ``check`` compares one
-    answer for one request.  Cheap per request (a few small matrix products), so a soak can
-    check every answer it gets."""
+    """Each checked model's weights, read from the repository on its first answer and kept;
+    ``check`` compares one answer for one request.  Cheap per request (a few small matrix
+    products), so a soak can check every answer it gets.  Safe to share between threads."""
 
     def __init__(self, repository: Path, names: list[str], layout: str = "family"):
-        self.weights = {name: load_weights(repository, name, layout) for name in names}
+        self.repository = Path(repository)
+        self.layout = layout
+        self.names = frozenset(names)
+        self._weights: dict[str, dict[str, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def weights(self, name: str) -> dict[str, torch.Tensor]:
+        if name not in self.names:
+            raise KeyError(f"{name!r} is not one of the models whose answers are checked")
+        with self._lock:
+            if name not in self._weights:
+                self._weights[name] = load_weights(self.repository, name, self.layout)
+            return self._weights[name]
 
     def expected(self, name: str, features: np.ndarray) -> np.ndarray:
-        return mlp_scores(self.weights[name], features)
+        return mlp_scores(self.weights(name), features)
 
     def check(self, name: str, features: np.ndarray, answer) -> str | None:
         """None when ``answer`` is ``name``'s; else what is wrong, with both values."""
