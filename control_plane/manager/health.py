@@ -1,4 +1,5 @@
-"""Whether each Triton answers: up, suspect or down (``records.ServerHealth``), one writer.
+"""Whether each Triton answers: up, suspect, down or lost (``records.ServerHealth``), one
+writer.
 
 A probe is Triton's ServerLive, which its front end answers even while every model instance
 computes: a busy server answers, a frozen one (SIGSTOP, a hung GPU, a stuck backend) does
@@ -28,8 +29,8 @@ log = logging.getLogger(__name__)
 
 
 class Health:
-    """The only writer of ``TritonServer.health`` (and of the ``down_since`` and ``lost``
-    that go with it).  ``clock``: monotonic seconds, for ``down_since``."""
+    """The only writer of ``TritonServer.health`` and of what goes with it: missed probes,
+    ``down_since`` and a managed Triton's restart back-off.  ``clock``: monotonic seconds."""
 
     def __init__(self, state: ManagerState, clock: Callable[[], float] = time.monotonic):
         self.state = state
@@ -62,6 +63,31 @@ class Health:
         server.missed_probes = max(server.missed_probes, self.state.config.probe_failures)
         self._move(server, ServerHealth.DOWN, why)
 
+    def lost_now(self, server: TritonServer) -> bool:
+        """Whether ``server`` has just become lost: down for ``server_lost_after_s``.  The
+        caller places what it held on the others."""
+        if server.health is not ServerHealth.DOWN or server.down_since is None:
+            return False
+        if self.clock() - server.down_since < self.state.config.server_lost_after_s:
+            return False
+        self._move(server, ServerHealth.LOST, "it has not answered for "
+                   f"{self.clock() - server.down_since:.0f}s")
+        return True
+
+    def restart_failed(self, server: TritonServer) -> float:
+        """A restart of a managed Triton failed: the next waits (2 s doubling to 60 s);
+        returns the wait."""
+        server.restart_failures += 1
+        delay_s = min(60.0, 2.0 ** server.restart_failures)
+        server.next_restart_at = self.clock() + delay_s
+        return delay_s
+
+    def restarted(self, server: TritonServer) -> None:
+        server.restart_failures = 0
+
+    def may_restart(self, server: TritonServer) -> bool:
+        return self.clock() >= server.next_restart_at
+
     def _move(self, server: TritonServer, to: ServerHealth, why: str) -> None:
         was = server.health
         if to is was:
@@ -69,16 +95,19 @@ class Health:
         if to not in HEALTH_TRANSITIONS[was]:  # the callers above never ask for one
             raise RuntimeError(f"{server.name}: illegal health change {was.value} -> {to.value}")
         server.health = to
-        self.state.metrics.server_up.labels(server.name).set(0 if to is ServerHealth.DOWN else 1)
-        if to is ServerHealth.DOWN:
+        self.state.metrics.server_up.labels(server.name).set(
+            0 if to in (ServerHealth.DOWN, ServerHealth.LOST) else 1)
+        if to is ServerHealth.LOST:
+            log.error("Triton %s at %s is lost: %s", server.name, server.spec.grpc_url, why)
+        elif to is ServerHealth.DOWN:
             server.down_since = self.clock()
             log.error("Triton %s at %s is down: %s", server.name, server.spec.grpc_url, why)
             self.on_down(server, why)
-        elif was is ServerHealth.DOWN:
+        elif was in (ServerHealth.DOWN, ServerHealth.LOST):
             log.warning("Triton %s at %s answers again after %.1fs; it takes models again",
                         server.name, server.spec.grpc_url,
                         self.clock() - (server.down_since if server.down_since is not None else self.clock()))
-            server.down_since, server.lost = None, False
+            server.down_since = None
             self.on_up(server)
         elif to is ServerHealth.SUSPECT:
             log.info("Triton %s at %s is suspect: %s", server.name, server.spec.grpc_url, why)

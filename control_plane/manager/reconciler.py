@@ -173,8 +173,7 @@ class Reconciler:
     async def _restart_triton(self, server: TritonServer) -> None:
         """Relaunch a managed Triton that died (or was killed, frozen); the event loop keeps
         serving meanwhile.  Restarts that fail back off (2 s doubling to 60 s)."""
-        now = time.monotonic()
-        if now < server.next_restart_at:
+        if not self.health.may_restart(server):
             return
         log.error("tritonserver %s exited (code %s); restarting it", server.name,
                   server.process.proc.returncode if server.process.proc else None)
@@ -186,13 +185,11 @@ class Reconciler:
         try:
             await asyncio.to_thread(server.process.wait_ready, server.process.cfg.ready_timeout_s)
         except TritonUnavailable as exc:
-            server.restart_failures += 1
-            delay_s = min(60.0, 2.0 ** server.restart_failures)
-            server.next_restart_at = time.monotonic() + delay_s
+            delay_s = self.health.restart_failed(server)
             log.error("restart of %s failed (%s); next try in %.0fs", server.name, exc.message, delay_s)
             await asyncio.to_thread(server.process.stop)
             return
-        server.restart_failures = 0
+        self.health.restarted(server)
         # Up once it answers its probe (the channel the probes and loads use), not before:
         # a probe that finds the channel still reconnecting is no reason to kill it again.
         await self.health.probe(server)
@@ -226,15 +223,10 @@ class Reconciler:
     def _maybe_lost(self, server: TritonServer) -> None:
         """A Triton that stays down is lost: what it held is placed on the others (a local
         one's models were already, when it went down)."""
-        now = time.monotonic()
-        if server.down_since is None:
-            server.down_since = now
-        if server.lost or now - server.down_since < self.state.config.server_lost_after_s:
+        if not self.health.lost_now(server):
             return
-        server.lost = True
         held = sorted(n for n, r in self.state.records.items() if r.server == server.name)
-        log.error("Triton %s at %s has not answered for %.0fs: lost; placing its %d model(s) "
-                  "elsewhere", server.name, server.spec.grpc_url, now - server.down_since, len(held))
+        log.error("placing the %d model(s) of lost Triton %s elsewhere", len(held), server.name)
         self._forget_server_models(server, f"server {server.name} lost")
         self.state.spawn(self.pins.load_pinned())
 

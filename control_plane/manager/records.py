@@ -196,6 +196,7 @@ class ServerHealth(str, enum.Enum):
     UP = "up"
     SUSPECT = "suspect"  # missed a probe, fewer than ManagerConfig.probe_failures in a row: serves
     DOWN = "down"  # missed probe_failures in a row, refused a request, or its index read failed
+    LOST = "lost"  # down past ManagerConfig.server_lost_after_s: its models were placed elsewhere
 
 
 _H = ServerHealth
@@ -204,7 +205,8 @@ _H = ServerHealth
 HEALTH_TRANSITIONS: dict[ServerHealth, frozenset[ServerHealth]] = {
     _H.UP: frozenset({_H.SUSPECT, _H.DOWN}),  # a probe missed; no answer at all
     _H.SUSPECT: frozenset({_H.UP, _H.DOWN}),  # it answered; probe_failures missed in a row
-    _H.DOWN: frozenset({_H.UP}),  # it answers again
+    _H.DOWN: frozenset({_H.UP, _H.LOST}),  # it answers again; down for server_lost_after_s
+    _H.LOST: frozenset({_H.UP}),  # it answers again
 }
 
 
@@ -214,12 +216,13 @@ class TritonServer:
     admin: TritonAdmin
     planner: CachePlanner
     process: TritonProcess | None = None
-    health: ServerHealth = ServerHealth.UP  # written by manager.health.Health only
+    # health, missed_probes, down_since and the restart back-off: written by
+    # manager.health.Health only.
+    health: ServerHealth = ServerHealth.UP
     missed_probes: int = 0  # in a row, since it last answered
     restart_failures: int = 0
     next_restart_at: float = 0.0  # monotonic; restarts of a crashing Triton back off
     down_since: float | None = None  # monotonic; when it stopped answering
-    lost: bool = False  # down past ManagerConfig.server_lost_after_s: its models were re-placed
     # Models forgotten here while it did not answer (placed elsewhere since): a copy it
     # still has when it answers again is unloaded, so nothing is loaded twice.
     left_behind: set[str] = field(default_factory=set)
@@ -235,7 +238,12 @@ class TritonServer:
     @property
     def up(self) -> bool:
         """Serves and takes models: up, or suspect (one missed probe is no alarm)."""
-        return self.health is not ServerHealth.DOWN
+        return self.health in (ServerHealth.UP, ServerHealth.SUSPECT)
+
+    @property
+    def lost(self) -> bool:
+        """Down past ``server_lost_after_s``: what it held was placed on the others."""
+        return self.health is ServerHealth.LOST
 
     def to_dict(self) -> dict:
         return {

@@ -25,10 +25,10 @@ from control_plane.manager.health import Health
 from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import TritonModelState
 from control_plane.triton.process import TritonProcess
+from domain.router_errors import UpstreamError
+from domain.routes import RouteTable
 from router.frontends.http_frontend import make_http_app
-from router.rollouts.routes import RouteTable
 from router.serving.core import Router, RouterConfig
-from router.serving.errors import UpstreamError
 from router.serving.serving_state import ServerAddress
 from tests.conftest import run
 from tests.unit.test_manager_unit import MODELS, FakeAdmin
@@ -120,7 +120,10 @@ def test_three_missed_probes_in_a_row_make_a_server_down_and_an_answer_resets_th
     assert downs == [("s0", "no answer (3 probes in a row)")]
     health.missed(server, "no answer")  # still down: no second alarm
     assert len(downs) == 1 and server.down_since == 1002.0
-    server.lost = True
+    assert not health.lost_now(server)  # down for less than server_lost_after_s
+    clock.now += mgr.config.server_lost_after_s
+    assert health.lost_now(server) and server.health is ServerHealth.LOST and server.lost
+    assert not health.lost_now(server) and not server.up  # lost once
     health.answered(server)
     assert server.health is ServerHealth.UP and ups == ["s0"]
     assert server.down_since is None and server.lost is False
@@ -451,7 +454,7 @@ def test_a_grpc_request_ends_with_tritons_deadline_answer_when_nothing_says_its_
 
 
 def test_mmctl_fleet_says_when_a_server_is_suspect_or_down():
-    from control_plane.cli.main import _server_state
+    from mmctl.main import _server_state
 
     assert _server_state({"up": True, "health": "up"}) == "up"
     assert _server_state({"up": True, "health": "suspect"}) == "suspect"
