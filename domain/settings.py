@@ -5,7 +5,7 @@ A setting is one field of a config dataclass (``ServiceConfig``, the router's
 its default, help, flag, environment variable and the older environment names still read.
 Everything else is derived from that declaration:
 
-* mmctl's click options (``control_plane.cli.settings``) and the mapping of their values
+* mmctl's click options (``mmctl.settings``) and the mapping of their values
   into the config object;
 * the argparse parser of a process mmctl starts (``parse_argv``) and the argv that starts
   it (``to_argv``), so what the parent passes is what the child parses;

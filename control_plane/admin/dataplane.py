@@ -26,8 +26,8 @@ from control_plane.rollouts.stats import StatsBook
 from control_plane.state.background import BackgroundStore
 from domain.errors import InvalidInput
 from domain.periodic import run_periodically
-from router.rollouts.public_names import PublicNames
-from router.rollouts.routes import RouteTable
+from domain.public_names import PublicNames
+from domain.routes import RouteTable
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from control_plane.admin.api import json_body as _json
 from control_plane.rollouts.canary import abort
 from domain import errors as cp
 from domain.names import validate_model_name
-from router.rollouts.routes import split_adapter, validate_logical_name
+from domain.router_errors import InvalidRequest, ModelNotFound, RouterError
+from domain.routes import split_adapter, validate_logical_name
 from router.serving.core import Router
-from router.serving.errors import InvalidRequest, ModelNotFound, RouterError
 
 ROUTER_ADMIN_KEY = web.AppKey("router_admin", Router)
 

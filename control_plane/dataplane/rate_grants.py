@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from router.rollouts.ratelimit import TokenBucket
+from domain.token_bucket import TokenBucket
 
 
 class GlobalBuckets:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 
 from domain.errors import InvalidInput
-from router.rollouts.shadow import ShadowReport
+from domain.shadow_reports import ShadowReport
 
 WORKER_LIVE_S = 10.0  # a worker not heard from for this long no longer counts as live
 SHADOW_COUNTS = tuple(f.name for f in fields(ShadowReport) if f.name != "last")

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 
 from control_plane.rollouts.stats import StatsBook, WindowSummary
-from router.rollouts.routes import Canary, Route, RouteTable
+from domain.routes import Canary, Route, RouteTable
 
 log = logging.getLogger(__name__)
 

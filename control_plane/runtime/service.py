@@ -293,11 +293,11 @@ class Service:
         from control_plane.rollouts.canary import CanaryController, registry_promoter
         from control_plane.rollouts.stats import StatsBook
         from control_plane.state.background import BackgroundStore
+        from domain.public_names import PublicNames
+        from domain.routes import RouteTable
         from router.frontends.grpc_frontend import start_grpc
         from router.frontends.http_frontend import make_http_app
         from router.frontends.http_site import HalfCloseTCPSite
-        from router.rollouts.public_names import PublicNames
-        from router.rollouts.routes import RouteTable
         from router.serving.core import Router, RouterConfig
 
         cfg = self.cfg

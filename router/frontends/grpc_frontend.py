@@ -16,9 +16,9 @@ import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from domain.router_errors import PermissionDenied, RateLimited, RouterError
 from router.frontends.shared_memory import CUDA_REFUSAL, refuse_remote
 from router.serving.core import GRPC_MESSAGE_LIMIT_BYTES, Router
-from router.serving.errors import PermissionDenied, RateLimited, RouterError
 from router.serving.miss_budget import CLIENT, grpc_client
 
 log = logging.getLogger(__name__)

@@ -23,6 +23,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from domain.errors import ControlPlaneError
+from domain.router_errors import (
+    BackendUnavailable,
+    InvalidRequest,
+    NoSuchPath,
+    PayloadTooLarge,
+    PermissionDenied,
+    RateLimited,
+    RequestTimeout,
+    RouterError,
+    from_control_plane,
+    parse_version,
+)
 from model_runtime.family.protocol import VARIANT_PARAMETER
 from router.frontends.grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
 from router.frontends.http_request import (
@@ -35,18 +47,6 @@ from router.frontends.http_shadow import offer as offer_shadow
 from router.frontends.http_shared_memory import shared_memory_routes
 from router.frontends.shared_memory_requests import json_uses_shared_memory
 from router.serving.core import Router
-from router.serving.errors import (
-    BackendUnavailable,
-    InvalidRequest,
-    NoSuchPath,
-    PayloadTooLarge,
-    PermissionDenied,
-    RateLimited,
-    RequestTimeout,
-    RouterError,
-    from_control_plane,
-    parse_version,
-)
 from router.serving.forward import refuse_family_control, routing_shown
 from router.serving.miss_budget import CLIENT, http_client
 from router.serving.repository_config import triton_json

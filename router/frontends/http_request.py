@@ -25,6 +25,7 @@ import json
 import zlib
 from dataclasses import dataclass, field
 
+from domain.router_errors import InvalidRequest, PayloadTooLarge
 from router.frontends.http_request_checks import (
     DATATYPES,
     FLOAT_MAX,
@@ -35,7 +36,6 @@ from router.frontends.http_request_checks import (
     json_kind,
 )
 from router.frontends.strict_json import MAX_JSON_DEPTH, loads
-from router.serving.errors import InvalidRequest, PayloadTooLarge
 
 # Names imported from here since before the JSON reading and the checks had modules of
 # their own.

@@ -10,8 +10,8 @@ import math
 from itertools import chain
 from typing import Any
 
+from domain.router_errors import InvalidRequest
 from router.frontends.strict_json import DOUBLE_MAX
-from router.serving.errors import InvalidRequest
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _INT64 = (-(2**63), 2**63 - 1)

@@ -9,11 +9,11 @@ import json
 import grpc
 from aiohttp import web
 
+from domain.router_errors import InvalidRequest, PermissionDenied
 from router.frontends.http_request_checks import json_kind
 from router.frontends.shared_memory import CUDA_REFUSAL, SharedMemoryError, refuse_remote
 from router.frontends.strict_json import loads
 from router.serving.core import Router
-from router.serving.errors import InvalidRequest, PermissionDenied
 
 
 def _json(doc) -> web.Response:

@@ -40,6 +40,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import serialize_byte_tensor, triton_to_np_dtype
 
+from domain.router_errors import PayloadTooLarge, PermissionDenied
 from router.frontends.peers import loopback_peer
 from router.frontends.shared_memory_objects import SharedMemoryError, open_object
 from router.frontends.shared_memory_requests import (
@@ -52,7 +53,6 @@ from router.frontends.shared_memory_requests import (
     names_region,
     uses_shared_memory,
 )
-from router.serving.errors import PayloadTooLarge, PermissionDenied
 
 log = logging.getLogger(__name__)
 

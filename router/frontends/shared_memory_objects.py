@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from router.serving.errors import RouterError
+from domain.router_errors import RouterError
 
 SHM_ROOT = Path("/dev/shm")
 

@@ -13,7 +13,7 @@ import re
 from itertools import accumulate
 from typing import Any
 
-from router.serving.errors import InvalidRequest
+from domain.router_errors import InvalidRequest
 
 # Levels of arrays/objects: a request needs 3 + the tensor's rank ({"inputs": [{"data": ...}]}).
 MAX_JSON_DEPTH = 64

@@ -12,8 +12,8 @@ import math
 import time
 from collections.abc import Callable
 
-from router.rollouts.ratelimit import TokenBucket
-from router.serving.errors import RateLimited
+from domain.router_errors import RateLimited
+from domain.token_bucket import TokenBucket
 
 
 def rate_limited(name: str, spec: dict, retry_after_s: float) -> RateLimited:

@@ -29,13 +29,15 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from prometheus_client import Counter
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import triton_to_np_dtype
+
+from domain.shadow_reports import ShadowReport
 
 log = logging.getLogger(__name__)
 
@@ -63,29 +65,6 @@ class ShadowItem:
     # that returns Outputs (an HTTP answer, converted in the analysis thread).
     primary: object
     primary_latency_ms: float
-
-
-@dataclass
-class ShadowReport:
-    mirrored: int = 0
-    dropped: int = 0
-    shed: int = 0
-    errors: int = 0
-    timeouts: int = 0
-    compared: int = 0
-    diverged: int = 0
-    latency_delta_ms_sum: float = 0.0
-    last: list = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return {
-            "mirrored": self.mirrored, "dropped": self.dropped, "shed": self.shed,
-            "errors": self.errors, "timeouts": self.timeouts, "compared": self.compared,
-            "diverged": self.diverged,
-            "divergence_rate": round(self.diverged / self.compared, 6) if self.compared else None,
-            "mean_latency_delta_ms": round(self.latency_delta_ms_sum / self.compared, 3)
-            if self.compared else None,
-        }
 
 
 def outputs_of(response) -> Outputs:

@@ -15,16 +15,16 @@ import time
 import grpc
 from tritonclient.grpc import service_pb2
 
-from model_runtime.family.protocol import SLOTS_PARAMETER, STATUS_OUTPUT
-from router.rollouts.routes import Decision
-from router.serving.decide import Decider
-from router.serving.errors import (
+from domain.router_errors import (
     ModelUnavailable,
     RouterError,
     UnknownModel,
     UpstreamError,
     parse_version,
 )
+from domain.routes import Decision
+from model_runtime.family.protocol import SLOTS_PARAMETER, STATUS_OUTPUT
+from router.serving.decide import Decider
 from router.serving.repository_config import FolderConfig, metadata_from_config, read_folder
 from router.serving.send import Channels
 from router.serving.serving_state import ServerAddress, ServingState

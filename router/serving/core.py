@@ -40,10 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from domain.periodic import run_periodically
+from domain.public_names import PublicNames
+from domain.routes import RouteTable
 from router.frontends.shared_memory import SystemSharedMemory
 from router.rollouts.limits import LocalLimiter
-from router.rollouts.public_names import PublicNames
-from router.rollouts.routes import RouteTable
 from router.rollouts.shadow import ShadowMirror
 from router.serving.answers import Answers
 from router.serving.decide import Decider, Limiter

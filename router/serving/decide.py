@@ -1,5 +1,5 @@
 """The routing decision: which name a request asks for (adapter checks), which concrete
-model serves it (aliases, experiments, canaries and shadows, from ``router.rollouts.routes``),
+model serves it (aliases, experiments, canaries and shadows, from ``domain.routes``),
 the name and version the client knows it by, and the rate limits it spends.  No I/O.
 
 ``Decider`` owns the route table, the registry's public names and the rate limiter; every
@@ -17,15 +17,15 @@ from tritonclient.grpc import service_pb2
 
 from domain import errors as cp
 from domain.errors import ControlPlaneError
-from router.rollouts.public_names import PublicNames
-from router.rollouts.routes import ADAPTER_SEPARATOR, Decision, RouteTable, split_adapter
-from router.serving.errors import (
+from domain.public_names import PublicNames
+from domain.router_errors import (
     InvalidRequest,
     PermissionDenied,
     RouterError,
     UnknownModel,
     from_control_plane,
 )
+from domain.routes import ADAPTER_SEPARATOR, Decision, RouteTable, split_adapter
 
 
 class Limiter(Protocol):

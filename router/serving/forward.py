@@ -14,14 +14,14 @@ from collections.abc import Callable
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
+from domain.router_errors import InvalidRequest, PermissionDenied, parse_version
+from domain.routes import Decision
 from model_runtime.family.protocol import CONTROL_PARAMETER, VARIANT_PARAMETER
 from router.frontends.shared_memory import SystemSharedMemory
 from router.frontends.shared_memory_requests import uses_shared_memory
-from router.rollouts.routes import Decision
 from router.rollouts.shadow import ShadowItem, ShadowMirror, outputs_of
 from router.serving.answers import BYTES_CACHE_MAX
 from router.serving.decide import Decider
-from router.serving.errors import InvalidRequest, PermissionDenied, parse_version
 from router.serving.send import Sender
 from router.serving.serving_state import ServingState
 

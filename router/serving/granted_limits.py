@@ -8,8 +8,8 @@ import asyncio
 import time
 
 from domain.errors import ControlPlaneError
+from domain.token_bucket import TokenBucket
 from router.rollouts.limits import grant_batch, rate_limited
-from router.rollouts.ratelimit import TokenBucket
 from router.serving.state_client import ControlPlaneAway, RemoteState
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from domain.periodic import loop_failures_counter
+from domain.routes import Decision
 from domain.series import BoundedLabel
-from router.rollouts.routes import Decision
 from router.serving.outcomes import OutcomeSink
 
 LATENCY_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,

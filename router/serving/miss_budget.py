@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from contextvars import ContextVar
 
+from domain.router_errors import RateLimited
 from router.frontends.peers import loopback_peer, peer_host
-from router.serving.errors import RateLimited
 
 # The client of the inference call this task serves (None: not counted).
 CLIENT: ContextVar[str | None] = ContextVar("mms_client", default=None)

@@ -26,9 +26,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from domain import errors as cp
 from domain.errors import ControlPlaneError
-from router.rollouts.routes import Decision
-from router.serving.decide import Decider
-from router.serving.errors import (
+from domain.router_errors import (
     BackendUnavailable,
     RequestTimeout,
     RouterError,
@@ -36,6 +34,8 @@ from router.serving.errors import (
     UpstreamError,
     from_control_plane,
 )
+from domain.routes import Decision
+from router.serving.decide import Decider
 from router.serving.metrics import Recording, RouterMetrics
 from router.serving.miss_budget import MissBudget
 from router.serving.serving_state import UNLOADED_PREFIX, ServerAddress, ServingState

@@ -22,9 +22,9 @@ from pathlib import Path
 import aiohttp
 
 from domain.errors import ERRORS_BY_CODE, ControlPlaneError
-from router.rollouts.public_names import PublicNames
-from router.rollouts.routes import Route, RouteTable
-from router.serving.errors import BackendUnavailable
+from domain.public_names import PublicNames
+from domain.router_errors import BackendUnavailable
+from domain.routes import Route, RouteTable
 from router.serving.serving_state import ServerAddress
 
 log = logging.getLogger(__name__)

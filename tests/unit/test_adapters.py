@@ -34,11 +34,11 @@ from domain.errors import (
     InvalidModelName,
     ModelNotFound,
 )
+from domain.router_errors import InvalidRequest
+from domain.routes import RouteTable, split_adapter
 from model_runtime.lora.manifest import read_manifest
 from model_runtime.lora.models import TinyLMConfig
-from router.rollouts.routes import RouteTable, split_adapter
 from router.serving.decide import Decider
-from router.serving.errors import InvalidRequest
 from router.serving.forward import Forwarder
 from router.serving.serving_state import LocalState
 from tests.conftest import run

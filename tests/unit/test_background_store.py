@@ -8,7 +8,7 @@ import time
 
 from control_plane.state.background import BackgroundStore
 from control_plane.state.state_store import StateStore
-from router.rollouts.routes import ROUTES_KEY, RouteTable
+from domain.routes import ROUTES_KEY, RouteTable
 
 
 def test_route_table_writes_happen_in_the_writer_thread_even_while_the_db_is_locked(tmp_path):

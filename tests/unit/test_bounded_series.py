@@ -3,8 +3,8 @@ others share one "_other" series, and the sums stay exact."""
 
 from __future__ import annotations
 
+from domain.routes import Decision
 from domain.series import OTHER_LABEL, BoundedLabel
-from router.rollouts.routes import Decision
 from router.serving.metrics import Recording, RouterMetrics
 from tests.conftest import run
 from tests.unit.test_manager_unit import make

@@ -20,9 +20,9 @@ from control_plane.rollouts.canary import WINDOW_KEY_PREFIX, CanaryController, r
 from control_plane.rollouts.stats import StatsBook, VariantStats
 from control_plane.state.state_store import StateStore
 from domain.errors import ModelNotFound as CpModelNotFound
-from router.rollouts.routes import ROUTES_KEY, RouteTable
+from domain.router_errors import BackendUnavailable, InvalidRequest, ModelNotFound, RouterError
+from domain.routes import ROUTES_KEY, RouteTable
 from router.serving.core import Router
-from router.serving.errors import BackendUnavailable, InvalidRequest, ModelNotFound, RouterError
 from tests.conftest import run
 
 LOAD_S = 0.3  # a cold load, in real time: the router measures with perf_counter

@@ -12,6 +12,7 @@ import zlib
 
 import pytest
 
+from domain.router_errors import InvalidRequest, PayloadTooLarge
 from router.frontends import http_request
 from router.frontends.http_request import (
     MAX_GZIP_MEMBERS,
@@ -23,7 +24,6 @@ from router.frontends.http_request import (
     with_adapter,
 )
 from router.frontends.http_request_checks import flat_row_major
-from router.serving.errors import InvalidRequest, PayloadTooLarge
 
 FEATURES = {"name": "FEATURES", "shape": [2, 2], "datatype": "FP32", "data": [[1, 2], [3, 4.5]]}
 

@@ -14,10 +14,10 @@ from tritonclient.grpc import _utils as grpc_utils
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import serialize_byte_tensor
 
+from domain.routes import Decision
 from model_runtime.family.protocol import VARIANT_PARAMETER
 from router.frontends.http_request import parse_infer_request
 from router.frontends.http_shadow import grpc_request, offer, outputs_of_json
-from router.rollouts.routes import Decision
 from router.rollouts.shadow import outputs_of
 from router.serving.send import Call
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.serving.errors import RateLimited
+from domain.router_errors import RateLimited
 from router.serving.miss_budget import (
     CLIENT,
     MissBudget,

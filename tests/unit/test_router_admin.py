@@ -15,7 +15,7 @@ import control_plane.admin.rollout_routes as router_admin
 from control_plane.admin.api import error_middleware
 from control_plane.admin.rollout_routes import ROUTER_ADMIN_KEY, alias_set, limit_set, router_errors
 from domain.errors import ModelNotFound as CpModelNotFound
-from router.rollouts.routes import RouteTable
+from domain.routes import RouteTable
 
 
 class FakeManager:

@@ -14,11 +14,8 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 from control_plane.manager import ModelManager, ServerSpec
 from control_plane.registry import ModelVersion
 from control_plane.state.state_store import StateStore
-from router.rollouts.public_names import PublicNames
-from router.rollouts.routes import RouteTable
-from router.serving.core import Router
-from router.serving.decide import Decider
-from router.serving.errors import (
+from domain.public_names import PublicNames
+from domain.router_errors import (
     InvalidVersion,
     ModelUnavailable,
     RateLimited,
@@ -26,6 +23,9 @@ from router.serving.errors import (
     UnknownModel,
     parse_version,
 )
+from domain.routes import RouteTable
+from router.serving.core import Router
+from router.serving.decide import Decider
 from router.serving.repository_config import metadata_from_config, read_folder, triton_json
 from tests.conftest import run
 from tests.unit.test_manager_unit import FakeAdmin

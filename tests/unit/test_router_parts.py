@@ -16,12 +16,12 @@ import pytest
 from prometheus_client import generate_latest
 from tritonclient.grpc import service_pb2
 
-from router.rollouts.public_names import PublicNames
-from router.rollouts.routes import Decision, RouteTable
+from domain.public_names import PublicNames
+from domain.router_errors import InvalidRequest, RateLimited, UnknownModel
+from domain.routes import Decision, RouteTable
 from router.serving.answers import Answers
 from router.serving.core import Router, RouterConfig
 from router.serving.decide import Decider
-from router.serving.errors import InvalidRequest, RateLimited, UnknownModel
 from router.serving.forward import Forwarder
 from router.serving.metrics import Recording, RouterMetrics
 from router.serving.send import Call, Channels, Sender

@@ -10,9 +10,9 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2
 
-from router.rollouts.routes import RouteTable
+from domain.router_errors import BackendUnavailable, UpstreamError
+from domain.routes import RouteTable
 from router.serving.core import Router
-from router.serving.errors import BackendUnavailable, UpstreamError
 from router.serving.send import MAX_RESENDS
 from router.serving.serving_state import UNLOADED_PREFIX, ServerAddress
 from tests.conftest import run

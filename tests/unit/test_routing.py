@@ -11,10 +11,10 @@ import pytest
 from control_plane.rollouts.canary import CanaryController
 from control_plane.rollouts.stats import StatsBook
 from domain.errors import InvalidModelName
-from router.rollouts.ratelimit import TokenBucket
-from router.rollouts.routes import RouteTable, bucket
+from domain.router_errors import InvalidRequest
+from domain.routes import RouteTable, bucket
+from domain.token_bucket import TokenBucket
 from router.rollouts.shadow import ShadowItem, ShadowMirror, compare_outputs
-from router.serving.errors import InvalidRequest
 from tests.conftest import run
 
 
@@ -215,8 +215,8 @@ def test_name_serves_registry_production_version_unless_aliased():
 
 
 def test_public_requests_cannot_control_adapters_or_dodge_their_limits():
+    from domain.router_errors import PermissionDenied
     from router.serving.decide import Decider
-    from router.serving.errors import PermissionDenied
 
     with pytest.raises(PermissionDenied, match="ADAPTER_CONTROL"):
         Decider.public_name("tinylm", ["ADAPTER_CONTROL"], None)

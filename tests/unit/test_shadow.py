@@ -13,8 +13,8 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from control_plane.admin.rollout_routes import shadow_start
+from domain.routes import RouteTable
 from router.rollouts import shadow
-from router.rollouts.routes import RouteTable
 from router.rollouts.shadow import ShadowItem, ShadowMirror
 from tests.conftest import run
 from tests.unit.test_router_admin import FakeManager, admin_call

@@ -36,7 +36,7 @@ from control_plane.admin.status_page.traffic import (
 )
 from control_plane.dataplane.workers import WORKER_LIVE_S, WorkerSeen
 from control_plane.metrics import ControlPlaneMetrics, StateCollector
-from router.rollouts.routes import Canary, Experiment, Route, Shadow
+from domain.routes import Canary, Experiment, Route, Shadow
 
 TOKEN = "s3cret-token"
 ACCESS = AdminAccess(token=TOKEN, bind_host="127.0.0.1")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from router.serving.errors import UnknownModel
+from domain.router_errors import UnknownModel
 
 
 class _Version(Protocol):

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from domain.errors import InvalidModelName
 from domain.names import validate_model_name
-from router.serving.errors import InvalidRequest, ModelNotFound
+from domain.router_errors import InvalidRequest, ModelNotFound
 
 BUCKETS = 10_000
 ROUTES_KEY = "router.routes"
