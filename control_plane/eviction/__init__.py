@@ -53,7 +53,6 @@ Modules:
     planner    stage priorities, Resident, Capacity, EvictionPlan, CachePlanner
 """
 
-from control_plane.eviction.catalog import DEFAULT_POLICY, POLICIES, make_policy
 from control_plane.eviction.frequency import GDSFPolicy, WTinyLFUHitsPolicy, WTinyLFUPolicy
 from control_plane.eviction.headroom import (
     HEADROOM_DEFAULT_MODELS,
@@ -72,6 +71,7 @@ from control_plane.eviction.planner import (
     Resident,
     victim_priority_limit,
 )
+from control_plane.eviction.policies_by_name import DEFAULT_POLICY, POLICIES, make_policy
 from control_plane.eviction.policy import EvictionPolicy, LRUPolicy
 
 __all__ = [

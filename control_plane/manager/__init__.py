@@ -44,13 +44,14 @@ Eviction off the critical path (a miss should cost one load, not an unload and a
   over-committed, and the counts stay honest: the victims stay counted until Triton
   confirms them gone (``mmctl fleet`` may show the server over its budget meanwhile), and
   no other load can count on that room.  A victim whose unload then fails keeps its room
-  (``failed``); the newcomer stays loaded and the reconcile evicts down to the budget.
+  (``unload_failed``); the newcomer stays loaded and the reconcile evicts down to the budget.
   Without a probe (unit tests, attached Tritons) nothing overlaps.
 
 Layout: records.py (records, server specs, configuration), room.py (held room, the
-overlap rule, the host's free memory), state.py (``ManagerState``: what the parts share),
-one module per part (catalog.py, recency.py, unloader.py, loader.py with warmup.py,
-pins.py, reconciler.py with health.py, leases.py), and core.py, where ``ModelManager``
+overlap rule, the host's free memory), fleet_state.py (``ManagerState``: what the parts share),
+residency.py (the planner's view of each copy, derived from its record),
+one module per part (known_models.py, recency.py, unloader.py, loader.py with warmup.py,
+pins.py, reconciler.py with health.py, leases.py), and model_manager.py, where ``ModelManager``
 builds the parts and gives each the parts it calls:
 
     catalog, recency          <- state only
@@ -64,9 +65,9 @@ A server's health (up, suspect, down) has one writer, ``health.Health``: probes 
 second per server, down after three missed in a row (a frozen Triton within ~4 s).
 """
 
-from control_plane.manager.catalog import UNKNOWN_NAME_TTL_S, UNKNOWN_NAMES_MAX
-from control_plane.manager.core import ModelManager
+from control_plane.manager.known_models import UNKNOWN_NAME_TTL_S, UNKNOWN_NAMES_MAX
 from control_plane.manager.loader import ROOM_POLL_S
+from control_plane.manager.model_manager import ModelManager
 from control_plane.manager.records import (
     ManagerConfig,
     ModelRecord,

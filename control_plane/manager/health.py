@@ -22,8 +22,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from control_plane.manager.fleet_state import ManagerState
 from control_plane.manager.records import HEALTH_TRANSITIONS, ServerHealth, TritonServer
-from control_plane.manager.state import ManagerState
 
 log = logging.getLogger(__name__)
 

@@ -8,12 +8,12 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from control_plane.manager.catalog import Catalog
+from control_plane.manager.fleet_state import ManagerState
+from control_plane.manager.known_models import Catalog
 from control_plane.manager.loader import Loader
 from control_plane.manager.recency import Recency
 from control_plane.manager.reconciler import Reconciler
 from control_plane.manager.records import ModelRecord, TritonServer
-from control_plane.manager.state import ManagerState
 from domain.errors import ModelLoadFailed, OperationTimeout
 from domain.names import validate_model_name
 

@@ -9,11 +9,11 @@ import logging
 import time
 
 from control_plane.eviction import victim_priority_limit
-from control_plane.manager.catalog import Catalog
+from control_plane.manager.fleet_state import ManagerState
+from control_plane.manager.known_models import Catalog
 from control_plane.manager.placement import plan_measured
 from control_plane.manager.recency import Recency
 from control_plane.manager.records import ModelRecord, ModelState, TritonServer
-from control_plane.manager.state import ManagerState
 from control_plane.manager.unloader import Unloader, retrieve
 from control_plane.manager.warmup import warm_up
 from domain.errors import (

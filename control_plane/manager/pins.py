@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import time
 
-from control_plane.manager.catalog import Catalog
+from control_plane.manager.fleet_state import ManagerState
+from control_plane.manager.known_models import Catalog
 from control_plane.manager.loader import Loader
 from control_plane.manager.records import ModelRecord, ModelState
-from control_plane.manager.state import ManagerState
 from domain.errors import ControlPlaneError
 from domain.names import validate_model_name
 

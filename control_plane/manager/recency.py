@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from control_plane.manager.fleet_state import ManagerState
 from control_plane.manager.records import TritonServer
-from control_plane.manager.state import ManagerState
 
 
 class Recency:

@@ -12,12 +12,12 @@ import contextlib
 import logging
 import time
 
-from control_plane.manager.catalog import Catalog
+from control_plane.manager.fleet_state import ManagerState
 from control_plane.manager.health import Health
+from control_plane.manager.known_models import Catalog
 from control_plane.manager.pins import Pins
 from control_plane.manager.recency import Recency
 from control_plane.manager.records import ModelRecord, ModelState, ServerHealth, TritonServer
-from control_plane.manager.state import ManagerState
 from control_plane.manager.unloader import Unloader
 from control_plane.triton.admin import TritonModelState
 from domain.errors import ControlPlaneError, TritonUnavailable

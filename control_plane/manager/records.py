@@ -1,6 +1,6 @@
 """What the model manager keeps per model and per Triton server, and its configuration.
 
-Plain data: no I/O, no event loop.  ``ModelManager`` (core.py) is the only writer.
+Plain data: no I/O, no event loop.  ``ModelRecord``'s methods are the only writers of a record (the manager's parts call them).
 """
 
 from __future__ import annotations

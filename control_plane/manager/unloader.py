@@ -11,9 +11,9 @@ import contextlib
 import logging
 import time
 
-from control_plane.manager.catalog import Catalog
+from control_plane.manager.fleet_state import ManagerState
+from control_plane.manager.known_models import Catalog
 from control_plane.manager.records import ModelRecord, ModelState, TritonServer
-from control_plane.manager.state import ManagerState
 from domain.errors import ControlPlaneError, InvalidInput
 
 log = logging.getLogger(__name__)

@@ -10,13 +10,13 @@ from types import SimpleNamespace
 import pytest
 
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
-from control_plane.manager.catalog import Catalog
+from control_plane.manager.fleet_state import ManagerState
+from control_plane.manager.known_models import Catalog
 from control_plane.manager.leases import Leases
 from control_plane.manager.pins import Pins
 from control_plane.manager.placement import Placer
 from control_plane.manager.recency import Recency
 from control_plane.manager.room import RoomLedger
-from control_plane.manager.state import ManagerState
 from control_plane.manager.unloader import Unloader
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.state.state_store import StateStore

@@ -1,6 +1,6 @@
 """``ModelManager``: the only writer of what is loaded on which Triton server.
 
-It builds the parts of this package, wires each to the parts it calls (state.py), and
+It builds the parts of this package, wires each to the parts it calls (fleet_state.py), and
 holds what belongs to no single part: health and close.
 """
 
@@ -18,7 +18,8 @@ from control_plane.eviction import (
     HeadroomSpec,
     make_policy,
 )
-from control_plane.manager.catalog import Catalog
+from control_plane.manager.fleet_state import ManagerState
+from control_plane.manager.known_models import Catalog
 from control_plane.manager.leases import Leases
 from control_plane.manager.loader import Loader
 from control_plane.manager.pins import Pins
@@ -34,7 +35,6 @@ from control_plane.manager.records import (
     TritonServer,
 )
 from control_plane.manager.room import RoomLedger
-from control_plane.manager.state import ManagerState
 from control_plane.manager.unloader import Unloader
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.state.state_store import StateStore

@@ -6,8 +6,8 @@ import fnmatch
 import time
 from collections.abc import Callable, Iterable
 
+from control_plane.manager.fleet_state import ManagerState
 from control_plane.manager.records import ModelRecord, ModelState, TritonServer
-from control_plane.manager.state import ManagerState
 from domain.errors import ModelNotFound, TritonUnavailable
 from domain.names import validate_model_name
 

@@ -1,6 +1,6 @@
 """What the parts of the model manager share: one ``ManagerState`` object.
 
-``ModelManager`` (core.py) owns one ``ManagerState`` and one object per part: catalog (what
+``ModelManager`` (model_manager.py) owns one ``ManagerState`` and one object per part: catalog (what
 exists), recency, unloader, loader, pins, reconciler, leases.  Each part is given the state
 and the parts it calls, in its constructor, so a reader sees who calls whom: a load asks the
 unloader to evict its victims, a reconcile pass asks the pins to load pinned models again,
