@@ -20,6 +20,9 @@ does not restart it) is loaded again through Triton's load API, and the variants
 are copied back into its new slots, so the manager's view stays true.  When the
 manager asks for more variants than the family has slots (variants registered after its
 load), the family model is loaded again with more slots and its variants refilled.
+
+What this server's control plane knows of each family model (its lock, slots, residents,
+process, warm-up) is one ``FamilyInstance`` (instance.py), moved between named states there.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from control_plane.families.family_catalog import WEIGHTS_FILE, Family, FamilyCatalog
+from control_plane.families.instance import FamilyInstance, FamilyState
 from control_plane.triton.admin import (
     IndexEntry,
     Timeouts,
@@ -86,15 +90,14 @@ class FamilyAdmin(TritonAdmin):
         super().__init__(grpc_url, timeouts or Timeouts(), load_config)
         self.families = families
         self.slots_for = slots_for
-        self._host_locks: dict[str, asyncio.Lock] = {}
-        self._slots: dict[str, int] = {}  # family -> slots of its loaded instance
-        self._plans: dict[str, WarmupPlan] = {}  # family -> the inputs a request carries
-        # family -> the variants its slots held at its last answer: what a family model
-        # whose process died held, copied back once it is loaded again.
-        self._resident: dict[str, set[str]] = {}
-        self._instance: dict[str, str] = {}  # family -> the instance id of its last answer
-        self._warmed: dict[str, str] = {}  # family -> the instance a variant warmed up
-        self._usage: dict[str, tuple[float, dict]] = {}  # family -> (monotonic, its usage)
+        self.instances: dict[str, FamilyInstance] = {}  # family -> its model on this server
+
+    def instance(self, family: str) -> FamilyInstance:
+        """What this server's control plane knows of ``family``'s model (ABSENT at first)."""
+        found = self.instances.get(family)
+        if found is None:
+            found = self.instances[family] = FamilyInstance(family, self.grpc_url)
+        return found
 
     # ------------------------------------------------------------------ the family model
     def _family_config(self, family: Family, slots: int) -> str:
@@ -112,29 +115,14 @@ class FamilyAdmin(TritonAdmin):
         if self.guard is not None:
             self.guard()
         await self.load_with(family.name, await asyncio.to_thread(self._family_config, family, slots))
-        self._slots[family.name] = slots
-        self._plans.pop(family.name, None)
+        self.instance(family.name).loaded(slots)
         log.info("family %s loaded on %s with %d slots of %d bytes", family.name, self.grpc_url,
                  slots, family.slot_bytes)
 
     def _not_loaded(self, family: Family) -> ModelNotFound:
         """The family model is not loaded here: nothing known of its slots holds."""
-        for known in (self._slots, self._resident, self._plans, self._usage):
-            known.pop(family.name, None)
+        self.instance(family.name).move(FamilyState.ABSENT, "Triton does not have it")
         return ModelNotFound(f"family {family.name} is not loaded on {self.grpc_url}")
-
-    def _known_status(self, family: Family) -> dict | None:
-        """What the family's last answer said (slots, resident), or None when it is not
-        known to be loaded.  Accurate while the family's lock is held: every change of its
-        slots goes through this admin under that lock; a process that died meanwhile fails
-        the next command, which then reloads it."""
-        return self.family_slots(family.name) if family.name in self._resident else None
-
-    def _lock(self, family: Family) -> asyncio.Lock:
-        """One lock per family on this server around everything that changes its slots or
-        reloads it (fill, evict, load, grow, recovery), so a status read under it is what
-        the next step acts on."""
-        return self._host_locks.setdefault(family.name, asyncio.Lock())
 
     async def _ensure_family(self, family: Family) -> dict:
         """The family model is loaded here and its process alive; returns its status.  A
@@ -145,22 +133,35 @@ class FamilyAdmin(TritonAdmin):
         except ModelNotFound:
             held: set[str] = set()
         except FamilyUnhealthy as exc:
-            held = set(self._resident.get(family.name, ()))
+            held = set(self.instance(family.name).resident)
             log.error("family %s on %s: %s; loading it again with %s", family.name,
                       self.grpc_url, exc.message, ", ".join(sorted(held)) or "no variants")
-        return await self._reload(family, max(self.slots_for(family), len(held)), held)
+        return await self._reload(family, max(self.slots_for(family), len(held)), held,
+                                  FamilyState.LOADING)
 
-    async def _reload(self, family: Family, slots: int, held: set[str]) -> dict:
+    async def _reload(self, family: Family, slots: int, held: set[str],
+                      during: FamilyState) -> dict:
         """Load the family with ``slots`` slots (a fresh instance: empty slots) and copy
-        ``held`` back into them.  Call with the family's lock held."""
-        await self._load_family(family, slots)
-        for variant in sorted(held):
-            try:
-                await self._fill(family, variant)
-            except ControlPlaneError as exc:  # the manager sees it gone and loads it again
-                log.warning("%s could not be copied back into family %s: %s", variant,
-                            family.name, exc.message)
-        return await self.control(family, {"op": "status"})
+        ``held`` back into them, ``during`` (LOADING or GROWING) until it answers; a load that
+        fails leaves it as it was before (Triton keeps the old instance, dead or alive).  Call
+        with the family's lock held."""
+        instance = self.instance(family.name)
+        before = instance.state
+        instance.move(during, f"loading it with {slots} slots")
+        try:
+            await self._load_family(family, slots)
+            for variant in sorted(held):
+                try:
+                    await self._fill(family, variant)
+                except ControlPlaneError as exc:  # the manager sees it gone and loads it again
+                    log.warning("%s could not be copied back into family %s: %s", variant,
+                                family.name, exc.message)
+            status = await self.control(family, {"op": "status"})
+            instance.move(FamilyState.SERVING, "loaded")
+            return status
+        finally:
+            if instance.state is during:  # failed before it answered (ABSENT, DEAD: moved)
+                instance.move(before, "its load failed")
 
     async def _grow(self, family: Family, status: dict) -> dict:
         """Load the family again with the slots its server's budget allows now (more
@@ -174,18 +175,18 @@ class FamilyAdmin(TritonAdmin):
                 "no more: unload one (mmctl unload) or raise --max-loaded / --memory-budget")
         log.info("family %s on %s: growing from %d to %d slots", family.name, self.grpc_url,
                  status["slots"], wanted)
-        return await self._reload(family, wanted, set(status["resident"]))
+        return await self._reload(family, wanted, set(status["resident"]), FamilyState.GROWING)
 
     def family_slots(self, family: str) -> dict | None:
-        """Slots and resident variants of ``family`` on this server, as last reported; None
-        when it is not loaded here."""
-        if family not in self._slots:
-            return None
-        return {"slots": self._slots[family], "resident": sorted(self._resident.get(family, ()))}
+        """State, slots and resident variants of ``family`` on this server, as last reported;
+        None when it is not loaded here."""
+        instance = self.instances.get(family)
+        return None if instance is None else instance.view()
 
     # ------------------------------------------------------------------ control requests
     async def _plan(self, family: Family) -> WarmupPlan:
-        plan = self._plans.get(family.name)
+        instance = self.instance(family.name)
+        plan = instance.plan
         if plan is None:
             try:
                 resp = await self.client.get_model_config(family.name,
@@ -195,7 +196,7 @@ class FamilyAdmin(TritonAdmin):
                 if "unknown model" in msg.lower() or "not found" in msg.lower():
                     raise self._not_loaded(family) from exc
                 raise self._translate(exc, "read the config of", family.name, self.timeouts.health_s) from exc
-            plan = self._plans[family.name] = warmup_plan(resp.config)
+            plan = instance.plan = warmup_plan(resp.config)
         return plan
 
     def _inputs(self, plan: WarmupPlan) -> list[InferInput]:
@@ -227,6 +228,7 @@ class FamilyAdmin(TritonAdmin):
             if "UNAVAILABLE" in status and "slots hold" in msg:
                 raise CapacityExhausted(msg) from exc
             if UNHEALTHY_STUB in msg:
+                self.instance(family.name).move(FamilyState.DEAD, "its process died")
                 raise FamilyUnhealthy(f"the process of family {family.name} on {self.grpc_url} "
                                       f"died ({msg})") from exc
             if "INVALID_ARG" in status:
@@ -238,9 +240,7 @@ class FamilyAdmin(TritonAdmin):
         raw = result.as_numpy(STATUS_OUTPUT)
         value = raw.reshape(-1)[0]
         answer = json.loads(value.decode() if isinstance(value, bytes) else value)
-        self._resident[family.name] = set(answer.get("resident", ()))
-        self._instance[family.name] = answer.get("instance", "")
-        self._slots[family.name] = int(answer.get("slots", 0))
+        self.instance(family.name).observe(answer)
         return answer
 
     async def _fill(self, family: Family, variant: str) -> dict:
@@ -264,9 +264,10 @@ class FamilyAdmin(TritonAdmin):
         family = self._changing(model)
         if family is None:
             return await super().load(model)
-        async with self._lock(family):
-            status = self._known_status(family)
-            if status is None:  # not loaded here as far as this admin knows: ask
+        instance = self.instance(family.name)
+        async with instance.lock:
+            status = instance.serving_status()
+            if status is None:  # not known loaded and alive here: ask, and load it if need be
                 status = await self._ensure_family(family)
             if model in status["resident"]:
                 return
@@ -293,13 +294,14 @@ class FamilyAdmin(TritonAdmin):
         family = self._changing(model)
         if family is None:
             return await super().unload(model)
-        async with self._lock(family):
+        instance = self.instance(family.name)
+        async with instance.lock:
             try:
                 await self.control(family, {"op": "evict", "variant": model})
             except ModelNotFound:
                 return  # the family model is not loaded: neither is the variant
             except FamilyUnhealthy:
-                self._resident.get(family.name, set()).discard(model)  # not copied back
+                instance.resident.discard(model)  # DEAD: not copied back at its next load
                 return  # its process died, and its slots with it
 
     def measured(self, model: str) -> bool:
@@ -320,13 +322,12 @@ class FamilyAdmin(TritonAdmin):
             if entry.state != TritonModelState.READY:
                 continue
             try:
-                async with self._lock(family):
+                async with self.instance(name).lock:
                     status = await self._ensure_family(family)
             except ControlPlaneError as exc:
                 log.warning("family %s on %s did not report its slots: %s", name, self.grpc_url,
                             exc.message)
                 continue
-            self._slots[name] = status["slots"]
             for variant in status["resident"]:
                 index[variant] = IndexEntry(variant, TritonModelState.READY)
         return index
@@ -340,14 +341,16 @@ class FamilyAdmin(TritonAdmin):
             if family is None:
                 continue
             del stats[name]
-            cached = self._usage.get(name)
-            if cached is None or time.monotonic() - cached[0] > USAGE_MAX_AGE_S:
+            instance = self.instance(name)
+            usage = instance.usage
+            if usage is None or time.monotonic() - instance.usage_read_at > USAGE_MAX_AGE_S:
                 try:
                     status = await self.control(family, {"op": "status"})
                 except ControlPlaneError:
                     continue
-                cached = self._usage[name] = (time.monotonic(), status.get("usage", {}))
-            for variant, (count, last_ms) in cached[1].items():
+                usage = instance.usage = status.get("usage", {})
+                instance.usage_read_at = time.monotonic()
+            for variant, (count, last_ms) in usage.items():
                 stats[variant] = {"name": variant, "inference_count": count, "last_inference": last_ms}
         return stats
 
@@ -356,8 +359,7 @@ class FamilyAdmin(TritonAdmin):
         if family is None:
             return await super().warmup_plan(model)
         plan = await self._plan(family)
-        instance = self._instance.get(family.name)
-        if instance and self._warmed.get(family.name) == instance:
+        if self.instance(family.name).warm:
             return dataclasses.replace(plan, warm_already=(
                 f"family {family.name}'s code is warm (warmed up with a variant since it loaded); "
                 "a swap changes only the weights in a slot"))
@@ -367,9 +369,9 @@ class FamilyAdmin(TritonAdmin):
         family = self.families.family_of(model)
         if family is None:
             return await super().warmup(model, plan)
-        instance = self._instance.get(family.name)
+        instance = self.instance(family.name)
+        serving = instance.instance_id  # a process started during the warm-up is not warm
         ms = await self.infer_synthetic(family.name, plan or await self._plan(family), model,
                                         parameters={VARIANT_PARAMETER: model})
-        if instance:
-            self._warmed[family.name] = instance
+        instance.mark_warmed(serving)
         return ms
