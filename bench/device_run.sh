@@ -110,7 +110,7 @@ for name in ("numpy", "torch", "grpc", "google.protobuf", "tritonclient", "rapid
 import torch
 print("  cuda:", torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "")
 import tritonclient.grpc  # noqa: F401  (its generated code checks grpcio's and protobuf's versions)
-import control_plane.cli.main  # noqa: F401
+import mmctl.main  # noqa: F401
 import tests.product  # noqa: F401
 EOF
 # The python backend's stub for this interpreter, as `mmctl up` will pick it (launch.py).

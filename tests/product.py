@@ -16,7 +16,7 @@ from control_plane.triton.process import free_port
 from domain.settings import ADMIN_TOKEN
 from tests.conftest import pid_alive
 
-MMCTL = [sys.executable, "-m", "control_plane.cli"]
+MMCTL = [sys.executable, "-m", "mmctl"]
 
 
 class Product:

@@ -1,6 +1,6 @@
 """The control plane's settings, declared once (``domain.settings``): each
 field below that is a ``setting`` is an option of ``mmctl up`` / ``mmctl control-plane``
-(control_plane/cli/settings.py derives them), an ``MMS_`` environment variable, and a row
+(mmctl/settings.py derives them), an ``MMS_`` environment variable, and a row
 of ``mmctl settings --markdown``.  Parsed once by mmctl, validated here, carried to the
 control plane's own process as JSON (secrets excepted: they travel in its environment).
 

@@ -50,7 +50,7 @@ def test_readme_and_docs_run_as_written(tmp_path):
                       "--router-grpc-port", str(grpc_port)).start()
     shim = tmp_path / "bin"
     shim.mkdir()
-    (shim / "mmctl").write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m control_plane.cli \"$@\"\n")
+    (shim / "mmctl").write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m mmctl \"$@\"\n")
     (shim / "mmctl").chmod(0o755)
     venv_bin = Path(sys.executable).parent  # `python` as with the virtualenv active
     env = dict(os.environ, PATH=f"{shim}:{venv_bin}:{os.environ['PATH']}", LOGNAME=DOCS_USER,

@@ -24,7 +24,7 @@ class ControlPlane:
         self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = root / f"{name}.log"
-        cmd = [sys.executable, "-m", "control_plane.cli", "control-plane", *args,
+        cmd = [sys.executable, "-m", "mmctl", "control-plane", *args,
                "--state-dir", str(root / name), "--admin-port", str(self.port),
                "--instance-name", name]
         with open(self.log, "wb") as out:
@@ -71,7 +71,7 @@ class RouterWorkers:
         for name, log in zip(names, self.logs, strict=True):
             with open(log, "wb") as out:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "control_plane.cli", "router", "--control-url",
+                    [sys.executable, "-m", "mmctl", "router", "--control-url",
                      ",".join(control_urls), "--name", name, "--grpc-port", str(self.grpc_port),
                      "--http-port", str(self.http_port)],
                     stdout=out, stderr=subprocess.STDOUT, env=env))

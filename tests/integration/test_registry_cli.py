@@ -15,13 +15,13 @@ from click.testing import CliRunner
 
 from control_plane.admin.api import error_middleware
 from control_plane.admin.registry_routes import add_registry_routes
-from control_plane.cli.common import Api
-from control_plane.cli.registry import registry as registry_cli
 from control_plane.registry import Registry
 from control_plane.state.state_store import StateStore
 from control_plane.tiers.cold import ColdStores, LocalDirStore, folder_sha256
 from control_plane.tiers.warm import WarmTier
 from control_plane.triton.process import free_port
+from mmctl.common import Api
+from mmctl.registry import registry as registry_cli
 
 pytestmark = pytest.mark.integration
 
@@ -272,7 +272,7 @@ def test_a_control_plane_without_the_demo_writes_no_demo_model(tmp_path):
 
 
 def test_only_mmctl_up_writes_the_demo(monkeypatch):
-    from control_plane.cli import serve
+    from mmctl import serve
 
     seen = {}
     monkeypatch.setattr(serve, "_run_service", lambda cfg: seen.setdefault("demo", []).append(cfg.demo))

@@ -9,7 +9,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from click.testing import CliRunner
 
-from control_plane.cli.main import cli
 from control_plane.client import AdminClient, AdminRefused, ControlPlaneUnreachable, NoAnswerInTime
 from control_plane.triton.process import free_port
 from domain.errors import CapacityExhausted, InvalidInput, ModelNotFound
@@ -19,6 +18,7 @@ from domain.exit_codes import (
     EXIT_UNREACHABLE,
     EXIT_USAGE,
 )
+from mmctl.main import cli
 
 ANSWERS = {  # path -> (status, JSON body)
     "/v1/models/cust001/load": (200, b'{"model": "cust001", "state": "ready", "server": "triton0"}'),
@@ -70,7 +70,7 @@ def test_a_control_plane_that_is_not_there():
         AdminClient(f"http://127.0.0.1:{free_port()}", timeout_s=5, token="t").status()
 
 
-def test_no_answer_in_time():
+def test_a_control_plane_that_accepts_but_never_answers_fails_within_the_timeout():
     import socket
 
     listener = socket.socket()

@@ -158,7 +158,7 @@ def test_mmctl_finds_the_token_in_env_then_file(tmp_path, monkeypatch):
 def test_mmctl_sends_json_and_the_token(monkeypatch, tmp_path):
     import requests
 
-    from control_plane.cli.common import Api
+    from mmctl.common import Api
 
     sent = []
 

@@ -45,7 +45,7 @@ def optimal_misses(requests: list[int], slots: int) -> int:
         ([], 2, 0),
     ],
 )
-def test_known_optima(requests, slots, misses):
+def test_belady_misses_as_few_as_the_known_optimum(requests, slots, misses):
     result = belady(requests, slots)
     assert result.misses == misses
     assert result.hits == len(requests) - misses
@@ -59,7 +59,7 @@ def test_cache_larger_than_key_set_only_misses_first_use():
     assert result.misses_per_key.tolist() == [1, 1, 1, 1]
 
 
-def test_next_use():
+def test_next_use_gives_each_requests_next_position_of_its_key_or_the_end():
     assert next_use(np.array([1, 2, 1, 1, 3, 2])).tolist() == [2, 5, 3, 6, 6, 6]
     assert next_use(np.array([], dtype=np.int64)).tolist() == []
 

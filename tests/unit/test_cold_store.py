@@ -63,7 +63,7 @@ def test_sha256_changes_with_any_byte_or_name(tmp_path):
 @pytest.mark.parametrize("value, ok", [
     ("a" * 64, True), ("sha256:" + "A" * 64, True), ("a" * 63, False), ("z" * 64, False), ("", False),
 ])
-def test_normalize_sha256(value, ok):
+def test_a_sha256_is_accepted_only_as_64_hex_digits_with_an_optional_prefix(value, ok):
     if ok:
         assert normalize_sha256(value) == value.lower().removeprefix("sha256:")
     else:

@@ -104,7 +104,7 @@ def test_config_wins_then_nvml_then_one_cpu():
     ([{"id": "a"}, {"id": "a"}], "appears twice"),
     ([{"kind": "gpu"}], "has no id"),
 ])
-def test_bad_fleet_config(entries, message):
+def test_a_bad_fleet_config_is_refused_with_what_is_wrong(entries, message):
     with pytest.raises(InvalidInput, match=message):
         devices_from_config(entries)
 
@@ -221,7 +221,7 @@ def test_service_discovers_through_the_injected_nvml_and_checks_devices(tmp_path
 def test_device_budget_option_parsing(monkeypatch):
     from click.testing import CliRunner
 
-    from control_plane.cli import serve
+    from mmctl import serve
 
     seen = []
     monkeypatch.setattr(serve, "_run_service", seen.append)

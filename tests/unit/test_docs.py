@@ -13,7 +13,7 @@ import click
 import pytest
 import yaml
 
-from control_plane.cli import cli
+from mmctl import cli
 from tests.docs_pages import (
     DOCS,
     README,
@@ -42,7 +42,7 @@ PACKAGES = ("control_plane", "router", "model_runtime", "bench", "tests")
 HELM_VALUES = ROOT / "deploy" / "helm" / "mmserve" / "values.yaml"
 
 
-def test_steps_parser():
+def test_a_docs_page_yields_its_runnable_shell_steps_and_expected_output():
     page = parse_page("\n".join([  # noqa: FLY002 - one page line per item reads best
         "```sh not-run", "make up", "```",
         "```sh", "mmctl status   # a comment", "#> MODEL  STATE", "mmctl canary start a --to b \\",
@@ -252,7 +252,7 @@ def test_every_mmctl_command_and_global_option_is_on_the_cli_page():
 
 
 def test_the_settings_table_of_the_configuration_page_is_what_mmctl_settings_prints():
-    from control_plane.cli.settings import markdown
+    from mmctl.settings import markdown
 
     text = (ROOT / "docs" / "configuration.md").read_text()
     start = text.index("<!-- settings table: mmctl settings --markdown -->\n")

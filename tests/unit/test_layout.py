@@ -21,15 +21,15 @@ def test_the_import_contracts_are_kept():
 
 
 def test_mmctl_commands_are_added_one_way():
-    """Each module of control_plane/cli defines its commands with click and lists them in
+    """Each module of mmctl defines its commands with click and lists them in
     COMMANDS; mmctl adds exactly those (no command is attached to the group elsewhere)."""
     import importlib
 
     import click
 
-    from control_plane.cli import adapters, families, registry, routing, serve, settings
+    from mmctl import adapters, families, registry, routing, serve, settings
 
-    mmctl = importlib.import_module("control_plane.cli.main").cli
+    mmctl = importlib.import_module("mmctl.main").cli
     listed = [c for m in (routing, serve, registry, adapters, families, settings)
               for c in m.COMMANDS]
     assert all(isinstance(c, click.Command) for c in listed)
@@ -37,7 +37,7 @@ def test_mmctl_commands_are_added_one_way():
     own = set(mmctl.commands.values()) - set(listed)
     assert {c.name for c in own} == {"status", "load", "pin", "unpin", "unload", "health", "fleet",
                                      "endpoints", "demo-fleet"}
-    for path in (ROOT / "control_plane" / "cli").glob("*.py"):
+    for path in (ROOT / $MM$).glob("*.py"):
         text = path.read_text()
         assert "@cli.command" not in text and "@cli.group" not in text, path
         assert "add_command(" not in text or path.name == "main.py", path

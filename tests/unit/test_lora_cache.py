@@ -305,7 +305,7 @@ def control(server, command):
     return replies.wait(0)[0]
 
 
-def test_control_ops(make_server):
+def test_control_ops_load_report_and_unload_adapters_and_refuse_unknown_ones(make_server):
     server, _ = make_server(slots=2)
     status, error = control(server, {"op": "load", "adapter": "a"})
     assert error is None and {x["name"]: x["tier"] for x in status["adapters"]}["a"] == "device"

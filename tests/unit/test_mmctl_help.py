@@ -6,8 +6,8 @@ from __future__ import annotations
 import click
 from click.testing import CliRunner
 
-from control_plane.cli.main import cli
 from control_plane.eviction import DEFAULT_POLICY, POLICIES
+from mmctl.main import cli
 
 
 def _help(*args: str) -> str:
@@ -45,4 +45,3 @@ def test_every_command_and_group_has_a_help_line():
     for path, cmd in _commands(cli):
         if path.count(" ") == 1:  # top-level: `mmctl --help` lists it with its line
             assert path.split()[1] in listing
-

@@ -185,7 +185,7 @@ def test_memory_and_state_survive_a_restart(tmp_path):
     store.close()
 
 
-def test_parse_metrics():
+def test_metrics_are_parsed_as_name_equals_number_and_anything_else_refused():
     assert parse_metrics(["auc=0.781", " ndcg = 0.5"]) == {"auc": 0.781, "ndcg": 0.5}
     with pytest.raises(InvalidInput, match="name=number"):
         parse_metrics(["auc"])

@@ -15,8 +15,6 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from control_plane.cli import serve
-from control_plane.cli import settings as cli_settings
 from control_plane.client import ClientSettings, find_token
 from control_plane.runtime.config import (
     SECRETS,
@@ -49,10 +47,12 @@ from domain.settings import (
     to_argv,
 )
 from domain.sizes import parse_size
+from mmctl import serve
+from mmctl import settings as cli_settings
 from router.serving import worker
 from router.serving.worker_settings import WorkerConfig, parse_worker_argv
 
-cli_main = importlib.import_module("control_plane.cli.main")  # the package's main() shadows it
+cli_main = importlib.import_module("mmctl.main")  # the package's main() shadows it
 GiB = 1 << 30
 COMMANDS = {"up": serve.up, "control-plane": serve.control_plane_command,
             "router": serve.router_command, "mmctl": cli_main.cli}

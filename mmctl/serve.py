@@ -13,15 +13,15 @@ from pathlib import Path
 
 import click
 
-from control_plane.cli import settings
 from control_plane.runtime.config import ServiceConfig
 from domain.exit_codes import EXIT_BY_ERROR, EXIT_ERROR
+from mmctl import settings
 from router.serving.worker_settings import WorkerConfig
 
 
 def service_config(opts: dict, command: str) -> ServiceConfig:
     """The ServiceConfig of ``up`` / ``control-plane``'s options: the settings as parsed
-    (control_plane/cli/settings.py), then what follows from them together."""
+    (mmctl/settings.py), then what follows from them together."""
     from control_plane.tiers.cold import S3Config
 
     # TEST HOOK: MMS_TEST_FAKE_NVML names a fake-device spec (control_plane/fake_nvml.py) so
@@ -98,7 +98,7 @@ def router_command(**opts):
     worker_main(to_argv(WorkerConfig(**settings.values(WorkerConfig, "router", opts))))
 
 
-# The commands this module adds to mmctl (control_plane.cli.main).
+# The commands this module adds to mmctl (mmctl.main).
 COMMANDS = [up, control_plane_command, router_command]
 
 
@@ -192,5 +192,3 @@ def supervise(cfg: ServiceConfig) -> int:
             f"admin API {admin_url}")
     return Supervisor(cfg.state_dir, control_plane, workers, admin_url, token, line,
                       ready_timeout_s=cfg.triton_ready_timeout_s + 300, metrics_dir=metrics_dir).run()
-
-

@@ -18,10 +18,10 @@ import os
 import click
 import requests
 
-from control_plane.cli.common import Api, _table, pass_api
-from control_plane.cli.common import fmt_ago as _ago
-from control_plane.cli.common import fmt_bytes as _bytes
-from control_plane.cli.common import who_am_i as _who
+from mmctl.common import Api, _table, pass_api
+from mmctl.common import fmt_ago as _ago
+from mmctl.common import fmt_bytes as _bytes
+from mmctl.common import who_am_i as _who
 
 
 def _q(name: str) -> str:
@@ -134,5 +134,5 @@ _action("unload", "Drop NAME from device and host memory (its files stay).")
 _action("remove", "Delete NAME's files and registry entry (refused while pinned).")
 
 
-# The commands this module adds to mmctl (control_plane.cli.main).
+# The commands this module adds to mmctl (mmctl.main).
 COMMANDS = [adapter]

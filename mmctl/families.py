@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from control_plane.cli.common import _table, current_api, who_am_i
-from control_plane.cli.common import fmt_bytes as _bytes
+from mmctl.common import _table, current_api, who_am_i
+from mmctl.common import fmt_bytes as _bytes
 
 
 @click.group()
@@ -65,5 +65,5 @@ def list_(as_json):
     click.echo(_table(rows, ["FAMILY", "SLOT", "VARIANTS", "SERVERS"]))
 
 
-# The commands this module adds to mmctl (control_plane.cli.main).
+# The commands this module adds to mmctl (mmctl.main).
 COMMANDS = [family]

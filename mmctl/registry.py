@@ -15,10 +15,10 @@ from pathlib import Path
 
 import click
 
-from control_plane.cli.common import _table, current_api, who_am_i
-from control_plane.cli.common import fmt_bytes as _size
 from domain.exit_codes import EXIT_BY_ERROR, EXIT_LOAD_FAILED, EXIT_TIMEOUT
 from domain.stages import DEFAULT_SLA, SLA_CLASSES, STAGES
+from mmctl.common import _table, current_api, who_am_i
+from mmctl.common import fmt_bytes as _size
 
 
 def _call(method: str, path: str, body: dict | None = None, params: dict | None = None,
@@ -211,5 +211,5 @@ def stage(model, version, poll_s):
     sys.exit(EXIT_TIMEOUT)
 
 
-# The commands this module adds to mmctl (control_plane.cli.main).
+# The commands this module adds to mmctl (mmctl.main).
 COMMANDS = [registry]

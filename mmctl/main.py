@@ -15,12 +15,12 @@ from pathlib import Path
 
 import click
 
-from control_plane.cli import settings
-from control_plane.cli.common import Api, _table, pass_api
-from control_plane.cli.common import fmt_ago as _ago
-from control_plane.cli.common import fmt_bytes as _bytes
 from control_plane.client import ClientSettings
 from domain.exit_codes import EXIT_UNHEALTHY
+from mmctl import settings
+from mmctl.common import Api, _table, pass_api
+from mmctl.common import fmt_ago as _ago
+from mmctl.common import fmt_bytes as _bytes
 
 
 @click.group(context_settings={"max_content_width": 100})
@@ -189,7 +189,7 @@ def demo_fleet(out: Path, count: int, size_mb: float | None, overwrite: bool):
 def _add_commands() -> None:
     """Every mmctl command, added one way: each module of this package defines its
     commands and groups with click and lists them in ``COMMANDS``; this adds them all."""
-    from control_plane.cli import adapters, families, registry, routing, serve, settings
+    from mmctl import adapters, families, registry, routing, serve, settings
 
     own = [status, load, pin, unpin, unload, health, fleet, endpoints, demo_fleet]
     for command in (*own, *routing.COMMANDS, *serve.COMMANDS, *registry.COMMANDS,

@@ -8,7 +8,7 @@ import json
 import click
 import requests
 
-from control_plane.cli.common import Api, _table, pass_api
+from mmctl.common import Api, _table, pass_api
 
 
 def _q(name: str) -> str:
@@ -244,5 +244,5 @@ def alias(api, name, target):
     click.echo(f"{name} -> {target}")
 
 
-# The commands this module adds to mmctl (control_plane.cli.main.COMMANDS).
+# The commands this module adds to mmctl (mmctl.main.COMMANDS).
 COMMANDS = [experiment, canary, shadow, limit, alias]

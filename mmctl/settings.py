@@ -208,5 +208,5 @@ def settings_command(as_markdown: bool):
                    f"  {plain['help']}\n")
 
 
-# The commands this module adds to mmctl (control_plane.cli.main).
+# The commands this module adds to mmctl (mmctl.main).
 COMMANDS = [settings_command]

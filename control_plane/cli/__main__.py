@@ -1,3 +1,0 @@
-from control_plane.cli.main import main
-
-main()

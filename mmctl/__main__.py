@@ -1,0 +1,3 @@
+from mmctl.main import main
+
+main()
