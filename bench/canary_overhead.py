@@ -116,6 +116,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rate", type=float, default=100.0, help="requests per second (open loop)")
     ap.add_argument("--seconds", type=float, default=20.0, help="length of each measured phase")
     ap.add_argument("--fill", type=int, default=50_000, help="requests sent before measuring")
+    ap.add_argument("--warm-seconds", type=float, default=3.0,
+                    help="requests before the first phase (channels and models warm)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "canary_overhead.json")
     args = ap.parse_args(argv)
 
@@ -128,7 +130,7 @@ def main(argv=None) -> dict:
         url = product.json("endpoints")["router_grpc"]
         for model in (PRIMARY, CANDIDATE):
             assert product.mmctl("pin", model).returncode == 0, f"pin {model} failed"
-        asyncio.run(open_loop(url, args.rate, 3.0))  # warm channels and models
+        asyncio.run(open_loop(url, args.rate, args.warm_seconds))  # warm channels and models
         phases["none"] = measure(product, url, args.rate, args.seconds)
         out = product.mmctl("canary", "start", PRIMARY, "--to", CANDIDATE, "--stages", "50",
                             "--stage-seconds", "1e9", "--check-interval", "1",
