@@ -202,7 +202,10 @@ def test_a_locked_state_database_never_stalls_serving(product):
         blocker.execute("COMMIT")
         blocker.close()
     assert changed["out"].returncode == 0, changed["out"].stderr
-    assert max(latencies_s) < 1.0, f"a request waited {max(latencies_s):.1f}s behind SQLite"
+    # Behind SQLite, a request would wait until the COMMIT, which comes only after this
+    # loop: until the write's 30 s busy timeout.  A few seconds tell the two apart, however
+    # busy the machine.
+    assert max(latencies_s) < 5.0, f"a request waited {max(latencies_s):.1f}s behind SQLite"
     assert admin_get(p, "/v1/limits")["cust003"]["qps"] == 1000.0
     assert p.mmctl("limit", "clear", "cust003").returncode == 0
     assert p.mmctl("unpin", "cust003").returncode == 0
