@@ -43,7 +43,7 @@ bench-gpu: setup
 
 check: setup
 	$(BIN)/python -m pip install -q ruff
-	$(BIN)/ruff check control_plane router domain model_runtime bench tests
+	$(BIN)/ruff check control_plane router domain mmctl model_runtime bench tests
 	$(BIN)/lint-imports --no-cache
 
 up-docker:

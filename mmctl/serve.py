@@ -49,7 +49,9 @@ def _run_service(cfg: ServiceConfig) -> None:
         if cfg.router and cfg.router_workers:
             cfg.validate()
             sys.exit(supervise(cfg))
-        asyncio.run(Service(cfg).serve_forever())
+        from mmctl.in_process_router import start_in_process_router
+
+        asyncio.run(Service(cfg, start_router=start_in_process_router).serve_forever())
     except ControlPlaneError as exc:
         click.echo(f"error: {exc.message}", err=True)
         sys.exit(EXIT_BY_ERROR.get(exc.code, EXIT_ERROR))
@@ -192,3 +194,5 @@ def supervise(cfg: ServiceConfig) -> int:
             f"admin API {admin_url}")
     return Supervisor(cfg.state_dir, control_plane, workers, admin_url, token, line,
                       ready_timeout_s=cfg.triton_ready_timeout_s + 300, metrics_dir=metrics_dir).run()
+
+

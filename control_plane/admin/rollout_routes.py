@@ -1,10 +1,16 @@
 """Admin API routes (loopback, on the control plane's admin port) for routing changes:
-aliases, A/B experiments, canaries, shadows and rate limits."""
+aliases, A/B experiments, canaries, shadows and rate limits.
+
+They act on the control plane's rollouts (``control_plane.rollouts.owner.Rollouts``: the
+route table, the statistics, the canaries) and read what only the serving side knows, the
+shadow comparisons and reports not yet gathered, through ``ServedReports``: the data-plane
+hub when router workers serve, or the in-process router that mmctl assembles."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from aiohttp import web
 
@@ -14,9 +20,56 @@ from domain import errors as cp
 from domain.names import validate_model_name
 from domain.router_errors import InvalidRequest, ModelNotFound, RouterError
 from domain.routes import split_adapter, validate_logical_name
-from router.serving.core import Router
 
-ROUTER_ADMIN_KEY = web.AppKey("router_admin", Router)
+
+class ShadowFigures(Protocol):
+    """Shadow comparisons by route (``router.rollouts.shadow.ShadowMirror`` in process, or
+    the workers' summed, ``control_plane.dataplane.reports.ShadowReports``)."""
+
+    @property
+    def reports(self) -> dict: ...
+
+    def report(self, route: str) -> dict: ...
+
+
+class ServedReports(Protocol):
+    """What the serving side reports: the shadows, and every outcome counted on demand."""
+
+    @property
+    def shadow(self) -> ShadowFigures: ...
+
+    async def gather_reports(self) -> bool: ...
+
+
+@dataclass
+class RolloutAdmin:
+    """What the routes act on: the rollouts, the manager (is a model known?), the reports."""
+
+    rollouts: object  # control_plane.rollouts.owner.Rollouts
+    manager: object  # control_plane.manager.ModelManager
+    served: ServedReports
+
+    @property
+    def table(self):
+        return self.rollouts.table
+
+    @property
+    def stats(self):
+        return self.rollouts.stats
+
+    @property
+    def canaries(self):
+        return self.rollouts.canaries
+
+    @property
+    def shadow(self) -> ShadowFigures:
+        return self.served.shadow
+
+    async def gather_reports(self) -> bool:
+        return await self.served.gather_reports()
+
+
+ROUTER_ADMIN_KEY = web.AppKey("router_admin", RolloutAdmin)
 
 
 @web.middleware
@@ -28,7 +81,7 @@ async def router_errors(request: web.Request, handler):
         return web.json_response({"error": code, "message": exc.message}, status=exc.http_status)
 
 
-def _r(request) -> Router:
+def _r(request) -> RolloutAdmin:
     return request.app[ROUTER_ADMIN_KEY]
 
 
@@ -42,7 +95,7 @@ def _num(body: dict, key: str, default=None, cast=float):
         raise InvalidRequest(f"{key} must be a number, got {value!r}") from None
 
 
-async def require_model(router: Router, model: str) -> None:
+async def require_model(router: RolloutAdmin, model: str) -> None:
     """ModelNotFound (404, mmctl exit 4) unless ``model`` is a concrete model of a repository
     or tier: an alias or a split pointing at nothing would fail every request later."""
     try:
@@ -57,7 +110,7 @@ async def require_model(router: Router, model: str) -> None:
                             "`mmctl status --all` lists the known models") from None
 
 
-async def require_servable(router: Router, name: str) -> None:
+async def require_servable(router: RolloutAdmin, name: str) -> None:
     """ModelNotFound unless ``name`` (or the base of ``base:adapter``) is something clients
     can ask for: a route, or a name whose target is a known model."""
     validate_logical_name(name)
@@ -222,8 +275,8 @@ async def limit_list(request):
     return web.json_response(_r(request).table.limits)
 
 
-def add_router_routes(app: web.Application, router: Router) -> None:
-    app[ROUTER_ADMIN_KEY] = router
+def add_rollout_routes(app: web.Application, admin: RolloutAdmin) -> None:
+    app[ROUTER_ADMIN_KEY] = admin
     app.middlewares.append(router_errors)
     app.add_routes([
         web.get("/v1/routes", routes_list),

@@ -1,8 +1,7 @@
 """What the router workers serve from, as versioned sections of keys, and the changes
-between versions.
-
-The data-plane hub (``control_plane.admin.dataplane``) sets keys where things change (a
-model's placement, a route, a server's address); each batch of changes is one version.  A
+between versions: ``Publisher`` finds what changed (a model's placement, a route, a
+server's address) and sets those keys in a ``PublishedState``; each batch of changes is
+one version.  A
 worker that has version ``v`` of this epoch gets only the changes made since ``v``; one that
 is new, of another epoch, or further behind than the log reaches gets the whole state.  So
 the bytes and the work of one change do not depend on how many models there are.
@@ -16,11 +15,16 @@ Wire format (JSON):
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # placement: model -> server holding it READY; carriers: family variant -> its family's
 # Triton model; routes: name -> Route (asdict); limits: name -> {qps, burst}; production:
@@ -116,3 +120,93 @@ class PublishedState:
                                   "sections": self.sections}, separators=(",", ":")).encode()
             self._whole = (self.version, encoded)
         return encoded
+
+
+class Publisher:
+    """Finds what changed since the last publish where it is cheap (the models whose state
+    changed, the few servers, the tables whose generation moved) and publishes it as one
+    version; ``on_version()`` after each new one (the hub wakes the long-polls).  Nothing
+    here walks every model unless the registry or the families changed."""
+
+    def __init__(self, epoch: str, manager, rollouts, families=None,
+                 workers: Callable[[], int] = lambda: 0,
+                 on_version: Callable[[], None] = lambda: None):
+        """``manager``: where models are (None: no models, as in tests of the canaries);
+        ``rollouts``: the route table and the registry's public names
+        (``control_plane.rollouts.owner.Rollouts``); ``families``: variants re-addressed to
+        their family's model; ``workers()``: how many workers the others should expect."""
+        self.manager = manager
+        self.rollouts = rollouts
+        self.families = families
+        self.workers = workers
+        self.on_version = on_version
+        self.published = PublishedState(epoch)
+        self._generation = {"table": -1, "names": -1, "families": -1}
+        self._routes_judged = False  # a canary pass may have changed a route's stage
+        self._moved: set[str] = set()  # models whose state changed since the last publish
+        self._publish_soon = False
+        self.failed: Callable[[], None] = lambda: None  # a publish outside the loop failed
+        if manager is not None:
+            self._moved.update(manager.records)
+            manager.on_state_change(self.model_moved)
+
+    def routes_judged(self) -> None:
+        """The canaries were judged: publish the route table with the next pass."""
+        self._routes_judged = True
+
+    def model_moved(self, name: str) -> None:
+        """A model's state changed: publish where it is READY now, once the change that
+        moved it is complete (the same event-loop turn may set its server too)."""
+        self._moved.add(name)
+        if not self._publish_soon:
+            self._publish_soon = True
+            asyncio.get_running_loop().call_soon(self._publish_moved)
+
+    def _publish_moved(self) -> None:
+        self._publish_soon = False
+        try:
+            self.publish()
+        except Exception:  # counted like a failed pass of the publish loop; the next pass retries
+            log.exception("publishing a model's placement failed")
+            self.failed()
+
+    def publish(self) -> int:
+        """Publish what changed since the last publish; a new version when anything did."""
+        if self.published.apply(self._changes()):
+            self.on_version()
+        return self.published.version
+
+    def _changes(self) -> list[Change]:
+        manager, published = self.manager, self.published
+        moved, self._moved = self._moved, set()
+        changes: list[Change] = []
+        if manager is not None:
+            for name in moved:
+                server = manager.ready_server_of(name)
+                changes.append(("placement", name, None if server is None else server.name))
+            changes += [("servers", s.name, [s.spec.grpc_url, s.spec.http_url, bool(s.up)])
+                        for s in manager.servers.values()]
+            repository = manager.repository
+            changes.append(("meta", "repository", str(repository) if repository is not None else None))
+        names, table = self.rollouts.names, self.rollouts.table
+        changes += [("meta", "workers", self.workers()),
+                    ("meta", "expose_concrete", names.expose_concrete)]
+        if table.version != self._generation["table"] or self._routes_judged:
+            self._routes_judged = False
+            self._generation["table"] = table.version
+            changes += published.diff("routes", {n: asdict(r) for n, r in table.routes.items()})
+            changes += published.diff("limits", {k: dict(v) for k, v in table.limits.items()})
+        if names.generation != self._generation["names"]:
+            self._generation["names"] = names.generation
+            versions: dict[str, dict[str, str]] = {}
+            for (model, number), concrete in names.by_version.items():
+                versions.setdefault(model, {})[number] = concrete
+            changes += published.diff("production", dict(names.production))
+            changes += published.diff("versions", versions)
+            changes += published.diff("public", {c: list(v) for c, v in names.public.items()})
+            changes += published.diff("models", dict.fromkeys(names.models, True))
+        families = self.families
+        if families is not None and families.generation != self._generation["families"]:
+            self._generation["families"] = families.generation
+            changes += published.diff("carriers", families.carriers())
+        return changes

@@ -1,45 +1,21 @@
-"""What router workers tell the control plane, as the data-plane hub keeps it: when each was
-last heard from, the reports it sends (per-model use, per-variant outcomes, shadow counts),
-checked whole before anything is applied, and the shadow counts summed over workers."""
+"""What router workers tell the control plane: the reports they send (per-model use,
+per-variant outcomes, shadow counts), checked whole before anything is applied, taken into
+the manager's use counts and the rollouts' statistics, asked for on demand, and the shadow
+counts summed over workers."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
+from control_plane.dataplane.workers import WorkerRegistry, WorkerSeen
 from domain.errors import InvalidInput
 from domain.shadow_reports import ShadowReport
 
-WORKER_LIVE_S = 10.0  # a worker not heard from for this long no longer counts as live
+GATHER_TIMEOUT_S = 2.0  # a read of experiment / canary / shadow figures waits this long for reports
 SHADOW_COUNTS = tuple(f.name for f in fields(ShadowReport) if f.name != "last")
 SHADOW_COUNT_TYPES = {name: type(getattr(ShadowReport(), name)) for name in SHADOW_COUNTS}  # int, float
-
-
-@dataclass
-class WorkerSeen:
-    worker: str
-    pid: int = 0
-    last_seen: float = 0.0
-    version: int = -1  # the snapshot version it has
-    epoch: str = ""
-    requests: int = 0  # requests it reported
-    samples: int = 0  # canary / experiment outcomes it reported
-    shadow: dict = field(default_factory=dict)  # route -> its cumulative ShadowReport counts
-    watching: int = 0  # its snapshot long-polls waiting here now
-    report_call: int = 0  # the latest ask for reports it answered (DataPlaneHub.gather_reports)
-
-    def live(self, now: float) -> bool:
-        return now - self.last_seen < WORKER_LIVE_S
-
-    def in_touch(self, now: float) -> bool:
-        """Live, or waiting in a long-poll: an idle worker's watch (``WATCH_WAIT_S`` of
-        router.serving.state_client, longer than ``WORKER_LIVE_S``) is its heartbeat."""
-        return self.watching > 0 or self.live(now)
-
-    def to_dict(self, now: float) -> dict:
-        return {"worker": self.worker, "pid": self.pid, "snapshot_version": self.version,
-                "seen_s_ago": round(now - self.last_seen, 3), "live": self.live(now),
-                "requests": self.requests, "samples": self.samples}
 
 
 @dataclass
@@ -80,8 +56,60 @@ def parse_report(body: dict) -> WorkerReport:
     return WorkerReport(worker, pid, uses, requests, samples, shadow, report_call)
 
 
+class ReportGathering:
+    """Takes each worker's report into the manager's use counts (``touch``) and the
+    rollouts' statistics (``record_outcome``), and asks every worker for one on demand."""
+
+    def __init__(self, workers: WorkerRegistry, touch: Callable[[str], None],
+                 record_outcome: Callable[..., None], shadow_log_dir: str | None = None):
+        self.workers = workers
+        self.touch = touch
+        self.record_outcome = record_outcome
+        self.shadow = ShadowReports(lambda: workers.workers.values(), shadow_log_dir)
+        # Asks for reports now (gather): answered through the workers' long-polls, so that
+        # statistics read after a client's answers count those answers.
+        self.report_call = 0
+
+    def take(self, report: WorkerReport) -> bool:
+        """Apply a checked report; True when it answers an ask (the hub then tells the
+        waiters)."""
+        seen = self.workers.heard_from(report.worker, report.pid)
+        for model, count in report.uses.items():
+            for _ in range(min(count, 32)):  # frequency-aware policies count uses
+                self.touch(model)
+        seen.requests += report.requests
+        for scope, variant, code, served_ms, randomly in report.samples:
+            self.record_outcome(scope, variant, code, served_ms, randomly)
+        seen.samples += len(report.samples)
+        if report.shadow is not None:
+            seen.shadow = report.shadow
+        if report.report_call > seen.report_call:
+            seen.report_call = report.report_call
+            return True
+        return False
+
+    def asked_since(self, answered: int) -> bool:
+        """Whether there is an ask newer than the one a worker last ``answered``."""
+        return self.report_call > answered
+
+    async def gather(self, timeout_s: float = GATHER_TIMEOUT_S) -> bool:
+        """Ask every worker in touch for its report now and wait until each has answered:
+        experiment, canary and shadow figures read next count every request answered before
+        this call (workers otherwise report every 0.25 s, later on a busy machine).  False
+        when a worker did not answer in ``timeout_s``: the figures may then lag."""
+        asked = self.workers.in_touch()
+        if not asked:
+            return True
+        self.report_call += 1
+        call = self.report_call
+        # The long-polls carry the ask: woken, each answers at once.
+        return await self.workers.wait_until(lambda: all(w.report_call >= call for w in asked),
+                                             time.monotonic() + timeout_s, notify=True)
+
+
 class ShadowReports:
-    """Shadow reports summed over workers (``control_plane.admin.rollout_routes`` reads ``reports`` and ``report``)."""
+    """Shadow reports summed over workers (``control_plane.admin.rollout_routes`` reads
+    ``reports`` and ``report``)."""
 
     def __init__(self, workers: Callable[[], Iterable[WorkerSeen]], log_dir: str | None):
         self.workers = workers  # the hub's workers, as they are when asked

@@ -1,4 +1,10 @@
-"""Wire the product together: Triton servers + model manager + admin API (+ router).
+"""Wire the control plane together: Triton servers, the model manager, the registry and
+tiers, the rollouts, the admin API, and the data-plane hub when router workers serve.
+
+A router in this same process is not assembled here: the control plane imports nothing of
+the router.  ``mmctl up`` (the composition root, ``mmctl.in_process_router``) hands in
+``start_router``, which builds it on the parts this service gives (``RouterParts``) and
+returns what the service needs of it (``InProcessRouter``).
 
 ``ServiceConfig`` is parsed once by ``mmctl up`` and validated here; nothing reads argv or
 the environment at import time.
@@ -13,7 +19,10 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from aiohttp import web
 
@@ -25,6 +34,7 @@ from control_plane.admin.access import (
     ensure_token_file,
 )
 from control_plane.admin.api import make_app
+from control_plane.admin.rollout_routes import RolloutAdmin, ShadowFigures
 from control_plane.demo import write_demo_repository
 from control_plane.demo.fleet import DEMO_MARKER, DEMO_VERSIONS
 from control_plane.manager import ManagerConfig, ModelManager
@@ -41,10 +51,43 @@ log = logging.getLogger(__name__)
 TRITON_KEY_FILE_NAME = "triton.key"  # in the state directory, mode 0600
 
 
+@dataclass
+class RouterParts:
+    """What the control plane gives a router in its own process: the manager it serves
+    from, the rollouts it routes by (and records outcomes in), the families, the settings."""
+
+    manager: ModelManager
+    rollouts: object  # control_plane.rollouts.owner.Rollouts
+    families: object  # control_plane.families.FamilyCatalog
+    cfg: ServiceConfig
+
+
+class InProcessRouter(Protocol):
+    """What the service needs of a router in its own process (``router.serving.core.Router``
+    behind its ports, as ``mmctl.in_process_router`` assembles it)."""
+
+    @property
+    def metrics(self): ...  # requests, cold_waits, latency: read by the status page
+
+    @property
+    def shadow(self) -> ShadowFigures: ...
+
+    async def gather_reports(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+# Builds and starts the in-process router, adding its ports to the endpoints it is given.
+StartRouter = Callable[[RouterParts, dict], Awaitable[InProcessRouter]]
+
+
 class Service:
-    def __init__(self, cfg: ServiceConfig):
+    def __init__(self, cfg: ServiceConfig, start_router: StartRouter | None = None):
+        """``start_router``: how a router in this process is started (mmctl up with
+        ``--router-workers 0``); None where none runs here."""
         cfg.validate()
         self.cfg = cfg
+        self.start_router = start_router
         self.tritons = TritonFleet(cfg, supervised=self.supervised)
         self.manager: ModelManager | None = None
         self.runner: web.AppRunner | None = None
@@ -54,10 +97,9 @@ class Service:
         self.warm = None
         self.promoter = None
         self.admin_url = ""
-        self.router = None
-        self.route_store = None  # control_plane.state.background.BackgroundStore
-        self.grpc_server = None
-        self.router_runner: web.AppRunner | None = None
+        self.router: InProcessRouter | None = None
+        self.rollouts = None  # rollouts.owner.Rollouts: built once when anything routes
+        self.rollout_admin: RolloutAdmin | None = None
         self.memory = None  # devices.GpuMemoryMeter on a GPU fleet
         self.reconciler = None  # devices.MemoryReconciler on a GPU fleet
         self.hub = None  # dataplane_hub.DataPlaneHub when router workers serve
@@ -227,10 +269,17 @@ class Service:
 
         add_family_routes(admin_app, catalog=self.families, manager=self.manager, state=store,
                           stores=self.registry.stores, registry=self.registry)
-        if self.serves_workers:
-            await self._start_hub(admin_app, endpoints)
-        elif cfg.router:
-            await self._start_router(admin_app, endpoints)
+        if self.serves_workers or cfg.router:
+            from control_plane.admin.rollout_routes import add_rollout_routes
+            from control_plane.rollouts.owner import Rollouts
+
+            self.rollouts = Rollouts(self.registry, store, expose_versions=cfg.expose_versions)
+            if self.serves_workers:
+                served = await self._start_hub(admin_app, endpoints)
+            else:
+                served = await self._start_router(endpoints)
+            self.rollout_admin = RolloutAdmin(self.rollouts, self.manager, served)
+            add_rollout_routes(admin_app, self.rollout_admin)
         self._add_observability(admin_app, endpoints)
         self.runner = web.AppRunner(admin_app, access_log=None)
         await self.runner.setup()
@@ -253,7 +302,7 @@ class Service:
         )
         from control_plane.metrics import StateCollector
 
-        rollouts = self.hub if self.hub is not None else self.router
+        rollouts = self.rollout_admin
         metrics = self.manager.metrics
         metrics.declare_servers(self.manager.servers)
         metrics.registry.register(StateCollector(self.manager, rollouts=rollouts, workers=self.hub))
@@ -286,79 +335,42 @@ class Service:
         self.memory.step(self.manager.servers.values())
         self.reconciler.step()
 
-    async def _start_router(self, admin_app: web.Application, endpoints: dict) -> None:
-        import time
+    async def _start_router(self, endpoints: dict) -> InProcessRouter:
+        """The router in this process, judged here: the rollouts' canary loop runs beside it."""
+        from domain.errors import InvalidInput
 
-        from control_plane.admin.rollout_routes import add_router_routes
-        from control_plane.rollouts.canary import CanaryController, registry_promoter
-        from control_plane.rollouts.stats import StatsBook
-        from control_plane.state.background import BackgroundStore
-        from domain.public_names import PublicNames
-        from domain.routes import RouteTable
-        from router.frontends.grpc_frontend import start_grpc
-        from router.frontends.http_frontend import make_http_app
-        from router.frontends.http_site import HalfCloseTCPSite
-        from router.serving.core import Router, RouterConfig
+        if self.start_router is None:
+            raise InvalidInput("a router in the control plane's process is started by mmctl up "
+                               "(--router-workers 0); this control plane was given none")
+        self.router = await self.start_router(
+            RouterParts(self.manager, self.rollouts, self.families, self.cfg), endpoints)
+        self.rollouts.start_judging(loop_failures=self.manager.metrics.loop_failures)
+        return self.router
 
-        cfg = self.cfg
-        registry = self.registry
-        # The hot path reads its dicts; SQLite is read only when the registry changes.
-        names = PublicNames(registry.versions, expose_concrete=cfg.expose_versions)
-        registry.on_stage_change(names.refresh)
-        self.route_store = BackgroundStore(self.manager.store)  # route-table writes off the loop
-        table = RouteTable(self.route_store, default_target=names.production.get,
-                           unrouted=names.unrouted)
-        # The router records outcomes in the stats book; the controller judges canaries on it
-        # (stepped by the router) and promotes through the registry (one source of truth).
-        stats = StatsBook(clock=time.time)
-        canaries = CanaryController(table, stats, on_promote=registry_promoter(registry))
-        self.router = Router(self.manager, table, RouterConfig(
-            load_timeout_s=cfg.load_wait_timeout_s, max_request_bytes=cfg.max_request_bytes,
-            shadow_log_dir=(cfg.state_dir / "shadow").resolve(),
-            miss_budget_per_s=cfg.miss_budget, client_header=cfg.client_header), names=names,
-            families=self.families, stats=stats, canaries=canaries)
-        await self.router.start()
-        add_router_routes(admin_app, self.router)
-        self.grpc_server, grpc_port = await start_grpc(
-            self.router, cfg.router_host, cfg.router_grpc_port, cfg.max_request_bytes)
-        self.router_runner = web.AppRunner(make_http_app(self.router), access_log=None)
-        await self.router_runner.setup()
-        await HalfCloseTCPSite(self.router_runner, cfg.router_host, cfg.router_http_port).start()
-        http_port = self.router_runner.addresses[0][1]
-        endpoints["router_grpc"] = f"{cfg.router_host}:{grpc_port}"
-        endpoints["router_http"] = f"{cfg.router_host}:{http_port}"
-        log.info("router: gRPC %s, HTTP %s", endpoints["router_grpc"], endpoints["router_http"])
-
-    async def _start_hub(self, admin_app: web.Application, endpoints: dict) -> None:
-        """Serve the router workers: snapshot, watch, ensure, reports, tokens; the admin
-        routes for routes, experiments, canaries, shadows and limits act on the hub."""
+    async def _start_hub(self, admin_app: web.Application, endpoints: dict):
+        """Serve the router workers: snapshot, watch, ensure, reports, tokens; the hub
+        judges the rollouts on every worker's outcomes."""
         from control_plane.admin.dataplane import DataPlaneHub, add_dataplane_routes
-        from control_plane.admin.rollout_routes import add_router_routes
 
         cfg = self.cfg
         self.hub = DataPlaneHub(self.manager, self.registry, self.manager.store,
-                                expose_versions=cfg.expose_versions,
                                 shadow_log_dir=str((cfg.state_dir / "shadow").resolve()),
-                                workers_expected=cfg.router_workers or 0, families=self.families)
-        self.route_store = self.hub.route_store
+                                workers_expected=cfg.router_workers or 0, families=self.families,
+                                rollouts=self.rollouts)
         await self.hub.start()
-        add_router_routes(admin_app, self.hub)
         add_dataplane_routes(admin_app, self.hub)
         endpoints["router_grpc"] = f"{cfg.router_host}:{cfg.router_grpc_port}"
         endpoints["router_http"] = f"{cfg.router_host}:{cfg.router_http_port}"
         endpoints["router_workers"] = cfg.router_workers or 0
+        return self.hub
 
     async def stop(self) -> None:
         if self.hub is not None:
             await self.hub.release_watchers()
-        if self.grpc_server is not None:
-            await self.grpc_server.stop(grace=2)
-        if self.router_runner is not None:
-            await self.router_runner.cleanup()
         if self.router is not None:
-            await self.router.stop()
-        if self.route_store is not None:
-            await asyncio.to_thread(self.route_store.close)
+            await self.router.close()
+        if self.rollouts is not None:
+            await self.rollouts.close()
         if self._loop_task is not None:
             self._loop_task.cancel()
         if self.runner is not None:

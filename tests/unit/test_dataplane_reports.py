@@ -12,9 +12,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from control_plane.admin import dataplane, worker_reports
+from control_plane.admin import dataplane
 from control_plane.admin.api import error_middleware
 from control_plane.admin.dataplane import DataPlaneHub
+from control_plane.dataplane import workers as worker_reports
 from control_plane.rollouts.stats import StatsBook
 
 
