@@ -14,11 +14,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,8 +23,10 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from control_plane.triton.admin import admin_key_headers
-from control_plane.triton.process import TritonLaunchConfig, TritonProcess, free_port
+from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 from tests.conftest import fresh_database, triton_log_count
+from tests.integration.answers import Answers, features
+from tests.integration.cluster import ControlPlane, RouterWorkers, log_tails
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.multinode]
@@ -36,52 +35,21 @@ TOKEN = "multinode-admin-token"
 TRITON_KEY = "multinode-triton-key"
 LEASE_TTL_S = 3.0
 LOST_AFTER_S = 3.0
+ALIASES = {"favourite": "cust002"}  # the route the traffic test sets
 
 
-def infer(client: grpcclient.InferenceServerClient, model: str, timeout_s: float = 60):
-    x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
-    x.set_data_from_numpy(np.ones((1, 64), np.float32))
-    return client.infer(model, [x], client_timeout=timeout_s)
+def infer(client: grpcclient.InferenceServerClient, model: str, timeout_s: float = 60,
+          seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """One request; (its features, the scores answered)."""
+    x = features(1, seed)
+    inp = grpcclient.InferInput("FEATURES", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    return x, client.infer(model, [inp], client_timeout=timeout_s).as_numpy("SCORES")
 
 
-class ControlPlane:
-    def __init__(self, name: str, root: Path, args: list[str], env: dict):
-        self.name = name
-        self.port = free_port("127.0.0.1")
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = root / f"{name}.log"
-        cmd = [sys.executable, "-m", "control_plane.cli", "control-plane", *args,
-               "--state-dir", str(root / name), "--admin-port", str(self.port),
-               "--instance-name", name]
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-    def ready(self) -> bool:
-        return self.answers("/readyz") == 200
-
-    def answers(self, path: str) -> int | None:
-        try:
-            return requests.get(self.url + path, timeout=2).status_code
-        except requests.RequestException:
-            return None
-
-    def call(self, method: str, path: str, body: dict | None = None) -> requests.Response:
-        return requests.request(method, self.url + path, json=body if method != "GET" else None,
-                                headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def log_tails(logs: list[Path]):
-    return lambda: "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                             for p in logs if p.exists())
+def served_by(model: str) -> str:
+    """The model whose weights answer ``model`` (the alias serves its target)."""
+    return ALIASES.get(model, model)
 
 
 def ready_models(proc: TritonProcess) -> set[str]:
@@ -119,42 +87,19 @@ def cluster(postgres_server, fleet_template, tmp_path_factory):
     args = ["--servers-file", str(servers_file), "--repository", str(repo), "--fleet-size", "0",
             "--lease-ttl", str(LEASE_TTL_S), "--server-lost-after", str(LOST_AFTER_S),
             "--reconcile-interval", "0.5"]
-    planes = {"cp-a": ControlPlane("cp-a", root, args, env)}
+    planes = {"cp-a": ControlPlane("cp-a", root, args, env, TOKEN)}
     logs = [planes["cp-a"].log]
     wait_for(planes["cp-a"].ready, 120, "the first control plane did not lead", log_tails(logs))
-    planes["cp-b"] = ControlPlane("cp-b", root, args, env)
+    planes["cp-b"] = ControlPlane("cp-b", root, args, env, TOKEN)
     logs.append(planes["cp-b"].log)
     wait_for(lambda: planes["cp-b"].answers("/livez") == 200, 60, "the standby did not start", log_tails(logs))
-    grpc_port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
-    control_urls = ",".join(cp.url for cp in planes.values())
-    routers = []
-    for name in ("w0", "w1"):
-        log = root / f"{name}.log"
-        logs.append(log)
-        with open(log, "wb") as out:
-            routers.append(subprocess.Popen(
-                [sys.executable, "-m", "control_plane.cli", "router", "--control-url", control_urls,
-                 "--name", name, "--grpc-port", str(grpc_port), "--http-port", str(http_port)],
-                stdout=out, stderr=subprocess.STDOUT, env=env))
-    router_url = f"http://127.0.0.1:{http_port}"
-
-    def routers_ready() -> bool:
-        try:
-            return requests.get(router_url + "/v2/health/ready", timeout=2).ok
-        except requests.RequestException:
-            return False
-
-    wait_for(routers_ready, 60, "the router workers did not get ready", log_tails(logs))
+    routers = RouterWorkers(["w0", "w1"], root, [cp.url for cp in planes.values()], env)
+    routers.wait_ready(logs)
+    logs.extend(routers.logs)
     yield {"tritons": tritons, "planes": planes, "routers": routers, "logs": logs,
-           "postgres_url": postgres_url,
-           "grpc": f"127.0.0.1:{grpc_port}", "http": router_url}
-    for proc in routers:
-        proc.send_signal(signal.SIGTERM)
-    for proc in routers:
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+           "postgres_url": postgres_url, "answers": Answers(repo),
+           "grpc": routers.grpc, "http": routers.http}
+    routers.stop()
     for cp in planes.values():
         cp.stop()
     for proc in tritons.values():
@@ -173,14 +118,22 @@ def test_standby_answers_503_and_names_the_leader(cluster):
 
 def test_leader_killed_under_traffic_standby_takes_over_then_a_node_is_lost(cluster):
     leader, standby = cluster["planes"]["cp-a"], cluster["planes"]["cp-b"]
-    logs = cluster["logs"]
+    logs, answers = cluster["logs"], cluster["answers"]
     client = grpcclient.InferenceServerClient(cluster["grpc"])
+    models = ["cust001", "cust002", "cust003", "favourite"]
+    answers.assert_distinct([served_by(m) for m in models[:3]], features(1, 0))
+
+    def assert_served(model: str, timeout_s: float = 60, seed: int = 0) -> None:
+        """One request for ``model`` is answered with the scores of its own weights."""
+        x, scores = infer(client, model, timeout_s, seed)
+        answers.assert_answer(served_by(model), x, scores)
+
     # State worth keeping: a pin, an alias route, a limit; two models loaded.
     assert leader.call("POST", "/v1/models/cust001/pin", {}).ok
     assert leader.call("PUT", "/v1/routes/favourite", {"target": "cust002"}).ok
     assert leader.call("PUT", "/v1/limits/cust003", {"qps": 1000, "burst": 1000}).ok
-    for model in ("cust001", "cust002", "cust003", "favourite"):
-        infer(client, model)
+    for model in models:
+        assert_served(model)
     placed = {m: leader.call("GET", f"/v1/models/{m}").json()["server"]
               for m in ("cust001", "cust002", "cust003")}
     loaded_before = {node: ready_models(p) for node, p in cluster["tritons"].items()}
@@ -189,18 +142,25 @@ def test_leader_killed_under_traffic_standby_takes_over_then_a_node_is_lost(clus
     served = [0]
     stop = threading.Event()
 
-    def traffic() -> None:
+    def traffic(thread: int) -> None:
         c = grpcclient.InferenceServerClient(cluster["grpc"])
+        sent = 0
         while not stop.is_set():
-            for model in ("cust001", "cust002", "cust003", "favourite"):
+            for model in models:
+                sent += 1
                 try:
-                    infer(c, model)
-                    served[0] += 1
+                    x, scores = infer(c, model, seed=thread * 100_000 + sent)
                 except Exception as exc:  # noqa: BLE001  (every failure is the test's finding)
                     errors.append(f"{model}: {exc}")
+                    continue
+                if answers.matches(served_by(model), x, scores):
+                    served[0] += 1
+                else:
+                    errors.append(f"{model}: answered {scores.ravel().tolist()}, the answer of "
+                                  f"{answers.which(['cust001', 'cust002', 'cust003'], x, scores)}")
         c.close()
 
-    threads = [threading.Thread(target=traffic) for _ in range(2)]
+    threads = [threading.Thread(target=traffic, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     time.sleep(1.0)
@@ -242,8 +202,12 @@ def test_leader_killed_under_traffic_standby_takes_over_then_a_node_is_lost(clus
         def served_again() -> bool:
             try:
                 for model in sorted(lost_models) + ["favourite"]:
-                    infer(client, model, timeout_s=5)
+                    x, scores = infer(client, model, timeout_s=5)
+                    # An answer is its model's own even while the node is being replaced.
+                    answers.assert_answer(served_by(model), x, scores)
                 return True
+            except AssertionError:
+                raise
             except Exception:  # noqa: BLE001  (not yet: the node is not declared lost yet)
                 return False
 
@@ -266,8 +230,9 @@ def test_leader_killed_under_traffic_standby_takes_over_then_a_node_is_lost(clus
              f"{lost} kept its stray copies after it came back", log_tails(logs))
     fleet = {s["server"]: s for s in standby.call("GET", "/v1/fleet").json()}
     assert fleet[lost]["up"] is True and fleet[lost]["lost"] is False
-    for model in lost_models:
-        infer(client, model)
+    assert_served("favourite", seed=1)
+    for seed, model in enumerate(sorted(lost_models)):
+        assert_served(model, seed=seed)
         assert standby.call("GET", f"/v1/models/{model}").json()["server"] == survivor
     client.close()
 
@@ -282,7 +247,7 @@ def test_a_paused_leader_is_deposed_and_exits_without_acting(cluster):
     args = args[:args.index("--state-dir")]
     env = dict(os.environ, MMCTL_TOKEN=TOKEN, MMCTL_STATE_URL=cluster["postgres_url"],
                MMCTL_TRITON_ADMIN_KEY=TRITON_KEY)
-    successor = ControlPlane("cp-c", root, args, env)
+    successor = ControlPlane("cp-c", root, args, env, TOKEN)
     cluster["planes"]["cp-c"] = successor
     logs = cluster["logs"] + [successor.log]
     wait_for(lambda: successor.answers("/livez") == 200, 60, "the new standby did not start", log_tails(logs))
