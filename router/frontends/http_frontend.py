@@ -1,12 +1,8 @@
 """KServe v2 HTTP/REST on the public port, plus /health/{model} and /metrics.
 
-Inference bodies (JSON, or JSON header + binary tensors) are forwarded to the chosen
-Triton's HTTP endpoint unchanged, except that a ``base:adapter`` name adds
-``parameters.adapter`` to the request's JSON header; the response's JSON header gains the
-routing parameters (``model``, ``variant``, ``experiment``, ``adapter``).  Tensors in
-system shared memory are read and written by the router (``router.frontends.shared_memory``) and sent
-inline.  Repository, logging and trace endpoints answer 403; CUDA shared memory is refused
-with what to use instead.
+Inference goes through the inference pipeline, HTTP's codec around it being
+``router.frontends.http_inference``.  Repository, logging and trace endpoints answer 403;
+CUDA shared memory is refused with what to use instead.
 """
 
 from __future__ import annotations
@@ -14,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import replace
 
 import aiohttp
 from aiohttp import web
@@ -24,34 +19,21 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from domain.errors import ControlPlaneError
 from domain.router_errors import (
-    BackendUnavailable,
     InvalidRequest,
     NoSuchPath,
     PayloadTooLarge,
     PermissionDenied,
     RateLimited,
-    RequestTimeout,
     RouterError,
     from_control_plane,
     parse_version,
 )
-from model_runtime.family.protocol import VARIANT_PARAMETER
+from router.frontends import http_inference
 from router.frontends.grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
-from router.frontends.http_request import (
-    HEADER_LENGTH,
-    check_adapter,
-    read_infer_request,
-    with_parameters,
-)
-from router.frontends.http_shadow import offer as offer_shadow
 from router.frontends.http_shared_memory import shared_memory_routes
-from router.frontends.shared_memory_requests import json_uses_shared_memory
 from router.serving.core import Router
-from router.serving.forward import refuse_family_control, routing_shown
 from router.serving.miss_budget import CLIENT, http_client
 from router.serving.repository_config import triton_json
-from router.serving.send import Resend
-from router.serving.serving_state import UNLOADED_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -219,123 +201,14 @@ async def all_stats(request):
     return _json(triton_json(await _router(request).answers.all_statistics()))
 
 
-UNLOADED_BODY = ('{"error":"' + UNLOADED_PREFIX).encode()
-
-
-async def _post(session: aiohttp.ClientSession, server, path: str, body, headers: dict,
-                timeout_s: float):
-    async with session.post(f"http://{server.http_url}{path}", data=body, headers=headers,
-                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        return (await resp.read(), resp.status, resp.headers.get(HEADER_LENGTH),
-                resp.headers.get("Content-Type", "application/json"))
-
-
-def _resend_for(outcome) -> Resend | None:
-    """Why an HTTP send is sent again (``Sender.resending``, the rule gRPC follows too)."""
-    if isinstance(outcome, aiohttp.ClientConnectionError):
-        return Resend.UNREACHABLE  # its server is down: placed on one that is up, sent there
-    if isinstance(outcome, tuple) and outcome[1] == 404 and outcome[0].startswith(UNLOADED_BODY):
-        return Resend.UNLOADED  # unloaded between placement and send: loaded again
-    return None
-
-
 async def infer(request: web.Request) -> web.Response:
     router = _router(request)
     CLIENT.set(http_client(router.config, request))
     version = _version(request)  # Triton routes no other URL: refused before the body is read
-    limit = router.config.max_request_bytes
-    if request.content_length is not None and request.content_length > limit:
-        # Refused from the header, before the body is read into memory.
-        raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the router's "
-                              f"limit of {limit} bytes; send smaller batches")
-    # A gzip/deflate body is forwarded decompressed and without its Content-Encoding, so
-    # Inference-Header-Content-Length (a size in the decompressed body) stays right.
-    parsed = await read_infer_request(await request.read(), request.headers.get("Content-Encoding"),
-                                      request.headers.get(HEADER_LENGTH), limit)
-    params = parsed.parameters
-    refuse_family_control(params)
-    router.shared_memory.admit_json(parsed.doc, len(parsed.body), request.remote, limit)
-    user_id = request.headers.get("x-user-id") or params.get("user_id")
-    logical = router.decider.public_name(request.match_info["model"], parsed.input_names,
-                                         params.get("adapter") or None)
-    async with router.sender.serving(logical, str(user_id) if user_id is not None else None, version) as call:
-        decision = call.decision
-        carrier = router.state.carrier_of(decision.model)
-        path = (f"/v2/models/{carrier or decision.model}"
-                + (f"/versions/{decision.version}" if decision.version else "") + "/infer")
-        output_places = {}
-        if json_uses_shared_memory(parsed.doc):
-            parsed, output_places = _inline_shared_memory(router, parsed)
-        body, header_length = parsed.body, parsed.header_length
-        overrides = {}
-        if decision.adapter is not None:
-            check_adapter(parsed, decision.adapter, decision.logical)
-            overrides["adapter"] = decision.adapter
-        if carrier is not None:
-            overrides[VARIANT_PARAMETER] = decision.model  # a family's variant: its slot
-        if overrides:
-            body, header_length = with_parameters(parsed, overrides)
-        # Accept-Encoding is not passed on: Triton would compress on loopback and the
-        # session would decompress again.
-        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-        if header_length is not None:
-            headers[HEADER_LENGTH] = str(header_length)
-        session = request.app[SESSION_KEY]
-        try:  # one deadline for the request and its resends, as over gRPC
-            payload, status, resp_header_len, content_type = await router.sender.resending(
-                call, lambda server, left_s: _post(session, server, path, body, headers, left_s),
-                _resend_for, None)
-        except aiohttp.ClientConnectionError as exc:
-            call.code = "UNAVAILABLE"
-            raise BackendUnavailable(
-                f"Triton {call.server.name} at {call.server.http_url} is unavailable ({exc}); "
-                "the control plane restarts it, retry shortly") from exc
-        except TimeoutError as exc:
-            call.code = "DEADLINE_EXCEEDED"
-            raise RequestTimeout(f"Triton did not answer within the request's deadline of "
-                                 f"{router.config.request_timeout_s:.0f}s") from exc
-        asked = request.match_info["model"]
-        if status != 200:
-            call.code = "INVALID_ARGUMENT" if status == 400 else f"HTTP_{status}"
-            # Triton's message about the concrete model, about the one the client asked for.
-            payload = router.decider.public_text(payload.decode(errors="replace"), decision.model,
-                                                 asked, carrier).encode()
-            return web.Response(body=payload, status=status, content_type="application/json")
-        n = int(resp_header_len) if resp_header_len else len(payload)
-        out = json.loads(payload[:n])
-        binary = payload[n:]
-        if decision.shadow:  # a copy for the shadow, as gRPC (router.frontends.http_shadow)
-            offer_shadow(router, call, parsed, out, binary)
-        if output_places:
-            binary = router.shared_memory.deliver_json(out, binary, output_places)
-            resp_header_len = resp_header_len if binary else None
-        public_model, public_version = router.decider.public_identity(decision)
-        if routing_shown(asked, decision):
-            params = out.setdefault("parameters", {})
-            params.update(model=public_model, variant=decision.variant)
-            if decision.experiment:
-                params["experiment"] = decision.experiment
-            if decision.adapter is not None:
-                params["adapter"] = decision.adapter
-        out["model_name"] = asked
-        if public_version is not None:
-            out["model_version"] = public_version
-        header = json.dumps(out, separators=(",", ":")).encode()
-        resp_headers = {}
-        if resp_header_len:
-            resp_headers[HEADER_LENGTH] = str(len(header))
-        return web.Response(body=header + binary, status=200, headers=resp_headers,
-                            content_type=content_type.split(";")[0] if binary else "application/json")
-
-
-def _inline_shared_memory(router: Router, parsed):
-    """The request with its shared-memory inputs as binary tensors, and where its
-    shared-memory outputs go (``router.frontends.shared_memory``)."""
-    binary = parsed.body[parsed.header_length:] if parsed.header_length else b""
-    doc, binary, places = router.shared_memory.inline_json(parsed.doc, binary)
-    header = json.dumps(doc, separators=(",", ":")).encode()
-    return replace(parsed, doc=doc, body=header + binary,
-                   header_length=len(header) if binary else None), places
+    return await http_inference.infer(router.pipeline, request.app[SESSION_KEY],
+                                      router.shared_memory, request, version,
+                                      router.config.max_request_bytes,
+                                      router.config.request_timeout_s)
 
 
 async def model_health(request: web.Request) -> web.Response:

@@ -11,13 +11,12 @@ thread, not on the serving loop.
 
 A raw binary request (Inference-Header-Content-Length: 0) names no input, so it is not
 mirrored.  Shared-memory tensors have been inlined before this runs
-(``router.frontends.http_frontend``).
+(``router.frontends.http_inference``).
 """
 
 from __future__ import annotations
 
 import struct
-import time
 from collections.abc import Callable
 from functools import partial
 
@@ -25,12 +24,10 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import triton_to_np_dtype
 
-from model_runtime.family.protocol import VARIANT_PARAMETER
 from router.frontends.http_request import InferRequest
 from router.frontends.http_request_checks import flat_row_major
-from router.rollouts.shadow import Outputs, ShadowItem
-from router.serving.core import Router
-from router.serving.send import Call
+from router.rollouts.shadow import Outputs
+from router.serving.inference_pipeline import Target
 
 # HTTP-only parameters: how the tensors travel in the HTTP body, nothing gRPC carries.
 _HTTP_ONLY = ("binary_data_output", "binary_data", "binary_data_size")
@@ -115,24 +112,14 @@ def primary_outputs(out: dict, binary: bytes) -> Callable[[], Outputs]:
     return partial(outputs_of_json, [dict(o) for o in out.get("outputs", ())], binary)
 
 
-def offer(router: Router, call: Call, parsed: InferRequest, out: dict, binary: bytes) -> None:
-    """Offer the shadow of ``call.decision`` a copy of the HTTP request ``parsed`` (its
-    shared-memory inputs inlined) with the primary's answer (``out``, ``binary``): the same
-    queue, shedding, comparison and report as a gRPC mirror (``router.serving.forward``)."""
-    decision = call.decision
-    if not decision.shadow or parsed.header_length == 0:
-        return
-    overrides = {}
-    if decision.adapter is not None:
-        overrides["adapter"] = decision.adapter
-    carrier = router.state.carrier_of(decision.shadow)
-    if carrier is not None:
-        overrides[VARIANT_PARAMETER] = decision.shadow  # a family's variant: its slot
-    request = partial(_serialized_request, parsed.doc, parsed.body, parsed.header_length,
-                      carrier or decision.shadow, overrides)
-    router.shadow.offer(ShadowItem(decision.logical.split(":", 1)[0], decision.shadow,
-                                   request, primary_outputs(out, binary),
-                                   (time.perf_counter() - call.start) * 1000))
+def shadow_request(parsed: InferRequest, target: Target) -> Callable[[], bytes] | None:
+    """The HTTP request ``parsed`` (its shared-memory inputs inlined) as the ModelInferRequest
+    the shadow at ``target`` gets, built when the mirror is sent; None for a raw binary
+    request, which names no input."""
+    if parsed.header_length == 0:
+        return None
+    return partial(_serialized_request, parsed.doc, parsed.body, parsed.header_length,
+                   target.model, target.parameters)
 
 
 def _serialized_request(doc: dict, body: bytes, header_length: int, model_name: str,

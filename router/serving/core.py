@@ -19,14 +19,17 @@ testable alone; a reader follows ``router.x.y`` to the owner:
 * ``sender`` (``router.serving.send.Sender``): serving one request, sending it to Triton and
   every retry of a send; given the decider, the channels and the recording;
 * ``shadow`` (``router.rollouts.shadow.ShadowMirror``): mirrors, sent through the sender;
-* ``forwarder`` (``router.serving.forward.Forwarder``): ModelInfer, typed and on raw bytes,
-  re-addressed and answered under the name the client asked for; given the decider, the
-  sender, the shadow and the shared memory;
+* ``pipeline`` (``router.serving.inference_pipeline.InferencePipeline``): one inference,
+  whatever the transport: addressing, routing, ensure, send with resends, renaming, shadow;
+  given the state, the decider, the sender and the shadow;
+* ``forwarder`` (``router.frontends.grpc_inference.Forwarder``): ModelInfer, typed and on
+  raw bytes, as codecs around the pipeline; HTTP's codec is
+  ``router.frontends.http_inference``;
 * ``answers`` (``router.serving.answers.Answers``): readiness, metadata, config and
   statistics; given the state, the decider and the channels.
 
 The front ends call the collaborator that owns a call (``router.forwarder.infer``,
-``router.answers.model_call``, ``router.sender.serving``).  Canary statistics and their
+``router.answers.model_call``, ``router.pipeline``).  Canary statistics and their
 judgement are the control plane's: its service gives an in-process router a statistics
 book (``stats``) and a canary controller (``canaries``, stepped here every
 ``canary_interval_s``); a router worker gets neither and reports its outcomes to the
@@ -42,12 +45,13 @@ from pathlib import Path
 from domain.periodic import run_periodically
 from domain.public_names import PublicNames
 from domain.routes import RouteTable
+from router.frontends.grpc_inference import Forwarder
 from router.frontends.shared_memory import SystemSharedMemory
 from router.rollouts.limits import LocalLimiter
 from router.rollouts.shadow import ShadowMirror
 from router.serving.answers import Answers
 from router.serving.decide import Decider, Limiter
-from router.serving.forward import Forwarder
+from router.serving.inference_pipeline import InferencePipeline
 from router.serving.metrics import LATENCY_BUCKETS_S, Recording, RouterMetrics
 from router.serving.outcomes import CanaryJudge, OutcomeSink
 from router.serving.send import (
@@ -119,8 +123,9 @@ class Router:
                                    self.config.shadow_timeout_s, self.metrics,
                                    primary_inflight=lambda: self.sender.inflight)
         self.shared_memory = SystemSharedMemory(self.config.shared_memory_dir)
+        self.pipeline = InferencePipeline(self.state, self.decider, self.sender, self.shadow)
         self.forwarder = Forwarder(self.state, self.decider, self.sender, self.shadow,
-                                   self.shared_memory)
+                                   self.shared_memory, self.pipeline)
         self.answers = Answers(self.state, self.decider, self.channels)
         self._canary_task: asyncio.Task | None = None
 

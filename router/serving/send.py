@@ -19,7 +19,7 @@ import enum
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import grpc
 from tritonclient.grpc import service_pb2_grpc
@@ -31,7 +31,6 @@ from domain.router_errors import (
     RequestTimeout,
     RouterError,
     UnknownModel,
-    UpstreamError,
     from_control_plane,
 )
 from domain.routes import Decision
@@ -293,34 +292,22 @@ class Sender:
             self.recording.record(decision, end - start, call.code, known=known,
                         served_s=None if call.ready_at is None else end - call.ready_at)
 
-    async def send_raw(self, call: Call, body: bytes, timeout_s: float | None, asked: str) -> bytes:
-        """ModelInfer on serialized bytes (``send``)."""
-        return await self.send(call, self.channels.raw_infer, body, timeout_s, asked)
-
-    async def send_typed(self, call: Call, request, timeout_s: float | None, asked: str):
-        """ModelInfer on a ModelInferRequest message (``send``)."""
-        return await self.send(call, self.channels.typed_infer, request, timeout_s, asked)
-
-    async def send(self, call: Call, rpc: Callable[[ServerAddress], Callable], message,
-                   timeout_s: float | None, asked: str):
-        """``rpc(server)(message)`` on the call's server, sent again where ``resending``
-        says.  ``rpc``: ``channels.raw_infer`` or ``channels.typed_infer``.  Raises
-        RouterError with Triton's answer about ``asked``, the name the client used."""
-        def resend_for(outcome) -> Resend | None:
-            if not isinstance(outcome, grpc.aio.AioRpcError):
-                return None
-            # Unloaded between placement and send (under thrash, again after a resend).
-            if unloaded_under(outcome):
-                return Resend.UNLOADED
-            # A Triton that cannot be reached did not run the request; one whose connection
-            # broke mid-request may have, and inference is sent again as a client retry would.
-            return Resend.UNREACHABLE if outcome.code() == grpc.StatusCode.UNAVAILABLE else None
-
+    async def send(self, call: Call, exchange, message, timeout_s: float | None, asked: str):
+        """``exchange.attempt(server, message, left_s)`` on the call's server, sent again where
+        ``resending`` says (``exchange.resend_for``).  ``exchange``: the transport
+        (``router.serving.inference_pipeline.Exchange``).  Raises RouterError: the transport's
+        failures as ``exchange.failure`` words them, about ``asked``, the name the client used."""
         try:
             return await self.resending(
-                call, lambda server, left_s: rpc(server)(message, timeout=left_s), resend_for, timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            self._reraise(call, call.server, exc, asked)
+                call, lambda server, left_s: exchange.attempt(server, message, left_s),
+                exchange.resend_for, timeout_s)
+        except RouterError:
+            raise
+        except Exception as exc:
+            error = exchange.failure(call, exc, asked)
+            if error is None:
+                raise
+            raise error from exc
 
     async def resending(self, call: Call, attempt: Callable[[ServerAddress, float], Awaitable],
                         resend_for: Callable[[object], Resend | None], timeout_s: float | None):
@@ -379,18 +366,6 @@ class Sender:
                                             unreachable=server.name, call=call)
         call.ready_at = time.perf_counter()
         return call.server
-
-    def _reraise(self, call: Call, server: ServerAddress, exc: grpc.aio.AioRpcError, asked: str) -> NoReturn:
-        """Triton's own answer (shape, dtype, ...) passes on with its code, about the model
-        the client asked for; a Triton that is down says so."""
-        call.code = exc.code().name
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            raise BackendUnavailable(
-                f"Triton {server.name} at {server.grpc_url} is unavailable "
-                f"({exc.details()}); the control plane restarts it, retry shortly") from exc
-        model = call.decision.model
-        raise UpstreamError(exc.code(), self.decider.public_text(exc.details() or "", model, asked,
-                                                         self.state.carrier_of(model))) from exc
 
     async def send_shadow(self, model: str, request: bytes, timeout_s: float) -> bytes:
         """A shadow's copy of a request (``router.rollouts.shadow``): no resend, no record."""

@@ -38,8 +38,8 @@ from domain.router_errors import InvalidRequest
 from domain.routes import RouteTable, split_adapter
 from model_runtime.lora.manifest import read_manifest
 from model_runtime.lora.models import TinyLMConfig
+from router.frontends.grpc_inference import Forwarder
 from router.serving.decide import Decider
-from router.serving.forward import Forwarder
 from router.serving.serving_state import LocalState
 from tests.conftest import run
 

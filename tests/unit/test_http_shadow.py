@@ -14,12 +14,16 @@ from tritonclient.grpc import _utils as grpc_utils
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import serialize_byte_tensor
 
-from domain.routes import Decision
 from model_runtime.family.protocol import VARIANT_PARAMETER
 from router.frontends.http_request import parse_infer_request
-from router.frontends.http_shadow import grpc_request, offer, outputs_of_json
+from router.frontends.http_shadow import (
+    grpc_request,
+    outputs_of_json,
+    primary_outputs,
+    shadow_request,
+)
 from router.rollouts.shadow import outputs_of
-from router.serving.send import Call
+from router.serving.inference_pipeline import InferencePipeline, Target
 
 FEATURES = np.arange(6, dtype=np.float32).reshape(2, 3) / 7
 TEXT = np.array([b"hello", "h\u00e9llo".encode(), b""], dtype=np.object_)
@@ -100,36 +104,30 @@ def test_http_answers_become_the_outputs_the_shadow_compares():
     assert outputs_of_json(mixed, expected[0][2] + expected[2][2]) == expected
 
 
-def test_offer_addresses_the_shadow_and_converts_the_primary_later():
-    offered = []
-    router = SimpleNamespace(state=SimpleNamespace(carrier_of=lambda m: "family" if m == "v2" else None),
-                             shadow=SimpleNamespace(offer=offered.append))
-    decision = Decision(model="cust1", variant="default", logical="cust1:ad", shadow="v2", adapter="ad")
+def test_the_shadow_request_is_addressed_to_its_target_and_built_when_sent():
+    pipeline = InferencePipeline(SimpleNamespace(carrier_of=lambda m: "family" if m == "v2" else None),
+                                 decider=None, sender=None, shadow=None)
     body, header_length = http_body(True)
     parsed = parse_infer_request(body, header_length)
-    scores = np.array([1.0, 2.0], np.float32)
-    out = {"outputs": [{"name": "SCORES", "datatype": "FP32", "shape": [2],
-                        "parameters": {"binary_data_size": 8}}]}
-    offer(router, Call(decision, 0.0), parsed, out, scores.tobytes())
-    out["outputs"][0].pop("parameters")  # as the shared-memory delivery does before answering
-    (item,) = offered
-    assert (item.route, item.shadow_model) == ("cust1", "v2")
-    assert callable(item.request)  # converted only when the mirror is sent
-    request = service_pb2.ModelInferRequest.FromString(item.request())
+    build = shadow_request(parsed, pipeline.target("v2", "", "ad"))
+    assert callable(build)  # converted only when the mirror is sent
+    request = service_pb2.ModelInferRequest.FromString(build())
     assert request.model_name == "family" and request.model_version == ""
     assert request.parameters[VARIANT_PARAMETER].string_param == "v2"
     assert request.parameters["adapter"].string_param == "ad"
     assert list(request.raw_input_contents) == list(tritonclient_grpc_request("x").raw_input_contents)
-    assert callable(item.primary)
-    assert outputs_of(item.primary) == [("SCORES", "FP32", scores.tobytes())]
 
 
-def test_no_shadow_and_raw_binary_requests_offer_nothing():
-    offered = []
-    router = SimpleNamespace(state=SimpleNamespace(carrier_of=lambda m: None),
-                             shadow=SimpleNamespace(offer=offered.append))
-    parsed = parse_infer_request(*http_body(True))
-    offer(router, Call(Decision("m", "m", "default"), 0.0), parsed, {"outputs": []}, b"")
+def test_the_primary_is_converted_later_from_outputs_copied_now():
+    scores = np.array([1.0, 2.0], np.float32)
+    out = {"outputs": [{"name": "SCORES", "datatype": "FP32", "shape": [2],
+                        "parameters": {"binary_data_size": 8}}]}
+    primary = primary_outputs(out, scores.tobytes())
+    out["outputs"][0].pop("parameters")  # as the shared-memory delivery does before answering
+    assert callable(primary)
+    assert outputs_of(primary) == [("SCORES", "FP32", scores.tobytes())]
+
+
+def test_a_raw_binary_request_is_not_mirrored():
     raw = parse_infer_request(b"\0" * 8, "0")
-    offer(router, Call(Decision("m", "m", "default", shadow="s"), 0.0), raw, {"outputs": []}, b"")
-    assert offered == []
+    assert shadow_request(raw, Target("s", "", {})) is None

@@ -19,10 +19,10 @@ from tritonclient.grpc import service_pb2
 from domain.public_names import PublicNames
 from domain.router_errors import InvalidRequest, RateLimited, UnknownModel
 from domain.routes import Decision, RouteTable
+from router.frontends.grpc_inference import Forwarder
 from router.serving.answers import Answers
 from router.serving.core import Router, RouterConfig
 from router.serving.decide import Decider
-from router.serving.forward import Forwarder
 from router.serving.metrics import Recording, RouterMetrics
 from router.serving.send import Call, Channels, Sender
 from router.serving.serving_state import ServerAddress
@@ -193,6 +193,24 @@ def sender(state: State, limits: Limits | None = None, triton: Triton | None = N
                   RouterMetrics(), RouterConfig())
 
 
+class RawExchange:
+    """Raw ModelInfer on the channels, no resend: the transport of a send, reduced."""
+
+    def __init__(self, channels):
+        self.channels = channels
+
+    def attempt(self, server, message, left_s):
+        return self.channels.raw_infer(server)(message, timeout=left_s)
+
+    @staticmethod
+    def resend_for(outcome):
+        return None
+
+    @staticmethod
+    def failure(call, exc, asked):
+        return None
+
+
 def test_the_sender_loads_a_missing_model_sends_and_records_the_outcome():
     state, limits, triton, recorded = State(), Limits(), Triton(answer=b"answer"), Recorded()
     s = sender(state, limits, triton, recorded)
@@ -200,7 +218,7 @@ def test_the_sender_loads_a_missing_model_sends_and_records_the_outcome():
     async def go():
         async with s.serving("m", None) as call:
             assert s.inflight == 1
-            return await s.send_raw(call, b"request", None, "m")
+            return await s.send(call, RawExchange(s.channels), b"request", None, "m")
 
     assert run(go()) == b"answer"
     assert state.ensured == ["m"] and state.touched == ["m"] and state.answered == [("m", 1)]
@@ -229,13 +247,14 @@ class Sends:
         self.decider = d
         self.answer = answer
         self.bodies: list[bytes] = []
+        self.channels = None  # the message is kept here, never sent
 
     @contextlib.asynccontextmanager
     async def serving(self, logical, user_id, version=""):
         yield Call(self.decider.route(logical, user_id, version), time.perf_counter(), SERVER)
 
-    async def send_raw(self, call, body, timeout_s, asked):
-        self.bodies.append(body)
+    async def send(self, call, exchange, message, timeout_s, asked):
+        self.bodies.append(message)
         return self.answer
 
 
@@ -311,8 +330,10 @@ def test_the_router_wires_one_decider_into_every_part_and_runs_only_the_judge_it
     router = Router(state, RouteTable(), stats=stats)
 
     assert router.sender.decider is router.decider
-    assert router.forwarder.decider is router.decider and router.answers.decider is router.decider
-    assert router.forwarder.sender is router.sender and router.forwarder.shadow is router.shadow
+    pipeline = router.pipeline
+    assert pipeline.decider is router.decider and router.answers.decider is router.decider
+    assert pipeline.sender is router.sender and pipeline.shadow is router.shadow
+    assert router.forwarder.pipeline is pipeline
     assert router.sender.channels is router.channels is router.answers.channels
     assert router.recording.outcomes is stats and router.sender.recording is router.recording
     new = RouteTable()

@@ -1,0 +1,236 @@
+"""ModelInfer over gRPC, typed and on raw bytes: codecs around the inference pipeline
+(``router.serving.inference_pipeline``).  Each decodes the request into the pipeline's
+``Inference``, addresses the message to the Triton model the pipeline chose, sends it on the
+channel to that Triton, and encodes the answer under the name the client asked for.
+
+The raw path works on serialized bytes: it parses a request once to route it and appends
+pre-serialized overrides (the target's name and parameters, the answer's names) instead of
+re-serializing; protobuf merges concatenated messages (the last value of a singular field
+wins, map entries add up), so appended bytes equal fields set on a parsed message.
+
+``Forwarder`` is given the pipeline's collaborators (the state, the decision, the sends, the
+shadow mirror) and the clients' shared memory."""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import service_pb2
+
+from domain.router_errors import BackendUnavailable, InvalidRequest, RouterError, UpstreamError
+from router.frontends.shared_memory import SystemSharedMemory
+from router.frontends.shared_memory_requests import uses_shared_memory
+from router.rollouts.shadow import ShadowMirror, outputs_of
+from router.serving.decide import Decider
+from router.serving.inference_pipeline import Inference, InferencePipeline, Naming, Target
+from router.serving.send import Call, Channels, Resend, Sender, unloaded_under
+from router.serving.serving_state import ServerAddress, ServingState
+
+
+def _adapter_parameter(request: service_pb2.ModelInferRequest) -> str | None:
+    param = request.parameters.get("adapter")
+    return param.string_param if param is not None and param.string_param else None
+
+
+def _address(request: service_pb2.ModelInferRequest, target: Target) -> None:
+    """Address ``request`` to ``target``: its Triton model, version and parameters."""
+    request.model_name = target.model
+    request.model_version = target.version
+    for key, value in target.parameters.items():
+        request.parameters[key].string_param = value
+
+
+def _override(target: Target) -> bytes:
+    """``target`` as bytes appended to a request: its model name and parameters (a map
+    entry is added to or replaces the request's own)."""
+    encoded = target.encoded
+    if encoded is None:
+        r = service_pb2.ModelInferRequest(model_name=target.model)
+        for key, value in target.parameters.items():
+            r.parameters[key].string_param = value
+        encoded = target.encoded = r.SerializeToString()
+    return encoded
+
+
+def _set_names(response: service_pb2.ModelInferResponse, naming: Naming) -> None:
+    response.model_name = naming.model
+    if naming.version is not None:
+        response.model_version = naming.version
+    if naming.routing is not None:
+        for key, value in naming.routing.items():
+            response.parameters[key].string_param = value
+
+
+def _suffix(naming: Naming) -> bytes:
+    """``naming`` as bytes appended to Triton's response."""
+    encoded = naming.encoded
+    if encoded is None:
+        r = service_pb2.ModelInferResponse()
+        _set_names(r, naming)
+        encoded = naming.encoded = r.SerializeToString()
+    return encoded
+
+
+class _GrpcExchange:
+    """What both gRPC codecs share: Triton's gRPC answers, resends and failures."""
+
+    __slots__ = ("channels", "pipeline", "request")
+
+    def __init__(self, channels: Channels, pipeline: InferencePipeline,
+                 request: service_pb2.ModelInferRequest):
+        self.channels = channels
+        self.pipeline = pipeline
+        self.request = request
+
+    @staticmethod
+    def resend_for(outcome) -> Resend | None:
+        if not isinstance(outcome, grpc.aio.AioRpcError):
+            return None
+        # Unloaded between placement and send (under thrash, again after a resend).
+        if unloaded_under(outcome):
+            return Resend.UNLOADED
+        # A Triton that cannot be reached did not run the request; one whose connection
+        # broke mid-request may have, and inference is sent again as a client retry would.
+        return Resend.UNREACHABLE if outcome.code() == grpc.StatusCode.UNAVAILABLE else None
+
+    def failure(self, call: Call, exc: BaseException, asked: str) -> RouterError | None:
+        """Triton's own answer (shape, dtype, ...) passes on with its code, about the model
+        the client asked for; a Triton that is down says so."""
+        if not isinstance(exc, grpc.aio.AioRpcError):
+            return None
+        call.code = exc.code().name
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            server = call.server
+            return BackendUnavailable(
+                f"Triton {server.name} at {server.grpc_url} is unavailable "
+                f"({exc.details()}); the control plane restarts it, retry shortly")
+        return UpstreamError(exc.code(), self.pipeline.public_text(exc.details() or "", call, asked))
+
+    def _check_adapter(self, call: Call) -> None:
+        decision = call.decision
+        if decision.adapter is not None:
+            Decider.check_adapter_parameter(self.request, decision)
+
+
+class _TypedExchange(_GrpcExchange):
+    """A ModelInferRequest message; tensors in the client's shared memory are read before
+    the send and outputs asked for there are written once Triton answers."""
+
+    __slots__ = ("output_places", "shadow_copy", "shared_memory")
+
+    def __init__(self, channels, pipeline, request, shared_memory: SystemSharedMemory):
+        super().__init__(channels, pipeline, request)
+        self.shared_memory = shared_memory
+        self.output_places = None
+        self.shadow_copy = None
+
+    def outgoing(self, call: Call, target: Target):
+        request = self.request
+        self.output_places = self.shared_memory.inline(request)
+        self._check_adapter(call)
+        if call.decision.shadow:  # the client's request, before it is addressed to the primary
+            self.shadow_copy = service_pb2.ModelInferRequest()
+            self.shadow_copy.CopyFrom(request)
+        _address(request, target)
+        return request
+
+    def attempt(self, server: ServerAddress, message, left_s: float):
+        return self.channels.typed_infer(server)(message, timeout=left_s)
+
+    def answer(self, call: Call, answer, naming: Naming, mirrored: bool):
+        _set_names(answer, naming)
+        primary = outputs_of(answer) if mirrored else None
+        if self.output_places:
+            self.shared_memory.deliver(answer, self.output_places)
+        return answer, primary
+
+    def shadow_request(self, call: Call, target: Target):
+        copy = self.shadow_copy
+        _address(copy, target)
+        return copy.SerializeToString()
+
+
+class _RawExchange(_GrpcExchange):
+    """Serialized bytes forwarded as they are, re-addressed by appended overrides."""
+
+    __slots__ = ("raw", "versioned")
+
+    def __init__(self, channels, pipeline, request, raw: bytes):
+        super().__init__(channels, pipeline, request)
+        self.raw = raw
+        self.versioned = bool(request.model_version)  # the client asked for a version
+
+    def outgoing(self, call: Call, target: Target):
+        self._check_adapter(call)
+        request = self.request
+        if request.model_version != target.version:
+            # A registry version chose the concrete model; Triton gets no version.  An empty
+            # field cannot be appended (proto3 does not write it): re-serialize.
+            _address(request, target)
+            return request.SerializeToString()
+        if target.parameters or target.model != request.model_name:
+            return self.raw + _override(target)
+        return self.raw
+
+    def attempt(self, server: ServerAddress, message, left_s: float):
+        return self.channels.raw_infer(server)(message, timeout=left_s)
+
+    def answer(self, call: Call, answer, naming: Naming, mirrored: bool):
+        # Bytes as they are: the shadow's analysis thread parses the responses.
+        return answer + _suffix(naming), answer
+
+    def shadow_request(self, call: Call, target: Target):
+        request = self.request
+        if self.versioned:  # the version asked of the primary means nothing to the shadow
+            _address(request, target)
+            return request.SerializeToString()
+        return self.raw + _override(target)
+
+
+class Forwarder:
+    """ModelInfer, typed (``infer``) and raw (``infer_raw``), through the pipeline.
+    ``pipeline``: the one the router serves with (None: one over these collaborators)."""
+
+    def __init__(self, state: ServingState, decider: Decider, sender: Sender,
+                 shadow: ShadowMirror | None, shared_memory: SystemSharedMemory | None,
+                 pipeline: InferencePipeline | None = None):
+        self.pipeline = pipeline or InferencePipeline(state, decider, sender, shadow)
+        self.shared_memory = shared_memory
+
+    def _inference(self, request: service_pb2.ModelInferRequest, user_id: str | None,
+                   timeout_s: float | None) -> Inference:
+        return self.pipeline.inference(request.model_name, request.model_version,
+                                       request.parameters, (i.name for i in request.inputs),
+                                       _adapter_parameter(request), user_id, timeout_s)
+
+    async def infer(self, request: service_pb2.ModelInferRequest, user_id: str | None,
+                    timeout_s: float | None = None) -> service_pb2.ModelInferResponse:
+        """Route one ModelInferRequest.  Raises RouterError (Triton's own answers included)."""
+        pipeline = self.pipeline
+        return await pipeline.infer(
+            self._inference(request, user_id, timeout_s),
+            _TypedExchange(pipeline.sender.channels, pipeline, request, self.shared_memory))
+
+    async def infer_raw(self, raw: bytes, metadata_user_id, timeout_s: float | None = None) -> bytes:
+        """ModelInfer on serialized bytes: parse once to route, forward the bytes as they are.
+        ``metadata_user_id()``: the user id of the call's metadata, asked for only when the
+        request has no ``user_id`` parameter."""
+        try:
+            request = service_pb2.ModelInferRequest.FromString(raw)
+        except DecodeError as exc:
+            raise InvalidRequest(f"malformed ModelInferRequest: {exc}") from None
+        param = request.parameters.get("user_id")
+        user_id = param.string_param if param is not None and param.string_param else metadata_user_id()
+        if uses_shared_memory(request):  # tensors are read and written here: the typed path
+            return (await self.infer(request, user_id, timeout_s)).SerializeToString()
+        pipeline = self.pipeline
+        return await pipeline.infer(self._inference(request, user_id, timeout_s),
+                                    _RawExchange(pipeline.sender.channels, pipeline, request, raw))
+
+    def _model_override(self, model: str, adapter: str | None = None) -> bytes:
+        """The bytes that re-address a raw request to ``model`` with ``adapter``."""
+        return _override(self.pipeline.target(model, "", adapter))
+
+    def _response_suffix(self, asked: str, decision) -> bytes:
+        """The bytes that name Triton's raw answer as the client asked for it."""
+        return _suffix(self.pipeline.naming(asked, decision))
