@@ -16,6 +16,7 @@ import tritonclient.grpc as grpcclient
 
 from control_plane.triton.process import free_port
 from tests.conftest import pid_alive
+from tests.integration.answers import Answers, features
 from tests.product import Product
 
 pytestmark = pytest.mark.integration
@@ -55,6 +56,14 @@ def test_restart_right_after_sigkill_with_fixed_triton_ports(repository, tmp_pat
         assert len(new_pids) == 1 and new_pids != [old_pid]
         assert product.mmctl("load", "cust001").returncode == 0
         assert product.json("endpoints")["triton"][0]["grpc"] == f"127.0.0.1:{grpc_port}"
+        # The new life serves: through its router, with cust001's own scores.
+        router = grpcclient.InferenceServerClient(product.json("endpoints")["router_grpc"])
+        x = features(2)
+        inp = grpcclient.InferInput("FEATURES", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        Answers(repository).assert_answer("cust001", x,
+                                          router.infer("cust001", [inp]).as_numpy("SCORES"))
+        router.close()
     finally:
         product.stop()
         _wait_gone(product)

@@ -216,7 +216,10 @@ def test_the_filter_stays_fast_with_thousands_of_models(product, page):
         status=200, content_type="application/json", body=body))
     try:
         expect(page.locator("#filter-count")).to_have_text("5,000 models", timeout=WAIT_MS)
-        timings_ms = [page.evaluate("q => window.statusPage.filterTiming(q)", q)
+        # Each query's best of three runs: a busy machine delays some runs, never all three,
+        # while a page that drew every row would be slow on each of them.
+        timings_ms = [min(page.evaluate("q => window.statusPage.filterTiming(q)", q)
+                          for _ in range(3))
                       for q in ("tenant0", "tenant04", "tenant042", "4", "", "state:ready tenant1")]
         assert max(timings_ms) < 100, timings_ms  # filter, sort and draw the visible rows
         page.fill("#filter", "tenant0421")
