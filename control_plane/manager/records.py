@@ -65,18 +65,36 @@ class IllegalTransition(RuntimeError):
 
 # ``ModelRecord.move``'s default for ``server``: leave it as it is.
 KEEP = object()
+# The states of a copy on a server; the others (warm, failed) are a model's with no copy.
+COPY_STATES = frozenset({ModelState.LOADING, ModelState.READY, ModelState.UNLOADING,
+                         ModelState.UNLOAD_FAILED})
+
+
+@dataclass
+class Copy:
+    """A model's copy on one server: the room it holds there and its state (one of
+    ``COPY_STATES``).  ``room_promised``: while unloading, whether loads may plan on its room
+    (not while a failed unload is retried, nor for a victim of a load that grew: its room
+    is not free)."""
+
+    server: str
+    state: ModelState
+    room_promised: bool = False
 
 
 @dataclass
 class ModelRecord:
-    """A model and its copy: ``state`` on ``server``.  ``move``, ``set_pinned``, ``hold`` and
-    ``release`` are the only writers of the fields the eviction planner sees (state, server,
-    size, pin, holds); each tells ``on_change``, which derives the planner's entry
-    (``residency.Residency.sync``)."""
+    """A model and its copies, one per server that holds (or may hold) it: ``copies``.  A
+    model has one copy at most today; its ``state`` is that copy's, or ``settled`` (warm, or
+    failed) when it has none.
+
+    ``move``, ``resize``, ``set_pinned``, ``hold`` and ``release`` are the only writers of
+    what the eviction planner sees (copies, size, pin, holds); each tells ``on_change``,
+    which derives the planner's entries (``residency.Residency.sync``)."""
 
     name: str
-    state: ModelState = ModelState.WARM
-    server: str | None = None
+    settled: ModelState = ModelState.WARM  # the state when it has no copy
+    copies: dict[str, Copy] = field(default_factory=dict)  # server -> its copy there
     pinned: bool = False
     last_used: float | None = None  # wall-clock seconds since the epoch
     load_time_s: float | None = None
@@ -88,9 +106,6 @@ class ModelRecord:
     active: int = 0  # of those, requests sent to Triton: what an unload drains
     last_inference_ms: int = 0  # newest Triton-reported inference, to refresh recency
     failed_at: float | None = None  # monotonic time of the last failed load
-    # Unloading: whether its room is promised to the loads planned on it (False while a
-    # failed unload is retried, or a victim of a load that grew: its room is not free).
-    room_promised: bool = False
     # Called with (from, to) for an illegal change (the manager counts it).
     on_illegal: Callable[[ModelState, ModelState], None] | None = field(default=None, repr=False,
                                                                          compare=False)
@@ -102,11 +117,32 @@ class ModelRecord:
                                                             compare=False)
     moved_at: float = 0.0  # monotonic time of the last change of state
 
+    @property
+    def copy(self) -> Copy | None:
+        """The model's copy (one at most today), or None."""
+        return next(iter(self.copies.values()), None)
+
+    @property
+    def state(self) -> ModelState:
+        copy = self.copy
+        return copy.state if copy is not None else self.settled
+
+    @property
+    def server(self) -> str | None:
+        """The server of its copy, or None."""
+        copy = self.copy
+        return copy.server if copy is not None else None
+
+    @property
+    def room_promised(self) -> bool:
+        copy = self.copy
+        return copy is not None and copy.room_promised
+
     def move(self, to: ModelState, server: str | None | object = KEEP,
              memory_bytes: int | None = None, room_promised: bool = True) -> None:
-        """Change the model's state (one ``TRANSITIONS`` lists), and with it where its copy
-        is (``server``) and its size.  ``room_promised``: for ``UNLOADING``, whether loads
-        may plan on its room."""
+        """Change the model's state (one ``TRANSITIONS`` lists): a copy state on ``server``
+        (its copy's server by default), or warm / failed, which leave no copy.  ``memory_bytes``:
+        its size; ``room_promised``: for ``UNLOADING``, whether loads may plan on its room."""
         now = self.state
         if to != now and to not in TRANSITIONS[now]:
             message = f"{self.name}: illegal state change {now.value} -> {to.value}"
@@ -115,13 +151,26 @@ class ModelRecord:
             log.error("%s (made anyway; please report it)", message)
             if self.on_illegal is not None:
                 self.on_illegal(now, to)
-        self.state = to
-        if server is not KEEP:
-            self.server = server  # type: ignore[assignment]
         if memory_bytes is not None:
             self.memory_bytes = memory_bytes
-        if to == ModelState.UNLOADING and now != ModelState.UNLOADING:
-            self.room_promised = room_promised and now != ModelState.UNLOAD_FAILED
+        if to in COPY_STATES:
+            where = self.server if server is KEEP else server
+            if not isinstance(where, str):
+                raise ValueError(f"{self.name}: a {to.value} model is on a server; name it")
+            copy = self.copies.get(where)
+            if copy is None:  # one copy per model: a copy placed elsewhere replaces it
+                copy = Copy(where, to)
+                self.copies = {where: copy}
+            if to != ModelState.UNLOADING:
+                copy.room_promised = False
+            elif copy.state != ModelState.UNLOADING:
+                copy.room_promised = room_promised and copy.state != ModelState.UNLOAD_FAILED
+            copy.state = to
+        else:
+            if server is not KEEP and server is not None:
+                raise ValueError(f"{self.name}: a {to.value} model has no copy on a server")
+            self.copies = {}
+            self.settled = to
         self.moved_at = time.monotonic()
         self._changed()
         if to != now and self.on_move is not None:
@@ -156,6 +205,7 @@ class ModelRecord:
             "model": self.name,
             "state": self.state.value,
             "server": self.server,
+            "copies": [{"server": c.server, "state": c.state.value} for c in self.copies.values()],
             "pinned": self.pinned,
             "last_used": self.last_used,
             "load_time_s": self.load_time_s,

@@ -1,7 +1,7 @@
 """The planner's view of each copy, derived from the copy's record: never set by hand.
 
-A model's copy on a server is its record's ``state`` there (``ModelRecord.move`` is the only
-writer), its pin and the requests holding it.  The eviction planner of that server needs
+A model's copy on a server is a ``Copy`` in its record (``ModelRecord.move`` is the only
+writer), with the model's pin and the requests holding it.  The eviction planner of that server needs
 three facts about it: whether it is pinned, whether it may be chosen as a victim, and
 whether its room is promised to a load (being unloaded).  ``resident_view`` computes them
 from the record in one place, and ``Residency.sync`` puts them into the planner after every
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from control_plane.eviction import Resident
-from control_plane.manager.records import ModelRecord, ModelState, TritonServer
+from control_plane.manager.records import Copy, ModelRecord, ModelState, TritonServer
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,29 +38,25 @@ class ResidentView:
     leaving: bool
 
 
-def resident_view(rec: ModelRecord) -> ResidentView | None:
-    """How ``rec``'s copy looks to its server's planner; None when it holds no room."""
-    if rec.server is None:
-        return None
-    state = rec.state
+def resident_view(rec: ModelRecord, copy: Copy) -> ResidentView:
+    """How ``rec``'s ``copy`` looks to its server's planner."""
+    state = copy.state
     if state == ModelState.LOADING:
         return ResidentView(pinned=rec.pinned, evictable=False, leaving=False)
     if state == ModelState.READY:
         return ResidentView(pinned=rec.pinned, evictable=rec.inflight == 0, leaving=False)
     if state == ModelState.UNLOADING:
-        return ResidentView(pinned=False, evictable=False, leaving=rec.room_promised)
-    if state == ModelState.UNLOAD_FAILED:
-        return ResidentView(pinned=False, evictable=False, leaving=False)
-    return None
+        return ResidentView(pinned=False, evictable=False, leaving=copy.room_promised)
+    return ResidentView(pinned=False, evictable=False, leaving=False)  # unload_failed
 
 
 class Residency:
-    """Keeps every server's planner equal to ``resident_view`` of the records.
+    """Keeps every server's planner equal to ``resident_view`` of the records' copies.
 
-    ``sync(rec)`` runs after each change of a record's state, server, size, pin or holds
-    (the record calls it); it admits, updates or removes the planner's entry and nothing
-    else writes one.  ``placed`` remembers which planner holds each model, so a copy that
-    leaves its server is removed from the planner that counted it."""
+    ``sync(rec)`` runs after each change of a record's copies, size, pin or holds (the
+    record calls it); it admits, updates or removes the planners' entries and nothing else
+    writes one.  ``placed`` remembers which planners count each model, so a copy that leaves
+    its server is removed from the planner that counted it."""
 
     def __init__(self, servers: dict[str, TritonServer], clock: Callable[[], float],
                  priority_of: Callable[[str], int],
@@ -69,28 +65,34 @@ class Residency:
         self.clock = clock
         self.priority_of = priority_of
         self.on_room_changed = on_room_changed  # the gauges of a server's used room
-        self.placed: dict[str, str] = {}  # model -> the server whose planner counts it
+        self.placed: dict[str, set[str]] = {}  # model -> the servers whose planners count it
 
     def sync(self, rec: ModelRecord) -> None:
-        view = resident_view(rec)
-        where = self.placed.get(rec.name)
-        server = self.servers.get(rec.server) if rec.server is not None else None
-        if where is not None and (view is None or server is None or where != server.name):
+        placed = self.placed.setdefault(rec.name, set())
+        for where in sorted(placed - set(rec.copies)):
+            placed.discard(where)
             old = self.servers.get(where)
-            del self.placed[rec.name]
             if old is not None:
                 old.planner.remove(rec.name)
                 self.on_room_changed(old)
-        if view is None or server is None:
-            return
+        for where, copy in rec.copies.items():
+            server = self.servers.get(where)
+            if server is not None:
+                self._sync_copy(rec, copy, server, placed)
+        if not placed:
+            del self.placed[rec.name]
+
+    def _sync_copy(self, rec: ModelRecord, copy: Copy, server: TritonServer,
+                   placed: set[str]) -> None:
+        view = resident_view(rec, copy)
         current = server.planner.residents.get(rec.name)
-        if current is None or rec.name not in self.placed:
+        if current is None or server.name not in placed:
             server.planner.admit(
                 Resident(rec.name, rec.memory_bytes, pinned=view.pinned,
                          priority=self.priority_of(rec.name), evictable=view.evictable,
                          leaving=view.leaving),
                 self.clock(), load_cost_s=rec.load_time_s or 1.0)
-            self.placed[rec.name] = server.name
+            placed.add(server.name)
         elif (current.pinned, current.evictable, current.leaving, current.size_bytes) != (
                 view.pinned, view.evictable, view.leaving, rec.memory_bytes):
             server.planner.update(rec.name, pinned=view.pinned, evictable=view.evictable,
@@ -100,8 +102,9 @@ class Residency:
         self.on_room_changed(server)
 
     def set_priority(self, name: str, priority: int) -> None:
-        """A model's rollout stage changed: its eviction priority with it."""
-        where = self.placed.get(name)
-        server = self.servers.get(where) if where is not None else None
-        if server is not None:
-            server.planner.update(name, priority=priority)
+        """A model's rollout stage changed: its eviction priority with it, on every server
+        that counts it."""
+        for where in self.placed.get(name, ()):
+            server = self.servers.get(where)
+            if server is not None:
+                server.planner.update(name, priority=priority)

@@ -142,9 +142,10 @@ def test_reconciler_corrects_drift_and_logs_it(caplog):
     planner.admit(Resident("a.v1", 1 * GiB), 0)
     planner.admit(Resident("b.v1", 1 * GiB), 0)
     planner.admit(Resident("c.v1", 1 * GiB), 0)
-    records = {n: ModelRecord(n, state=ModelState.READY, server="gpu0", memory_bytes=GiB)
-               for n in ("a.v1", "b.v1", "c.v1")}
-    records["c.v1"].state = ModelState.LOADING
+    records = {n: ModelRecord(n) for n in ("a.v1", "b.v1", "c.v1")}
+    for name, state in (("a.v1", ModelState.READY), ("b.v1", ModelState.READY),
+                        ("c.v1", ModelState.LOADING)):
+        records[name].move(state, server="gpu0", memory_bytes=GiB)
 
     def correct_size(name, size_bytes):  # the manager's own writer of a copy's size
         planner.update(name, size_bytes=size_bytes)

@@ -27,7 +27,7 @@ def test_every_state_has_its_transitions_listed():
 
 def test_an_illegal_change_fails_under_test():
     rec = ModelRecord("m")
-    rec.move(ModelState.LOADING)
+    rec.move(ModelState.LOADING, server="s0")
     rec.move(ModelState.READY)
     with pytest.raises(IllegalTransition, match="m: illegal state change ready -> loading"):
         rec.move(ModelState.LOADING)
@@ -38,7 +38,7 @@ def test_in_production_an_illegal_change_is_counted_logged_and_made(monkeypatch,
     monkeypatch.delenv(STRICT_ENV)
     seen = []
     rec = ModelRecord("m", on_illegal=lambda was, to: seen.append((was, to)))
-    rec.move(ModelState.READY)  # from warm: adopted
+    rec.move(ModelState.READY, server="s0")  # from warm: adopted
     rec.move(ModelState.LOADING)
     assert seen == [(ModelState.READY, ModelState.LOADING)]
     assert rec.state == ModelState.LOADING
@@ -70,6 +70,25 @@ def test_the_manager_counts_illegal_changes(monkeypatch, tmp_path):
     server = ModelManager.make_server(ServerSpec("s0", "fake:1", "fake:2"), "lru")
     mgr = ModelManager([server], StateStore(tmp_path / "s.db"))
     rec = mgr.state.record("m")
-    rec.move(ModelState.READY)
+    rec.move(ModelState.READY, server="s0")
     rec.move(ModelState.LOADING)
     assert mgr.metrics.illegal_transitions.labels("ready", "loading")._value.get() == 1
+
+
+def test_a_copy_is_on_a_server_and_a_model_without_one_is_on_none():
+    rec = ModelRecord("m")
+    with pytest.raises(ValueError, match="on a server"):
+        rec.move(ModelState.LOADING)
+    rec.move(ModelState.LOADING, server="s0", memory_bytes=5)
+    assert (rec.state, rec.server, list(rec.copies)) == (ModelState.LOADING, "s0", ["s0"])
+    rec.move(ModelState.READY)
+    rec.move(ModelState.UNLOADING)
+    assert rec.room_promised  # an unload in progress promises its room to the next load
+    rec.move(ModelState.UNLOAD_FAILED)
+    assert rec.server == "s0" and not rec.room_promised  # it still holds its room
+    rec.move(ModelState.UNLOADING)
+    assert not rec.room_promised  # a retried failed unload promises nothing
+    rec.move(ModelState.WARM, server=None)
+    assert (rec.state, rec.server, rec.copies) == (ModelState.WARM, None, {})
+    with pytest.raises(ValueError, match="no copy"):
+        rec.move(ModelState.FAILED, server="s0")

@@ -56,9 +56,8 @@ class Manager:
         for i in range(models):
             rec = self.records[f"m{i:05d}"] = ModelRecord(f"m{i:05d}", on_move=self._moved)
             if i % 2 == 0:
-                rec.move(ModelState.LOADING)
+                rec.move(ModelState.LOADING, server="triton0")
                 rec.move(ModelState.READY)
-                rec.server = "triton0"
 
     def _moved(self, name):
         for listener in self.listeners:
@@ -87,9 +86,8 @@ def test_a_load_costs_the_same_bytes_with_a_thousand_or_ten_thousand_models(tmp_
             before = hub.version
             whole = len(hub.published.answer(-1, ""))
             rec = manager.records["m00001"]
-            rec.move(ModelState.LOADING)
+            rec.move(ModelState.LOADING, server="triton0")
             rec.move(ModelState.READY)
-            rec.server = "triton0"
             hub.publish()
             change = hub.published.answer(before, hub.epoch)
             assert json.loads(change)["changes"] == [["placement", "m00001", "triton0"]]
@@ -110,9 +108,7 @@ def test_a_worker_applying_changes_ends_with_what_a_new_worker_gets(tmp_path):
         assert behind.ready_server("m00000").name == "triton0" and behind.ready_server("m00001") is None
         for name, to in (("m00000", ModelState.UNLOADING), ("m00001", ModelState.LOADING),
                          ("m00001", ModelState.READY)):
-            rec = manager.records[name]
-            rec.move(to)
-            rec.server = "triton0" if to == ModelState.READY else rec.server
+            manager.records[name].move(to, server="triton0")
         hub.table.set_limit("m00003", 5.0, 5.0)
         manager.server.up = False
         hub.publish()
@@ -135,9 +131,8 @@ def test_a_state_change_is_published_without_waiting_for_the_tick(tmp_path):
         hub.publish()
         before = hub.version
         rec = manager.records["m00001"]
-        rec.move(ModelState.LOADING)
+        rec.move(ModelState.LOADING, server="triton0")
         rec.move(ModelState.READY)
-        rec.server = "triton0"
         await asyncio.sleep(0)  # one turn of the loop, no publish loop running
         assert hub.version == before + 1
         assert json.loads(hub.published.answer(before, hub.epoch))["changes"] == [
