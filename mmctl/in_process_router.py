@@ -15,10 +15,10 @@ import logging
 from aiohttp import web
 
 from control_plane.runtime.service import RouterParts
+from router.assembly import Router, RouterConfig
 from router.frontends.grpc_frontend import start_grpc
 from router.frontends.http_frontend import make_http_app
 from router.frontends.http_site import HalfCloseTCPSite
-from router.serving.core import Router, RouterConfig
 
 log = logging.getLogger(__name__)
 

@@ -11,15 +11,20 @@ refused with what to use instead.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from domain.router_errors import PermissionDenied, RateLimited, RouterError
+from router.frontends.peers import grpc_client
 from router.frontends.shared_memory import CUDA_REFUSAL, refuse_remote
-from router.serving.core import GRPC_MESSAGE_LIMIT_BYTES, Router
-from router.serving.miss_budget import CLIENT, grpc_client
+from router.serving.miss_budget import CLIENT
+from router.serving.triton_channels import GRPC_MESSAGE_LIMIT_BYTES
+
+if TYPE_CHECKING:  # the assembly builds the router these ports serve
+    from router.assembly import Router
 
 log = logging.getLogger(__name__)
 

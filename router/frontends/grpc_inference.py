@@ -20,11 +20,12 @@ from tritonclient.grpc import service_pb2
 from domain.router_errors import BackendUnavailable, InvalidRequest, RouterError, UpstreamError
 from router.frontends.shared_memory import SystemSharedMemory
 from router.frontends.shared_memory_requests import uses_shared_memory
+from router.rollouts.routing_decisions import Decider
 from router.rollouts.shadow import ShadowMirror, outputs_of
-from router.serving.decide import Decider
+from router.serving.ensure_and_resend import Call, Resend, Sender
 from router.serving.inference_pipeline import Inference, InferencePipeline, Naming, Target
-from router.serving.send import Call, Channels, Resend, Sender, unloaded_under
 from router.serving.serving_state import ServerAddress, ServingState
+from router.serving.triton_channels import Channels, unloaded_under
 
 
 def _adapter_parameter(request: service_pb2.ModelInferRequest) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -31,13 +32,16 @@ from domain.router_errors import (
 from router.frontends import http_inference
 from router.frontends.grpc_frontend import EXTENSIONS, SERVER_NAME, SERVER_VERSION
 from router.frontends.http_shared_memory import shared_memory_routes
-from router.serving.core import Router
-from router.serving.miss_budget import CLIENT, http_client
+from router.frontends.peers import http_client
+from router.serving.miss_budget import CLIENT
 from router.serving.repository_config import triton_json
+
+if TYPE_CHECKING:  # the assembly builds the router these ports serve
+    from router.assembly import Router
 
 log = logging.getLogger(__name__)
 
-ROUTER_KEY = web.AppKey("router", Router)
+ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 
 

@@ -32,13 +32,13 @@ from router.frontends.http_request import (
 from router.frontends.http_shadow import primary_outputs, shadow_request
 from router.frontends.shared_memory import SystemSharedMemory
 from router.frontends.shared_memory_requests import json_uses_shared_memory
+from router.serving.ensure_and_resend import Call, Resend
 from router.serving.inference_pipeline import (
     InferencePipeline,
     Naming,
     Target,
     refuse_family_control,
 )
-from router.serving.send import Call, Resend
 from router.serving.serving_state import UNLOADED_PREFIX, ServerAddress
 
 UNLOADED_BODY = ('{"error":"' + UNLOADED_PREFIX).encode()

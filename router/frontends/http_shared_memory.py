@@ -5,6 +5,7 @@ memory for clients on the router's host, every call from a peer not on loopback 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import grpc
 from aiohttp import web
@@ -13,7 +14,9 @@ from domain.router_errors import InvalidRequest, PermissionDenied
 from router.frontends.http_request_checks import json_kind
 from router.frontends.shared_memory import CUDA_REFUSAL, SharedMemoryError, refuse_remote
 from router.frontends.strict_json import loads
-from router.serving.core import Router
+
+if TYPE_CHECKING:  # the assembly builds the router these ports serve
+    from router.assembly import Router
 
 
 def _json(doc) -> web.Response:

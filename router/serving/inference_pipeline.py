@@ -24,9 +24,9 @@ from typing import Protocol
 from domain.router_errors import InvalidRequest, PermissionDenied, RouterError, parse_version
 from domain.routes import Decision
 from model_runtime.family.protocol import CONTROL_PARAMETER, VARIANT_PARAMETER
+from router.rollouts.routing_decisions import Decider
 from router.rollouts.shadow import ShadowItem, ShadowMirror
-from router.serving.decide import Decider
-from router.serving.send import Call, Resend, Sender
+from router.serving.ensure_and_resend import Call, Resend, Sender
 from router.serving.serving_state import ServerAddress, ServingState
 
 # Entries of the per-name caches: their keys include client-chosen adapter names.

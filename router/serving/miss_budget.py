@@ -11,7 +11,8 @@ unless that header names them (local tools, health checks, a proxy on the same h
 not say who its clients are).
 
 The frontends set ``CLIENT`` at the start of each inference call (the transport knows the
-peer); the sender reads it where it finds a miss, so gRPC and HTTP share one check.
+peer: ``router.frontends.peers.grpc_client`` / ``http_client``); the sender reads it where it
+finds a miss, so gRPC and HTTP share one check.
 """
 
 from __future__ import annotations
@@ -21,47 +22,10 @@ from collections.abc import Callable
 from contextvars import ContextVar
 
 from domain.router_errors import RateLimited
-from router.frontends.peers import loopback_peer, peer_host
 
 # The client of the inference call this task serves (None: not counted).
 CLIENT: ContextVar[str | None] = ContextVar("mms_client", default=None)
 BURST_SECONDS = 10.0  # the bucket holds this many seconds of the rate
-
-
-def client_identity(peer: str | None, named: str | None = None) -> str | None:
-    """Who a call counts against: the trusted header's value when the operator named one and
-    the call carries it, else the peer's address (``peers.peer_host``); None for a peer on
-    this host."""
-    if named:
-        return named[:200]
-    if loopback_peer(peer):
-        return None
-    return peer_host(peer)
-
-
-def named_client(value: str | None) -> str | None:
-    """The client a trusted header names: its last comma-separated entry (a proxy appends
-    the address it saw to what the client sent, so only the last one is its own)."""
-    if not value:
-        return None
-    return value.rsplit(",", 1)[-1].strip() or None
-
-
-def grpc_client(router_config, context) -> str | None:
-    """The client of a gRPC call, as ``client_identity`` says."""
-    header = (router_config.client_header or "").lower()
-    named = None
-    if header:
-        named = named_client(next((v for k, v in context.invocation_metadata() or ()
-                                   if k == header), None))
-    return client_identity(context.peer(), named)
-
-
-def http_client(router_config, request) -> str | None:
-    """The client of an HTTP request (aiohttp), as ``client_identity`` says."""
-    header = router_config.client_header
-    named = named_client(request.headers.get(header)) if header else None
-    return client_identity(request.remote, named)
 
 
 class MissBudget:

@@ -22,10 +22,10 @@ from dataclasses import asdict
 
 from aiohttp import web
 
+from router.assembly import Router, RouterConfig
 from router.frontends.grpc_frontend import start_grpc
 from router.frontends.http_frontend import make_http_app
 from router.frontends.http_site import HalfCloseTCPSite
-from router.serving.core import Router, RouterConfig
 from router.serving.granted_limits import GrantedLimiter
 from router.serving.metrics import RouterMetrics
 from router.serving.state_client import RemoteState

@@ -35,11 +35,11 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from domain.router_errors import RouterError
+from router.assembly import RouterConfig
 from router.frontends import grpc_frontend
 from router.frontends.http_frontend import make_http_app
 from router.frontends.shared_memory import SystemSharedMemory
 from router.frontends.shared_memory_requests import names_region
-from router.serving.core import RouterConfig
 from router.serving.metrics import RouterMetrics
 from tests.integration.test_fidelity import copy_model
 from tests.product import Product

@@ -39,7 +39,7 @@ from domain.routes import RouteTable, split_adapter
 from model_runtime.lora.manifest import read_manifest
 from model_runtime.lora.models import TinyLMConfig
 from router.frontends.grpc_inference import Forwarder
-from router.serving.decide import Decider
+from router.rollouts.routing_decisions import Decider
 from router.serving.serving_state import LocalState
 from tests.conftest import run
 

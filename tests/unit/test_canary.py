@@ -22,7 +22,7 @@ from control_plane.state.state_store import StateStore
 from domain.errors import ModelNotFound as CpModelNotFound
 from domain.router_errors import BackendUnavailable, InvalidRequest, ModelNotFound, RouterError
 from domain.routes import ROUTES_KEY, RouteTable
-from router.serving.core import Router
+from router.assembly import Router
 from tests.conftest import run
 
 LOAD_S = 0.3  # a cold load, in real time: the router measures with perf_counter

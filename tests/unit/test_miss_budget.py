@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 
 from domain.router_errors import RateLimited
-from router.serving.miss_budget import (
-    CLIENT,
-    MissBudget,
-    client_identity,
-    named_client,
-)
+from router.frontends.peers import client_identity, named_client
+from router.serving.miss_budget import CLIENT, MissBudget
 
 
 class Clock:

@@ -17,7 +17,7 @@ from control_plane.runtime.service import Service
 from control_plane.state.state_store import StateStore
 from domain.periodic import loop_failures_counter, run_periodically
 from domain.routes import RouteTable
-from router.serving.core import Router, RouterConfig
+from router.assembly import Router, RouterConfig
 from tests.conftest import run
 
 

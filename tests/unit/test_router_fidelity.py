@@ -24,8 +24,8 @@ from domain.router_errors import (
     parse_version,
 )
 from domain.routes import RouteTable
-from router.serving.core import Router
-from router.serving.decide import Decider
+from router.assembly import Router
+from router.rollouts.routing_decisions import Decider
 from router.serving.repository_config import metadata_from_config, read_folder, triton_json
 from tests.conftest import run
 from tests.unit.test_manager_unit import FakeAdmin

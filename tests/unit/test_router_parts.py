@@ -19,13 +19,14 @@ from tritonclient.grpc import service_pb2
 from domain.public_names import PublicNames
 from domain.router_errors import InvalidRequest, RateLimited, UnknownModel
 from domain.routes import Decision, RouteTable
+from router.assembly import Router, RouterConfig
 from router.frontends.grpc_inference import Forwarder
-from router.serving.answers import Answers
-from router.serving.core import Router, RouterConfig
-from router.serving.decide import Decider
+from router.rollouts.routing_decisions import Decider
+from router.serving.ensure_and_resend import Call, Sender
 from router.serving.metrics import Recording, RouterMetrics
-from router.serving.send import Call, Channels, Sender
+from router.serving.readiness_and_metadata import Answers
 from router.serving.serving_state import ServerAddress
+from router.serving.triton_channels import Channels
 from tests.conftest import run
 
 SERVER = ServerAddress("triton0", "triton0:8001", "triton0:8000")

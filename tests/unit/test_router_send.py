@@ -12,8 +12,8 @@ from tritonclient.grpc import service_pb2
 
 from domain.router_errors import BackendUnavailable, UpstreamError
 from domain.routes import RouteTable
-from router.serving.core import Router
-from router.serving.send import MAX_RESENDS
+from router.assembly import Router
+from router.serving.ensure_and_resend import MAX_RESENDS
 from router.serving.serving_state import UNLOADED_PREFIX, ServerAddress
 from tests.conftest import run
 

@@ -216,7 +216,7 @@ def test_name_serves_registry_production_version_unless_aliased():
 
 def test_public_requests_cannot_control_adapters_or_dodge_their_limits():
     from domain.router_errors import PermissionDenied
-    from router.serving.decide import Decider
+    from router.rollouts.routing_decisions import Decider
 
     with pytest.raises(PermissionDenied, match="ADAPTER_CONTROL"):
         Decider.public_name("tinylm", ["ADAPTER_CONTROL"], None)

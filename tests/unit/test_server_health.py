@@ -27,8 +27,8 @@ from control_plane.triton.admin import TritonModelState
 from control_plane.triton.process import TritonProcess
 from domain.router_errors import UpstreamError
 from domain.routes import RouteTable
+from router.assembly import Router, RouterConfig
 from router.frontends.http_frontend import make_http_app
-from router.serving.core import Router, RouterConfig
 from router.serving.serving_state import ServerAddress
 from tests.conftest import run
 from tests.unit.test_manager_unit import MODELS, FakeAdmin

@@ -1,12 +1,12 @@
-"""Serving one request and sending it to Triton: find the server that holds the model
-(asking the control plane to load it on a miss), send, send once more after an ensure when
-Triton unloaded the model in between or its server could not be reached (the control plane
-places it on a server that is up), turn Triton's failures into the client's answer, and
-record the outcome.
+"""Serving one request and sending it to Triton: route it and spend its limits, find the
+server that holds the model (asking the control plane to load it on a miss), send, send once
+more after an ensure when Triton unloaded the model in between or its server could not be
+reached (the control plane places it on a server that is up), and record the outcome.
 
-``Channels`` holds one gRPC channel per Triton server; ``Sender`` serves requests over them.
-Every retry of a request sent to Triton lives in ``Sender.resending``, for gRPC (``send``)
-and HTTP (the front end's POST) alike: one deadline per request, bounded resends, and a wait
+``Sender`` serves requests through the transport each gives it (``send``: an ``Exchange`` of
+``router.serving.inference_pipeline``, over ``router.serving.triton_channels`` for gRPC).
+Every retry of a request sent to Triton lives in ``Sender.resending``, for gRPC and HTTP
+alike: one deadline per request, bounded resends, and a wait
 on a server cut short when the control plane declares that server down (``DownWatch``: a
 frozen Triton neither answers nor refuses, so without it a request would wait out its
 deadline)."""
@@ -21,9 +21,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import grpc
-from tritonclient.grpc import service_pb2_grpc
-
 from domain import errors as cp
 from domain.errors import ControlPlaneError
 from domain.router_errors import (
@@ -34,27 +31,21 @@ from domain.router_errors import (
     from_control_plane,
 )
 from domain.routes import Decision
-from router.serving.decide import Decider
+from router.rollouts.routing_decisions import Decider
 from router.serving.metrics import Recording, RouterMetrics
 from router.serving.miss_budget import MissBudget
-from router.serving.serving_state import UNLOADED_PREFIX, ServerAddress, ServingState
+from router.serving.serving_state import ServerAddress, ServingState
+from router.serving.triton_channels import Channels
 
 if TYPE_CHECKING:
-    from router.serving.core import RouterConfig
+    from router.serving.router_config import RouterConfig
 
-GRPC_MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024
 # Sends of one request that may each meet its model unloaded (then loaded again for it): the
 # load held for it keeps the model for its next send, so more than one resend means an
 # explicit unload or a restart in between.
 MAX_RESENDS = 3
-INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 # How often requests waiting on a server look whether the control plane declared it down.
 DOWN_CHECK_S = 0.1
-# A Triton restarted after a crash or a kill is reached again within a second, not after
-# gRPC's default reconnect backoff (up to 120 s once a few connects failed).
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200),
-                     ("grpc.min_reconnect_backoff_ms", 200),
-                     ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class Resend(enum.Enum):
@@ -125,48 +116,6 @@ class Call:
     code: str = "OK"
     ready_at: float | None = None  # perf_counter when the model was ready (after any load)
     holds: int = 0  # ensures made for this request: the model is held until it is answered
-
-
-def unloaded_under(exc: grpc.aio.AioRpcError) -> bool:
-    """Triton's answer for a model it no longer holds (unloaded between placement and send)."""
-    return exc.code() == grpc.StatusCode.NOT_FOUND and (exc.details() or "").startswith(UNLOADED_PREFIX)
-
-
-class Channels:
-    """One gRPC channel to each Triton server, opened on first use, closed by ``close``."""
-
-    def __init__(self) -> None:
-        self._channels: dict[str, tuple[grpc.aio.Channel, service_pb2_grpc.GRPCInferenceServiceStub,
-                                        object]] = {}
-
-    def stub(self, server: ServerAddress) -> service_pb2_grpc.GRPCInferenceServiceStub:
-        entry = self._channels.get(server.grpc_url)
-        if entry is None:
-            channel = grpc.aio.insecure_channel(server.grpc_url, options=[
-                ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT_BYTES),
-                ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT_BYTES),
-                *RECONNECT_OPTIONS,
-            ])
-            # The raw ModelInfer callable sends and receives bytes: the router never
-            # re-serializes a request or parses a response it only passes through.
-            entry = self._channels[server.grpc_url] = (
-                channel, service_pb2_grpc.GRPCInferenceServiceStub(channel),
-                channel.unary_unary(INFER_METHOD, request_serializer=None, response_deserializer=None))
-        return entry[1]
-
-    def raw_infer(self, server: ServerAddress):
-        """ModelInfer on ``server`` taking and returning serialized bytes."""
-        self.stub(server)
-        return self._channels[server.grpc_url][2]
-
-    def typed_infer(self, server: ServerAddress):
-        """ModelInfer on ``server`` taking and returning protobuf messages."""
-        return self.stub(server).ModelInfer
-
-    async def close(self) -> None:
-        for channel, *_ in self._channels.values():
-            await channel.close()
-        self._channels.clear()
 
 
 class Sender:

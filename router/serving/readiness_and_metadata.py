@@ -3,8 +3,8 @@ loaded model, the repository's config.pbtxt for one that is not.  These calls ne
 or evict a model.
 
 ``Answers`` is given what it reads: the state (where models are, the repository), the
-decision (``router.serving.decide.Decider``: which model a name means, its public name and
-version) and the channels to Triton (``router.serving.send.Channels``)."""
+decision (``router.rollouts.routing_decisions.Decider``: which model a name means, its public name and
+version) and the channels to Triton (``router.serving.triton_channels.Channels``)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from domain.router_errors import (
 )
 from domain.routes import Decision
 from model_runtime.family.protocol import SLOTS_PARAMETER, STATUS_OUTPUT
-from router.serving.decide import Decider
+from router.rollouts.routing_decisions import Decider
 from router.serving.repository_config import FolderConfig, metadata_from_config, read_folder
-from router.serving.send import Channels
 from router.serving.serving_state import ServerAddress, ServingState
+from router.serving.triton_channels import Channels
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,8 @@
-"""The data plane core: resolve, rate-limit, ensure, forward, record.  Transport-free.
+"""The router assembled: ``Router`` builds its parts from the three rooms of ``router/``
+(``frontends``: the public ports and their codecs; ``serving``: the inference pipeline,
+sending to Triton, the state it serves from; ``rollouts``: routing decisions, rate limits,
+shadows) and wires each with what it needs.  The router worker (``router.serving.worker``)
+and mmctl's in-process router build one.
 
 The gRPC and HTTP front ends only convert wire messages and call into ``Router``.  Where
 models live comes from a state source (``router.serving.serving_state``): the manager of this
@@ -11,12 +15,12 @@ ensure, without the client seeing it.
 ``Router`` is a composition of collaborators, each constructed with what it needs and
 testable alone; a reader follows ``router.x.y`` to the owner:
 
-* ``decider`` (``router.serving.decide.Decider``): the routing decision; owns the route
+* ``decider`` (``router.rollouts.routing_decisions.Decider``): the routing decision; owns the route
   table, the registry's public names and the rate limiter;
 * ``recording`` (``router.serving.metrics.Recording``): the Prometheus series and the
   outcomes of experiment and canary requests, handed to the statistics it is given;
-* ``channels`` (``router.serving.send.Channels``): one gRPC channel per Triton server;
-* ``sender`` (``router.serving.send.Sender``): serving one request, sending it to Triton and
+* ``channels`` (``router.serving.triton_channels.Channels``): one gRPC channel per Triton server;
+* ``sender`` (``router.serving.ensure_and_resend.Sender``): serving one request, sending it to Triton and
   every retry of a send; given the decider, the channels and the recording;
 * ``shadow`` (``router.rollouts.shadow.ShadowMirror``): mirrors, sent through the sender;
 * ``pipeline`` (``router.serving.inference_pipeline.InferencePipeline``): one inference,
@@ -25,7 +29,7 @@ testable alone; a reader follows ``router.x.y`` to the owner:
 * ``forwarder`` (``router.frontends.grpc_inference.Forwarder``): ModelInfer, typed and on
   raw bytes, as codecs around the pipeline; HTTP's codec is
   ``router.frontends.http_inference``;
-* ``answers`` (``router.serving.answers.Answers``): readiness, metadata, config and
+* ``answers`` (``router.serving.readiness_and_metadata.Answers``): readiness, metadata, config and
   statistics; given the state, the decider and the channels.
 
 The front ends call the collaborator that owns a call (``router.forwarder.infer``,
@@ -39,8 +43,6 @@ control plane (``router.serving.outcomes``).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from pathlib import Path
 
 from domain.periodic import run_periodically
 from domain.public_names import PublicNames
@@ -48,44 +50,19 @@ from domain.routes import RouteTable
 from router.frontends.grpc_inference import Forwarder
 from router.frontends.shared_memory import SystemSharedMemory
 from router.rollouts.limits import LocalLimiter
+from router.rollouts.routing_decisions import Decider, Limiter
 from router.rollouts.shadow import ShadowMirror
-from router.serving.answers import Answers
-from router.serving.decide import Decider, Limiter
+from router.serving.ensure_and_resend import Sender
 from router.serving.inference_pipeline import InferencePipeline
-from router.serving.metrics import LATENCY_BUCKETS_S, Recording, RouterMetrics
+from router.serving.metrics import Recording, RouterMetrics
 from router.serving.outcomes import CanaryJudge, OutcomeSink
-from router.serving.send import (
-    GRPC_MESSAGE_LIMIT_BYTES,
-    INFER_METHOD,
-    Call,
-    Channels,
-    Sender,
-    unloaded_under,
-)
+from router.serving.readiness_and_metadata import Answers
+from router.serving.router_config import RouterConfig
 from router.serving.serving_state import LocalState, ServingState
+from router.serving.triton_channels import Channels
 
-# Names other modules import from here since before the collaborators had modules of their own.
-__all__ = ["GRPC_MESSAGE_LIMIT_BYTES", "INFER_METHOD", "LATENCY_BUCKETS_S", "Call", "Router",
-           "RouterConfig", "RouterMetrics", "unloaded_under"]
-
-
-@dataclass
-class RouterConfig:
-    load_timeout_s: float = 120.0
-    request_timeout_s: float = 60.0
-    max_request_bytes: int = 16 * 1024 * 1024
-    shadow_queue_size: int = 64
-    shadow_workers: int = 2
-    shadow_timeout_s: float = 5.0
-    shadow_log_dir: Path | None = None
-    canary_interval_s: float = 1.0  # 0: canaries are judged elsewhere (the control plane)
-    # Shared-memory registrations, shared by the router workers of one host (None: this
-    # process's own, in a temporary directory).
-    shared_memory_dir: Path | None = None
-    # Misses one client may cause a second (miss_budget.MissBudget; 0: no budget), and the
-    # trusted header that names clients (None: their peer address).
-    miss_budget_per_s: float = 0.0
-    client_header: str | None = None
+# RouterConfig is the Router's own settings: imported from here with it.
+__all__ = ["Router", "RouterConfig"]
 
 
 class Router:
