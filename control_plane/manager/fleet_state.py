@@ -1,11 +1,13 @@
-"""What the parts of the model manager share: one ``ManagerState`` object.
+"""What the parts of the model manager share, in three small objects: the ``ModelBook``
+(records), the ``TaskBoard`` (work in progress and the one lock) and the ``Bookkeeping``
+(metrics, history rows, warm-tier marks, the memory meter).
 
-``ModelManager`` (model_manager.py) owns one ``ManagerState`` and one object per part: catalog (what
-exists), recency, unloader, loader, pins, reconciler, leases.  Each part is given the state
-and the parts it calls, in its constructor, so a reader sees who calls whom: a load asks the
-unloader to evict its victims, a reconcile pass asks the pins to load pinned models again,
-a lease asks the loader.  The locking rules of the package docstring hold across them: the
-state's ``lock`` is one lock for all parts.
+``ModelManager`` (model_manager.py) holds them in one ``ManagerState`` and builds one object
+per part (catalog, recency, unloader, loader, pins, reconciler with health, leases), giving
+each, in its constructor, only what it uses and the parts it calls, so a reader sees who
+reads and writes what: a load asks the unloader to evict its victims, a reconcile pass asks
+the pins to load pinned models again, a lease asks the loader.  The locking rules of the
+package docstring hold across them: the task board's ``lock`` is one lock for all parts.
 """
 
 from __future__ import annotations
@@ -32,38 +34,16 @@ from control_plane.triton.devices import GpuMemoryMeter, NoMemoryMeter
 log = logging.getLogger(__name__)
 
 
-class ManagerState:
-    """The fleet, the records of the models and the tasks in progress, with the helpers
-    every part uses.  No behaviour of its own: the parts decide, this holds."""
+class ModelBook:
+    """The records of the models and the names some Triton lists; whoever reads or moves a
+    record gets this.  A record's changes reach ``residency`` (the planners) and the move
+    listeners (the data-plane publisher)."""
 
-    def __init__(self, servers: dict[str, TritonServer], store: StateStore,
-                 repository: Path | None, config: ManagerConfig, metrics: ControlPlaneMetrics,
-                 clock: Callable[[], float], stager: Stager | None,
-                 priority_of: Callable[[str], int], placer: Placer,
-                 warmup_enabled: Callable[[str], bool], memory: GpuMemoryMeter | NoMemoryMeter,
-                 room: RoomLedger):
-        self.servers = servers
-        self.store = store
-        self.repository = repository
-        self.config = config
+    def __init__(self, residency: Residency, metrics: ControlPlaneMetrics):
+        self.residency = residency
         self.metrics = metrics
-        self.clock = clock
-        self.stager = stager
-        self.priority_of = priority_of
-        self.placer = placer
-        self.warmup_enabled = warmup_enabled
-        self.memory = memory
-        self.room = room
         self.records: dict[str, ModelRecord] = {}
-        # Each server's planner, derived from the records (residency.py): never set by hand.
-        self.residency = Residency(servers, clock, priority_of, self.update_gauges)
         self.known_names: set[str] = set()  # names some Triton's repository index listed
-        # Held with no ``await`` between placement and reservation (package docstring).
-        self.lock = asyncio.Lock()
-        self.loads: dict[str, asyncio.Task] = {}  # one load task per model; late callers await it
-        self.unloads: dict[str, asyncio.Task] = {}  # one unload task per model
-        self.background: set[asyncio.Task] = set()  # work that ends (a repair, an unload)
-        self.loops: set[asyncio.Task] = set()  # work that runs until close (the probes)
         self.load_listeners: list[Callable[[str, ModelRecord], None]] = []
         self.move_listeners: list[Callable[[str], None]] = []  # a model's state changed
 
@@ -82,6 +62,39 @@ class ManagerState:
 
     def _count_illegal(self, was: ModelState, to: ModelState) -> None:
         self.metrics.illegal_transitions.labels(was.value, to.value).inc()
+
+
+class TaskBoard:
+    """The loads, unloads and background work in progress, and the one lock every part
+    takes between placement and reservation (package docstring)."""
+
+    def __init__(self):
+        self.lock = asyncio.Lock()
+        self.loads: dict[str, asyncio.Task] = {}  # one load task per model; late callers await it
+        self.unloads: dict[str, asyncio.Task] = {}  # one unload task per model
+        self.background: set[asyncio.Task] = set()  # work that ends (a repair, an unload)
+        self.loops: set[asyncio.Task] = set()  # work that runs until close (the probes)
+
+    def spawn(self, coro, forever: bool = False) -> None:
+        """Run ``coro`` in the background; ``ModelManager.close`` cancels what is left.
+        ``forever``: a loop that never ends, kept apart from the work that does (whoever
+        waits for the manager to be idle waits for ``background``)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        tasks = self.loops if forever else self.background
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+
+class Bookkeeping:
+    """What a load or an unload records outside the manager: metrics, the state store's
+    history rows, the warm tier's busy marks, and the memory meter that measures it."""
+
+    def __init__(self, metrics: ControlPlaneMetrics, store: StateStore, stager: Stager | None,
+                 memory: GpuMemoryMeter | NoMemoryMeter):
+        self.metrics = metrics
+        self.store = store
+        self.stager = stager
+        self.memory = memory
 
     def release_warm(self, name: str) -> None:
         """The warm tier may drop ``name`` again (it is neither loaded nor loading)."""
@@ -108,11 +121,33 @@ class ManagerState:
 
         self.store.db.off_loop(self.store.save_model, name, **fields).add_done_callback(logged)
 
-    def spawn(self, coro, forever: bool = False) -> None:
-        """Run ``coro`` in the background; ``ModelManager.close`` cancels what is left.
-        ``forever``: a loop that never ends, kept apart from the work that does (whoever
-        waits for the manager to be idle waits for ``background``)."""
-        task = asyncio.get_running_loop().create_task(coro)
-        tasks = self.loops if forever else self.background
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+
+class ManagerState:
+    """Everything the parts are built from, held by ``ModelManager``: the fleet, the
+    configuration and the clock, the ``ModelBook``, the ``TaskBoard``, the
+    ``Bookkeeping``, and what only loads use (stager, placer, priorities, warm-up switch,
+    room ledger).  No part is given this whole: each gets the few of these it uses."""
+
+    def __init__(self, servers: dict[str, TritonServer], store: StateStore,
+                 repository: Path | None, config: ManagerConfig, metrics: ControlPlaneMetrics,
+                 clock: Callable[[], float], stager: Stager | None,
+                 priority_of: Callable[[str], int], placer: Placer,
+                 warmup_enabled: Callable[[str], bool], memory: GpuMemoryMeter | NoMemoryMeter,
+                 room: RoomLedger):
+        self.servers = servers
+        self.store = store
+        self.repository = repository
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self.stager = stager
+        self.priority_of = priority_of
+        self.placer = placer
+        self.warmup_enabled = warmup_enabled
+        self.memory = memory
+        self.room = room
+        self.keeping = Bookkeeping(metrics, store, stager, memory)
+        # Each server's planner, derived from the records (residency.py): never set by hand.
+        self.residency = Residency(servers, clock, priority_of, self.keeping.update_gauges)
+        self.book = ModelBook(self.residency, metrics)
+        self.tasks = TaskBoard()

@@ -22,8 +22,13 @@ import logging
 import time
 from collections.abc import Callable
 
-from control_plane.manager.fleet_state import ManagerState
-from control_plane.manager.records import HEALTH_TRANSITIONS, ServerHealth, TritonServer
+from control_plane.manager.records import (
+    HEALTH_TRANSITIONS,
+    ManagerConfig,
+    ServerHealth,
+    TritonServer,
+)
+from control_plane.metrics import ControlPlaneMetrics
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +37,11 @@ class Health:
     """The only writer of ``TritonServer.health`` and of what goes with it: missed probes,
     ``down_since`` and a managed Triton's restart back-off.  ``clock``: monotonic seconds."""
 
-    def __init__(self, state: ManagerState, clock: Callable[[], float] = time.monotonic):
-        self.state = state
+    def __init__(self, servers: dict[str, TritonServer], config: ManagerConfig,
+                 metrics: ControlPlaneMetrics, clock: Callable[[], float] = time.monotonic):
+        self.servers = servers
+        self.config = config
+        self.metrics = metrics
         self.clock = clock
         # Called after a server became down / up again (the reconciler's consequences).
         self.on_down: Callable[[TritonServer, str], None] = lambda _server, _why: None
@@ -46,12 +54,12 @@ class Health:
         """``server`` answered: it is up."""
         server.missed_probes = 0
         self._move(server, ServerHealth.UP, "it answers")
-        self.state.metrics.server_up.labels(server.name).set(1)
+        self.metrics.server_up.labels(server.name).set(1)
 
     def missed(self, server: TritonServer, why: str) -> None:
         """A probe of ``server`` failed: suspect, or down after ``probe_failures`` in a row."""
         server.missed_probes += 1
-        failures = self.state.config.probe_failures
+        failures = self.config.probe_failures
         if server.missed_probes >= failures:
             self._move(server, ServerHealth.DOWN, f"{why} ({server.missed_probes} probes in a row)")
         elif server.health is ServerHealth.UP:
@@ -60,7 +68,7 @@ class Health:
     def unreachable(self, server: TritonServer, why: str) -> None:
         """``server`` failed more than a probe (a request or an index read, and a probe):
         down at once."""
-        server.missed_probes = max(server.missed_probes, self.state.config.probe_failures)
+        server.missed_probes = max(server.missed_probes, self.config.probe_failures)
         self._move(server, ServerHealth.DOWN, why)
 
     def lost_now(self, server: TritonServer) -> bool:
@@ -68,7 +76,7 @@ class Health:
         caller places what it held on the others."""
         if server.health is not ServerHealth.DOWN or server.down_since is None:
             return False
-        if self.clock() - server.down_since < self.state.config.server_lost_after_s:
+        if self.clock() - server.down_since < self.config.server_lost_after_s:
             return False
         self._move(server, ServerHealth.LOST, "it has not answered for "
                    f"{self.clock() - server.down_since:.0f}s")
@@ -95,7 +103,7 @@ class Health:
         if to not in HEALTH_TRANSITIONS[was]:  # the callers above never ask for one
             raise RuntimeError(f"{server.name}: illegal health change {was.value} -> {to.value}")
         server.health = to
-        self.state.metrics.server_up.labels(server.name).set(
+        self.metrics.server_up.labels(server.name).set(
             0 if to in (ServerHealth.DOWN, ServerHealth.LOST) else 1)
         if to is ServerHealth.LOST:
             log.error("Triton %s at %s is lost: %s", server.name, server.spec.grpc_url, why)
@@ -125,7 +133,7 @@ class Health:
         return await asyncio.shield(task)
 
     async def _probe(self, server: TritonServer) -> bool | None:
-        timeout_s = self.state.config.probe_timeout_s
+        timeout_s = self.config.probe_timeout_s
         try:
             live = await asyncio.wait_for(server.admin.is_live(), timeout_s)
             why = "it refused a liveness probe"
@@ -150,9 +158,9 @@ class Health:
     async def run_forever(self) -> None:
         """Probe every server every ``probe_interval_s`` (0: never), each in its own loop,
         until cancelled."""
-        if self.state.config.probe_interval_s <= 0:
+        if self.config.probe_interval_s <= 0:
             return
-        await asyncio.gather(*(self._watch(s) for s in list(self.state.servers.values())))
+        await asyncio.gather(*(self._watch(s) for s in list(self.servers.values())))
 
     async def _watch(self, server: TritonServer) -> None:
         loop = asyncio.get_running_loop()
@@ -160,4 +168,4 @@ class Health:
             started = loop.time()
             await self.probe(server)
             # Start to start: a probe that waits out its timeout does not stretch the interval.
-            await asyncio.sleep(max(0.0, self.state.config.probe_interval_s - (loop.time() - started)))
+            await asyncio.sleep(max(0.0, self.config.probe_interval_s - (loop.time() - started)))

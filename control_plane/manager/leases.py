@@ -8,20 +8,21 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from control_plane.manager.fleet_state import ManagerState
+from control_plane.manager.fleet_state import ModelBook
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.loader import Loader
 from control_plane.manager.recency import Recency
 from control_plane.manager.reconciler import Reconciler
-from control_plane.manager.records import ModelRecord, TritonServer
+from control_plane.manager.records import ManagerConfig, ModelRecord, TritonServer
 from domain.errors import ModelLoadFailed, OperationTimeout
 from domain.names import validate_model_name
 
 
 class Leases:
-    def __init__(self, state: ManagerState, catalog: Catalog, recency: Recency, loader: Loader,
-                 reconciler: Reconciler):
-        self.state = state
+    def __init__(self, book: ModelBook, config: ManagerConfig, catalog: Catalog,
+                 recency: Recency, loader: Loader, reconciler: Reconciler):
+        self.book = book
+        self.config = config
         self.catalog = catalog
         self.recency = recency
         self.loader = loader
@@ -62,7 +63,7 @@ class Leases:
         ``unreachable``: the server the router could not reach for this request; it is
         asked at once whether it is alive (``Reconciler.check_reachable``)."""
         rec = await self.acquire(name)
-        config = self.state.config
+        config = self.config
         try:
             if unreachable is not None:
                 await self.reconciler.check_reachable(unreachable)
@@ -88,7 +89,7 @@ class Leases:
                 del self.request_holds[rec.name]
             self.release(rec)
 
-        handle = asyncio.get_running_loop().call_later(self.state.config.on_its_way_s, expire)
+        handle = asyncio.get_running_loop().call_later(self.config.on_its_way_s, expire)
         holds.append(handle)
 
     def requests_answered(self, name: str, count: int = 1) -> int:
@@ -104,17 +105,17 @@ class Leases:
             del self.request_holds[name]
         for handle in ended:
             handle.cancel()
-            self.release(self.state.records[name])
+            self.release(self.book.records[name])
         return len(ended)
 
     async def acquire(self, name: str) -> ModelRecord:
         """Count one request for ``name`` as in flight *before* it waits for a load, so the
         model it waits for cannot be chosen as a victim before the request is served."""
-        rec = self.state.records.get(name)
+        rec = self.book.records.get(name)
         if rec is None:
             validate_model_name(name)
             await self.catalog.known(name)
-            rec = self.state.record(name)
+            rec = self.book.record(name)
         rec.hold()
         return rec
 

@@ -7,13 +7,21 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from control_plane.eviction import victim_priority_limit
-from control_plane.manager.fleet_state import ManagerState
+from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
 from control_plane.manager.known_models import Catalog
-from control_plane.manager.placement import plan_measured
+from control_plane.manager.placement import Placer, plan_measured
 from control_plane.manager.recency import Recency
-from control_plane.manager.records import ModelRecord, ModelState, TritonServer
+from control_plane.manager.records import (
+    ManagerConfig,
+    ModelRecord,
+    ModelState,
+    Stager,
+    TritonServer,
+)
+from control_plane.manager.room import RoomLedger
 from control_plane.manager.unloader import Unloader, retrieve
 from control_plane.manager.warmup import warm_up
 from domain.errors import (
@@ -33,8 +41,22 @@ ROOM_POLL_S = 0.05
 
 
 class Loader:
-    def __init__(self, state: ManagerState, catalog: Catalog, recency: Recency, unloader: Unloader):
-        self.state = state
+    def __init__(self, book: ModelBook, servers: dict[str, TritonServer], tasks: TaskBoard,
+                 keeping: Bookkeeping, config: ManagerConfig, clock: Callable[[], float],
+                 stager: Stager | None, placer: Placer, priority_of: Callable[[str], int],
+                 room: RoomLedger, warmup_enabled: Callable[[str], bool], catalog: Catalog,
+                 recency: Recency, unloader: Unloader):
+        self.book = book
+        self.servers = servers
+        self.tasks = tasks
+        self.keeping = keeping
+        self.config = config
+        self.clock = clock
+        self.stager = stager  # cold -> warm before a load
+        self.placer = placer
+        self.priority_of = priority_of  # a shadow newcomer evicts shadows only
+        self.room = room
+        self.warmup_enabled = warmup_enabled
         self.catalog = catalog
         self.recency = recency
         self.unloader = unloader  # evicts a load's victims and keeps the headroom free
@@ -42,69 +64,69 @@ class Loader:
     async def ensure(self, name: str, retry_failed: bool = False) -> ModelRecord:
         """Return once ``name`` is READY on some server, loading it if needed."""
         validate_model_name(name)
-        rec = self.state.records.get(name)
+        rec = self.book.records.get(name)
         if rec is not None and rec.state == ModelState.READY:
-            metrics = self.state.metrics
+            metrics = self.keeping.metrics
             metrics.hits.labels(metrics.model_label(name)).inc()
             self.recency.touch(name)
             return rec
         if (rec is not None and rec.state in (ModelState.FAILED, ModelState.UNLOAD_FAILED)
                 and not retry_failed
                 and rec.failed_at is not None
-                and time.monotonic() - rec.failed_at < self.state.config.failure_backoff_s):
-            wait_s = self.state.config.failure_backoff_s - (time.monotonic() - rec.failed_at)
+                and time.monotonic() - rec.failed_at < self.config.failure_backoff_s):
+            wait_s = self.config.failure_backoff_s - (time.monotonic() - rec.failed_at)
             what = (f"{name} may still be loaded on {rec.server}" if rec.server is not None
                     else f"{name} failed to load")
             raise ModelLoadFailed(f"{what}: {rec.failure}; not retrying for "
                                   f"{wait_s:.0f}s (mmctl load {name} retries now)")
-        task = self.state.loads.get(name)
+        task = self.tasks.loads.get(name)
         if task is None:
             await self.catalog.known(name)
-            task = self.state.loads.get(name)  # re-read: another caller may have started it meanwhile
+            task = self.tasks.loads.get(name)  # re-read: another caller may have started it meanwhile
         if task is None:
-            metrics = self.state.metrics
+            metrics = self.keeping.metrics
             metrics.misses.labels(metrics.model_label(name)).inc()
             task = asyncio.get_running_loop().create_task(self._load(name))
-            self.state.loads[name] = task
-            task.add_done_callback(lambda _t, n=name: self.state.loads.pop(n, None))
+            self.tasks.loads[name] = task
+            task.add_done_callback(lambda _t, n=name: self.tasks.loads.pop(n, None))
         return await asyncio.shield(task)
 
     def place(self, name: str, size_bytes: int) -> tuple[TritonServer, list[str]]:
         """Pick a server and the victims to evict there.  Pure; raises if none fits."""
-        rec = self.state.records.get(name)
+        rec = self.book.records.get(name)
         try:
-            return self.state.placer.place(name, size_bytes, self.state.servers.values(),
+            return self.placer.place(name, size_bytes, self.servers.values(),
                                      pinned=bool(rec is not None and rec.pinned))
         except CapacityExhausted:
-            self.state.metrics.capacity_errors.inc()
+            self.keeping.metrics.capacity_errors.inc()
             raise
 
     async def _load(self, name: str) -> ModelRecord:
-        pending_unload = self.state.unloads.get(name)
+        pending_unload = self.tasks.unloads.get(name)
         if pending_unload is not None:
             with contextlib.suppress(ControlPlaneError):
                 await asyncio.shield(pending_unload)
-        rec = self.state.record(name)
+        rec = self.book.record(name)
         if rec.state == ModelState.READY:
             return rec
         if rec.state == ModelState.UNLOAD_FAILED and rec.server is not None:
             # Its unload failed: the server may still hold it.  Loading it elsewhere would
             # serve it twice and leak that server's room, so unload it there first.
-            held_by = self.state.servers[rec.server]
+            held_by = self.servers[rec.server]
             try:
                 await self.unloader.unload_now(held_by, name, reason="retry_after_failure")
             except ControlPlaneError as exc:
                 raise ModelLoadFailed(
                     f"{name} may still be loaded on {held_by.name} ({exc.message}); it is not "
                     f"loaded anywhere else until {held_by.name} confirms it gone; retrying "
-                    f"in {self.state.config.failure_backoff_s:.0f}s") from exc
-        if self.state.stager is not None:
+                    f"in {self.config.failure_backoff_s:.0f}s") from exc
+        if self.stager is not None:
             # Cold -> warm before anything is reserved: a failed download holds no capacity.
-            self.state.stager.set_busy(name, True)
+            self.stager.set_busy(name, True)
             try:
-                size_bytes = await self.state.stager.stage(name)
+                size_bytes = await self.stager.stage(name)
             except BaseException as exc:
-                self.state.stager.set_busy(name, False)
+                self.stager.set_busy(name, False)
                 if isinstance(exc, ControlPlaneError) and not isinstance(exc, ModelNotFound):
                     # A bad artifact or an unreachable store: back off like a failed load.
                     rec.move(ModelState.FAILED)
@@ -112,13 +134,13 @@ class Loader:
                 raise
         else:
             size_bytes = await asyncio.to_thread(self.catalog.artifact_bytes, name)  # a file walk
-        for server in self.state.servers.values():
+        for server in self.servers.values():
             if server.up:
                 with contextlib.suppress(ControlPlaneError):
                     await self.recency.refresh_usage(server)
-        deadline = time.monotonic() + self.state.config.capacity_wait_s
+        deadline = time.monotonic() + self.config.capacity_wait_s
         while True:
-            async with self.state.lock:
+            async with self.tasks.lock:
                 # Re-check after the lock: someone may have loaded it meanwhile.
                 if rec.state == ModelState.READY:
                     return rec
@@ -129,16 +151,16 @@ class Loader:
                     # for one of them instead of failing; room held by pins is final.
                     busy = self._room_is_busy(name)
                     if not busy or time.monotonic() >= deadline:
-                        self.state.release_warm(name)
+                        self.keeping.release_warm(name)
                         raise
                     waiting = self._busy_tasks()
                 else:
                     for v in victims:
-                        self.state.records[v].move(ModelState.UNLOADING)
+                        self.book.records[v].move(ModelState.UNLOADING)
                     previous_state = rec.state
                     rec.failure = None
                     rec.move(ModelState.LOADING, server=server.name, memory_bytes=size_bytes)
-                    self.state.room.queue(server, name, size_bytes)
+                    self.room.queue(server, name, size_bytes)
                     self.unloader.maintain_headroom(server)  # the next miss finds room again
                     break
             # Room comes back when a load/unload task ends or a request releases a model.
@@ -159,65 +181,65 @@ class Loader:
             overlapped = await self._wait_for_room(
                 server, name, size_bytes, evictions,
                 # The longest an unload in progress takes before it fails on its own.
-                time.monotonic() + self.state.config.drain_timeout_s + self.state.config.unload_timeout_s)
+                time.monotonic() + self.config.drain_timeout_s + self.config.unload_timeout_s)
         except BaseException as exc:
-            self.state.room.unqueue(server, name)
-            self.state.release_warm(name)
+            self.room.unqueue(server, name)
+            self.keeping.release_warm(name)
             rec.move(previous_state if previous_state not in (ModelState.LOADING, ModelState.UNLOAD_FAILED)
                      else ModelState.WARM, server=None)
-            self.state.metrics.loads.labels(server.name, "evict_failed").inc()
+            self.keeping.metrics.loads.labels(server.name, "evict_failed").inc()
             if isinstance(exc, ControlPlaneError):
                 raise OperationTimeout(
                     f"could not free room for {name} on {server.name}: {exc}") from exc
             raise
         # No await between the room check and this: the next waiter sees this load as held.
-        self.state.room.send(server, name, size_bytes)
+        self.room.send(server, name, size_bytes)
         if overlapped:
             log.info("loading %s on %s while %s still shut down: measured free memory holds it",
                      name, server.name, ", ".join(v for v, f in zip(victims, evictions) if not f.done())
                      or "models of other loads")
         for _ in victims:
-            self.state.metrics.evictions.labels(server.name).inc()
+            self.keeping.metrics.evictions.labels(server.name).inc()
 
         # 2. Load and warm up.
         start = time.monotonic()
         rec.loads += 1
         try:
-            async with self.state.meter(server, name).measuring(server, name) as measured:
+            async with self.keeping.meter(server, name).measuring(server, name) as measured:
                 await server.admin.load(name)
                 warmup = await self.warm_up(server, name)
             if measured.bytes is not None:
                 await self._fit_measured(server, rec, measured.bytes)
         except BaseException as exc:
-            self.state.room.finish(name)
+            self.room.finish(name)
             await self._undo_failed_load(server, rec, exc)
             raise
-        self.state.room.finish(name)
+        self.room.finish(name)
         rec.load_time_s = time.monotonic() - start
         rec.warmup = warmup
         if not warmup.get("ok", True):
-            self.state.metrics.warmup_failures.labels(server.name).inc()
+            self.keeping.metrics.warmup_failures.labels(server.name).inc()
             log.warning("%s is served, but its synthetic warm-up failed: %s", name, warmup.get("error"))
         rec.move(ModelState.READY)
         self.unloader.maintain_headroom(server)
-        rec.last_used = self.state.clock()
-        self.state.metrics.loads.labels(server.name, "ok").inc()
-        self.state.metrics.load_seconds.labels(server.name).observe(rec.load_time_s)
-        self.state.save_row(name, last_used=rec.last_used, load_time_s=rec.load_time_s,
+        rec.last_used = self.clock()
+        self.keeping.metrics.loads.labels(server.name, "ok").inc()
+        self.keeping.metrics.load_seconds.labels(server.name).observe(rec.load_time_s)
+        self.keeping.save_row(name, last_used=rec.last_used, load_time_s=rec.load_time_s,
                        memory_bytes=rec.memory_bytes, server=server.name, failure=None)
         log.info("loaded %s on %s in %.2fs", name, server.name, rec.load_time_s)
-        for listener in self.state.load_listeners:
+        for listener in self.book.load_listeners:
             listener(name, rec)
         return rec
 
     async def _fit_measured(self, server: TritonServer, rec: ModelRecord, measured_bytes: int) -> None:
         """Account the size NVML measured; evict more when the model no longer fits, or
         raise CapacityExhausted (the caller unloads it) when nothing can make room."""
-        async with self.state.lock:
+        async with self.tasks.lock:
             victims = plan_measured(server.planner, rec.name, measured_bytes)
             for v in victims:
                 # Its room already went to this model's growth: no load may plan on it.
-                self.state.records[v].move(ModelState.UNLOADING, room_promised=False)
+                self.book.records[v].move(ModelState.UNLOADING, room_promised=False)
             rec.resize(measured_bytes)
         if victims:
             log.info("%s measured %d bytes on %s: evicting %s", rec.name, measured_bytes,
@@ -237,13 +259,13 @@ class Loader:
             for fut in evictions:
                 if fut.done() and not fut.cancelled() and fut.exception() is not None:
                     raise fut.exception()
-            if self.state.room.fits_held(server, size_bytes):
+            if self.room.fits_held(server, size_bytes):
                 return False
             # A fixed-size slot (a family's variant) is free only once its evict is done.
-            if server.admin.measured(name) and self.state.room.fits_measured(server, size_bytes):
+            if server.admin.measured(name) and self.room.fits_measured(server, size_bytes):
                 return True
-            freeing = [t for n, t in self.state.unloads.items()
-                       if not t.done() and (r := self.state.records.get(n)) is not None and r.server == server.name]
+            freeing = [t for n, t in self.tasks.unloads.items()
+                       if not t.done() and (r := self.book.records.get(n)) is not None and r.server == server.name]
             if not freeing:
                 raise OperationTimeout(
                     f"its room on {server.name} is held by models whose unload did not complete; "
@@ -252,17 +274,17 @@ class Loader:
             if remaining_s <= 0:
                 raise OperationTimeout(f"Triton did not confirm room for {name} in time")
             await asyncio.wait(freeing, return_when=asyncio.FIRST_COMPLETED,
-                               timeout=min(remaining_s, ROOM_POLL_S) if self.state.room.free_memory else remaining_s)
+                               timeout=min(remaining_s, ROOM_POLL_S) if self.room.free_memory else remaining_s)
 
     def _room_is_busy(self, name: str) -> bool:
         """Room held by loads/unloads in progress or by requests (not by pins or failures)
         that ``name`` could get once they end.  A shadow can only get room that an unload
         frees or that a shadow holds: room of a serving model that is loading or in use
         never becomes its."""
-        limit = victim_priority_limit(self.state.priority_of(name))
-        for server in self.state.servers.values():
+        limit = victim_priority_limit(self.priority_of(name))
+        for server in self.servers.values():
             for r in server.planner.residents.values():
-                rec = self.state.records.get(r.key)
+                rec = self.book.records.get(r.key)
                 if r.evictable or r.pinned or rec is None or rec.state == ModelState.UNLOAD_FAILED:
                     continue
                 if limit is None or rec.state == ModelState.UNLOADING or r.priority <= limit:
@@ -271,30 +293,30 @@ class Loader:
 
     def _busy_tasks(self) -> set[asyncio.Task]:
         me = asyncio.current_task()
-        return {t for t in (*self.state.loads.values(), *self.state.unloads.values()) if t is not me and not t.done()}
+        return {t for t in (*self.tasks.loads.values(), *self.tasks.unloads.values()) if t is not me and not t.done()}
 
     async def warm_up(self, server: TritonServer, name: str) -> dict:
         """Warm ``name`` up as the model says (warmup.warm_up); the result is what
         ``health`` shows."""
-        return await warm_up(server, name, self.state.config, self.state.warmup_enabled, self.state.clock)
+        return await warm_up(server, name, self.config, self.warmup_enabled, self.clock)
 
     async def _undo_failed_load(self, server: TritonServer, rec: ModelRecord, exc: BaseException) -> None:
         """Unload whatever Triton kept and mark the model failed; memory freed once confirmed."""
         reason = exc.message if isinstance(exc, ControlPlaneError) else repr(exc)
         rec.failure = reason
         rec.failed_at = time.monotonic()
-        rec.warmup = {"ok": False, "latency_ms": None, "checked_at": self.state.clock(), "error": reason}
-        self.state.metrics.loads.labels(server.name, "failed").inc()
+        rec.warmup = {"ok": False, "latency_ms": None, "checked_at": self.clock(), "error": reason}
+        self.keeping.metrics.loads.labels(server.name, "failed").inc()
         try:
             await server.admin.unload(rec.name)
-            await server.admin.wait_unavailable(rec.name, self.state.config.unload_timeout_s)
-            await self.state.meter(server, rec.name).released(server, rec.name)
+            await server.admin.wait_unavailable(rec.name, self.config.unload_timeout_s)
+            await self.keeping.meter(server, rec.name).released(server, rec.name)
         except ControlPlaneError as cleanup_exc:
             # Triton may still hold it: keep the bytes counted, the reconcile loop retries.
             log.error("%s failed (%s) and could not be unloaded: %s", rec.name, reason, cleanup_exc)
             rec.move(ModelState.UNLOAD_FAILED)
             return
-        self.state.release_warm(rec.name)
+        self.keeping.release_warm(rec.name)
         rec.move(ModelState.FAILED, server=None)
-        self.state.save_row(rec.name, failure=reason)
+        self.keeping.save_row(rec.name, failure=reason)
         log.warning("load of %s on %s failed: %s", rec.name, server.name, reason)

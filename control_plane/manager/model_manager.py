@@ -105,20 +105,26 @@ class ModelManager:
             # device (host_available_bytes on CPU), None: nothing overlaps.
             room=RoomLedger(config, free_memory),
         )
-        self.catalog = Catalog(self.state)
-        self.recency = Recency(self.state)
-        self.unloader = Unloader(self.state, self.catalog)
-        self.loader = Loader(self.state, self.catalog, self.recency, self.unloader)
-        self.pins = Pins(self.state, self.catalog, self.loader)
-        self.reconciler = Reconciler(self.state, self.catalog, self.recency, self.unloader, self.pins)
-        self.leases = Leases(self.state, self.catalog, self.recency, self.loader, self.reconciler)
+        st = self.state
+        # Each part gets what it uses, and the parts it calls.
+        self.catalog = Catalog(st.book, st.servers, stager, repository, st.memory)
+        self.recency = Recency(st.book, st.servers, clock)
+        self.unloader = Unloader(st.book, st.servers, st.tasks, st.keeping, config, self.catalog)
+        self.loader = Loader(st.book, st.servers, st.tasks, st.keeping, config, clock, stager,
+                             st.placer, priority_of, st.room, st.warmup_enabled, self.catalog,
+                             self.recency, self.unloader)
+        self.pins = Pins(st.book, st.tasks, store, config, self.catalog, self.loader)
+        self.reconciler = Reconciler(st.book, st.servers, st.tasks, st.keeping, config, clock,
+                                     self.catalog, self.recency, self.unloader, self.pins)
+        self.leases = Leases(st.book, config, self.catalog, self.recency, self.loader,
+                             self.reconciler)
         for name, row in store.model_rows().items():
-            rec = self.state.record(name)
+            rec = self.state.book.record(name)
             rec.last_used = row["last_used"]
             rec.load_time_s = row["load_time_s"]
             rec.memory_bytes = row["memory_bytes"] or 0
         for name in store.pins():
-            self.state.record(name).set_pinned(True)
+            self.state.book.record(name).set_pinned(True)
         for s in servers:
             metrics.capacity_bytes.labels(s.name).set(s.spec.memory_budget_bytes or 0)
 
@@ -129,7 +135,7 @@ class ModelManager:
 
     @property
     def records(self) -> dict[str, ModelRecord]:
-        return self.state.records
+        return self.state.book.records
 
     @property
     def store(self) -> StateStore:
@@ -170,7 +176,7 @@ class ModelManager:
     def on_state_change(self, listener: Callable[[str], None]) -> None:
         """``listener(name)`` after each change of a model's state (where it is READY may
         have changed with it)."""
-        self.state.move_listeners.append(listener)
+        self.state.book.move_listeners.append(listener)
 
     async def known(self, name: str) -> None:
         await self.catalog.known(name)
@@ -205,14 +211,14 @@ class ModelManager:
 
     def correct_size(self, name: str, size_bytes: int) -> None:
         """The memory ``name`` holds on its server, as measured (the GPU memory pass)."""
-        rec = self.state.records.get(name)
+        rec = self.state.book.records.get(name)
         if rec is not None and rec.state == ModelState.READY:
             rec.resize(size_bytes)
 
     def not_use(self, name: str, until_ms: int) -> None:
         """Inferences Triton counted for ``name`` up to ``until_ms`` (epoch ms) were control
         requests, not use: recency read from Triton's statistics skips them."""
-        rec = self.state.records.get(name)
+        rec = self.state.book.records.get(name)
         if rec is not None:
             rec.last_inference_ms = max(rec.last_inference_ms, until_ms)
 
@@ -267,8 +273,8 @@ class ModelManager:
         }
 
     async def close(self) -> None:
-        st = self.state
-        for task in [*st.loops, *st.background, *st.loads.values(), *st.unloads.values()]:
+        tasks = self.state.tasks
+        for task in [*tasks.loops, *tasks.background, *tasks.loads.values(), *tasks.unloads.values()]:
             task.cancel()
         self.reconciler.health.close()
         for server in self.servers.values():

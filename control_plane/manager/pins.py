@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import time
 
-from control_plane.manager.fleet_state import ManagerState
+from control_plane.manager.fleet_state import ModelBook, TaskBoard
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.loader import Loader
-from control_plane.manager.records import ModelRecord, ModelState
+from control_plane.manager.records import ManagerConfig, ModelRecord, ModelState
+from control_plane.state.state_store import StateStore
 from domain.errors import ControlPlaneError
 from domain.names import validate_model_name
 
@@ -16,8 +17,12 @@ log = logging.getLogger(__name__)
 
 
 class Pins:
-    def __init__(self, state: ManagerState, catalog: Catalog, loader: Loader):
-        self.state = state
+    def __init__(self, book: ModelBook, tasks: TaskBoard, store: StateStore,
+                 config: ManagerConfig, catalog: Catalog, loader: Loader):
+        self.book = book
+        self.tasks = tasks
+        self.store = store  # pins survive restarts
+        self.config = config
         self.catalog = catalog
         self.loader = loader
         self._repairs: set[str] = set()  # pinned models the reconcile is loading
@@ -30,7 +35,7 @@ class Pins:
         load gives way to it, and one already under way is awaited before loading again."""
         validate_model_name(name)
         await self.catalog.known(name)  # cold models (registry only) can be pinned too
-        rec = self.state.record(name)
+        rec = self.book.record(name)
         was_pinned = rec.pinned
         self._set_pinned(rec, True)
         try:
@@ -43,13 +48,13 @@ class Pins:
             self._set_pinned(rec, True)
             # In the state store's thread: a slow database holds up this call, not the
             # event loop; an unpin asked for meanwhile is written after it.
-            await self.state.store.db.off_loop(self.state.store.set_pin, name, True)
+            await self.store.db.off_loop(self.store.set_pin, name, True)
         return rec
 
     async def unpin(self, name: str) -> ModelRecord:
         rec = self.catalog.get(name)
         self._set_pinned(rec, False)
-        await self.state.store.db.off_loop(self.state.store.set_pin, name, False)
+        await self.store.db.off_loop(self.store.set_pin, name, False)
         return rec
 
     def _set_pinned(self, rec: ModelRecord, pinned: bool) -> None:
@@ -60,22 +65,22 @@ class Pins:
         """Start a load of every pinned model that is not loaded: Triton dropped it, a
         forced unload took it, or it lost a race with an unload.  Failures back off."""
         now = time.monotonic()
-        for name, rec in self.state.records.items():
+        for name, rec in self.book.records.items():
             if (not rec.pinned or rec.state in (ModelState.READY, ModelState.LOADING, ModelState.UNLOADING)
-                    or name in self.state.loads or name in self.state.unloads or name in self._repairs
+                    or name in self.tasks.loads or name in self.tasks.unloads or name in self._repairs
                     or now < self._retry_at.get(name, 0.0)):
                 continue
             if (rec.state in (ModelState.FAILED, ModelState.UNLOAD_FAILED) and rec.failed_at is not None
-                    and now - rec.failed_at < self.state.config.failure_backoff_s):
+                    and now - rec.failed_at < self.config.failure_backoff_s):
                 continue
             self._repairs.add(name)
-            self.state.spawn(self._repair_pin(rec))
+            self.tasks.spawn(self._repair_pin(rec))
 
     async def _repair_pin(self, rec: ModelRecord) -> None:
         try:
             await self.loader.ensure(rec.name)
         except ControlPlaneError as exc:
-            self._retry_at[rec.name] = time.monotonic() + self.state.config.failure_backoff_s
+            self._retry_at[rec.name] = time.monotonic() + self.config.failure_backoff_s
             failure = f"pinned but not loaded: {exc.message}"
             if rec.failure != failure:  # once per distinct reason, not once per pass
                 log.error("pinned model %s could not be loaded: %s", rec.name, exc.message)
@@ -87,8 +92,8 @@ class Pins:
             self._repairs.discard(rec.name)
 
     async def load_pinned(self) -> None:
-        for name in sorted(n for n, r in self.state.records.items() if r.pinned):
-            rec = self.state.records[name]
+        for name in sorted(n for n, r in self.book.records.items() if r.pinned):
+            rec = self.book.records[name]
             if rec.state == ModelState.READY:
                 continue
             try:

@@ -11,13 +11,20 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
-from control_plane.manager.fleet_state import ManagerState
+from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
 from control_plane.manager.health import Health
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.pins import Pins
 from control_plane.manager.recency import Recency
-from control_plane.manager.records import ModelRecord, ModelState, ServerHealth, TritonServer
+from control_plane.manager.records import (
+    ManagerConfig,
+    ModelRecord,
+    ModelState,
+    ServerHealth,
+    TritonServer,
+)
 from control_plane.manager.unloader import Unloader
 from control_plane.triton.admin import TritonModelState
 from domain.errors import ControlPlaneError, TritonUnavailable
@@ -30,15 +37,21 @@ CATALOG_READ_S = 30.0
 
 
 class Reconciler:
-    def __init__(self, state: ManagerState, catalog: Catalog, recency: Recency,
-                 unloader: Unloader, pins: Pins):
-        self.state = state
+    def __init__(self, book: ModelBook, servers: dict[str, TritonServer], tasks: TaskBoard,
+                 keeping: Bookkeeping, config: ManagerConfig, clock: Callable[[], float],
+                 catalog: Catalog, recency: Recency, unloader: Unloader, pins: Pins):
+        self.book = book
+        self.servers = servers
+        self.tasks = tasks
+        self.keeping = keeping
+        self.config = config
+        self.clock = clock
         self.catalog = catalog
         self.recency = recency
         self.unloader = unloader
         self.pins = pins
         self._catalog_read_at: dict[str, float] = {}  # server -> monotonic; its whole index read
-        self.health = Health(state)
+        self.health = Health(servers, config, keeping.metrics)
         self.health.on_down = self._server_down
         self.health.on_up = self._server_up
         self._strays: set[tuple[str, str]] = set()  # (server, model) unloads in flight
@@ -48,7 +61,7 @@ class Reconciler:
         run from then on, beside the passes (``Health.run_forever``)."""
         await self.step()
         await self.pins.load_pinned()
-        self.state.spawn(self.health.run_forever(), forever=True)
+        self.tasks.spawn(self.health.run_forever(), forever=True)
 
     async def step(self) -> None:
         """One reconcile pass: re-read each Triton's index and correct what drifted.  The
@@ -61,7 +74,7 @@ class Reconciler:
                 log.exception("reconcile of %s failed", server.name)
             self.unloader.maintain_headroom(server)
 
-        await asyncio.gather(*(reconcile(s) for s in list(self.state.servers.values())))
+        await asyncio.gather(*(reconcile(s) for s in list(self.servers.values())))
         self.pins.repair_pins()
 
     async def _reconcile_server(self, server: TritonServer) -> None:
@@ -87,7 +100,7 @@ class Reconciler:
                 self._maybe_lost(server)
             return
         self.health.answered(server)
-        self.state.known_names.update(index)
+        self.book.known_names.update(index)
         if whole:
             self._catalog_read_at[server.name] = time.monotonic()
 
@@ -97,21 +110,21 @@ class Reconciler:
 
         # Models to adopt are sized first, in a thread (a file walk), outside the lock.
         to_adopt = [n for n, e in index.items()
-                    if e.state == TritonModelState.READY and not ours(self.state.records.get(n))]
+                    if e.state == TritonModelState.READY and not ours(self.book.records.get(n))]
         sizes = (await asyncio.to_thread(lambda: {n: self.catalog.artifact_bytes(n) for n in to_adopt})
                  if to_adopt else {})
-        busy = set(self.state.loads) | set(self.state.unloads)
-        async with self.state.lock:
+        busy = set(self.tasks.loads) | set(self.tasks.unloads)
+        async with self.tasks.lock:
             # Copies left behind that are gone, or placed here again: nothing to unload.
             for name in list(server.left_behind):
-                entry, rec = index.get(name), self.state.records.get(name)
+                entry, rec = index.get(name), self.book.records.get(name)
                 if (entry is None or entry.state != TritonModelState.READY
                         or (rec is not None and rec.server == server.name)):
                     server.left_behind.discard(name)
             for name, entry in index.items():
                 if name in busy:
                     continue
-                rec = self.state.record(name)
+                rec = self.book.record(name)
                 if rec.moved_at >= read_at:
                     # Changed after the index was read (an unload that completed meanwhile
                     # would be adopted back, counted and served from an empty slot): the
@@ -132,7 +145,7 @@ class Reconciler:
                         continue  # it has a copy elsewhere (loading, unloading): not adopted
                     rec.move(ModelState.READY, server=server.name, memory_bytes=size)
                     rec.warmup = rec.warmup or {"ok": True, "latency_ms": None,
-                                                "checked_at": self.state.clock(), "error": None,
+                                                "checked_at": self.clock(), "error": None,
                                                 "note": "adopted from Triton's index"}
                     log.warning("adopted %s: Triton %s has it loaded", name, server.name)
                 elif (entry.state == TritonModelState.READY
@@ -140,12 +153,12 @@ class Reconciler:
                     # Its unload (after a failure) did not complete: try again after the
                     # backoff, so the memory is freed and counted free once Triton confirms.
                     if (rec.failed_at is None
-                            or time.monotonic() - rec.failed_at >= self.state.config.failure_backoff_s):
-                        self.state.spawn(self.unloader.retry_unload(server, name))
+                            or time.monotonic() - rec.failed_at >= self.config.failure_backoff_s):
+                        self.tasks.spawn(self.unloader.retry_unload(server, name))
                 elif entry.state != TritonModelState.READY and ours(rec):
                     if entry.state in (TritonModelState.LOADING, TritonModelState.UNLOADING):
                         continue
-                    self.state.release_warm(name)
+                    self.keeping.release_warm(name)
                     if rec.state == ModelState.READY:
                         log.warning("%s is no longer loaded on %s (%s)", name, server.name,
                                     entry.reason or entry.state.value)
@@ -155,17 +168,17 @@ class Reconciler:
             # What this server holds room for and Triton no longer lists as loaded (the
             # models placed on a server are its planner's residents).
             for name in list(server.planner.residents):
-                rec = self.state.records.get(name)
+                rec = self.book.records.get(name)
                 if (rec is None or rec.server != server.name or name in index or name in busy
                         or rec.moved_at >= read_at):  # loaded while the index was read
                     continue
-                self.state.release_warm(name)
+                self.keeping.release_warm(name)
                 if rec.state == ModelState.READY:
                     log.warning("%s is no longer loaded on %s", name, server.name)
                 # A failed model keeps its failure visible; any other is warm again.
                 rec.move(ModelState.FAILED if rec.state in (ModelState.FAILED, ModelState.UNLOAD_FAILED)
                          else ModelState.WARM, server=None)
-        self.state.update_gauges(server)
+        self.keeping.update_gauges(server)
         with contextlib.suppress(ControlPlaneError):
             await self.recency.refresh_usage(server)
         await self.unloader.enforce_capacity(server)
@@ -203,9 +216,9 @@ class Reconciler:
         if server.process is None:
             return
         self._forget_server_models(server, f"tritonserver {server.name} is down: {why}")
-        self.state.spawn(self.pins.load_pinned())
+        self.tasks.spawn(self.pins.load_pinned())
         if server.process.alive():
-            self.state.spawn(self._kill(server))
+            self.tasks.spawn(self._kill(server))
 
     async def _kill(self, server: TritonServer) -> None:
         log.error("tritonserver %s (pid %s) does not answer: killing it (SIGKILL); it is started "
@@ -218,23 +231,23 @@ class Reconciler:
     def _server_up(self, server: TritonServer) -> None:
         """``server`` answers again (``Health.on_up``): pinned models may go back to it; the
         copies it kept of models placed elsewhere meanwhile are unloaded by the next pass."""
-        self.state.spawn(self.pins.load_pinned())
+        self.tasks.spawn(self.pins.load_pinned())
 
     def _maybe_lost(self, server: TritonServer) -> None:
         """A Triton that stays down is lost: what it held is placed on the others (a local
         one's models were already, when it went down)."""
         if not self.health.lost_now(server):
             return
-        held = sorted(n for n, r in self.state.records.items() if r.server == server.name)
+        held = sorted(n for n, r in self.book.records.items() if r.server == server.name)
         log.error("placing the %d model(s) of lost Triton %s elsewhere", len(held), server.name)
         self._forget_server_models(server, f"server {server.name} lost")
-        self.state.spawn(self.pins.load_pinned())
+        self.tasks.spawn(self.pins.load_pinned())
 
     async def check_reachable(self, name: str) -> None:
         """A router could not reach server ``name``: ask it now instead of at the next pass.
         One that does not answer either is down (and, past ``server_lost_after_s``, lost).
         Probes asked for meanwhile share one."""
-        server = self.state.servers.get(name)
+        server = self.servers.get(name)
         if server is None or not server.up:
             return
         if await self.health.probe(server) is not False or not server.up:
@@ -247,15 +260,15 @@ class Reconciler:
         next ensure places it on a server that is up.  The down server keeps its other
         models until it is lost (``_maybe_lost``); the copy it kept is unloaded when it
         answers again (``_reconcile_server``)."""
-        server = self.state.servers.get(rec.server) if rec.server is not None else None
+        server = self.servers.get(rec.server) if rec.server is not None else None
         if server is None or server.up or rec.state != ModelState.READY:
             return
-        if not any(other.up for other in self.state.servers.values() if other is not server):
+        if not any(other.up for other in self.servers.values() if other is not server):
             return  # nowhere else to go: it stays where it is until its server answers again
         log.warning("%s is needed by a request and its server %s is down: placing it on "
                     "another server", rec.name, server.name)
         server.left_behind.add(rec.name)  # its copy there is unloaded when it answers again
-        self.state.release_warm(rec.name)
+        self.keeping.release_warm(rec.name)
         rec.failure = f"server {server.name} was down when a request needed it"
         rec.move(ModelState.WARM, server=None)
 
@@ -278,14 +291,14 @@ class Reconciler:
             finally:
                 self._strays.discard(key)
 
-        self.state.spawn(unload())
+        self.tasks.spawn(unload())
 
     def _forget_server_models(self, server: TritonServer, reason: str) -> None:
-        for name, rec in self.state.records.items():
+        for name, rec in self.book.records.items():
             if rec.server == server.name:
                 server.left_behind.add(name)  # a copy it keeps is unloaded when it answers
-                self.state.release_warm(name)
+                self.keeping.release_warm(name)
                 rec.failure = reason
                 rec.move(ModelState.WARM, server=None)
-        self.state.update_gauges(server)
+        self.keeping.update_gauges(server)
 

@@ -11,9 +11,9 @@ import contextlib
 import logging
 import time
 
-from control_plane.manager.fleet_state import ManagerState
+from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
 from control_plane.manager.known_models import Catalog
-from control_plane.manager.records import ModelRecord, ModelState, TritonServer
+from control_plane.manager.records import ManagerConfig, ModelRecord, ModelState, TritonServer
 from domain.errors import ControlPlaneError, InvalidInput
 
 log = logging.getLogger(__name__)
@@ -26,8 +26,13 @@ def retrieve(fut: asyncio.Future) -> None:
 
 
 class Unloader:
-    def __init__(self, state: ManagerState, catalog: Catalog):
-        self.state = state
+    def __init__(self, book: ModelBook, servers: dict[str, TritonServer], tasks: TaskBoard,
+                 keeping: Bookkeeping, config: ManagerConfig, catalog: Catalog):
+        self.book = book
+        self.servers = servers
+        self.tasks = tasks
+        self.keeping = keeping
+        self.config = config
         self.catalog = catalog
 
     async def unload(self, name: str, force: bool = False) -> ModelRecord:
@@ -35,11 +40,11 @@ class Unloader:
         rec = self.catalog.get(name)
         if rec.pinned and not force:
             raise InvalidInput(f"{name} is pinned; unpin it first (mmctl unpin {name})")
-        load = self.state.loads.get(name)
+        load = self.tasks.loads.get(name)
         if load is not None:
             with contextlib.suppress(ControlPlaneError):
                 await asyncio.shield(load)
-        async with self.state.lock:
+        async with self.tasks.lock:
             # A pin that arrived while this unload waited for the load wins: the pinned
             # model stays loaded instead of being unloaded under a pin.
             if rec.pinned and not force:
@@ -48,7 +53,7 @@ class Unloader:
             if (rec.state not in (ModelState.READY, ModelState.UNLOAD_FAILED, ModelState.UNLOADING)
                     or rec.server is None):
                 return rec
-            server = self.state.servers[rec.server]
+            server = self.servers[rec.server]
             # On its way out it holds its room as busy, not as a pin (a forced unload of a
             # pinned model keeps the pin: the reconcile loads it again).  A failed unload
             # retried here promises no room: it stays held until Triton confirms it gone.
@@ -57,18 +62,18 @@ class Unloader:
         return rec
 
     def unload_now(self, server: TritonServer, name: str, reason: str) -> asyncio.Future:
-        task = self.state.unloads.get(name)
+        task = self.tasks.unloads.get(name)
         if task is None:
             task = asyncio.get_running_loop().create_task(self._do_unload(server, name, reason))
-            self.state.unloads[name] = task
-            task.add_done_callback(lambda _t, n=name: self.state.unloads.pop(n, None))
+            self.tasks.unloads[name] = task
+            task.add_done_callback(lambda _t, n=name: self.tasks.unloads.pop(n, None))
         return asyncio.shield(task)
 
     async def _do_unload(self, server: TritonServer, name: str, reason: str) -> None:
-        rec = self.state.records[name]
+        rec = self.book.records[name]
         rec.move(ModelState.UNLOADING)
         # Drain: requests holding a lease finish first (bounded by drain_timeout_s).
-        deadline = time.monotonic() + self.state.config.drain_timeout_s
+        deadline = time.monotonic() + self.config.drain_timeout_s
         # Only requests already sent to Triton are drained: requests still waiting for this
         # model wait for the unload to finish, so waiting on them would deadlock.
         while rec.active > 0 and time.monotonic() < deadline:
@@ -76,11 +81,11 @@ class Unloader:
         if rec.active > 0:
             log.warning("%s still has %d requests in flight after %.0fs; unloading anyway "
                         "(Triton lets running requests finish)", name, rec.active,
-                        self.state.config.drain_timeout_s)
+                        self.config.drain_timeout_s)
         start = time.monotonic()
         try:
             await server.admin.unload(name)
-            await server.admin.wait_unavailable(name, self.state.config.unload_timeout_s)
+            await server.admin.wait_unavailable(name, self.config.unload_timeout_s)
         except ControlPlaneError as exc:
             # Triton may still hold it: the server, and its room, stay counted until Triton
             # confirms it gone (the reconcile retries after the backoff, as does a load).
@@ -91,14 +96,14 @@ class Unloader:
             log.error("unload of %s on %s failed: %s", name, server.name, exc.message)
             raise
         # Free only once NVML shows the memory back (on a GPU; what is not back stays counted).
-        await self.state.meter(server, name).released(server, name)
+        await self.keeping.meter(server, name).released(server, name)
         freed_s = time.monotonic() - start
-        self.state.metrics.unload_free_seconds.labels(server.name).observe(freed_s)
-        self.state.metrics.unloads.labels(server.name, reason).inc()
-        self.state.release_warm(name)
+        self.keeping.metrics.unload_free_seconds.labels(server.name).observe(freed_s)
+        self.keeping.metrics.unloads.labels(server.name, reason).inc()
+        self.keeping.release_warm(name)
         rec.warmup = None
         rec.move(ModelState.WARM, server=None)
-        self.state.save_row(name, server=None)
+        self.keeping.save_row(name, server=None)
         log.info("unloaded %s from %s (%s); memory free after %.2fs", name, server.name, reason, freed_s)
 
     async def retry_unload(self, server: TritonServer, name: str) -> None:
@@ -111,7 +116,7 @@ class Unloader:
         while True:
             # A load in progress is reserved while its victims still count until Triton frees
             # them: that transient overshoot is by design, not drift.
-            if self.state.loads or self.state.unloads:
+            if self.tasks.loads or self.tasks.unloads:
                 return
             over_slots = cap.max_slots is not None and server.planner.used_slots > cap.max_slots
             over_bytes = cap.max_bytes is not None and server.planner.used_bytes > cap.max_bytes
@@ -124,7 +129,7 @@ class Unloader:
                 log.error("%s is over its budget (%s) with only pinned models", server.name,
                           cap.describe())
                 return
-            self.state.records[victim].move(ModelState.UNLOADING)
+            self.book.records[victim].move(ModelState.UNLOADING)
             try:
                 await self.unload_now(server, victim, reason="over_budget")
             except ControlPlaneError:
@@ -138,7 +143,7 @@ class Unloader:
             return
         victims = server.planner.headroom_victims()
         for v in victims:
-            self.state.records[v].move(ModelState.UNLOADING)
+            self.book.records[v].move(ModelState.UNLOADING)
         if victims:
             log.info("%s: unloading %s to keep room for the next miss", server.name, ", ".join(victims))
         for v in victims:

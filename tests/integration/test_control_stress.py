@@ -65,7 +65,7 @@ class LoopThread:
 async def settle(mgr: ModelManager) -> None:
     """Wait until no load, unload or background task of the manager is running."""
     while True:
-        tasks = [t for t in (*mgr.state.loads.values(), *mgr.state.unloads.values(), *mgr.state.background)
+        tasks = [t for t in (*mgr.state.tasks.loads.values(), *mgr.state.tasks.unloads.values(), *mgr.state.tasks.background)
                  if not t.done()]
         if not tasks:
             return

@@ -43,19 +43,27 @@ def resident_ready(state: ManagerState, name: str) -> None:
     """``name`` READY on s0, as a finished load leaves it."""
     server = state.servers["s0"]
     server.admin.states[name] = TritonModelState.READY
-    rec = state.record(name)
+    rec = state.book.record(name)
     rec.move(ModelState.LOADING, server="s0", memory_bytes=0)
     rec.move(ModelState.READY)
 
 
-def test_the_manager_is_wired_from_parts_that_share_one_state(tmp_path):
+def catalog_of(state: ManagerState) -> Catalog:
+    return Catalog(state.book, state.servers, state.stager, state.repository, state.memory)
+
+
+def test_each_part_gets_only_what_it_uses_and_the_parts_it_calls(tmp_path):
     admin = FakeAdmin(MODELS)
     server = ModelManager.make_server(ServerSpec("s0", "fake:1", "fake:2", max_loaded=2), "lru",
                                       admin=admin)
     mgr = ModelManager([server], StateStore(tmp_path / "s.db"))
     parts = [mgr.catalog, mgr.recency, mgr.unloader, mgr.loader, mgr.pins, mgr.reconciler,
-             mgr.leases]
-    assert all(part.state is mgr.state for part in parts)
+             mgr.leases, mgr.reconciler.health]
+    assert not any(hasattr(part, "state") for part in parts)  # no part holds everything
+    book_readers = [p for p in parts if hasattr(p, "book")]
+    assert all(p.book is mgr.state.book for p in book_readers) and len(book_readers) == 7
+    assert not hasattr(mgr.recency, "tasks") and not hasattr(mgr.leases, "tasks")
+    assert not hasattr(mgr.reconciler.health, "book")  # health sees servers, never records
     assert mgr.loader.unloader is mgr.unloader and mgr.pins.loader is mgr.loader
     assert mgr.leases.loader is mgr.loader and mgr.leases.reconciler is mgr.reconciler
     assert mgr.reconciler.pins is mgr.pins and mgr.reconciler.unloader is mgr.unloader
@@ -63,7 +71,7 @@ def test_the_manager_is_wired_from_parts_that_share_one_state(tmp_path):
 
 def test_catalog_alone_knows_what_some_triton_lists(tmp_path):
     async def go():
-        catalog = Catalog(shared_state(tmp_path))
+        catalog = catalog_of(shared_state(tmp_path))
         await catalog.known("m1")
         with pytest.raises(ModelNotFound, match="nosuch"):
             await catalog.known("nosuch")
@@ -76,12 +84,13 @@ def test_catalog_alone_knows_what_some_triton_lists(tmp_path):
 def test_unloader_alone_unloads_and_frees_the_room(tmp_path):
     async def go():
         state = shared_state(tmp_path)
-        unloader = Unloader(state, Catalog(state))
+        unloader = Unloader(state.book, state.servers, state.tasks, state.keeping, state.config,
+                            catalog_of(state))
         resident_ready(state, "m1")
         await unloader.unload("m1")
-        assert state.records["m1"].state == ModelState.WARM
+        assert state.book.records["m1"].state == ModelState.WARM
         assert state.servers["s0"].planner.used_slots == 0
-        state.record("m2").set_pinned(True)
+        state.book.record("m2").set_pinned(True)
         resident_ready(state, "m2")
         with pytest.raises(InvalidInput, match="pinned"):
             await unloader.unload("m2")
@@ -100,20 +109,20 @@ class StandInLoader:
         if self.fail:
             raise InvalidInput(f"no room for {name}")
         resident_ready(self.state, name)
-        return self.state.records[name]
+        return self.state.book.records[name]
 
 
 def test_pins_alone_load_through_the_loader_and_keep_no_pin_that_failed(tmp_path):
     async def go():
         state = shared_state(tmp_path)
         loader = StandInLoader(state)
-        pins = Pins(state, Catalog(state), loader)
+        pins = Pins(state.book, state.tasks, state.store, state.config, catalog_of(state), loader)
         await pins.pin("m1")
         assert loader.ensured == ["m1"] and state.store.pins() == {"m1"}
         pins.loader = StandInLoader(state, fail=True)
         with pytest.raises(InvalidInput):
             await pins.pin("m2")
-        assert not state.records["m2"].pinned and state.store.pins() == {"m1"}
+        assert not state.book.records["m2"].pinned and state.store.pins() == {"m1"}
 
     run(go())
 
@@ -121,10 +130,12 @@ def test_pins_alone_load_through_the_loader_and_keep_no_pin_that_failed(tmp_path
 def test_leases_alone_hold_a_model_from_its_load_until_the_request_is_answered(tmp_path):
     async def go():
         state = shared_state(tmp_path)
-        catalog = Catalog(state)
+        catalog = catalog_of(state)
         reconciler = SimpleNamespace(place_off_down=lambda rec: None,
                                      check_reachable=lambda name: asyncio.sleep(0))
-        leases = Leases(state, catalog, Recency(state), StandInLoader(state), reconciler)
+        leases = Leases(state.book, state.config, catalog,
+                        Recency(state.book, state.servers, state.clock), StandInLoader(state),
+                        reconciler)
         server = await leases.ensure_for_request("m1")
         assert server.name == "s0"
         residents = state.servers["s0"].planner.residents
@@ -138,10 +149,10 @@ def test_leases_alone_hold_a_model_from_its_load_until_the_request_is_answered(t
 def test_the_catalog_finds_models_by_name_glob_state_and_server(tmp_path):
     async def go():
         state = shared_state(tmp_path)
-        catalog = Catalog(state)
+        catalog = catalog_of(state)
         await catalog.refresh_catalog()
         resident_ready(state, "m2")
-        state.record("m3").set_pinned(True)
+        state.book.record("m3").set_pinned(True)
         names = lambda found: [r.name for r in found[0]]
         assert names(catalog.find("m2")) == ["m2"]
         assert names(catalog.find("nosuch")) == []

@@ -101,11 +101,11 @@ class FakeAdmin:
 MODELS = [f"m{i}" for i in range(1, 7)]
 
 
-def make(tmp_path, max_loaded=2, free_delay_s=0.02, **cfg):
+def make(tmp_path, max_loaded=2, free_delay_s=0.02, stager=None, **cfg):
     admin = FakeAdmin(MODELS, free_delay_s=free_delay_s)
     spec = ServerSpec("s0", "fake:1", "fake:2", max_loaded=max_loaded)
     server = ModelManager.make_server(spec, "lru", admin=admin)
-    mgr = ModelManager([server], StateStore(tmp_path / "s.db"),
+    mgr = ModelManager([server], StateStore(tmp_path / "s.db"), stager=stager,
                        config=ManagerConfig(policy="lru", unload_timeout_s=0.3, **cfg))
     return mgr, admin
 
@@ -282,7 +282,6 @@ def test_unload_is_not_blocked_by_requests_waiting_for_the_same_model(tmp_path):
 
 def test_failed_staging_backs_off(tmp_path):
     async def go():
-        mgr, _admin = make(tmp_path)
         calls = []
 
         class BadStager:
@@ -296,7 +295,7 @@ def test_failed_staging_backs_off(tmp_path):
             def known(self):
                 return {"m1"}
 
-        mgr.state.stager = BadStager()
+        mgr, _admin = make(tmp_path, stager=BadStager())
         await mgr.start()
         with pytest.raises(ModelLoadFailed, match="sha256"):
             await mgr.ensure("m1")
@@ -763,8 +762,7 @@ def test_a_version_only_in_the_cold_tier_is_known_to_health_and_unpin(tmp_path):
             pass
 
     async def go():
-        mgr, _admin = make(tmp_path)
-        mgr.state.stager = ColdStager()
+        mgr, _admin = make(tmp_path, stager=ColdStager())
         await mgr.start()
         assert (await mgr.health("simple.v3"))["state"] == "warm"
         assert not (await mgr.unpin("simple.v3")).pinned

@@ -69,7 +69,7 @@ def test_the_manager_counts_illegal_changes(monkeypatch, tmp_path):
     monkeypatch.delenv(STRICT_ENV)
     server = ModelManager.make_server(ServerSpec("s0", "fake:1", "fake:2"), "lru")
     mgr = ModelManager([server], StateStore(tmp_path / "s.db"))
-    rec = mgr.state.record("m")
+    rec = mgr.state.book.record("m")
     rec.move(ModelState.READY, server="s0")
     rec.move(ModelState.LOADING)
     assert mgr.metrics.illegal_transitions.labels("ready", "loading")._value.get() == 1

@@ -222,7 +222,7 @@ def test_adopted_models_get_their_stage_priority(tmp_path):
     planner = mgr.servers["s0"].planner
     for name in ("shadow.v1", "canary.v1", "prod.v1", "unregistered"):
         # As the reconcile adopts them, before their stage is known: the default priority.
-        mgr.state.record(name).move(ModelState.READY, server="s0", memory_bytes=1)
+        mgr.state.book.record(name).move(ModelState.READY, server="s0", memory_bytes=1)
     apply_stage_priorities(mgr, reg)
     assert {n: r.priority for n, r in planner.residents.items()} == {
         "shadow.v1": 0, "canary.v1": 1, "prod.v1": 2, "unregistered": 2}

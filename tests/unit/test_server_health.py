@@ -100,7 +100,7 @@ def test_three_missed_probes_in_a_row_make_a_server_down_and_an_answer_resets_th
     mgr = manager(tmp_path, {"s0": FakeAdmin(MODELS)})
     server = mgr.servers["s0"]
     clock = FakeClock()
-    health = Health(mgr.state, clock)
+    health = Health(mgr.servers, mgr.config, mgr.metrics, clock)
     downs, ups = [], []
     health.on_down = lambda s, why: downs.append((s.name, why))
     health.on_up = lambda s: ups.append(s.name)
@@ -133,7 +133,7 @@ def test_three_missed_probes_in_a_row_make_a_server_down_and_an_answer_resets_th
 def test_evidence_beyond_a_probe_makes_a_server_down_at_once_and_an_illegal_change_fails(tmp_path):
     mgr = manager(tmp_path, {"s0": FakeAdmin(MODELS)})
     server = mgr.servers["s0"]
-    health = Health(mgr.state, FakeClock())
+    health = Health(mgr.servers, mgr.config, mgr.metrics, FakeClock())
     health.unreachable(server, "a request could not reach it, nor a probe")
     assert server.health is ServerHealth.DOWN
     with pytest.raises(RuntimeError, match="illegal health change down -> suspect"):
