@@ -15,6 +15,9 @@ Each benchmark is its own module and can run alone with its own options:
     python -m bench.thrash           failed requests and latency under thrash (models, family)
     python -m bench.scale            50, 1,000 and 10,000 models: idle CPU, bytes per change, status, hits
     python -m bench.abuse            CPU and memory of one hostile HTTP body vs a normal one, same size
+    python -m bench.soak             minutes of Zipf traffic, every answer checked, memory sampled
+    python -m bench.slot_fill        one family slot's swap-in: reading threads, device copies
+    python -m bench.http_parse_offloop  how long a large JSON body holds up the router's loop
 
 This runner uses shorter settings (`--full` uses each benchmark's defaults), writes
 bench/results/summary.json (machine, versions, conditions, headline numbers) and the plots
@@ -54,6 +57,10 @@ QUICK = {
     "scale": ["-m", "bench.scale", "--sizes", "50,1000", "--idle-s", "5", "--changes", "10",
               "--hits", "200", "--replay", "500"],
     "abuse": ["-m", "bench.abuse", "--quick"],
+    "soak": ["-m", "bench.soak", "--variants", "20", "--room", "4", "--clients", "4",
+             "--duration", "30"],
+    "slot_fill": ["-m", "bench.slot_fill", "--size-mb", "50", "--repeats", "5"],
+    "http_parse_offloop": ["-m", "bench.http_parse_offloop", "--mib", "4", "1", "--bodies", "3"],
 }
 FULL = {
     "load_unload": ["-m", "bench.load_unload"],
@@ -69,6 +76,9 @@ FULL = {
     "thrash": ["-m", "bench.thrash"],
     "scale": ["-m", "bench.scale"],
     "abuse": ["-m", "bench.abuse"],
+    "soak": ["-m", "bench.soak"],
+    "slot_fill": ["-m", "bench.slot_fill"],
+    "http_parse_offloop": ["-m", "bench.http_parse_offloop"],
 }
 
 
@@ -247,6 +257,22 @@ def summary_rows() -> list[tuple[str, str, str]]:
             rows.append((f"hostile HTTP body: {r['body']} ({size_mib:g} MiB)", "router",
                          (f"answered {r['status']} with {r['cpu_s'] * 1000:.0f}ms CPU = "
                           f"{r['cpu_vs_normal']:.2f}x a normal body's")))
+    soak = load("soak.json")
+    if soak:
+        c = soak["conditions"]
+        memory = ", ".join(f"{kind} {m['start_mb']:.0f} -> {m['end_mb']:.0f} MB"
+                           for kind, m in soak["memory"].items()
+                           if kind in ("control plane", "router worker", "tritonserver"))
+        rows.append(((f"soak: {c['clients']} clients, {c['variants']} variants, room for {c['room']}, "
+                     f"{c['duration_s']:g} s"), "end to end",
+                     (f"{soak['failed']} of {soak['requests']} failed, {soak['wrong_answers']} wrong, "
+                      f"{soak['req_per_s']:.0f} req/s, p99 {soak['p99_ms']:.0f}ms; {memory}")))
+    fill = load("slot_fill.json")
+    if fill:
+        best = min(fill["rows"], key=lambda r: r["p50_ms"] if "threads" in r else float("inf"))
+        rows.append(((f"family slot fill ({fill['conditions']['bytes'] / 1e6:.0f} MB, "
+                     f"{fill['conditions']['device']})"), "family runtime",
+                     f"p50 {best['p50_ms']:.1f}ms with {best['threads']} threads"))
     lora = load("lora.json")
     if lora:
         for size, ratios in lora["throughput_ratio_many_vs_one"].items():
