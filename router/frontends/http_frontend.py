@@ -209,10 +209,7 @@ async def infer(request: web.Request) -> web.Response:
     router = _router(request)
     CLIENT.set(http_client(router.config, request))
     version = _version(request)  # Triton routes no other URL: refused before the body is read
-    return await http_inference.infer(router.pipeline, request.app[SESSION_KEY],
-                                      router.shared_memory, request, version,
-                                      router.config.max_request_bytes,
-                                      router.config.request_timeout_s)
+    return await http_inference.infer(router, request.app[SESSION_KEY], request, version)
 
 
 async def model_health(request: web.Request) -> web.Response:

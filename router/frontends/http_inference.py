@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -40,6 +41,9 @@ from router.serving.inference_pipeline import (
     refuse_family_control,
 )
 from router.serving.serving_state import UNLOADED_PREFIX, ServerAddress
+
+if TYPE_CHECKING:  # the assembly builds the router these ports serve
+    from router.assembly import Router
 
 UNLOADED_BODY = ('{"error":"' + UNLOADED_PREFIX).encode()
 MICROSECONDS = 1_000_000
@@ -161,10 +165,11 @@ class HttpExchange:
         return shadow_request(self.parsed, target)
 
 
-async def infer(pipeline: InferencePipeline, session: aiohttp.ClientSession,
-                shared_memory: SystemSharedMemory, request: web.Request, version: str,
-                limit_bytes: int, request_timeout_s: float) -> web.Response:
-    """POST /v2/models/{model}[/versions/{version}]/infer (``version``: the URL's, checked)."""
+async def infer(router: Router, session: aiohttp.ClientSession, request: web.Request,
+                version: str) -> web.Response:
+    """POST /v2/models/{model}[/versions/{version}]/infer (``version``: the URL's, checked).
+    The router's parts are read only once the request passed the checks that need none."""
+    limit_bytes = router.config.max_request_bytes
     if request.content_length is not None and request.content_length > limit_bytes:
         # Refused from the header, before the body is read into memory.
         raise PayloadTooLarge(f"request body of {request.content_length} bytes is over the router's "
@@ -175,13 +180,15 @@ async def infer(pipeline: InferencePipeline, session: aiohttp.ClientSession,
                                       request.headers.get(HEADER_LENGTH), limit_bytes)
     params = parsed.parameters
     refuse_family_control(params)  # model control is refused before shared memory is read
+    shared_memory = router.shared_memory
     shared_memory.admit_json(parsed.doc, len(parsed.body), request.remote, limit_bytes)
     user_id = request.headers.get("x-user-id") or params.get("user_id")
     timeout_s = deadline_s(params)
+    pipeline = router.pipeline
     inference = pipeline.inference(request.match_info["model"], version, params, parsed.input_names,
-                                  params.get("adapter") or None,
-                                  str(user_id) if user_id is not None else None, timeout_s)
+                                   params.get("adapter") or None,
+                                   str(user_id) if user_id is not None else None, timeout_s)
     exchange = HttpExchange(pipeline, session, shared_memory, parsed,
                             request.headers.get("Content-Type", "application/json"),
-                            timeout_s or request_timeout_s)
+                            timeout_s or router.config.request_timeout_s)
     return await pipeline.infer(inference, exchange)
