@@ -60,6 +60,8 @@ def list_(as_json):
     rows = []
     for f in families:
         where = "; ".join(f"{s}: {len(v['resident'])}/{v['slots']} slots ({', '.join(v['resident']) or '-'})"
+                          # the instance's state when it is not simply serving (dead, growing...)
+                          + (f" {v['state']}" if v.get("state", "serving") != "serving" else "")
                           for s, v in sorted(f["servers"].items())) or "not loaded"
         rows.append([f["family"], _bytes(f["slot_bytes"]), len(f["variants"]), where])
     click.echo(_table(rows, ["FAMILY", "SLOT", "VARIANTS", "SERVERS"]))

@@ -15,6 +15,7 @@ Modules:
     added_families  families added with ``mmctl family add``: recorded, restored at each start
     slot_control    FamilyAdmin: TritonAdmin whose load/unload/index of a variant are slot
                     operations
+    instance        FamilyInstance: one family model on one server, its named states
 """
 
 from control_plane.families.family_catalog import Family, FamilyCatalog, family_slots
