@@ -52,7 +52,7 @@ def totals(planner: CachePlanner) -> tuple[int, dict[int, int]]:
 
 # -- registry ---------------------------------------------------------------------------
 
-def test_registry_and_default():
+def test_lru_is_the_default_and_every_policy_is_made_by_name():
     # LRU is what the product promises ("enforce LRU and pinning"); the frequency- and
     # cost-aware policies are opt-in --policy choices, chosen with the README's replay table.
     assert DEFAULT_POLICY == "lru"
@@ -91,7 +91,7 @@ def test_victim_order_is_exactly_the_residents(name, ops):
         assert all((key in policy) == (key in resident) for key in map("m{}".format, range(13)))
 
 
-def test_lru_order():
+def test_lru_evicts_the_least_recently_used_first_and_ignores_unknown_keys():
     policy = LRUPolicy()
     for i, key in enumerate("abc"):
         policy.admit(key, i)

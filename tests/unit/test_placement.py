@@ -67,7 +67,7 @@ FILTER_CASES = [
 
 
 @pytest.mark.parametrize("flt, request_, candidate, expected", FILTER_CASES)
-def test_filters(flt, request_, candidate, expected):
+def test_each_placement_filter_refuses_a_server_and_says_why(flt, request_, candidate, expected):
     why = flt(request_, candidate)
     if expected is None:
         assert why is None
@@ -100,7 +100,7 @@ ORDER_CASES = [
 
 
 @pytest.mark.parametrize("request_, candidates, expected", ORDER_CASES)
-def test_ordering(request_, candidates, expected):
+def test_placement_prefers_servers_in_this_order(request_, candidates, expected):
     small = PlacementRequest(request_.model, 1, request_.sla, request_.tenant, request_.pinned)
     assert choose(small, candidates).server == expected
 
@@ -209,7 +209,7 @@ output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] } ]
                  id="the model places itself"),
     pytest.param("", "KIND_GPU", None, id="no instance_group: Triton's default follows the server"),
 ])
-def test_instance_kind_override(groups, kind, expected):
+def test_the_instance_kind_follows_the_device_it_is_placed_on(groups, kind, expected):
     import json
 
     from control_plane.manager.placement import instance_kind_config
@@ -255,7 +255,7 @@ def planner_with(budget, slots=None, **residents):
                  id="a full slot count evicts nothing: the model already holds its slot"),
     pytest.param(None, None, {"new": (10, False)}, 10**12, [], id="no byte budget"),
 ])
-def test_plan_measured(budget, slots, residents, measured, expected):
+def test_a_model_measured_larger_than_accounted_evicts_what_it_needs(budget, slots, residents, measured, expected):
     from control_plane.manager.placement import plan_measured
 
     planner = planner_with(budget, slots, **residents)
@@ -269,7 +269,7 @@ def test_plan_measured(budget, slots, residents, measured, expected):
                  id="pinned models hold the rest"),
     pytest.param({"new": (10, False)}, 150, "more than the whole budget", id="larger than the device"),
 ])
-def test_plan_measured_refuses(residents, measured, message):
+def test_a_model_measured_larger_than_any_room_is_refused_with_a_reason(residents, measured, message):
     from control_plane.manager.placement import plan_measured
 
     planner = planner_with(100, None, **residents)
