@@ -35,9 +35,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from domain.router_errors import RouterError
+from domain.worker_settings import WorkerConfig
 from router.frontends.http_request import decode_body, parse_infer_request
 from router.frontends.strict_json import MAX_JSON_DEPTH
-from router.serving.worker_settings import WorkerConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The largest request a router worker accepts unless told otherwise (--max-request-bytes).

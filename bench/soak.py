@@ -74,7 +74,7 @@ def process_kind(pid: int, root_pid: int, cmdline: str) -> str:
         return "tritonserver"
     if "control_plane.runtime.service" in cmdline:
         return "control plane"
-    if "router.serving.worker" in cmdline:
+    if "router.worker" in cmdline:
         return "router worker"
     return "other: " + (cmdline.split(" ", 1)[0].rsplit("/", 1)[-1] or "?")
 

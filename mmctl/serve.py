@@ -15,8 +15,8 @@ import click
 
 from control_plane.runtime.config import ServiceConfig
 from domain.exit_codes import EXIT_BY_ERROR, EXIT_ERROR
+from domain.worker_settings import WorkerConfig
 from mmctl import settings
-from router.serving.worker_settings import WorkerConfig
 
 
 def service_config(opts: dict, command: str) -> ServiceConfig:
@@ -95,7 +95,7 @@ def router_command(**opts):
     """Run one router worker in the foreground: the public Triton-compatible ports, serving
     from the control plane's state (start as many as the load needs; they share nothing)."""
     from domain.settings import to_argv
-    from router.serving.worker import main as worker_main
+    from router.worker import main as worker_main
 
     worker_main(to_argv(WorkerConfig(**settings.values(WorkerConfig, "router", opts))))
 
@@ -186,7 +186,7 @@ def supervise(cfg: ServiceConfig) -> int:
     for i in range(cfg.router_workers):
         worker = worker_config(cfg, f"w{i}", admin_url, dataplane_token, run_dir, shared_memory_dir)
         workers.append(Child(
-            "router-worker", worker.worker, python_module("router.serving.worker", *to_argv(worker)),
+            "router-worker", worker.worker, python_module("router.worker", *to_argv(worker)),
             dict(worker_env, **secret_env(worker), PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)),
             ready_file=worker.ready_file))
     line = (f"ready: router gRPC {cfg.router_host}:{cfg.router_grpc_port}, HTTP {cfg.router_host}:"

@@ -32,7 +32,7 @@ from domain.settings import (
     env_text,
     file_path,
 )
-from router.serving.worker_settings import WorkerConfig
+from domain.worker_settings import WorkerConfig
 
 # Every config class with settings, and the mmctl commands that take them as options
 # ("mmctl": the group's own options, before the command).  S3Config's settings have no

@@ -1,7 +1,7 @@
 """The router assembled: ``Router`` builds its parts from the three rooms of ``router/``
 (``frontends``: the public ports and their codecs; ``serving``: the inference pipeline,
 sending to Triton, the state it serves from; ``rollouts``: routing decisions, rate limits,
-shadows) and wires each with what it needs.  The router worker (``router.serving.worker``)
+shadows) and wires each with what it needs.  The router worker (``router.worker``)
 and mmctl's in-process router build one.
 
 The gRPC and HTTP front ends only convert wire messages and call into ``Router``.  Where
@@ -106,7 +106,7 @@ class Router:
         self.answers = Answers(self.state, self.decider, self.channels)
         self._canary_task: asyncio.Task | None = None
 
-    # A router worker serves each new snapshot's table and names (router.serving.worker).
+    # A router worker serves each new snapshot's table and names (router.worker).
     @property
     def table(self) -> RouteTable:
         return self.decider.table

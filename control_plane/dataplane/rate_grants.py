@@ -1,6 +1,6 @@
 """The control plane's side of rate limits across router workers: one token bucket per
 limited name, from which workers are granted tokens in small batches
-(``router.rollouts.limits.grant_batch``, ``router.serving.state_client``)."""
+(``router.rollouts.limits.grant_batch``, ``router.serving.granted_limits``)."""
 
 from __future__ import annotations
 

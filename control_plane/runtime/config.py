@@ -33,7 +33,7 @@ from domain.settings import (
     setting,
 )
 from domain.sizes import parse_size, size_text
-from router.serving.worker_settings import WorkerConfig
+from domain.worker_settings import WorkerConfig
 
 log = logging.getLogger(__name__)
 

@@ -63,7 +63,7 @@ class RouterParts:
 
 
 class InProcessRouter(Protocol):
-    """What the service needs of a router in its own process (``router.serving.core.Router``
+    """What the service needs of a router in its own process (``router.assembly.Router``
     behind its ports, as ``mmctl.in_process_router`` assembles it)."""
 
     @property

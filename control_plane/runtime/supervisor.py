@@ -3,7 +3,7 @@
     mmctl up (this process)
       ├─ control plane   python -m control_plane.runtime.service --config <state>/run/control-plane.json
       │    └─ tritonserver, one per GPU / MIG slice (outlive a control-plane crash)
-      └─ router workers  python -m router.serving.worker ... (share the public ports, SO_REUSEPORT)
+      └─ router workers  python -m router.worker ... (share the public ports, SO_REUSEPORT)
 
 A child that dies is started again (with backoff).  The control plane's next life adopts
 the Tritons of the previous one and their loaded models; meanwhile the workers serve the

@@ -2,7 +2,7 @@
 
 ``LocalLimiter``: token buckets in this process, the limit as configured (one router).
 Router workers are granted tokens in small batches (``grant_batch``) from the control
-plane's buckets (``control_plane.admin.global_limits``), so a limit holds across every
+plane's buckets (``control_plane.dataplane.rate_grants``), so a limit holds across every
 worker (``router.serving.state_client``).
 """
 

@@ -1,5 +1,5 @@
 """Rate limits that hold across router workers: tokens come from the control plane's
-global buckets (``control_plane.admin.global_limits``) in small batches, asked for ahead of
+global buckets (``control_plane.dataplane.rate_grants``) in small batches, asked for ahead of
 need; without the control plane each worker keeps its share of the limit locally."""
 
 from __future__ import annotations

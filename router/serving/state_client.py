@@ -44,7 +44,7 @@ class ControlPlaneAway(Exception):
     """The control plane did not answer (restarting, or down)."""
 
 
-# The sections of the control plane's published state (control_plane.admin.published) and
+# The sections of the control plane's published state (control_plane.dataplane.publisher) and
 # what a worker builds from each when it changes.
 NAME_SECTIONS = frozenset({"production", "versions", "public", "models", "meta"})
 TABLE_SECTIONS = frozenset({"routes", "limits"}) | NAME_SECTIONS
@@ -90,7 +90,7 @@ class RemoteState:
         self.session: aiohttp.ClientSession | None = None
         self.version = -1
         self.epoch = ""
-        # The control plane's published sections (control_plane.admin.published), kept
+        # The control plane's published sections (control_plane.dataplane.publisher), kept
         # current key by key; placement and carriers are read from them as they are.
         self.sections: dict[str, dict] = {}
         self.names = PublicNames(lambda: ())
@@ -109,7 +109,7 @@ class RemoteState:
         self._ensured_holds: collections.Counter[str] = collections.Counter()
         self._awaiting_answer: collections.Counter[str] = collections.Counter()
         self._notices: set[asyncio.Task] = set()
-        # The router's mmr_loop_failures_total (router.serving.worker sets it): a failing
+        # The router's mmr_loop_failures_total (router.worker sets it): a failing
         # watch or report pass is counted, and the loop goes on.
         self.loop_failures = None
         self._uses: collections.Counter[str] = collections.Counter()

@@ -47,10 +47,10 @@ from domain.settings import (
     to_argv,
 )
 from domain.sizes import parse_size
+from domain.worker_settings import WorkerConfig, parse_worker_argv
 from mmctl import serve
 from mmctl import settings as cli_settings
-from router.serving import worker
-from router.serving.worker_settings import WorkerConfig, parse_worker_argv
+from router import worker
 
 cli_main = importlib.import_module("mmctl.main")  # the package's main() shadows it
 GiB = 1 << 30
