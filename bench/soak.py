@@ -158,11 +158,11 @@ def error_text(exc: BaseException) -> str:
 
 def client_loop(index: int, protocol: str, endpoints: dict, names: list[str], shares: np.ndarray,
                 reference: ReferenceAnswers, feature_dim: int, args, start: float, deadline: float,
-                records: list) -> None:
+                stop: threading.Event, records: list) -> None:
     rng = np.random.default_rng([args.seed, index])
     client = Client(protocol, endpoints, args.timeout)
     try:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not stop.is_set():
             model = names[int(rng.choice(len(names), p=shares))]
             features = rng.standard_normal((1, feature_dim)).astype(np.float32)
             t0 = time.monotonic()
@@ -281,7 +281,7 @@ def main(argv=None) -> dict:
                      for i in range(args.clients)]
         clients = [threading.Thread(target=client_loop, args=(
             i, protocols[i], endpoints, names, shares, reference, spec.feature_dim, args, start,
-            deadline, records)) for i in range(args.clients)]
+            deadline, stop, records), daemon=True) for i in range(args.clients)]
         for t in helpers + clients:
             t.start()
         for t in clients:
