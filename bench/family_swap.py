@@ -15,6 +15,9 @@ Unmodified tritonclient gRPC through the router measures:
 * swap cycles (family): ``--cycles`` more misses; the family process's resident memory
   (VmRSS) after the first round and after the cycles, against one slot's bytes.
 
+Every distinct answer a variant gave is checked against the reference MLP over its own
+weights file (outside the timed calls); a wrong one makes the command exit 1.
+
 ``--light-fleet`` (family layout): the variants are written as ``bench.seed_scenario
 --variant-mb`` writes them (``bench.sized_fleet``: one random draw of the hidden layers shared by all, each
 variant's own first and last layer) into a repository in /dev/shm that ``mmctl up`` serves,
@@ -44,6 +47,7 @@ import tritonclient.grpc as grpcclient
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from control_plane.demo.reference import expected_scores, scores_match
 from tests.product import Product
 
 
@@ -100,6 +104,19 @@ def family_rss_bytes() -> int | None:
     return total or None
 
 
+def check_answers(repository: Path, layout: str, answers: dict[str, set[float]]) -> dict:
+    """Every distinct answer each variant gave (to all-ones features) against the reference MLP
+    over its weights file, one variant's weights in memory at a time (they may be 850 MB): a
+    miss that answered from a stale slot would look fast and be wrong."""
+    features = np.ones((1, 64), np.float32)
+    wrong = []
+    for name, seen in sorted(answers.items()):
+        expected = float(expected_scores(repository, name, features, layout)[0, 0])
+        wrong += [{"model": name, "answer": a, "expected": expected}
+                  for a in sorted(seen) if not scores_match(a, expected)]
+    return {"models": len(answers), "wrong": wrong}
+
+
 def light_repository(args) -> Path:
     """The family's variants written cheaply into host DRAM (see --light-fleet)."""
     from bench.sized_fleet import write_sized_fleet
@@ -134,11 +151,14 @@ def run_layout(layout: str, args, work: Path) -> dict:
         x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
         x.set_data_from_numpy(np.ones((1, 64), np.float32))
         names = [f"cust{i:03d}" for i in range(1, args.variants + 1)]
+        answers: dict[str, set[float]] = {}  # each variant's distinct answers, checked at the end
 
         def timed(name: str) -> float:
             t0 = time.perf_counter()
-            client.infer(name, [x], client_timeout=300)
-            return time.perf_counter() - t0
+            got = client.infer(name, [x], client_timeout=300)
+            elapsed = time.perf_counter() - t0
+            answers.setdefault(name, set()).add(float(got.as_numpy("SCORES")[0, 0]))
+            return elapsed
 
         first_s = timed(names[0])  # the family model's own load (once per server), or a load
         for _ in range(20):
@@ -162,6 +182,7 @@ def run_layout(layout: str, args, work: Path) -> dict:
             out["slot_bytes"] = families[0]["slot_bytes"]
             out["slots"] = next(iter(families[0]["servers"].values()))["slots"]
             out["family_servers"] = families[0]["servers"]
+        out["answers"] = check_answers(Path(product.json("endpoints")["repository"]), layout, answers)
         out["fleet"] = product.json("fleet")
         out["fleet_written_by"] = "bench (--light-fleet)" if repo is not None else "mmctl up's demo"
         return out
@@ -234,9 +255,15 @@ def main(argv=None) -> dict:
         if cycles.get("gpu_used_before_mib") is not None:
             print(f"  GPU memory in use: {cycles['gpu_used_before_mib']:.0f} MiB -> "
                   f"{cycles['gpu_used_after_mib']:.0f} MiB over the cycles")
+    for layout, r in results.items():
+        checked = r["answers"]
+        print(f"  {layout}: answers of {checked['models']} variants against their weights files: "
+              + ("ok" if not checked["wrong"] else f"WRONG {checked['wrong'][:3]}"))
     print(f"wrote {args.out}")
     return result
 
 
 if __name__ == "__main__":
-    main()
+    outcome = main()
+    sys.exit(1 if any(r["answers"]["wrong"] for r in outcome.values()
+                      if isinstance(r, dict) and "answers" in r) else 0)

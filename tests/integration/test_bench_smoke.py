@@ -89,6 +89,7 @@ def check_family_swap(result: dict) -> None:
     family = result["family"]
     assert positive(family["hit"]["p50_ms"]) and positive(family["miss"]["p50_ms"])
     assert positive(family["cycles"]["rss_after_bytes"])
+    assert family["answers"]["models"] == 3 and not family["answers"]["wrong"], family["answers"]
 
 
 def check_router_latency(result: dict) -> None:
@@ -142,7 +143,9 @@ SMOKES: dict[str, Smoke] = {
         ["-m", "bench.family_swap", "--variants", "3", "--size-mb", "1", "--slots", "2", "--hits", "3",
          "--rounds", "1", "--cycles", "3", "--layouts", "family", "--out", "{out}/family_swap.json"],
         [rf"family\s+{NUMBER}ms\s+{NUMBER}ms",
-         rf"3 swap cycles .* family process RSS {NUMBER} MB"], "family_swap.json", check_family_swap),
+         rf"3 swap cycles .* family process RSS {NUMBER} MB",
+         r"family: answers of 3 variants against their weights files: ok"], "family_swap.json",
+        check_family_swap),
     "scale": Smoke(["-m", "bench.scale", "--smoke", "--out", "{out}/scale.json"],
                    [rf"^\s+20\s+{NUMBER}\s+{NUMBER}\s+\d+\s+\d+"], "scale.json", check_scale),
     "thrash": Smoke(["-m", "bench.thrash", "--smoke", "--out", "{out}/thrash.json"],
