@@ -8,9 +8,11 @@ the answer's JSON header gains the routing parameters (``model``, ``variant``,
 ``experiment``, ``adapter``) and the name the client asked for.  Tensors in system shared
 memory are read and written by the router and sent inline.
 
-The deadline of a request and all its resends is Triton's ``timeout`` request parameter
-(microseconds), as a gRPC client's deadline is; without it, the router's
-``request_timeout_s``.
+One deadline bounds a request and all its resends: the router's ``request_timeout_s`` (an
+HTTP request carries no deadline of its own).  Triton's ``timeout`` request parameter is not
+one: Triton applies it only to the time a request may wait in a scheduler's queue, where the
+model's queue policy allows it, and otherwise ignores it; it is passed on to Triton with the
+rest of the request, so a client that sets it gets what Triton would give it.
 """
 
 from __future__ import annotations
@@ -46,14 +48,6 @@ if TYPE_CHECKING:  # the assembly builds the router these ports serve
     from router.assembly import Router
 
 UNLOADED_BODY = ('{"error":"' + UNLOADED_PREFIX).encode()
-MICROSECONDS = 1_000_000
-
-
-def deadline_s(parameters: dict) -> float | None:
-    """The client's deadline: Triton's ``timeout`` parameter, in microseconds (checked as a
-    whole number >= 0 by ``http_request_checks``); 0 or none: the router's own."""
-    timeout_us = parameters.get("timeout")
-    return timeout_us / MICROSECONDS if timeout_us else None
 
 
 class HttpExchange:
@@ -183,12 +177,11 @@ async def infer(router: Router, session: aiohttp.ClientSession, request: web.Req
     shared_memory = router.shared_memory
     shared_memory.admit_json(parsed.doc, len(parsed.body), request.remote, limit_bytes)
     user_id = request.headers.get("x-user-id") or params.get("user_id")
-    timeout_s = deadline_s(params)
     pipeline = router.pipeline
     inference = pipeline.inference(request.match_info["model"], version, params, parsed.input_names,
                                    params.get("adapter") or None,
-                                   str(user_id) if user_id is not None else None, timeout_s)
+                                   str(user_id) if user_id is not None else None, None)
     exchange = HttpExchange(pipeline, session, shared_memory, parsed,
                             request.headers.get("Content-Type", "application/json"),
-                            timeout_s or router.config.request_timeout_s)
+                            router.config.request_timeout_s)
     return await pipeline.infer(inference, exchange)

@@ -72,6 +72,15 @@ def test_unmodified_clients_get_byte_identical_outputs(product):
         out = h.infer("cust002", [x])
         assert out.as_numpy("SCORES").tobytes() == direct.as_numpy("SCORES").tobytes()
         assert "parameters" not in out.get_response()
+    # Triton's `timeout` request parameter (microseconds) bounds only a scheduler's queue,
+    # where the model's queue policy allows; this model has none, so Triton serves it, and
+    # so does the router (it is no deadline of the router's).
+    direct_http = httpclient.InferenceServerClient(p.endpoints["triton"][0]["http"])
+    x = httpclient.InferInput("FEATURES", [4, 64], "FP32")
+    x.set_data_from_numpy(data)
+    for client in (direct_http, h):
+        out = client.infer("cust002", [x], timeout=1)
+        assert out.as_numpy("SCORES").tobytes() == direct.as_numpy("SCORES").tobytes()
     # Streaming through the router.
     results = []
     g.start_stream(callback=lambda result, error: results.append((result, error)))

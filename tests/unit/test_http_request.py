@@ -14,7 +14,6 @@ import pytest
 
 from domain.router_errors import InvalidRequest, PayloadTooLarge
 from router.frontends import http_request
-from router.frontends.http_inference import deadline_s
 from router.frontends.http_request import (
     MAX_GZIP_MEMBERS,
     MAX_JSON_DEPTH,
@@ -339,10 +338,3 @@ def test_large_or_compressed_bodies_are_parsed_off_the_event_loop():
     assert _parsed_on(small) == "loop"
     assert _parsed_on(large) == "thread"
     assert _parsed_on(gzip.compress(small), "gzip") == "thread"
-
-
-def test_an_http_requests_deadline_is_tritons_timeout_parameter_in_microseconds():
-    # As a gRPC client's deadline bounds a request and its resends; none: the router's own.
-    assert deadline_s({"timeout": 2_500_000}) == 2.5
-    assert deadline_s({"timeout": 0}) is None
-    assert deadline_s({}) is None
