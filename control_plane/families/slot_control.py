@@ -7,6 +7,8 @@ The model manager calls ``load``, ``unload``, ``wait_unavailable``, ``index``,
 * ``load``: the family model is loaded through Triton's load API if this server does not
   have it yet (once; its slot count comes with the load, in the config override), then one
   control request copies the variant's weights from the warm tier into a free slot.
+* ``load_replacing``: a miss that evicts variants of the same family is one control request
+  (free their slots, then fill), instead of an evict and a fill.
 * ``unload``: one control request frees the variant's slot.  The slot's bytes are free at
   once (fixed-size slots: nothing is returned to an allocator), so ``wait_unavailable`` has
   nothing to wait for.
@@ -243,9 +245,14 @@ class FamilyAdmin(TritonAdmin):
         self.instance(family.name).observe(answer)
         return answer
 
-    async def _fill(self, family: Family, variant: str) -> dict:
+    async def _fill(self, family: Family, variant: str, evict: list[str] = ()) -> dict:
+        """Copy ``variant`` into a free slot, freeing the slots of ``evict`` first (the same
+        request: no batch runs in between)."""
         path = self.families.repository / variant / WEIGHTS_FILE
-        return await self.control(family, {"op": "load", "variant": variant, "path": str(path)})
+        command = {"op": "load", "variant": variant, "path": str(path)}
+        if evict:
+            command["evict"] = list(evict)
+        return await self.control(family, command)
 
     # ------------------------------------------------------------------ TritonAdmin
     def _changing(self, model: str) -> Family | None:
@@ -264,31 +271,48 @@ class FamilyAdmin(TritonAdmin):
         family = self._changing(model)
         if family is None:
             return await super().load(model)
+        await self._fill_slot(family, model, [])
+
+    def replaces_in_one(self, model: str, victims: list[str]) -> bool:
+        family = self.families.family_of(model)
+        return (family is not None and bool(victims)
+                and all(self.families.family_of(v) is family for v in victims))
+
+    async def load_replacing(self, model: str, victims: list[str]) -> None:
+        """Evict ``victims`` (variants of ``model``'s family) and copy ``model`` into a slot,
+        one control request: a miss that replaces a variant waits for one round trip."""
+        family = self._changing(model)
+        if family is None or not self.replaces_in_one(model, victims):
+            raise InvalidInput(f"{model} does not replace {', '.join(victims)} in one family")
+        await self._fill_slot(family, model, victims)
+
+    async def _fill_slot(self, family: Family, model: str, evict: list[str]) -> None:
         instance = self.instance(family.name)
         async with instance.lock:
             status = instance.serving_status()
             if status is None:  # not known loaded and alive here: ask, and load it if need be
+                instance.resident.difference_update(evict)  # not copied back if it loads again
                 status = await self._ensure_family(family)
-            if model in status["resident"]:
+            leaving = set(evict) & set(status["resident"])
+            if not evict and model in status["resident"]:
                 return
-            if len(status["resident"]) >= status["slots"]:
+            if model not in status["resident"] and len(status["resident"]) - len(leaving) >= status["slots"]:
                 status = await self._grow(family, status)
-                if model in status["resident"]:
-                    return
             try:
                 try:
-                    answer = await self._fill(family, model)
+                    answer = await self._fill(family, model, evict)
                 except (ModelNotFound, FamilyUnhealthy):  # unloaded, or its process died
+                    instance.resident.difference_update(evict)
                     status = await self._ensure_family(family)
-                    if model in status["resident"]:
+                    if model in status["resident"] and not set(evict) & set(status["resident"]):
                         return
-                    answer = await self._fill(family, model)
+                    answer = await self._fill(family, model, evict)
             except InvalidInput as exc:
                 raise ModelLoadFailed(f"{model} cannot go into a slot of family {family.name}: "
                                       f"{exc.message}") from exc
-        log.info("%s: copied into slot %s of family %s in %.1f ms (%d bytes)", model,
+        log.info("%s: copied into slot %s of family %s in %.1f ms (%d bytes)%s", model,
                  answer.get("slot"), family.name, 1000 * answer.get("seconds", 0.0),
-                 answer.get("bytes", 0))
+                 answer.get("bytes", 0), f", evicting {', '.join(evict)}" if evict else "")
 
     async def unload(self, model: str) -> None:
         family = self._changing(model)

@@ -134,10 +134,8 @@ class Loader:
                 raise
         else:
             size_bytes = await asyncio.to_thread(self.catalog.artifact_bytes, name)  # a file walk
-        for server in self.servers.values():
-            if server.up:
-                with contextlib.suppress(ControlPlaneError):
-                    await self.recency.refresh_usage(server)
+        # Recency is what requests reported (this one included) and what the last reconcile
+        # pass read from Triton's statistics: a miss asks Triton nothing before it places.
         deadline = time.monotonic() + self.config.capacity_wait_s
         while True:
             async with self.tasks.lock:
@@ -171,33 +169,42 @@ class Loader:
                 await asyncio.sleep(timeout_s)
         log.info("loading %s on %s (%d bytes), evicting %s", name, server.name, size_bytes, victims or "nothing")
 
-        # 1. Room.  The victims' unloads run; the load is sent once Triton confirms room for
-        # it, or at once where measured free memory holds it (overlap, package docstring).  A
-        # victim that does not free in time keeps its memory counted.
-        evictions = [self.unloader.unload_now(server, v, reason="evicted") for v in victims]
-        for fut in evictions:
-            fut.add_done_callback(retrieve)  # failures are raised below or logged
-        try:
-            overlapped = await self._wait_for_room(
-                server, name, size_bytes, evictions,
-                # The longest an unload in progress takes before it fails on its own.
-                time.monotonic() + self.config.drain_timeout_s + self.config.unload_timeout_s)
-        except BaseException as exc:
-            self.room.unqueue(server, name)
-            self.keeping.release_warm(name)
-            rec.move(previous_state if previous_state not in (ModelState.LOADING, ModelState.UNLOAD_FAILED)
-                     else ModelState.WARM, server=None)
-            self.keeping.metrics.loads.labels(server.name, "evict_failed").inc()
-            if isinstance(exc, ControlPlaneError):
-                raise OperationTimeout(
-                    f"could not free room for {name} on {server.name}: {exc}") from exc
-            raise
-        # No await between the room check and this: the next waiter sees this load as held.
-        self.room.send(server, name, size_bytes)
-        if overlapped:
-            log.info("loading %s on %s while %s still shut down: measured free memory holds it",
-                     name, server.name, ", ".join(v for v, f in zip(victims, evictions) if not f.done())
-                     or "models of other loads")
+        # 1. Room.  Victims a single request can replace (variants of the newcomer's family,
+        # in their slots) go with the load: Triton never holds both, nothing to wait for.
+        replacing = None
+        if victims and server.admin.replaces_in_one(name, victims):
+            self.room.send(server, name, size_bytes)
+            # Listed as the victims' unload now, before any await: a load of a victim waits.
+            replacing = self.unloader.replace(server, victims, name)
+            replacing.add_done_callback(retrieve)  # raised in step 2
+        else:
+            # The victims' unloads run; the load is sent once Triton confirms room for it, or
+            # at once where measured free memory holds it (overlap, package docstring).  A
+            # victim that does not free in time keeps its memory counted.
+            evictions = [self.unloader.unload_now(server, v, reason="evicted") for v in victims]
+            for fut in evictions:
+                fut.add_done_callback(retrieve)  # failures are raised below or logged
+            try:
+                overlapped = await self._wait_for_room(
+                    server, name, size_bytes, evictions,
+                    # The longest an unload in progress takes before it fails on its own.
+                    time.monotonic() + self.config.drain_timeout_s + self.config.unload_timeout_s)
+            except BaseException as exc:
+                self.room.unqueue(server, name)
+                self.keeping.release_warm(name)
+                rec.move(previous_state if previous_state not in (ModelState.LOADING, ModelState.UNLOAD_FAILED)
+                         else ModelState.WARM, server=None)
+                self.keeping.metrics.loads.labels(server.name, "evict_failed").inc()
+                if isinstance(exc, ControlPlaneError):
+                    raise OperationTimeout(
+                        f"could not free room for {name} on {server.name}: {exc}") from exc
+                raise
+            # No await between the room check and this: the next waiter sees this load as held.
+            self.room.send(server, name, size_bytes)
+            if overlapped:
+                log.info("loading %s on %s while %s still shut down: measured free memory holds it",
+                         name, server.name, ", ".join(v for v, f in zip(victims, evictions) if not f.done())
+                         or "models of other loads")
         for _ in victims:
             self.keeping.metrics.evictions.labels(server.name).inc()
 
@@ -206,7 +213,10 @@ class Loader:
         rec.loads += 1
         try:
             async with self.keeping.meter(server, name).measuring(server, name) as measured:
-                await server.admin.load(name)
+                if replacing is not None:
+                    await replacing
+                else:
+                    await server.admin.load(name)
                 warmup = await self.warm_up(server, name)
             if measured.bytes is not None:
                 await self._fit_measured(server, rec, measured.bytes)

@@ -72,30 +72,73 @@ class Unloader:
     async def _do_unload(self, server: TritonServer, name: str, reason: str) -> None:
         rec = self.book.records[name]
         rec.move(ModelState.UNLOADING)
-        # Drain: requests holding a lease finish first (bounded by drain_timeout_s).
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        # Only requests already sent to Triton are drained: requests still waiting for this
-        # model wait for the unload to finish, so waiting on them would deadlock.
-        while rec.active > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        if rec.active > 0:
-            log.warning("%s still has %d requests in flight after %.0fs; unloading anyway "
-                        "(Triton lets running requests finish)", name, rec.active,
-                        self.config.drain_timeout_s)
+        await self._drain([rec])
         start = time.monotonic()
         try:
             await server.admin.unload(name)
             await server.admin.wait_unavailable(name, self.config.unload_timeout_s)
         except ControlPlaneError as exc:
-            # Triton may still hold it: the server, and its room, stay counted until Triton
-            # confirms it gone (the reconcile retries after the backoff, as does a load).
-            # It holds its room again, promised to no load.
-            rec.failure = f"unload did not complete: {exc.message}"
-            rec.failed_at = time.monotonic()
-            rec.move(ModelState.UNLOAD_FAILED)
-            log.error("unload of %s on %s failed: %s", name, server.name, exc.message)
+            self._unload_failed(server, rec, exc)
             raise
-        # Free only once NVML shows the memory back (on a GPU; what is not back stays counted).
+        await self._unloaded(server, rec, reason, start)
+
+    def replace(self, server: TritonServer, victims: list[str], name: str) -> asyncio.Future:
+        """Evict ``victims`` and load ``name`` on ``server`` as one request
+        (``TritonAdmin.replaces_in_one``: a variant into the slots of its family's variants).
+        The victims' unloads are this one task, listed for each of them (a load of a victim
+        waits for it); it raises the load's failure, after the victims are unloaded one by
+        one as if the request had not been."""
+        task = asyncio.get_running_loop().create_task(self._do_replace(server, victims, name))
+        for victim in victims:
+            self.tasks.unloads[victim] = task
+            task.add_done_callback(lambda done, n=victim: self.tasks.unloads.pop(n, None)
+                                   if self.tasks.unloads.get(n) is done else None)
+        return asyncio.shield(task)
+
+    async def _do_replace(self, server: TritonServer, victims: list[str], name: str) -> None:
+        recs = [self.book.records[v] for v in victims]
+        for rec in recs:
+            rec.move(ModelState.UNLOADING)
+        await self._drain(recs)
+        start = time.monotonic()
+        try:
+            await server.admin.load_replacing(name, victims)
+        except ControlPlaneError:
+            # Whether the victims left with it is unknown: unload each on its own (a freed
+            # slot's evict is a no-op), so each ends warm, or holds its room until confirmed.
+            await asyncio.gather(*(self._do_unload(server, v, "evicted") for v in victims),
+                                 return_exceptions=True)
+            raise
+        for rec in recs:
+            await self._unloaded(server, rec, "evicted", start)
+
+    async def _drain(self, recs: list[ModelRecord]) -> None:
+        """Requests holding a lease on these models finish first (bounded by
+        ``drain_timeout_s``).  Only requests already sent to Triton are drained: requests
+        still waiting for a model wait for its unload to finish, so waiting on them would
+        deadlock."""
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while any(rec.active > 0 for rec in recs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for rec in recs:
+            if rec.active > 0:
+                log.warning("%s still has %d requests in flight after %.0fs; unloading anyway "
+                            "(Triton lets running requests finish)", rec.name, rec.active,
+                            self.config.drain_timeout_s)
+
+    def _unload_failed(self, server: TritonServer, rec: ModelRecord, exc: ControlPlaneError) -> None:
+        # Triton may still hold it: the server, and its room, stay counted until Triton
+        # confirms it gone (the reconcile retries after the backoff, as does a load).
+        # It holds its room again, promised to no load.
+        rec.failure = f"unload did not complete: {exc.message}"
+        rec.failed_at = time.monotonic()
+        rec.move(ModelState.UNLOAD_FAILED)
+        log.error("unload of %s on %s failed: %s", rec.name, server.name, exc.message)
+
+    async def _unloaded(self, server: TritonServer, rec: ModelRecord, reason: str, start: float) -> None:
+        """Triton confirmed ``rec`` gone from ``server``: its room is free once the memory is
+        back (NVML on a GPU; what is not back stays counted), and it is warm."""
+        name = rec.name
         await self.keeping.meter(server, name).released(server, name)
         freed_s = time.monotonic() - start
         self.keeping.metrics.unload_free_seconds.labels(server.name).observe(freed_s)

@@ -220,6 +220,16 @@ class TritonAdmin:
         and goes with the unload); FamilyAdmin says no for a family's variants."""
         return True
 
+    def replaces_in_one(self, model: str, victims: list[str]) -> bool:
+        """Whether ``load_replacing`` evicts ``victims`` and loads ``model`` in one request
+        (FamilyAdmin: a variant replacing variants of its family, in their slots).  Triton
+        loads and unloads models one call each."""
+        return False
+
+    async def load_replacing(self, model: str, victims: list[str]) -> None:
+        """Unload ``victims`` and load ``model`` as one request (``replaces_in_one``)."""
+        raise NotImplementedError(f"{self.grpc_url} loads {model} apart from its victims")
+
     async def is_live(self) -> bool:
         """Triton's ServerLive: answered by its front end even while every model instance
         computes, so a busy server answers and a frozen one does not.  False when it

@@ -18,7 +18,8 @@ Requests name their variant in the request parameter ``mms_variant`` (the router
 clients name the variant as a model).  A batch is grouped by variant and each group runs
 on its slot.  The control plane sends control requests (parameter ``mms_family_control``,
 JSON) to fill or free slots and to read what is resident; the answer is the output
-``MMS_FAMILY_STATUS``.  Requests are never sent to a slot being written: Triton runs one
+``MMS_FAMILY_STATUS``; a fill may name the variants to evict first (one request for a
+miss that replaces a variant).  Requests are never sent to a slot being written: Triton runs one
 ``execute`` at a time per instance and the family runs one instance, so a control request
 waits for the batch before it and the batch after it sees the new weights whole.
 
@@ -222,9 +223,17 @@ class FamilyModel:
             op = command.get("op")
             answer: dict = {}
             if op == "load":
+                # "evict": variants whose slots are freed first, in the same command: a miss
+                # that replaces a variant is one control request, and no batch runs between
+                # the two (the evicted variant's next request meets it gone).
+                evict = command.get("evict", [])
+                if not isinstance(evict, list):
+                    raise TypeError("'evict' is a list of variants")
+                freed = [slot for slot in map(self.bank.release, map(str, evict)) if slot is not None]
+                answer["evicted"] = freed
                 swap = self.bank.fill(command["variant"], command["path"])
                 self.swaps += 1 if swap.bytes else 0
-                answer = {"slot": swap.slot, "bytes": swap.bytes, "seconds": swap.seconds}
+                answer.update(slot=swap.slot, bytes=swap.bytes, seconds=swap.seconds)
             elif op == "evict":
                 answer = {"slot": self.bank.release(command["variant"])}
             elif op != "status":

@@ -80,6 +80,24 @@ def expected(variant: str, x: np.ndarray | None = None) -> np.ndarray:
     return x * scale + shift
 
 
+def family_requests(triton) -> int:
+    """Requests the scaler family model has answered, by Triton's own statistics (control
+    requests included: each is an inference of the family model)."""
+    stats = grpcclient.InferenceServerClient(triton.grpc_url).get_inference_statistics(
+        "scaler", as_json=True)["model_stats"][0]
+    return int(stats["inference_stats"].get("success", {}).get("count", 0) or 0)
+
+
+def wait_for_family_requests(triton, at_least: int, settle_s: float = 0.3) -> int:
+    """The family's request count once it reached ``at_least`` (Triton's statistics may lag
+    an answer by a moment) and ``settle_s`` later, so that a second request shows too."""
+    deadline = time.monotonic() + 10
+    while family_requests(triton) < at_least and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(settle_s)
+    return family_requests(triton)
+
+
 def ready(mgr: ModelManager) -> set[str]:
     return {m["model"] for m in mgr.status() if m["state"] == "ready"}
 
@@ -95,7 +113,21 @@ def test_variants_take_slots_by_lru_and_pins_and_each_answers_with_its_own_weigh
         await mgr.pin("globex")
         mgr.touch("acme")
         loads_before = triton_log_count(triton, "successfully loaded")
+        admin = mgr.servers["triton0"].admin
+        statistics_calls = []
+        real_statistics = admin.statistics
+
+        async def counted_statistics():
+            statistics_calls.append(time.monotonic())
+            return await real_statistics()
+
+        admin.statistics = counted_statistics
+        requests_before = family_requests(triton)
         await mgr.ensure("initech")  # evicts acme: globex is pinned
+        # One control request freed acme's slot and copied initech in, and the miss asked
+        # Triton for no statistics (recency comes from requests and the reconcile pass).
+        assert wait_for_family_requests(triton, requests_before + 1) == requests_before + 1
+        assert statistics_calls == []
         # A copy into acme's slot: Triton loaded nothing (no new process, no model load).
         assert triton_log_count(triton, "successfully loaded") == loads_before
         assert ready(mgr) == {"globex", "initech"}

@@ -59,8 +59,9 @@ def test_lru_order_with_recency_from_inference_and_ensure(triton, repository, tm
         await mgr.start()
         for name in ("cust001", "cust002", "cust003"):
             await mgr.ensure(name)
-        # An inference sent straight to Triton refreshes cust001's recency, once Triton's
-        # statistics show it (they may lag the answer by a moment on a busy machine).
+        # An inference sent straight to Triton refreshes cust001's recency at the next
+        # reconcile pass, once Triton's statistics show it (they may lag the answer by a
+        # moment on a busy machine); a miss itself asks Triton nothing before it places.
         admin = mgr.servers["triton0"].admin
         before = int((await admin.statistics())["cust001"].get("last_inference", 0) or 0)
         await asyncio.to_thread(infer, triton.grpc_url, "cust001")
@@ -68,6 +69,7 @@ def test_lru_order_with_recency_from_inference_and_ensure(triton, repository, tm
         while int((await admin.statistics())["cust001"].get("last_inference", 0) or 0) <= before:
             assert time.monotonic() < deadline, "Triton's statistics never showed the inference"
             await asyncio.sleep(0.05)
+        await mgr.step()
         await mgr.ensure("cust004")  # evicts cust002, not cust001
         assert loaded(mgr) == {"cust001", "cust003", "cust004"}
         await mgr.ensure("cust003")  # an ensure refreshes recency too

@@ -38,8 +38,23 @@ class FakeAdmin:
         self.plans: dict = {}  # model -> WarmupPlan; default: no own warm-up, synthetic on
         self.warmup_calls: list[str] = []
 
+        # Models whose loads may evict their victims in the same request (a family's
+        # variants), and those requests as (model, victims).
+        self.in_one_request: set[str] = set()
+        self.replace_calls: list[tuple[str, list[str]]] = []
+
     def measured(self, model):
         return True
+
+    def replaces_in_one(self, model, victims):
+        return bool(victims) and {model, *victims} <= self.in_one_request
+
+    async def load_replacing(self, model, victims):
+        self.replace_calls.append((model, list(victims)))
+        for victim in victims:
+            if self.states.get(victim) == TritonModelState.READY:
+                self.states[victim] = TritonModelState.UNAVAILABLE
+        await self.load(model)
 
     async def is_live(self):  # the liveness probe: this Triton always answers
         return True
@@ -797,5 +812,62 @@ def test_a_model_loaded_while_a_reconcile_reads_the_index_is_not_forgotten(tmp_p
         await step
         assert mgr.get("m1").state == ModelState.READY
         assert "m1" in mgr.servers["s0"].planner.residents
+
+    run(go())
+
+
+def test_a_miss_that_replaces_in_one_request_sends_one_and_its_victim_ends_warm(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path)
+        admin.in_one_request = set(MODELS)
+        await mgr.start()
+        await mgr.ensure("m1")
+        await mgr.ensure("m2")
+        await mgr.ensure("m3")  # full: m1 goes, in the request that loads m3
+        assert admin.replace_calls == [("m3", ["m1"])]
+        assert admin.load_calls == ["m1", "m2", "m3"]  # no separate unload, no second load
+        assert mgr.get("m1").state == ModelState.WARM and mgr.get("m3").state == ModelState.READY
+        assert mgr.servers["s0"].planner.used_slots == 2
+        assert mgr.metrics.evictions.labels("s0")._value.get() == 1
+
+    run(go())
+
+
+def test_a_load_of_the_victim_waits_for_the_request_that_replaces_it(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path)
+        admin.in_one_request = set(MODELS)
+        await mgr.start()
+        await mgr.ensure("m1")
+        await mgr.ensure("m2")
+        admin.load_delay_s = 0.1
+        mgr.touch("m2")
+        replacing = asyncio.get_running_loop().create_task(mgr.ensure("m3"))
+        await asyncio.sleep(0.02)  # m3's request is in flight, m1 listed as unloading
+        assert mgr.get("m1").state == ModelState.UNLOADING
+        back = await mgr.ensure("m1")  # waits for it, then evicts m2 for m1
+        await replacing
+        assert back.state == ModelState.READY
+        assert {r["model"] for r in mgr.status() if r["state"] == "ready"} == {"m1", "m3"}
+        assert {m for m, s in admin.states.items() if s == TritonModelState.READY} == {"m1", "m3"}
+
+    run(go())
+
+
+def test_a_failed_replacing_request_unloads_the_victim_alone_and_fails_the_load(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path, failure_backoff_s=30)
+        admin.in_one_request = set(MODELS)
+        admin.fail_load.add("m3")
+        await mgr.start()
+        await mgr.ensure("m1")
+        await mgr.ensure("m2")
+        with pytest.raises(ModelLoadFailed, match="boom"):
+            await mgr.ensure("m3")
+        assert mgr.get("m3").state == ModelState.FAILED
+        assert mgr.get("m1").state == ModelState.WARM  # unloaded on its own, nothing counted
+        assert mgr.servers["s0"].planner.used_slots == 1
+        await mgr.ensure("m4")  # the room is there
+        assert mgr.get("m4").state == ModelState.READY
 
     run(go())
