@@ -361,3 +361,8 @@ DATAPLANE_TOKEN = Setting(
     env="MMS_DATAPLANE_TOKEN", secret=True)
 MIN_TOKEN_CHARS = 16  # an admin token given by hand (a generated one has 43)
 LOG_LEVEL = Setting("INFO", "DEBUG, INFO, WARNING or ERROR.", flag="--log-level")
+TRACE_EXPORTER = Setting(
+    None, "Request tracing with OpenTelemetry, off when unset: otlp (OTLP over HTTP to "
+    "OTEL_EXPORTER_OTLP_ENDPOINT; otlp=URL names it), console (JSON lines on stderr) or "
+    "file=PATH (JSON lines appended to PATH). The router passes the W3C traceparent on to "
+    "Triton.", flag="--trace-exporter", env="MMS_TRACE_EXPORTER")

@@ -16,6 +16,7 @@ from domain.settings import (
     ADMIN_TOKEN,
     DATAPLANE_TOKEN,
     LOG_LEVEL,
+    TRACE_EXPORTER,
     file_path,
     parse_argv,
     setting,
@@ -67,6 +68,7 @@ class WorkerConfig:
     dataplane_token: str | None = DATAPLANE_TOKEN.field()
     admin_token: str | None = ADMIN_TOKEN.field()
     log_level: str = LOG_LEVEL.field()
+    trace_exporter: str | None = TRACE_EXPORTER.field()
     # Plumbing from mmctl up's supervisor: files and folders in its run directory.
     shadow_log_dir: Path | None = setting(
         None, "Where shadow comparisons are written.", flag="--shadow-log-dir", parse=Path,

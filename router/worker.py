@@ -22,6 +22,7 @@ from dataclasses import asdict
 
 from aiohttp import web
 
+from domain import tracing
 from domain.worker_settings import WorkerConfig, parse_worker_argv
 from router.assembly import Router, RouterConfig
 from router.frontends.grpc_frontend import start_grpc
@@ -55,6 +56,7 @@ def read_token(args: WorkerConfig) -> str:
 
 
 async def serve(args: WorkerConfig) -> None:
+    tracing.configure(args.trace_exporter, "mms-router")
     state = RemoteState(args.control_url, read_token(args), args.worker,
                         request_timeout_s=args.load_timeout + 10)
     await state.start()

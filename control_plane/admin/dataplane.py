@@ -32,6 +32,7 @@ from control_plane.dataplane.reports import (
 )
 from control_plane.dataplane.workers import WorkerRegistry
 from control_plane.rollouts.owner import CANARY_INTERVAL_S, Rollouts
+from domain import tracing
 from domain.errors import InvalidInput
 from domain.periodic import run_periodically
 
@@ -223,7 +224,8 @@ class DataPlaneHub:
         unreachable = body.get("unreachable")
         if unreachable is not None and not isinstance(unreachable, str):
             raise InvalidInput("'unreachable' names the server a request could not reach")
-        server = await self.manager.ensure_for_request(model, unreachable=unreachable)
+        with tracing.span("ensure", tracing.SpanKind.SERVER, parent=request.headers, model=model):
+            server = await self.manager.ensure_for_request(model, unreachable=unreachable)
         return web.json_response({"model": model, "server": server.name,
                                   "grpc_url": server.spec.grpc_url,
                                   "http_url": server.spec.http_url, "up": bool(server.up)})

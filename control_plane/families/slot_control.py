@@ -51,7 +51,7 @@ from control_plane.triton.admin import (
     WarmupPlan,
     warmup_plan,
 )
-from domain import model_config
+from domain import model_config, tracing
 from domain.errors import (
     CapacityExhausted,
     ControlPlaneError,
@@ -218,10 +218,14 @@ class FamilyAdmin(TritonAdmin):
         family is not loaded here; InvalidInput / CapacityExhausted for refused commands."""
         plan = await self._plan(family)
         try:
-            result = await self.client.infer(
-                family.name, self._inputs(plan), outputs=[InferRequestedOutput(STATUS_OUTPUT)],
-                parameters={CONTROL_PARAMETER: json.dumps({**command, "key": self.families.control_key})},
-                client_timeout=self.timeouts.load_s)
+            with tracing.span(f"family.{command.get('op')}", tracing.SpanKind.CLIENT,
+                              model=command.get("variant"), family=family.name,
+                              evicting=",".join(command.get("evict", ())) or None,
+                              server=self.grpc_url):
+                result = await self.client.infer(
+                    family.name, self._inputs(plan), outputs=[InferRequestedOutput(STATUS_OUTPUT)],
+                    parameters={CONTROL_PARAMETER: json.dumps({**command, "key": self.families.control_key})},
+                    headers=tracing.inject() or None, client_timeout=self.timeouts.load_s)
         except InferenceServerException as exc:
             status = str(exc.status() or "")
             msg = (exc.message() or str(exc)).strip()

@@ -24,6 +24,7 @@ from control_plane.manager.records import (
 from control_plane.manager.room import RoomLedger
 from control_plane.manager.unloader import Unloader, retrieve
 from control_plane.manager.warmup import warm_up
+from domain import tracing
 from domain.errors import (
     CapacityExhausted,
     ControlPlaneError,
@@ -86,7 +87,7 @@ class Loader:
         if task is None:
             metrics = self.keeping.metrics
             metrics.misses.labels(metrics.model_label(name)).inc()
-            task = asyncio.get_running_loop().create_task(self._load(name))
+            task = asyncio.get_running_loop().create_task(self._traced_load(name))
             self.tasks.loads[name] = task
             task.add_done_callback(lambda _t, n=name: self.tasks.loads.pop(n, None))
         return await asyncio.shield(task)
@@ -100,6 +101,10 @@ class Loader:
         except CapacityExhausted:
             self.keeping.metrics.capacity_errors.inc()
             raise
+
+    async def _traced_load(self, name: str) -> ModelRecord:
+        with tracing.span("load", model=name):
+            return await self._load(name)
 
     async def _load(self, name: str) -> ModelRecord:
         pending_unload = self.tasks.unloads.get(name)

@@ -26,6 +26,7 @@ from domain.settings import (
     MIN_TOKEN_CHARS,
     MULTIPLE,
     SWITCH,
+    TRACE_EXPORTER,
     comma_list,
     declared,
     file_path,
@@ -172,6 +173,7 @@ class ServiceConfig:
         2.0, "Seconds between passes that compare with each Triton and repair.",
         flag="--reconcile-interval", parse=float)
     log_level: str = LOG_LEVEL.field()
+    trace_exporter: str | None = TRACE_EXPORTER.field()
     # ----------------------------------------------------- settings of mmctl up alone
     # Write the demo fleet (fleet_size models, the LoRA demo) into the repository where
     # missing.  None: mmctl up decides (when no --repository); a control plane of a cluster

@@ -44,6 +44,7 @@ from control_plane.runtime.tritons import TritonFleet, check_model_control, free
 from control_plane.state.secret_files import ensure_private_dir, ensure_secret_file
 from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import admin_key_headers
+from domain import tracing
 from domain.periodic import guarded_step, run_periodically
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,7 @@ class Service:
         from control_plane.tiers.warm import WarmTier
 
         cfg = self.cfg
+        tracing.configure(cfg.trace_exporter, "mms-control-plane")
         ensure_private_dir(cfg.state_dir)
         self.repository = cfg.repository_dir
         store = StateStore(self.open_state())

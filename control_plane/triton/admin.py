@@ -36,6 +36,7 @@ from domain.errors import (
     OperationTimeout,
     TritonUnavailable,
 )
+from domain.tracing import traced
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +249,7 @@ class TritonAdmin:
         however large the repository)."""
         return await self.triton_index(ready_only)
 
+    @traced("triton.index")
     async def triton_index(self, ready_only: bool = False) -> dict[str, IndexEntry]:
         """Triton's own repository index."""
         try:
@@ -289,6 +291,7 @@ class TritonAdmin:
                   if self.load_config is not None else None)
         await self.load_with(model, config)
 
+    @traced("triton.load")
     async def load_with(self, model: str, config: str | None) -> None:
         """Triton's load of ``model`` with the load API's config override ``config`` (JSON;
         None: its config.pbtxt as it is), its refusals translated once."""
@@ -301,6 +304,7 @@ class TritonAdmin:
                 raise ModelNotFound(f"{model} is not in Triton's model repository: {msg}") from exc
             raise self._translate(exc, "load", model, self.timeouts.load_s) from exc
 
+    @traced("triton.unload")
     async def unload(self, model: str) -> None:
         """Ask Triton to unload; returns before memory is freed (see wait_unavailable)."""
         if self.guard is not None:
@@ -334,6 +338,7 @@ class TritonAdmin:
             await asyncio.sleep(delay)
             delay = min(delay * 2, UNLOAD_POLL_MAX_S)
 
+    @traced("triton.statistics")
     async def statistics(self) -> dict[str, dict]:
         """Per-model inference statistics (``last_inference`` in ms since the epoch)."""
         try:
@@ -344,6 +349,7 @@ class TritonAdmin:
             raise self._unavailable(exc) from exc
         return {s["name"]: s for s in resp.get("model_stats", [])}
 
+    @traced("triton.model_config")
     async def warmup_plan(self, model: str) -> WarmupPlan:
         """How ``model`` is warmed up, from the config Triton loaded (see ``warmup_plan``)."""
         try:
@@ -360,6 +366,7 @@ class TritonAdmin:
             plan = await self.warmup_plan(model)
         return await self.infer_synthetic(model, plan, model)
 
+    @traced("triton.warmup")
     async def infer_synthetic(self, triton_model: str, plan: WarmupPlan, model: str,
                               parameters: dict[str, str] | None = None) -> float:
         """One synthetic inference shaped by ``plan`` on ``triton_model`` (``model``: the name

@@ -123,7 +123,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             self.router.shared_memory.admit(request, context.peer(), self.max_request_bytes)
             return await self.router.forwarder.infer(request, _user_id(request, context),
-                                                   context.time_remaining())
+                                                   context.time_remaining(),
+                                                   lambda: dict(context.invocation_metadata()))
         except RouterError as exc:  # Triton's own answers (shape, dtype, ...) included
             await _abort(context, exc)
 
@@ -244,7 +245,8 @@ def model_infer_raw(router: Router, max_request_bytes: int):
         try:
             router.shared_memory.admit_raw(raw, context.peer(), max_request_bytes)
             return await router.forwarder.infer_raw(raw, lambda: _metadata_user_id(context),
-                                                    context.time_remaining())
+                                                    context.time_remaining(),
+                                                    lambda: dict(context.invocation_metadata()))
         except RouterError as exc:  # Triton's own answers (shape, dtype, ...) included
             await _abort(context, exc)
 

@@ -17,6 +17,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
+from domain import tracing
 from domain.router_errors import BackendUnavailable, InvalidRequest, RouterError, UpstreamError
 from router.frontends.shared_memory import SystemSharedMemory
 from router.frontends.shared_memory_requests import uses_shared_memory
@@ -136,6 +137,8 @@ class _TypedExchange(_GrpcExchange):
         return request
 
     def attempt(self, server: ServerAddress, message, left_s: float):
+        if tracing.enabled():
+            return self.channels.typed_infer(server)(message, timeout=left_s, metadata=_trace_metadata())
         return self.channels.typed_infer(server)(message, timeout=left_s)
 
     def answer(self, call: Call, answer, naming: Naming, mirrored: bool):
@@ -174,6 +177,8 @@ class _RawExchange(_GrpcExchange):
         return self.raw
 
     def attempt(self, server: ServerAddress, message, left_s: float):
+        if tracing.enabled():
+            return self.channels.raw_infer(server)(message, timeout=left_s, metadata=_trace_metadata())
         return self.channels.raw_infer(server)(message, timeout=left_s)
 
     def answer(self, call: Call, answer, naming: Naming, mirrored: bool):
@@ -199,20 +204,22 @@ class Forwarder:
         self.shared_memory = shared_memory
 
     def _inference(self, request: service_pb2.ModelInferRequest, user_id: str | None,
-                   timeout_s: float | None) -> Inference:
+                   timeout_s: float | None, headers=None) -> Inference:
         return self.pipeline.inference(request.model_name, request.model_version,
                                        request.parameters, (i.name for i in request.inputs),
-                                       _adapter_parameter(request), user_id, timeout_s)
+                                       _adapter_parameter(request), user_id, timeout_s, headers)
 
     async def infer(self, request: service_pb2.ModelInferRequest, user_id: str | None,
-                    timeout_s: float | None = None) -> service_pb2.ModelInferResponse:
-        """Route one ModelInferRequest.  Raises RouterError (Triton's own answers included)."""
+                    timeout_s: float | None = None, headers=None) -> service_pb2.ModelInferResponse:
+        """Route one ModelInferRequest.  Raises RouterError (Triton's own answers included).
+        ``headers()``: the call's metadata (a client's ``traceparent``)."""
         pipeline = self.pipeline
         return await pipeline.infer(
-            self._inference(request, user_id, timeout_s),
+            self._inference(request, user_id, timeout_s, headers),
             _TypedExchange(pipeline.sender.channels, pipeline, request, self.shared_memory))
 
-    async def infer_raw(self, raw: bytes, metadata_user_id, timeout_s: float | None = None) -> bytes:
+    async def infer_raw(self, raw: bytes, metadata_user_id, timeout_s: float | None = None,
+                        headers=None) -> bytes:
         """ModelInfer on serialized bytes: parse once to route, forward the bytes as they are.
         ``metadata_user_id()``: the user id of the call's metadata, asked for only when the
         request has no ``user_id`` parameter."""
@@ -223,9 +230,9 @@ class Forwarder:
         param = request.parameters.get("user_id")
         user_id = param.string_param if param is not None and param.string_param else metadata_user_id()
         if uses_shared_memory(request):  # tensors are read and written here: the typed path
-            return (await self.infer(request, user_id, timeout_s)).SerializeToString()
+            return (await self.infer(request, user_id, timeout_s, headers)).SerializeToString()
         pipeline = self.pipeline
-        return await pipeline.infer(self._inference(request, user_id, timeout_s),
+        return await pipeline.infer(self._inference(request, user_id, timeout_s, headers),
                                     _RawExchange(pipeline.sender.channels, pipeline, request, raw))
 
     def _model_override(self, model: str, adapter: str | None = None) -> bytes:
@@ -235,3 +242,8 @@ class Forwarder:
     def _response_suffix(self, asked: str, decision) -> bytes:
         """The bytes that name Triton's raw answer as the client asked for it."""
         return _suffix(self.pipeline.naming(asked, decision))
+
+
+def _trace_metadata() -> tuple | None:
+    """The request's trace context for Triton (``traceparent``) as gRPC metadata."""
+    return tuple(tracing.inject().items()) or None

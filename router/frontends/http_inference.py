@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
+from domain import tracing
 from domain.router_errors import BackendUnavailable, PayloadTooLarge, RequestTimeout, RouterError
 from router.frontends.http_request import (
     HEADER_LENGTH,
@@ -100,7 +101,7 @@ class HttpExchange:
     async def attempt(self, server: ServerAddress, message, left_s: float):
         body, headers = message
         async with self.session.post(f"http://{server.http_url}{self.path}", data=body,
-                                     headers=headers,
+                                     headers=tracing.inject(dict(headers)) if tracing.enabled() else headers,
                                      timeout=aiohttp.ClientTimeout(total=left_s)) as resp:
             return (await resp.read(), resp.status, resp.headers.get(HEADER_LENGTH),
                     resp.headers.get("Content-Type", "application/json"))
@@ -180,7 +181,8 @@ async def infer(router: Router, session: aiohttp.ClientSession, request: web.Req
     pipeline = router.pipeline
     inference = pipeline.inference(request.match_info["model"], version, params, parsed.input_names,
                                    params.get("adapter") or None,
-                                   str(user_id) if user_id is not None else None, None)
+                                   str(user_id) if user_id is not None else None, None,
+                                   lambda: request.headers)
     exchange = HttpExchange(pipeline, session, shared_memory, parsed,
                             request.headers.get("Content-Type", "application/json"),
                             router.config.request_timeout_s)

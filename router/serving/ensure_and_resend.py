@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from domain import errors as cp
+from domain import tracing
 from domain.errors import ControlPlaneError
 from domain.router_errors import (
     BackendUnavailable,
@@ -160,7 +161,8 @@ class Sender:
         try:
             ensuring = (self.state.ensure(model) if unreachable is None
                         else self.state.ensure(model, unreachable=unreachable))
-            server = await asyncio.wait_for(ensuring, self.config.load_timeout_s)
+            with tracing.span("ensure", tracing.SpanKind.CLIENT, model=model, unreachable=unreachable):
+                server = await asyncio.wait_for(ensuring, self.config.load_timeout_s)
             counted = True
             if call is not None:
                 call.holds += 1
@@ -276,8 +278,10 @@ class Sender:
         resends = 0
         while True:
             try:
-                outcome = await self.down_watch.wait(
-                    server, attempt(server, max(0.001, deadline - time.monotonic())))
+                with tracing.span("triton.infer", tracing.SpanKind.CLIENT, server=server.name,
+                                  resend=resends or None):
+                    outcome = await self.down_watch.wait(
+                        server, attempt(server, max(0.001, deadline - time.monotonic())))
                 why = resend_for(outcome)
             except ServerDown as exc:
                 outcome, why = exc, Resend.UNREACHABLE

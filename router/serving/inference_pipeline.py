@@ -17,10 +17,11 @@ and registry version, so the hot path looks it up instead of building it.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from domain import tracing
 from domain.router_errors import InvalidRequest, PermissionDenied, RouterError, parse_version
 from domain.routes import Decision
 from model_runtime.family.protocol import CONTROL_PARAMETER, VARIANT_PARAMETER
@@ -68,6 +69,7 @@ class Inference:
     logical: str
     user_id: str | None
     timeout_s: float | None
+    trace_parent: Mapping[str, str] | None = None  # the client's headers, when tracing is on
 
 
 @dataclass(slots=True)
@@ -136,18 +138,26 @@ class InferencePipeline:
 
     # ------------------------------------------------------------------ decode
     def inference(self, asked: str, version: str, parameters: Mapping, input_names: Iterable[str],
-                  adapter: str | None, user_id: str | None, timeout_s: float | None) -> Inference:
+                  adapter: str | None, user_id: str | None, timeout_s: float | None,
+                  headers: Callable[[], Mapping[str, str]] | None = None) -> Inference:
         """The neutral request: version parsed, model control refused, the adapter checks
-        done (``Decider.public_name``)."""
+        done (``Decider.public_name``).  ``headers``: the request's headers (a client's
+        ``traceparent``), read only while tracing is on."""
         version = parse_version(version) if version else ""
         refuse_family_control(parameters)
         logical = self.decider.public_name(asked, input_names, adapter)
-        return Inference(asked, version, logical, user_id, timeout_s)
+        parent = headers() if headers is not None and tracing.enabled() else None
+        return Inference(asked, version, logical, user_id, timeout_s, parent)
 
     # ------------------------------------------------------------------ the pipeline
     async def infer(self, inference: Inference, exchange: Exchange):
         """Serve ``inference`` through ``exchange``; returns what the exchange answers.
         Raises RouterError (Triton's own answers included, about the name asked for)."""
+        with tracing.span("infer", tracing.SpanKind.SERVER, parent=inference.trace_parent,
+                          model=inference.asked):
+            return await self._infer(inference, exchange)
+
+    async def _infer(self, inference: Inference, exchange: Exchange):
         async with self.sender.serving(inference.logical, inference.user_id,
                                        inference.version) as call:
             decision = call.decision

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
+from domain import tracing
 from domain.errors import ERRORS_BY_CODE, ControlPlaneError
 from domain.public_names import PublicNames
 from domain.router_errors import BackendUnavailable
@@ -160,7 +161,8 @@ class RemoteState:
         url = self.control_url
         try:
             async with self.session.request(method, url + path, json=body, params=params,
-                                            headers=self.headers,
+                                            headers=tracing.inject(dict(self.headers))
+                                            if tracing.enabled() else self.headers,
                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 data = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:

@@ -308,7 +308,7 @@ def everything_changed() -> ServiceConfig:
                          router_http_port=9000, max_request_bytes=3 << 20,
                          load_wait_timeout_s=7.5, log_level="DEBUG", router_workers=2,
                          admin_token="tok", dataplane_token="dataplane-tok", miss_budget=0.5,
-                         client_header="x-forwarded-for")
+                         client_header="x-forwarded-for", trace_exporter="otlp")
 
 
 def test_the_worker_gets_every_setting_it_shares_with_the_control_plane():
