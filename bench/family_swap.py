@@ -38,15 +38,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+import requests
 import torch
 import tritonclient.grpc as grpcclient
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from control_plane.admin.access import DATAPLANE_TOKEN_FILE_NAME
 from control_plane.demo.reference import expected_scores, scores_match
 from tests.product import Product
 
@@ -134,62 +137,145 @@ def light_repository(args) -> Path:
     return repo
 
 
-def run_layout(layout: str, args, work: Path) -> dict:
+def empty_ensure_seconds(product: Product, model: str, count: int) -> list[float]:
+    """Round trips of the router workers' ensure call (``/v1/dataplane/ensure``) for a model
+    that is loaded: the control plane answers at once, so this is the call's own cost, timed
+    from this process with the workers' token.  Each ensure's hold is ended after it (the
+    ``answered`` call, untimed), as a worker does."""
+    token = (product.state_dir / DATAPLANE_TOKEN_FILE_NAME).read_text().strip()
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {token}"
+    times = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        answer = session.post(product.url + "/v1/dataplane/ensure", json={"model": model}, timeout=30)
+        times.append(time.perf_counter() - t0)
+        answer.raise_for_status()
+        session.post(product.url + "/v1/dataplane/answered", json={"model": model, "count": 1},
+                     timeout=30).raise_for_status()
+    return times
+
+
+def read_spans(path: Path) -> list[dict]:
+    spans = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                span = json.loads(line)
+                for key in ("start_time", "end_time"):
+                    span[key] = datetime.fromisoformat(span[key]).timestamp()
+                spans.append(span)
+    return spans
+
+
+def miss_traces(spans: list[dict]) -> dict:
+    """Per miss (a router request whose trace holds a load): the calls to another process that
+    ended before the inference was sent (the round trips the client waited for), and the
+    median duration of each span of a miss.  Counted from the product's own spans."""
+    by_trace: dict[str, list[dict]] = {}
+    for span in spans:
+        by_trace.setdefault(span["context"]["trace_id"], []).append(span)
+    round_trips, durations, family_loads = [], {}, 0
+    for trace in by_trace.values():
+        names = {s["name"] for s in trace}
+        if "infer" not in names or "load" not in names or "triton.infer" not in names:
+            continue
+        if "triton.load" in names:  # the family model's own load (its first variant): not a copy
+            family_loads += 1
+            continue
+        sent = min(s["start_time"] for s in trace if s["name"] == "triton.infer")
+        before = sorted((s for s in trace if s["kind"] == "SpanKind.CLIENT" and s["end_time"] <= sent),
+                        key=lambda s: s["start_time"])
+        round_trips.append([s["name"] for s in before])
+        for s in trace:
+            side = s["resource"]["attributes"].get("service.name", "?").removeprefix("mms-")
+            durations.setdefault(f"{s['name']} ({side})", []).append(s["end_time"] - s["start_time"])
+    counts = [len(r) for r in round_trips]
+    return {"misses": len(round_trips), "family_model_loads_left_out": family_loads,
+            "round_trips_before_inference": {"max": max(counts, default=0),
+                                             "median": float(np.median(counts)) if counts else 0,
+                                             "calls": sorted({" + ".join(r) for r in round_trips})},
+            "span_p50_ms": {name: round(float(np.median(d)) * 1000, 3)
+                            for name, d in sorted(durations.items())}}
+
+
+def run_layout(layout: str, args, work: Path, traced: bool = False, misses_only: int = 0) -> dict:
+    """One ``mmctl up`` of ``layout``, timed.  ``traced``: with the product's spans on, written
+    to a file and read back once it stopped (``traces``: the round trips of each miss).
+    ``misses_only``: just that many misses after the first request (a run that counts; its
+    timings would include the tracing)."""
     repo = light_repository(args) if args.light_fleet and layout == "family" else None
+    spans_file = work / f"{layout}-spans.jsonl"
     started = time.perf_counter()
     try:
-        product = Product(work / layout, repo, "--fleet-size", str(args.variants), "--model-size-mb",
+        product = Product(work / (layout + ("-traced" if traced else "")), repo,
+                          "--fleet-size", str(args.variants), "--model-size-mb",
                           str(args.size_mb), "--max-loaded", str(args.slots), "--fleet-layout", layout,
-                          "--policy", "lru", "--router-workers", "1").start()
+                          "--policy", "lru", "--router-workers", "1",
+                          *(["--trace-exporter", f"file={spans_file}"] if traced else [])).start()
     except BaseException:
         if repo is not None:
             shutil.rmtree(repo.parent, ignore_errors=True)
         raise
-    print(f"{layout}: mmctl up ready in {time.perf_counter() - started:.1f}s", flush=True)
+    print(f"{layout}: mmctl up ready in {time.perf_counter() - started:.1f}s"
+          + (" (traced)" if traced else ""), flush=True)
     try:
-        client = grpcclient.InferenceServerClient(product.json("endpoints")["router_grpc"])
-        x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
-        x.set_data_from_numpy(np.ones((1, 64), np.float32))
-        names = [f"cust{i:03d}" for i in range(1, args.variants + 1)]
-        answers: dict[str, set[float]] = {}  # each variant's distinct answers, checked at the end
-
-        def timed(name: str) -> float:
-            t0 = time.perf_counter()
-            got = client.infer(name, [x], client_timeout=300)
-            elapsed = time.perf_counter() - t0
-            answers.setdefault(name, set()).add(float(got.as_numpy("SCORES")[0, 0]))
-            return elapsed
-
-        first_s = timed(names[0])  # the family model's own load (once per server), or a load
-        for _ in range(20):
-            timed(names[0])
-        hits = [timed(names[0]) for _ in range(args.hits)]
-        misses = []
-        for _ in range(args.rounds):
-            misses += [timed(n) for n in names]
-        out = {"layout": layout, "first_request_s": round(first_s, 3), "hit": percentiles(hits),
-               "miss": percentiles(misses)}
-        out["miss_minus_hit_p50_ms"] = round(out["miss"]["p50_ms"] - out["hit"]["p50_ms"], 3)
-        if layout == "family":
-            rss_before, gpu_before = family_rss_bytes(), gpu_used_mib()
-            t0 = time.perf_counter()
-            cycles = [timed(names[i % len(names)]) for i in range(args.cycles)]
-            out["cycles"] = {"count": args.cycles, "seconds": round(time.perf_counter() - t0, 1),
-                             "latency": percentiles(cycles), "rss_before_bytes": rss_before,
-                             "rss_after_bytes": family_rss_bytes(), "gpu_used_before_mib": gpu_before,
-                             "gpu_used_after_mib": gpu_used_mib()}
-            families = product.json("family", "list")
-            out["slot_bytes"] = families[0]["slot_bytes"]
-            out["slots"] = next(iter(families[0]["servers"].values()))["slots"]
-            out["family_servers"] = families[0]["servers"]
-        out["answers"] = check_answers(Path(product.json("endpoints")["repository"]), layout, answers)
-        out["fleet"] = product.json("fleet")
-        out["fleet_written_by"] = "bench (--light-fleet)" if repo is not None else "mmctl up's demo"
-        return out
+        out = measure(product, layout, args, misses_only)
     finally:
-        product.stop()
+        product.stop()  # the processes flush their spans as they exit
         if repo is not None:
             shutil.rmtree(repo.parent, ignore_errors=True)
+    if traced:
+        out["traces"] = miss_traces(read_spans(spans_file))
+    return out
+
+
+def measure(product: Product, layout: str, args, misses_only: int) -> dict:
+    client = grpcclient.InferenceServerClient(product.json("endpoints")["router_grpc"])
+    x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
+    x.set_data_from_numpy(np.ones((1, 64), np.float32))
+    names = [f"cust{i:03d}" for i in range(1, args.variants + 1)]
+    answers: dict[str, set[float]] = {}  # each variant's distinct answers, checked at the end
+
+    def timed(name: str) -> float:
+        t0 = time.perf_counter()
+        got = client.infer(name, [x], client_timeout=300)
+        elapsed = time.perf_counter() - t0
+        answers.setdefault(name, set()).add(float(got.as_numpy("SCORES")[0, 0]))
+        return elapsed
+
+    first_s = timed(names[0])  # the family model's own load (once per server), or a load
+    for _ in range(20):
+        timed(names[0])
+    repository = Path(product.json("endpoints")["repository"])
+    if misses_only:
+        for i in range(misses_only):
+            timed(names[i % len(names)])
+        return {"layout": layout, "answers": check_answers(repository, layout, answers)}
+    hits = [timed(names[0]) for _ in range(args.hits)]
+    ensures = empty_ensure_seconds(product, names[0], args.hits)
+    misses = []
+    for _ in range(args.rounds):
+        misses += [timed(n) for n in names]
+    out = {"layout": layout, "first_request_s": round(first_s, 3), "hit": percentiles(hits),
+           "empty_ensure": percentiles(ensures), "miss": percentiles(misses)}
+    out["miss_minus_hit_p50_ms"] = round(out["miss"]["p50_ms"] - out["hit"]["p50_ms"], 3)
+    if layout == "family":
+        rss_before, gpu_before = family_rss_bytes(), gpu_used_mib()
+        t0 = time.perf_counter()
+        cycles = [timed(names[i % len(names)]) for i in range(args.cycles)]
+        out["cycles"] = {"count": args.cycles, "seconds": round(time.perf_counter() - t0, 1),
+                         "latency": percentiles(cycles), "rss_before_bytes": rss_before,
+                         "rss_after_bytes": family_rss_bytes(), "gpu_used_before_mib": gpu_before,
+                         "gpu_used_after_mib": gpu_used_mib()}
+        families = product.json("family", "list")
+        out["slot_bytes"] = families[0]["slot_bytes"]
+        out["slots"] = next(iter(families[0]["servers"].values()))["slots"]
+        out["family_servers"] = families[0]["servers"]
+    out["answers"] = check_answers(repository, layout, answers)
+    out["fleet"] = product.json("fleet")
+    out["fleet_written_by"] = "bench (--light-fleet)" if product.repository is not None else "mmctl up's demo"
+    return out
 
 
 def main(argv=None) -> dict:
@@ -206,12 +292,23 @@ def main(argv=None) -> dict:
                          "into /dev/shm, instead of mmctl up's demo fleet (quick at 850 MB)")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="where --light-fleet writes the repository (default /dev/shm)")
+    ap.add_argument("--traced-misses", type=int, default=20,
+                    help="family: a run of its own with the product's tracing on, that many misses, "
+                         "whose spans count each miss's round trips (0: none)")
+    ap.add_argument("--trace-timed", action="store_true",
+                    help="count the round trips in the timed run itself (one product start; its "
+                         "timings then include the tracing)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "family_swap.json")
     args = ap.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="bench-family-"))
     try:
-        results = {layout: run_layout(layout, args, work) for layout in args.layouts.split(",")}
+        results = {layout: run_layout(layout, args, work, traced=args.trace_timed and layout == "family")
+                   for layout in args.layouts.split(",")}
+        if "family" in results and args.traced_misses and not args.trace_timed:
+            counted = run_layout("family", args, work, traced=True, misses_only=args.traced_misses)
+            results["family"]["traces"] = counted["traces"]
+            results["family"]["traces"]["answers"] = counted["answers"]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     slot_bytes = results.get("family", {}).get("slot_bytes") or int(args.size_mb * 1e6)
@@ -220,6 +317,8 @@ def main(argv=None) -> dict:
         "machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
         "variants": args.variants, "size_mb": args.size_mb, "slots": args.slots,
         "client": "tritonclient gRPC through the router (1 worker), batch 1, sequential",
+        "tracing": ("on in the timed run (--trace-timed)" if args.trace_timed else
+                    "off in the timed runs; a separate family run with tracing on counts round trips"),
         "warm tier": "host DRAM (tmpfs), every variant staged", "loadavg": os.getloadavg(),
         "fleet": ("variants with shared hidden layers, written by the bench (--light-fleet)"
                   if args.light_fleet else "mmctl up's demo fleet")},
@@ -245,7 +344,22 @@ def main(argv=None) -> dict:
         f, m = results["family"], results["models"]
         print(f"  same run: family hit p50 / models hit p50 = {f['hit']['p50_ms'] / m['hit']['p50_ms']:.2f}; "
               f"models miss p50 / family miss p50 = {m['miss']['p50_ms'] / f['miss']['p50_ms']:.0f}x")
-    cycles = results.get("family", {}).get("cycles")
+    family = results.get("family", {})
+    if family.get("empty_ensure"):
+        ensure_ms = family["empty_ensure"]["p50_ms"]
+        print(f"  family miss-hit p50 {family['miss_minus_hit_p50_ms']:.2f} ms against an empty ensure "
+              f"round trip of {ensure_ms:.2f} ms (p50, same run): "
+              f"{family['miss_minus_hit_p50_ms'] / ensure_ms:.2f}x")
+    traces = family.get("traces")
+    if traces:
+        trips = traces["round_trips_before_inference"]
+        print(f"  family: {traces['misses']} traced misses, round trips before the inference: max "
+              f"{trips['max']} ({'; '.join(trips['calls'])})")
+        print("  span p50 of a traced miss: " + ", ".join(
+            f"{name} {ms:.2f} ms" for name, ms in traces["span_p50_ms"].items()))
+        if traces.get("answers", {}).get("wrong"):
+            family["answers"]["wrong"] += traces["answers"]["wrong"]
+    cycles = family.get("cycles")
     if cycles and cycles["rss_before_bytes"] and cycles["rss_after_bytes"]:
         growth = cycles["rss_after_bytes"] - cycles["rss_before_bytes"]
         print(f"  {cycles['count']} swap cycles in {cycles['seconds']}s (p50 {cycles['latency']['p50_ms']:.1f} ms): "

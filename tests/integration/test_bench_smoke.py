@@ -90,6 +90,10 @@ def check_family_swap(result: dict) -> None:
     assert positive(family["hit"]["p50_ms"]) and positive(family["miss"]["p50_ms"])
     assert positive(family["cycles"]["rss_after_bytes"])
     assert family["answers"]["models"] == 3 and not family["answers"]["wrong"], family["answers"]
+    # Each miss that copied a variant: the ensure and one control request, nothing else.
+    trips = family["traces"]["round_trips_before_inference"]
+    assert family["traces"]["misses"] >= 2 and trips["calls"] == ["ensure + family.load"], trips
+    assert positive(family["empty_ensure"]["p50_ms"])
 
 
 def check_router_latency(result: dict) -> None:
@@ -141,8 +145,10 @@ SMOKES: dict[str, Smoke] = {
         "seed_family.json", check_seed),
     "family_swap": Smoke(
         ["-m", "bench.family_swap", "--variants", "3", "--size-mb", "1", "--slots", "2", "--hits", "3",
-         "--rounds", "1", "--cycles", "3", "--layouts", "family", "--out", "{out}/family_swap.json"],
+         "--rounds", "1", "--cycles", "3", "--layouts", "family", "--trace-timed",
+         "--out", "{out}/family_swap.json"],
         [rf"family\s+{NUMBER}ms\s+{NUMBER}ms",
+         r"round trips before the inference: max 2 \(ensure \+ family.load\)",
          rf"3 swap cycles .* family process RSS {NUMBER} MB",
          r"family: answers of 3 variants against their weights files: ok"], "family_swap.json",
         check_family_swap),
