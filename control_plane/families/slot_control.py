@@ -30,6 +30,7 @@ process, warm-up) is one ``FamilyInstance`` (instance.py), moved between named s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -58,6 +59,7 @@ from domain.errors import (
     InvalidInput,
     ModelLoadFailed,
     ModelNotFound,
+    OperationTimeout,
 )
 from model_runtime.family.protocol import (
     CONTROL_PARAMETER,
@@ -74,6 +76,45 @@ USAGE_MAX_AGE_S = 1.0
 
 # Triton's python backend about a stub process that died; it does not start a new one.
 UNHEALTHY_STUB = "is not healthy"
+
+
+class ControlSocket:
+    """A connection to a family process's control socket (an abstract Unix socket,
+    ``model_runtime.family.triton_model``): one command at a time, a JSON line each way."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._lock = asyncio.Lock()
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def send(self, command: dict, timeout_s: float) -> dict:
+        """The answer to ``command``.  Raises OSError/EOFError when the socket is gone (the
+        connection is closed: the next send connects again), TimeoutError past ``timeout_s``."""
+        async with self._lock:
+            try:
+                if self._writer is None:
+                    self._reader, self._writer = await asyncio.open_unix_connection("\0" + self.name)
+                self._writer.write(json.dumps(command).encode() + b"\n")
+                await self._writer.drain()
+                line = await asyncio.wait_for(self._reader.readline(), timeout_s)
+                if not line.endswith(b"\n"):
+                    raise EOFError("the family process closed its control socket")
+                return json.loads(line)
+            except BaseException:
+                await self._close()
+                raise
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._close()
+
+    async def _close(self) -> None:
+        writer, self._reader, self._writer = self._writer, None, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
 
 
 class FamilyUnhealthy(ModelLoadFailed):
@@ -93,6 +134,10 @@ class FamilyAdmin(TritonAdmin):
         self.families = families
         self.slots_for = slots_for
         self.instances: dict[str, FamilyInstance] = {}  # family -> its model on this server
+        # family -> the control socket its process named (commands beside inference), and
+        # the sockets this control plane cannot reach (another host: requests only).
+        self.sockets: dict[str, ControlSocket] = {}
+        self.unreachable_sockets: set[str] = set()
 
     def instance(self, family: str) -> FamilyInstance:
         """What this server's control plane knows of ``family``'s model (ABSENT at first)."""
@@ -214,40 +259,99 @@ class FamilyAdmin(TritonAdmin):
         return inputs
 
     async def control(self, family: Family, command: dict) -> dict:
-        """One control request to the family model; its JSON status.  ModelNotFound when the
-        family is not loaded here; InvalidInput / CapacityExhausted for refused commands."""
+        """One control command to the family model; its JSON status.  Over the control socket
+        its process named (a fill then runs beside the batch Triton executes), else, or when
+        that socket is gone, as a request through Triton.  ModelNotFound when the family is
+        not loaded here; InvalidInput / CapacityExhausted for refused commands."""
+        keyed = {**command, "key": self.families.control_key}
+        with tracing.span(f"family.{command.get('op')}", tracing.SpanKind.CLIENT,
+                          model=command.get("variant"), family=family.name,
+                          evicting=",".join(command.get("evict", ())) or None,
+                          server=self.grpc_url) as span:
+            channel = self.sockets.get(family.name)
+            if channel is not None:
+                try:
+                    answer = await channel.send(keyed, self.timeouts.load_s)
+                except TimeoutError:
+                    await self._drop_socket(family.name)
+                    raise OperationTimeout(f"family {family.name} on {self.grpc_url} did not answer "
+                                           f"{command.get('op')!r} within {self.timeouts.load_s:.0f}s") from None
+                except (OSError, EOFError, ValueError) as exc:
+                    # Its process is gone or was replaced: the request path says which (not
+                    # loaded, died) and names the new process's socket.
+                    log.info("family %s on %s: control socket %s: %s; sending as a request",
+                             family.name, self.grpc_url, channel.name, exc)
+                    self.unreachable_sockets.add(channel.name)
+                    await self._drop_socket(family.name)
+                else:
+                    if span is not None:
+                        span.set_attribute("mms.path", "socket")
+                    if "error" in answer:
+                        raise self._refused(family, command, str(answer.get("code", "")),
+                                            str(answer["error"]))
+                    self._observe(family, answer)
+                    return answer
+            answer = await self._control_request(family, command, keyed)
+            self._observe(family, answer)
+            return answer
+
+    async def _control_request(self, family: Family, command: dict, keyed: dict) -> dict:
+        """A control command as an inference request of the family model, through Triton."""
         plan = await self._plan(family)
         try:
-            with tracing.span(f"family.{command.get('op')}", tracing.SpanKind.CLIENT,
-                              model=command.get("variant"), family=family.name,
-                              evicting=",".join(command.get("evict", ())) or None,
-                              server=self.grpc_url):
-                result = await self.client.infer(
-                    family.name, self._inputs(plan), outputs=[InferRequestedOutput(STATUS_OUTPUT)],
-                    parameters={CONTROL_PARAMETER: json.dumps({**command, "key": self.families.control_key})},
-                    headers=tracing.inject() or None, client_timeout=self.timeouts.load_s)
+            result = await self.client.infer(
+                family.name, self._inputs(plan), outputs=[InferRequestedOutput(STATUS_OUTPUT)],
+                parameters={CONTROL_PARAMETER: json.dumps(keyed)},
+                headers=tracing.inject() or None, client_timeout=self.timeouts.load_s)
         except InferenceServerException as exc:
             status = str(exc.status() or "")
             msg = (exc.message() or str(exc)).strip()
             if "NOT_FOUND" in status or "unknown model" in msg.lower():
                 raise self._not_loaded(family) from exc
-            if "UNAVAILABLE" in status and "slots hold" in msg:
-                raise CapacityExhausted(msg) from exc
             if UNHEALTHY_STUB in msg:
                 self.instance(family.name).move(FamilyState.DEAD, "its process died")
                 raise FamilyUnhealthy(f"the process of family {family.name} on {self.grpc_url} "
                                       f"died ({msg})") from exc
-            if "INVALID_ARG" in status:
-                raise InvalidInput(msg) from exc
-            if "UNAVAILABLE" in status and "Socket closed" not in msg and "connect" not in msg.lower():
-                raise ModelLoadFailed(f"family {family.name} failed {command.get('op')!r}: {msg}") from exc
-            raise self._translate(exc, command.get("op", "control"), family.name,
-                                  self.timeouts.load_s) from exc
+            if ("UNAVAILABLE" in status and ("Socket closed" in msg or "connect" in msg.lower())) \
+                    or ("UNAVAILABLE" not in status and "INVALID_ARG" not in status):
+                raise self._translate(exc, command.get("op", "control"), family.name,
+                                      self.timeouts.load_s) from exc
+            raise self._refused(family, command, status, msg) from exc
         raw = result.as_numpy(STATUS_OUTPUT)
         value = raw.reshape(-1)[0]
-        answer = json.loads(value.decode() if isinstance(value, bytes) else value)
+        return json.loads(value.decode() if isinstance(value, bytes) else value)
+
+    @staticmethod
+    def _refused(family: Family, command: dict, code: str, msg: str) -> ControlPlaneError:
+        """The family model's refusal of a command (its Triton error code and message)."""
+        if "UNAVAILABLE" in code and "slots hold" in msg:
+            return CapacityExhausted(msg)
+        if "INVALID_ARG" in code:
+            return InvalidInput(msg)
+        return ModelLoadFailed(f"family {family.name} failed {command.get('op')!r}: {msg}")
+
+    def _observe(self, family: Family, answer: dict) -> None:
+        """What its process answered: its slots, and the control socket it named."""
         self.instance(family.name).observe(answer)
-        return answer
+        name = answer.get("control_socket")
+        current = self.sockets.get(family.name)
+        if current is not None and current.name == name:
+            return
+        if current is not None:
+            self.sockets.pop(family.name)
+            asyncio.get_running_loop().create_task(current.close())
+        if name and name not in self.unreachable_sockets:
+            self.sockets[family.name] = ControlSocket(name)
+
+    async def _drop_socket(self, family: str) -> None:
+        channel = self.sockets.pop(family, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        for family in list(self.sockets):
+            await self._drop_socket(family)
+        await super().close()
 
     async def _fill(self, family: Family, variant: str, evict: list[str] = ()) -> dict:
         """Copy ``variant`` into a free slot, freeing the slots of ``evict`` first (the same
@@ -314,7 +418,7 @@ class FamilyAdmin(TritonAdmin):
             except InvalidInput as exc:
                 raise ModelLoadFailed(f"{model} cannot go into a slot of family {family.name}: "
                                       f"{exc.message}") from exc
-        log.info("%s: copied into slot %s of family %s in %.1f ms (%d bytes)%s", model,
+        log.debug("%s: copied into slot %s of family %s in %.1f ms (%d bytes)%s", model,
                  answer.get("slot"), family.name, 1000 * answer.get("seconds", 0.0),
                  answer.get("bytes", 0), f", evicting {', '.join(evict)}" if evict else "")
 

@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 ROOM_POLL_S = 0.05
 
 
+def replacing_possible(server: TritonServer, name: str, victims: list[str]) -> bool:
+    """Whether ``name``'s load and its victims' unloads go to ``server`` as one request."""
+    return bool(victims) and server.admin.replaces_in_one(name, victims)
+
+
 class Loader:
     def __init__(self, book: ModelBook, servers: dict[str, TritonServer], tasks: TaskBoard,
                  keeping: Bookkeeping, config: ManagerConfig, clock: Callable[[], float],
@@ -129,7 +134,8 @@ class Loader:
             # Cold -> warm before anything is reserved: a failed download holds no capacity.
             self.stager.set_busy(name, True)
             try:
-                size_bytes = await self.stager.stage(name)
+                with tracing.span("stage", model=name):
+                    size_bytes = await self.stager.stage(name)
             except BaseException as exc:
                 self.stager.set_busy(name, False)
                 if isinstance(exc, ControlPlaneError) and not isinstance(exc, ModelNotFound):
@@ -172,12 +178,16 @@ class Loader:
                 await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
             else:
                 await asyncio.sleep(timeout_s)
-        log.info("loading %s on %s (%d bytes), evicting %s", name, server.name, size_bytes, victims or "nothing")
+        # A variant's swap takes milliseconds: its one INFO line is "loaded" (below); a
+        # model's load, seconds: this line says what it waits for.
+        (log.debug if replacing_possible(server, name, victims) else log.info)(
+            "loading %s on %s (%d bytes), evicting %s", name, server.name, size_bytes,
+            victims or "nothing")
 
         # 1. Room.  Victims a single request can replace (variants of the newcomer's family,
         # in their slots) go with the load: Triton never holds both, nothing to wait for.
         replacing = None
-        if victims and server.admin.replaces_in_one(name, victims):
+        if replacing_possible(server, name, victims):
             self.room.send(server, name, size_bytes)
             # Listed as the victims' unload now, before any await: a load of a victim waits.
             replacing = self.unloader.replace(server, victims, name)
@@ -222,7 +232,8 @@ class Loader:
                     await replacing
                 else:
                     await server.admin.load(name)
-                warmup = await self.warm_up(server, name)
+                with tracing.span("warm_up", model=name):
+                    warmup = await self.warm_up(server, name)
             if measured.bytes is not None:
                 await self._fit_measured(server, rec, measured.bytes)
         except BaseException as exc:
@@ -242,7 +253,8 @@ class Loader:
         self.keeping.metrics.load_seconds.labels(server.name).observe(rec.load_time_s)
         self.keeping.save_row(name, last_used=rec.last_used, load_time_s=rec.load_time_s,
                        memory_bytes=rec.memory_bytes, server=server.name, failure=None)
-        log.info("loaded %s on %s in %.2fs", name, server.name, rec.load_time_s)
+        log.info("loaded %s on %s in %.2fs%s", name, server.name, rec.load_time_s,
+                 f" in place of {', '.join(victims)}" if replacing is not None else "")
         for listener in self.book.load_listeners:
             listener(name, rec)
         return rec

@@ -8,8 +8,8 @@ section into the slot's buffer: no allocation, no new module, no process start.
 The module built over a slot's views (``FamilyModel.build``) is built once per slot and
 reads whatever the slot holds, so a copy is all a swap-in takes.
 
-Not thread-safe on its own: the family model calls it from ``execute``, which Triton runs
-one batch at a time per instance, so a slot is never written while a batch reads it.
+Not thread-safe on its own: the family model (triton_model.py) serializes its changes and
+writes a slot only while no batch reads it.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ class SlotBank:
         self.holder: list[str | None] = [None] * count
         self.slot_of: dict[str, int] = {}
         self._staging: torch.Tensor | None = None  # GPU: pinned host buffer of one slot
+        self._copies = None  # GPU: the CUDA stream of the fills
         self.read_threads = max(1, read_threads)
         self.overlap_copies = overlap_copies
         self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="slot-read")
@@ -93,20 +94,24 @@ class SlotBank:
         return None
 
     def fill(self, variant: str, path: str | os.PathLike) -> SwapIn:
-        """Copy the data section of the weights file at ``path`` into a free slot.
-
-        On CPU the file is read straight into the slot (``preadv`` into the slot's memory, in
-        parallel parts): from a host-DRAM warm tier (tmpfs) that is the only pass over the
-        bytes.  On a GPU it is read into a pinned staging buffer (allocated once) and copied
-        to the device from there.  Raises SlotError when no slot is free or the file does not
-        have the family's layout (checked before anything is written); a read that fails
-        leaves the slot free."""
+        """Copy the data section of the weights file at ``path`` into a free slot (``check``,
+        ``write``, ``assign`` in one call, for a caller that runs nothing beside it).
+        Raises SlotError when no slot is free or the file does not have the family's layout
+        (checked before anything is written); a read that fails leaves the slot free."""
         if variant in self.slot_of:
             return SwapIn(self.slot_of[variant], 0, 0.0)
+        offset = self.check(variant, path)
         slot = self.free_slot()
         if slot is None:
             raise SlotError(f"all {self.count} slots hold variants ({', '.join(self.slot_of)}); "
                             "evict one first")
+        seconds = self.write(slot, path, offset)
+        self.assign(slot, variant)
+        return SwapIn(slot, self.layout.data_bytes, seconds)
+
+    def check(self, variant: str, path: str | os.PathLike) -> int:
+        """The offset of the data section of ``variant``'s weights file; SlotError when the
+        file is unreadable or its tensors are not this family's."""
         try:
             layout, offset = read_layout(path)
         except LayoutError as exc:
@@ -114,27 +119,42 @@ class SlotBank:
         why = self.layout.mismatch(layout)
         if why is not None:
             raise SlotError(f"{variant}'s weights do not fit this family's slots: {why}")
+        return offset
+
+    def write(self, slot: int, path: str | os.PathLike, offset: int) -> float:
+        """Copy the file's data section (from ``offset``) into ``slot``; its seconds.  The
+        caller makes sure nothing reads the slot meanwhile and that it holds no variant.
+
+        On CPU the file is read straight into the slot (``preadv`` into the slot's memory, in
+        parallel parts): from a host-DRAM warm tier (tmpfs) that is the only pass over the
+        bytes.  On a GPU it is read into a pinned staging buffer (allocated once) and copied
+        to the device on a stream of its own, so a fill overlaps the forward passes of the
+        other slots; it returns once the copy is complete on the device."""
         started = time.perf_counter()
         if self.device.type == "cpu":
             self._read_into(path, offset, self.buffers[slot])
-        else:
-            if self._staging is None:  # once: pinned host memory for the device copies
-                self._staging = torch.empty(self.layout.data_bytes, dtype=torch.uint8,
-                                            pin_memory=True)
-            staging, target = self._staging, self.buffers[slot]
+            return time.perf_counter() - started
+        if self._staging is None:  # once: pinned host memory for the device copies
+            self._staging = torch.empty(self.layout.data_bytes, dtype=torch.uint8, pin_memory=True)
+            self._copies = torch.cuda.Stream(self.device)
+        staging, target, copies = self._staging, self.buffers[slot], self._copies
 
-            def copy_part(start: int, end: int) -> None:  # asynchronous from pinned memory
+        def copy_part(start: int, end: int) -> None:  # asynchronous from pinned memory
+            with torch.cuda.stream(copies):
                 target[start:end].copy_(staging[start:end], non_blocking=True)
 
-            try:
-                self._read_into(path, offset, staging, copy_part if self.overlap_copies else None)
-                if not self.overlap_copies:
-                    target.copy_(staging, non_blocking=True)
-            finally:  # the staging buffer is not reused while a copy from it is queued
-                torch.cuda.synchronize(self.device)
+        try:
+            self._read_into(path, offset, staging, copy_part if self.overlap_copies else None)
+            if not self.overlap_copies:
+                copy_part(0, self.layout.data_bytes)
+        finally:  # the staging buffer is not reused while a copy from it is queued
+            copies.synchronize()
+        return time.perf_counter() - started
+
+    def assign(self, slot: int, variant: str) -> None:
+        """``slot`` holds ``variant`` from now on (its bytes are written)."""
         self.holder[slot] = variant
         self.slot_of[variant] = slot
-        return SwapIn(slot, layout.data_bytes, time.perf_counter() - started)
 
     def _read_into(self, path: str | os.PathLike, offset: int, target: torch.Tensor,
                    after_part=None) -> None:

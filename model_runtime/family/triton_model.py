@@ -19,9 +19,16 @@ clients name the variant as a model).  A batch is grouped by variant and each gr
 on its slot.  The control plane sends control requests (parameter ``mms_family_control``,
 JSON) to fill or free slots and to read what is resident; the answer is the output
 ``MMS_FAMILY_STATUS``; a fill may name the variants to evict first (one request for a
-miss that replaces a variant).  Requests are never sent to a slot being written: Triton runs one
-``execute`` at a time per instance and the family runs one instance, so a control request
-waits for the batch before it and the batch after it sees the new weights whole.
+miss that replaces a variant).
+
+The same commands also come over the family's control socket (``control_socket`` in its
+status: an abstract Unix socket of this process, open to processes of its own user that hold
+the key), served by a thread of its own: a fill then runs beside the batch Triton is
+executing instead of queueing behind it, and behind no request queued before it.  A batch
+never sees a slot mid-write: a batch counts as a reader of the slots it uses, a fill writes
+only into a slot that holds no variant and that no batch reads (an evicted variant's slot is
+written once the batch reading it is done), and the variant is visible to batches only once
+its bytes are whole.
 
 A variant that is not in a slot is answered NOT_FOUND "Request for unknown model", as
 Triton answers for a model it has unloaded: the router has the control plane load it and
@@ -30,9 +37,14 @@ sends the request again.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
+import logging
 import os
+import socket
+import struct
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -51,6 +63,23 @@ from .protocol import (
     VARIANT_PARAMETER,
 )
 from .slots import SlotBank, SlotError
+
+log = logging.getLogger(__name__)
+
+# A control command on the socket is one JSON line of at most this many bytes (a fill names a
+# variant, a path and the variants it evicts): the work a caller causes is bounded.
+MAX_COMMAND_BYTES = 64 * 1024
+# Connections served at once, and how long an idle one is kept.
+MAX_CONNECTIONS = 4
+IDLE_S = 300.0
+
+
+class ControlRefused(Exception):
+    """A control command that is refused; ``code`` is the Triton error code it answers with."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
 
 
 class FamilyInputError(ValueError):
@@ -140,6 +169,13 @@ class FamilyModel:
         # variant -> [inferences, last inference in ms since the epoch], for the control
         # plane's recency and auto-pinning (Triton counts the family model as one).
         self.usage: dict[str, list[int]] = {}
+        # What the slots hold, the batches reading each slot and the slots being written
+        # change under this condition; control commands run one at a time.
+        self.guard = threading.Condition()
+        self.readers = [0] * slots
+        self.filling: set[int] = set()
+        self.commands = threading.Lock()
+        self.control_socket = self._open_control_socket()
 
     def execute(self, requests: list) -> list:
         responses: list = [None] * len(requests)
@@ -151,27 +187,37 @@ class FamilyModel:
             if CONTROL_PARAMETER in p:
                 responses[i] = self._control(p[CONTROL_PARAMETER])
         groups: dict[int, list[int]] = defaultdict(list)
-        for i, p in enumerate(params):
-            if responses[i] is not None:
-                continue
-            variant = p.get(VARIANT_PARAMETER)
-            if not variant:
-                responses[i] = _error(f"{self.family} serves its variants only; ask for a variant "
-                                      "by its model name", "INVALID_ARG")
-                continue
-            slot = self.bank.slot_of.get(variant)
-            if slot is None:
-                responses[i] = _error(f"{UNKNOWN_MODEL_PREFIX}: '{variant}' is not loaded "
-                                      "(its weights left their slot)", "NOT_FOUND")
-                continue
-            groups[slot].append(i)
-        for slot, members in groups.items():
-            try:
-                self._run(slot, members, requests, responses)
-            except Exception as exc:  # noqa: BLE001  (one group's failure is its requests' only)
-                for i in members:
-                    if responses[i] is None:
-                        responses[i] = _error(f"{self.bank.holder[slot]} failed: {exc}", "INTERNAL")
+        with self.guard:  # the slots this batch reads are not written until it is done
+            for i, p in enumerate(params):
+                if responses[i] is not None:
+                    continue
+                variant = p.get(VARIANT_PARAMETER)
+                if not variant:
+                    responses[i] = _error(f"{self.family} serves its variants only; ask for a "
+                                          "variant by its model name", "INVALID_ARG")
+                    continue
+                slot = self.bank.slot_of.get(variant)
+                if slot is None:
+                    responses[i] = _error(f"{UNKNOWN_MODEL_PREFIX}: '{variant}' is not loaded "
+                                          "(its weights left their slot)", "NOT_FOUND")
+                    continue
+                groups[slot].append(i)
+            holders = {slot: self.bank.holder[slot] for slot in groups}
+            for slot in groups:
+                self.readers[slot] += 1
+        try:
+            for slot, members in groups.items():
+                try:
+                    self._run(slot, holders[slot], members, requests, responses)
+                except Exception as exc:  # noqa: BLE001  (one group's failure is its requests' only)
+                    for i in members:
+                        if responses[i] is None:
+                            responses[i] = _error(f"{holders[slot]} failed: {exc}", "INTERNAL")
+        finally:
+            with self.guard:
+                for slot in groups:
+                    self.readers[slot] -= 1
+                self.guard.notify_all()
         return responses
 
     @staticmethod
@@ -182,7 +228,7 @@ class FamilyModel:
             return {}
         return params if isinstance(params, dict) else {}
 
-    def _run(self, slot: int, members: list[int], requests: list, responses: list) -> None:
+    def _run(self, slot: int, variant: str, members: list[int], requests: list, responses: list) -> None:
         rows, ok = [], []
         for i in members:
             try:
@@ -200,18 +246,34 @@ class FamilyModel:
             n = part.shape[0]
             responses[i] = pb_utils.InferenceResponse(output_tensors=self.outputs(result[offset:offset + n]))
             offset += n
-        usage = self.usage.setdefault(self.bank.holder[slot], [0, 0])
-        usage[0] += offset
-        usage[1] = int(time.time() * 1000)
+        with self.guard:
+            usage = self.usage.setdefault(variant, [0, 0])
+            usage[0] += offset
+            usage[1] = int(time.time() * 1000)
 
     # ------------------------------------------------------------------ control
     def status(self) -> dict:
-        return {"family": self.family, "instance": self.instance, "slots": self.bank.count,
-                "slot_bytes": self.bank.layout.data_bytes, "device": str(self.device),
-                "resident": dict(self.bank.slot_of), "swaps": self.swaps,
-                "usage": {v: u for v, u in self.usage.items() if v in self.bank.slot_of}}
+        with self.guard:
+            return {"family": self.family, "instance": self.instance, "slots": self.bank.count,
+                    "slot_bytes": self.bank.layout.data_bytes, "device": str(self.device),
+                    "resident": dict(self.bank.slot_of), "swaps": self.swaps,
+                    "usage": {v: list(u) for v, u in self.usage.items() if v in self.bank.slot_of},
+                    "control_socket": self.control_socket}
 
     def _control(self, raw: str):
+        """A control command that came as a request: its answer as Triton's response."""
+        try:
+            body = json.dumps(self.command(raw))
+        except ControlRefused as exc:
+            return _error(str(exc), exc.code)
+        pb_utils = _pb()
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor(STATUS_OUTPUT, np.array([[body.encode()]], dtype=np.object_))])
+
+    def command(self, raw: str) -> dict:
+        """Run one control command (JSON, with the key): its answer, the status with what the
+        command did.  Raises ControlRefused.  Commands run one at a time, from requests and
+        from the control socket alike."""
         command: dict = {}
         try:
             command = json.loads(raw)
@@ -219,38 +281,144 @@ class FamilyModel:
                 raise TypeError("a control command is a JSON object")
             if self.control_key is None or not hmac.compare_digest(
                     str(command.get("key", "")), self.control_key):
-                return _error("family control refused: wrong or missing key", "INVALID_ARG")
+                raise ControlRefused("family control refused: wrong or missing key", "INVALID_ARG")
             op = command.get("op")
             answer: dict = {}
-            if op == "load":
-                # "evict": variants whose slots are freed first, in the same command: a miss
-                # that replaces a variant is one control request, and no batch runs between
-                # the two (the evicted variant's next request meets it gone).
-                evict = command.get("evict", [])
-                if not isinstance(evict, list):
-                    raise TypeError("'evict' is a list of variants")
-                freed = [slot for slot in map(self.bank.release, map(str, evict)) if slot is not None]
-                answer["evicted"] = freed
-                swap = self.bank.fill(command["variant"], command["path"])
-                self.swaps += 1 if swap.bytes else 0
-                answer.update(slot=swap.slot, bytes=swap.bytes, seconds=swap.seconds)
-            elif op == "evict":
-                answer = {"slot": self.bank.release(command["variant"])}
-            elif op != "status":
-                return _error(f"unknown family control op {op!r}", "INVALID_ARG")
+            with self.commands:
+                if self.bank is None:
+                    raise ControlRefused(f"{UNKNOWN_MODEL_PREFIX}: family {self.family} was "
+                                         "unloaded", "NOT_FOUND")
+                if op == "load":
+                    # "evict": variants whose slots are freed first, in the same command: a
+                    # miss that replaces a variant is one control request, and the evicted
+                    # variant's next request meets it gone.
+                    evict = command.get("evict", [])
+                    if not isinstance(evict, list):
+                        raise TypeError("'evict' is a list of variants")
+                    answer.update(self._fill(str(command["variant"]), command["path"],
+                                             [str(v) for v in evict]))
+                elif op == "evict":
+                    with self.guard:
+                        answer = {"slot": self.bank.release(str(command["variant"]))}
+                elif op != "status":
+                    raise ControlRefused(f"unknown family control op {op!r}", "INVALID_ARG")
+        except ControlRefused:
+            raise
         except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
-            return _error(f"malformed family control command: {exc}", "INVALID_ARG")
+            raise ControlRefused(f"malformed family control command: {exc}", "INVALID_ARG") from None
         except SlotError as exc:
-            return _error(str(exc), "UNAVAILABLE" if "slots hold" in str(exc) else "INVALID_ARG")
+            raise ControlRefused(str(exc), "UNAVAILABLE" if "slots hold" in str(exc)
+                                 else "INVALID_ARG") from None
         except (OSError, ValueError, RuntimeError) as exc:  # a copy that failed: the slot is free
-            return _error(f"family control {_describe(command)} failed: {exc}", "INTERNAL")
-        body = json.dumps({**self.status(), **answer, "at": time.time()})
-        pb_utils = _pb()
-        return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor(STATUS_OUTPUT, np.array([[body.encode()]], dtype=np.object_))])
+            raise ControlRefused(f"family control {_describe(command)} failed: {exc}",
+                                 "INTERNAL") from None
+        return {**self.status(), **answer, "at": time.time()}
+
+    def _fill(self, variant: str, path: str, evict: list[str]) -> dict:
+        """Free the slots of ``evict``, then copy ``variant`` into a slot that holds nothing
+        and that no batch reads, waiting for the batch reading an evicted slot when no other
+        is free.  Batches on the other slots run meanwhile."""
+        with self.guard:
+            freed = [slot for slot in map(self.bank.release, evict) if slot is not None]
+            if variant in self.bank.slot_of:
+                return {"evicted": freed, "slot": self.bank.slot_of[variant], "bytes": 0, "seconds": 0.0}
+        offset = self.bank.check(variant, path)  # the file's header, before a slot is taken
+        with self.guard:
+            free = [i for i, holder in enumerate(self.bank.holder)
+                    if holder is None and i not in self.filling]
+            if not free:
+                raise SlotError(f"all {self.bank.count} slots hold variants "
+                                f"({', '.join(self.bank.slot_of)}); evict one first")
+            slot = min(free, key=lambda i: self.readers[i] > 0)  # one no batch reads, if any
+            self.filling.add(slot)
+            while self.readers[slot]:  # a batch still reads an evicted variant's weights
+                self.guard.wait()
+        try:
+            seconds = self.bank.write(slot, path, offset)
+        finally:
+            with self.guard:
+                self.filling.discard(slot)
+        with self.guard:
+            self.bank.assign(slot, variant)
+            self.swaps += 1
+        return {"evicted": freed, "slot": slot, "bytes": self.bank.layout.data_bytes,
+                "seconds": seconds}
+
+    # ------------------------------------------------------------------ the control socket
+    def _open_control_socket(self) -> str | None:
+        """Listen on an abstract Unix socket named after this process's instance; its name, or
+        None where none can be opened (commands then come as requests only)."""
+        name = f"mms-family-{self.family}-{self.instance}"
+        try:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind("\0" + name)
+            listener.listen(MAX_CONNECTIONS)
+        except OSError as exc:
+            log.warning("family %s: no control socket (%s); control commands come as requests",
+                        self.family, exc)
+            return None
+        self._listener = listener
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._open: set[socket.socket] = set()  # shut by finalize: no command after it
+        threading.Thread(target=self._accept, name=f"{self.family}-control", daemon=True).start()
+        return name
+
+    def _accept(self) -> None:
+        listener = self._listener
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed by finalize
+            # Only processes of this process's own user: an abstract socket has no file
+            # permissions, so the peer's credentials stand in for them (and the key is needed).
+            _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            if uid != os.getuid() or not self._connections.acquire(blocking=False):
+                conn.close()
+                continue
+            with self.guard:
+                self._open.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(IDLE_S)
+            with conn, conn.makefile("rwb") as stream:
+                while True:
+                    line = stream.readline(MAX_COMMAND_BYTES + 1)
+                    if not line:
+                        return
+                    if len(line) > MAX_COMMAND_BYTES or not line.endswith(b"\n"):
+                        stream.write(json.dumps({"error": "control command too long", "code":
+                                                 "INVALID_ARG"}).encode() + b"\n")
+                        stream.flush()
+                        return
+                    try:
+                        answer = self.command(line.decode("utf-8", "replace"))
+                    except ControlRefused as exc:
+                        answer = {"error": str(exc), "code": exc.code}
+                    stream.write(json.dumps(answer).encode() + b"\n")
+                    stream.flush()
+        except OSError:
+            return  # the caller went away or stayed idle
+        finally:
+            with self.guard:
+                self._open.discard(conn)
+            self._connections.release()
 
     def finalize(self) -> None:
-        self.modules = []
-        if self.bank is not None:
-            self.bank.close()
-        self.bank = None
+        listener = getattr(self, "_listener", None)
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+            with self.guard:
+                for conn in self._open:
+                    with contextlib.suppress(OSError):
+                        conn.shutdown(socket.SHUT_RDWR)
+        with self.commands:  # a command running now ends before the slots go
+            self.modules = []
+            if self.bank is not None:
+                self.bank.close()
+            self.bank = None

@@ -122,12 +122,23 @@ def test_variants_take_slots_by_lru_and_pins_and_each_answers_with_its_own_weigh
             return await real_statistics()
 
         admin.statistics = counted_statistics
+        commands = []
+        real_control = admin.control
+
+        async def counted_control(family, command):
+            commands.append((command["op"], command.get("variant"), command.get("evict")))
+            return await real_control(family, command)
+
+        admin.control = counted_control
         requests_before = family_requests(triton)
         await mgr.ensure("initech")  # evicts acme: globex is pinned
-        # One control request freed acme's slot and copied initech in, and the miss asked
-        # Triton for no statistics (recency comes from requests and the reconcile pass).
-        assert wait_for_family_requests(triton, requests_before + 1) == requests_before + 1
+        # One control command freed acme's slot and copied initech in, over the family
+        # process's control socket (no request queued in Triton), and the miss asked Triton
+        # for no statistics (recency comes from requests and the reconcile pass).
+        assert commands == [("load", "initech", ["acme"])]
+        assert wait_for_family_requests(triton, requests_before, settle_s=0.3) == requests_before
         assert statistics_calls == []
+        admin.control = real_control
         # A copy into acme's slot: Triton loaded nothing (no new process, no model load).
         assert triton_log_count(triton, "successfully loaded") == loads_before
         assert ready(mgr) == {"globex", "initech"}
@@ -164,27 +175,32 @@ def test_every_slot_pinned_is_a_clear_error_and_nothing_is_counted(triton, repos
     run(scenario())
 
 
-def test_a_slot_is_never_rewritten_under_a_running_batch(repository, tmp_path):
-    """One slot; a slow batch for acme runs while the manager gives the slot to globex: the
-    batch answers with acme's weights, the next request with globex's."""
+def test_a_fill_runs_beside_a_batch_and_never_rewrites_the_slot_it_reads(repository, tmp_path):
+    """Two slots; a slow batch (1.5 s) for acme runs.  Globex's fill into the free slot does
+    not wait for it.  Initech then takes acme's slot: its fill waits until the batch reading
+    that slot is done, so the batch answers with acme's weights, the next request with
+    initech's."""
     config = repository / "scaler" / "config.pbtxt"
     config.write_text(config.read_text().replace('string_value: "0"', 'string_value: "1.5"'))
     proc = TritonProcess(TritonLaunchConfig(repository=repository, work_dir=tmp_path / "triton"))
     proc.start()
     try:
         async def scenario():
-            mgr = make_manager(proc, repository, tmp_path, max_loaded=1)
+            mgr = make_manager(proc, repository, tmp_path, max_loaded=2)
             await mgr.start()
             await mgr.ensure("acme")
             results: dict[str, np.ndarray] = {}
             slow = threading.Thread(target=lambda: results.setdefault("acme", infer(proc.grpc_url, "acme")))
             slow.start()
-            await asyncio.sleep(0.5)  # the batch is running
-            await mgr.ensure("globex")  # takes acme's only slot
+            await asyncio.sleep(0.3)  # the batch is running
+            await mgr.ensure("globex")  # the free slot: beside the batch, not after it
+            assert slow.is_alive(), "globex's fill waited for the running batch"
+            await mgr.ensure("initech")  # takes acme's slot, once the batch reading it is done
             await asyncio.to_thread(slow.join)
             np.testing.assert_allclose(results["acme"], expected("acme"))
-            np.testing.assert_allclose(infer(proc.grpc_url, "globex"), expected("globex"))
-            assert ready(mgr) == {"globex"}
+            for name in ("globex", "initech"):
+                np.testing.assert_allclose(infer(proc.grpc_url, name), expected(name))
+            assert ready(mgr) == {"globex", "initech"}
             await mgr.close()
 
         run(scenario())
