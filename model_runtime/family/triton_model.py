@@ -360,7 +360,9 @@ class FamilyModel:
         self._listener = listener
         self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._open: set[socket.socket] = set()  # shut by finalize: no command after it
-        threading.Thread(target=self._accept, name=f"{self.family}-control", daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, name=f"{self.family}-control",
+                                          daemon=True)
+        self._acceptor.start()
         return name
 
     def _accept(self) -> None:
@@ -413,6 +415,7 @@ class FamilyModel:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)
             listener.close()
+            self._acceptor.join(5)  # the name is free once it stopped accepting
             with self.guard:
                 for conn in self._open:
                     with contextlib.suppress(OSError):

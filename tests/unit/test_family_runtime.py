@@ -5,6 +5,8 @@ group's failure."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 import types
 from pathlib import Path
@@ -79,7 +81,8 @@ def family(tmp_path, pb_utils, monkeypatch):
                              "mms_family_slots": {"string_value": "1"}}}
     model.initialize({"model_config": json.dumps(config), "model_repository": str(repo / "scaler"),
                       "model_version": "1", "model_instance_kind": "CPU"})
-    return model, repo, catalog_key
+    yield model, repo, catalog_key
+    model.finalize()
 
 
 def control(key, op, **fields):
@@ -153,3 +156,75 @@ def test_a_key_file_other_users_can_read_opens_no_slot(family):
     # The control plane does not trust it either: it writes a new, owner-only key.
     fresh = FamilyCatalog(repo).control_key
     assert fresh != key and (repo / ".mms-family-key").stat().st_mode & 0o077 == 0
+
+
+# --------------------------------------------------------------------------- the control socket
+def connect(model) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(10)
+    conn.connect("\0" + model.control_socket)
+    return conn
+
+
+def ask(conn: socket.socket, command: dict | bytes) -> dict | None:
+    """One command and its answer; None when the family closed the connection."""
+    conn.sendall(command if isinstance(command, bytes) else json.dumps(command).encode() + b"\n")
+    line = conn.makefile("rb").readline()
+    return json.loads(line) if line else None
+
+
+def test_the_control_socket_fills_with_the_key_and_refuses_without_it(family):
+    model, repo, key = family
+    assert model.status()["control_socket"] == model.control_socket
+    with connect(model) as conn:
+        refused = ask(conn, {"op": "load", "key": "guess", "variant": "acme",
+                             "path": str(repo / "acme" / "weights.safetensors")})
+        assert refused["code"] == "INVALID_ARG" and "key" in refused["error"]
+        assert model.bank.slot_of == {}
+        answer = ask(conn, {"op": "load", "key": key, "variant": "acme",
+                            "path": str(repo / "acme" / "weights.safetensors")})
+        assert answer["resident"] == {"acme": 0} and key not in json.dumps(answer)
+    assert model.execute([infer("acme")])[0].outputs["OUTPUT0"].tolist() == [[2.0] * 4]
+
+
+def test_an_oversize_control_command_is_refused_before_it_is_read_whole(family):
+    from model_runtime.family.triton_model import MAX_COMMAND_BYTES
+
+    model, _repo, key = family
+    with connect(model) as conn:
+        huge = json.dumps({"op": "status", "key": key, "pad": "x" * MAX_COMMAND_BYTES}).encode() + b"\n"
+        try:
+            answer = ask(conn, huge)
+        except (BrokenPipeError, ConnectionResetError):
+            answer = {"code": "INVALID_ARG", "error": "closed while sending"}
+        assert answer["code"] == "INVALID_ARG"
+        assert conn.recv(1) == b""  # and the connection is closed
+
+
+def test_after_finalize_the_control_socket_is_gone(family):
+    model, _repo, key = family
+    conn = connect(model)
+    model.finalize()
+    try:  # the open connection is shut
+        assert ask(conn, {"op": "status", "key": key}) is None
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    with pytest.raises(ConnectionRefusedError):
+        connect(model)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
+def test_a_process_of_another_user_cannot_use_the_control_socket(family):
+    model, _repo, key = family
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # another user, with the key in hand: still refused
+        os.setuid(65534)
+        try:
+            answer = ask(connect(model), {"op": "status", "key": key})
+            os.write(write, b"answered" if answer is not None else b"closed")
+        except OSError:
+            os.write(write, b"closed")
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert os.read(read, 100) == b"closed"
