@@ -12,6 +12,7 @@ Each benchmark is its own module and can run alone with its own options:
     python -m bench.canary_overhead  request latency and serving-loop CPU while a canary runs
     python bench/lora_bench.py       LoRA: 1 vs 100 adapters per batch, swap-in, memory
     python -m bench.family_swap      model families vs separate models: miss vs memcpy, hits
+    python -m bench.mixed_traffic    hits and misses at once: req/s, p50 and p99 (--baseline REV)
     python -m bench.thrash           failed requests and latency under thrash (models, family)
     python -m bench.scale            50, 1,000 and 10,000 models: idle CPU, bytes per change, status, hits
     python -m bench.abuse            CPU and memory of one hostile HTTP body vs a normal one, same size
@@ -60,6 +61,7 @@ QUICK = {
     "soak": ["-m", "bench.soak", "--variants", "20", "--room", "4", "--clients", "4",
              "--duration", "30"],
     "slot_fill": ["-m", "bench.slot_fill", "--size-mb", "50", "--repeats", "5"],
+    "mixed_traffic": ["-m", "bench.mixed_traffic", "--size-mb", "20", "--duration", "20"],
     "http_parse_offloop": ["-m", "bench.http_parse_offloop", "--mib", "4", "1", "--bodies", "3"],
 }
 FULL = {
@@ -78,6 +80,7 @@ FULL = {
     "abuse": ["-m", "bench.abuse"],
     "soak": ["-m", "bench.soak"],
     "slot_fill": ["-m", "bench.slot_fill"],
+    "mixed_traffic": ["-m", "bench.mixed_traffic"],
     "http_parse_offloop": ["-m", "bench.http_parse_offloop"],
 }
 
@@ -225,6 +228,16 @@ def summary_rows() -> list[tuple[str, str, str]]:
                              "end to end", (f"{r['miss_minus_hit_p50_ms']:.1f}ms = "
                                             f"{r['miss_minus_hit_p50_ms'] / copy_ms:.1f}x memcpy "
                                             f"({copy_ms:.1f}ms); hit p50 {r['hit']['p50_ms']:.1f}ms")))
+    mixed = load("mixed_traffic.json")
+    if mixed:
+        c = mixed["conditions"]
+        for side, runs in mixed["sides"].items():
+            r = runs[-1]
+            label = (f"mixed traffic: {c['clients']} clients, {c['variants']} variants of "
+                     f"{c['size_mb']:g} MB, room for {c['room']} ({side})")
+            rows.append((label, "end to end",
+                         (f"{r['req_per_s']:.0f} req/s, p50 {r['p50_ms']:.0f}ms p99 {r['p99_ms']:.0f}ms "
+                          f"({r['p99_over_p50']:.2f}x), {r['errors']} errors")))
     thrash = load("thrash.json")
     if thrash:
         c = thrash["conditions"]

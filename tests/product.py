@@ -22,10 +22,14 @@ MMCTL = [sys.executable, "-m", "mmctl"]
 class Product:
     """One `mmctl up` process on free ports, with its own state directory."""
 
-    def __init__(self, state_dir: Path, repository: Path | None, *extra: str):
+    def __init__(self, state_dir: Path, repository: Path | None, *extra: str,
+                 code_dir: Path | None = None):
+        """``code_dir``: a checkout whose code the product runs (its processes start there,
+        and ``python -m`` finds their modules there first): a benchmark's baseline."""
         self.state_dir = state_dir
         self.repository = repository
         self.extra = list(extra)
+        self.code_dir = code_dir
         self.admin_port = free_port()
         self.url = f"http://127.0.0.1:{self.admin_port}"
         self.proc: subprocess.Popen | None = None
@@ -38,7 +42,7 @@ class Product:
                 *(["--repository", str(self.repository)] if self.repository is not None else []),
                 "--router-http-port", "0", "--router-grpc-port", "0", *self.extra]
         with open(self.state_dir.parent / f"mmctl-up-{self.admin_port}.log", "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.code_dir)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log_text()

@@ -152,6 +152,12 @@ SMOKES: dict[str, Smoke] = {
          rf"3 swap cycles .* family process RSS {NUMBER} MB",
          r"family: answers of 3 variants against their weights files: ok"], "family_swap.json",
         check_family_swap),
+    "mixed_traffic": Smoke(
+        ["-m", "bench.mixed_traffic", "--smoke", "--out", "{out}/mixed_traffic.json"],
+        [rf"^\s+current\s+\d+\s+0\s+{NUMBER}\s+{NUMBER}ms",
+         r"current: every distinct answer against its variant's weights file: ok"],
+        "mixed_traffic.json",
+        lambda r: assert_(r["sides"]["current"][0]["misses"] > 0 and not r["sides"]["current"][0]["wrong"], r)),
     "scale": Smoke(["-m", "bench.scale", "--smoke", "--out", "{out}/scale.json"],
                    [rf"^\s+20\s+{NUMBER}\s+{NUMBER}\s+\d+\s+\d+"], "scale.json", check_scale),
     "thrash": Smoke(["-m", "bench.thrash", "--smoke", "--out", "{out}/thrash.json"],

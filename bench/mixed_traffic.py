@@ -1,0 +1,220 @@
+"""Mixed traffic: hits and misses at once, through the router of a real `mmctl up`, and its
+tail.  A miss is a fill of a weight slot; the question is whether the fills wait behind
+inference (and inference behind fills), which shows in p99 against p50.
+
+One `mmctl up` serves ``--variants`` demo fine-tunes of ``--size-mb`` MB as a model family
+with room for ``--room`` of them.  ``--clients`` tritonclient threads (HTTP by default) send
+requests one after the other for ``--duration`` seconds, each to a variant drawn from a
+Zipf law (``--zipf``; cust001 the busiest), so that hits and misses mix.  Every request of a
+variant sends the same features, and every distinct answer a variant gave is checked
+against the reference MLP over its own weights file once the traffic stopped (outside the
+timed calls); a wrong one makes the command exit 1, as does any failed request.
+
+``--baseline REV`` runs the same traffic against the product at git revision REV too (a
+worktree of this repository, whose code the product's processes run), interleaved with the
+current code ``--rounds`` times, and prints both side by side: what a change did, measured
+in one run on one machine.
+
+It prints requests, errors, req/s, p50/p95/p99 and p99/p50 per side, the misses (the
+control plane's counter) and this machine's CPU use during the traffic; a run whose CPU use
+is above 90% measures the machine more than the product, and says so.
+
+    .venv/bin/python -m bench.mixed_traffic [--variants 20] [--size-mb 100] [--room 4]
+        [--clients 8] [--duration 60] [--baseline REV] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.seed_scenario import metric_sum
+from bench.soak import Client, error_text
+from control_plane.demo.reference import ReferenceAnswers
+from tests.product import Product
+
+SMOKE = ["--variants", "4", "--size-mb", "1", "--room", "2", "--clients", "2", "--duration", "3"]
+
+
+def cpu_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of this machine so far (/proc/stat)."""
+    fields = [float(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, sum(fields)
+
+
+def misses_counted(endpoints: dict) -> float:
+    """The control plane's miss counter (its /metrics)."""
+    return metric_sum(requests.get(endpoints["admin"] + "/metrics", timeout=10).text,
+                      "mms_cache_misses_total")
+
+
+def zipf_shares(count: int, exponent: float) -> np.ndarray:
+    weights = 1.0 / np.arange(1, count + 1) ** exponent
+    return weights / weights.sum()
+
+
+def traffic(product: Product, args, names: list[str]) -> dict:
+    endpoints = product.json("endpoints")
+    shares = zipf_shares(len(names), args.zipf)
+    features = np.ones((1, 64), np.float32)
+    records: list[tuple[float, str, str | None]] = []
+    answers: dict[str, set[float]] = {}
+    lock = threading.Lock()
+    # Each variant once, so every one is in the warm tier and the family model is loaded.
+    warm = Client(args.protocol, endpoints, args.timeout)
+    for name in names:
+        warm.infer(name, features)
+    warm.close()
+    misses_before = misses_counted(endpoints)
+    deadline = time.monotonic() + args.duration
+    busy0, total0 = cpu_busy()
+
+    def client_loop(index: int) -> None:
+        rng = np.random.default_rng([args.seed, index])
+        client = Client(args.protocol, endpoints, args.timeout)
+        try:
+            while time.monotonic() < deadline:
+                model = names[int(rng.choice(len(names), p=shares))]
+                t0 = time.perf_counter()
+                error = None
+                try:
+                    answer = float(np.asarray(client.infer(model, features)).ravel()[0])
+                    with lock:
+                        answers.setdefault(model, set()).add(answer)
+                except Exception as exc:  # noqa: BLE001  (every failure is a result)
+                    error = error_text(exc)
+                records.append((time.perf_counter() - t0, model, error))
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(args.clients)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - started
+    busy1, total1 = cpu_busy()
+    misses = misses_counted(endpoints) - misses_before
+    reference = ReferenceAnswers(Path(endpoints["repository"]), names)
+    wrong = [{"model": m, "answer": a, "expected": float(reference.expected(m, features).ravel()[0])}
+             for m, seen in sorted(answers.items()) for a in sorted(seen)
+             if reference.check(m, features, np.array([[a]], np.float32)) is not None]
+    ok_ms = np.array([d for d, _, e in records if e is None]) * 1000
+    errors = Counter(e for _, _, e in records if e is not None)
+    pct = (lambda q: round(float(np.percentile(ok_ms, q)), 2)) if len(ok_ms) else (lambda q: None)
+    return {"requests": len(records), "errors": sum(errors.values()),
+            "error_messages": dict(errors.most_common(5)), "wrong": wrong,
+            "req_per_s": round(len(records) / elapsed, 1), "p50_ms": pct(50), "p95_ms": pct(95),
+            "p99_ms": pct(99), "p99_over_p50": round(pct(99) / pct(50), 2) if len(ok_ms) else None,
+            "misses": misses, "miss_share": round(misses / max(1, len(records)), 3),
+            "cpu_busy": round((busy1 - busy0) / max(1.0, total1 - total0), 3)}
+
+
+def run_side(label: str, args, work: Path, code_dir: Path | None) -> dict:
+    names = [f"cust{i:03d}" for i in range(1, args.variants + 1)]
+    started = time.perf_counter()
+    product = Product(work / label, None, "--fleet-size", str(args.variants), "--model-size-mb",
+                      str(args.size_mb), "--max-loaded", str(args.room), "--fleet-layout", "family",
+                      "--policy", "lru", "--router-workers", "1", code_dir=code_dir).start()
+    print(f"{label}: mmctl up ready in {time.perf_counter() - started:.1f}s", flush=True)
+    try:
+        return traffic(product, args, names)
+    finally:
+        product.stop()
+
+
+def baseline_checkout(rev: str, work: Path) -> Path:
+    where = work / "baseline"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), rev],
+                   check=True, capture_output=True)
+    return where
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", type=int, default=20)
+    ap.add_argument("--size-mb", type=float, default=100.0)
+    ap.add_argument("--room", type=int, default=4, help="mmctl up --max-loaded")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per side")
+    ap.add_argument("--zipf", type=float, default=1.0)
+    ap.add_argument("--protocol", choices=("http", "grpc"), default="http")
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--baseline", default=None, help="git revision to run side by side")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved runs per side")
+    ap.add_argument("--smoke", action="store_true", help=" ".join(SMOKE))
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "mixed_traffic.json")
+    args = ap.parse_args([*SMOKE, *(argv or sys.argv[1:])] if "--smoke" in (argv or sys.argv[1:]) else argv)
+
+    work = Path(tempfile.mkdtemp(prefix="bench-mixed-"))
+    sides: dict[str, list[dict]] = {}
+    baseline = None
+    try:
+        if args.baseline:
+            baseline = baseline_checkout(args.baseline, work)
+        for r in range(args.rounds):
+            if baseline is not None:
+                sides.setdefault("baseline", []).append(run_side(f"baseline-{r}", args, work, baseline))
+            sides.setdefault("current", []).append(run_side(f"current-{r}", args, work, None))
+    finally:
+        if baseline is not None:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)],
+                           check=False, capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+    result = {"benchmark": "mixed_traffic", "conditions": {
+        "machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "variants": args.variants, "size_mb": args.size_mb, "room": args.room,
+        "clients": args.clients, "duration_s": args.duration, "zipf": args.zipf,
+        "protocol": args.protocol, "baseline": args.baseline, "rounds": args.rounds,
+        "client": f"tritonclient {args.protocol} through the router (1 worker), batch 1, "
+                  "one request at a time per client, the same features per variant",
+        "warm tier": "host DRAM (tmpfs), every variant staged before the traffic"},
+        "sides": sides}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+
+    print(f"mixed_traffic: {args.variants} variants of {args.size_mb:g} MB, room for {args.room}, "
+          f"{args.clients} {args.protocol} clients, Zipf {args.zipf}, {args.duration:g}s per run, "
+          f"{os.cpu_count()} CPUs")
+    print(f"  {'side':<9} {'requests':>8} {'errors':>6} {'req/s':>7} {'p50':>8} {'p95':>8} {'p99':>8} "
+          f"{'p99/p50':>7} {'misses':>7} {'cpu':>5}")
+    for label, runs in sides.items():
+        for r in runs:
+            print(f"  {label:<9} {r['requests']:>8} {r['errors']:>6} {r['req_per_s']:>7.1f} "
+                  f"{r['p50_ms']:>6.1f}ms {r['p95_ms']:>6.1f}ms {r['p99_ms']:>6.1f}ms "
+                  f"{r['p99_over_p50']:>7.2f} {r['misses']:>7.0f} {r['cpu_busy']:>5.0%}"
+                  + ("  (CPU-bound: measures the machine)" if r["cpu_busy"] > 0.9 else ""))
+            for message, count in r["error_messages"].items():
+                print(f"      {count} x {message[:160]}")
+    for label, runs in sides.items():
+        wrong = [w for r in runs for w in r["wrong"]]
+        checked = "ok" if not wrong else f"WRONG {wrong[:3]}"
+        print(f"  {label}: every distinct answer against its variant's weights file: {checked}")
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    outcome = main()
+    bad = any(r["errors"] or r["wrong"] for runs in outcome["sides"].values() for r in runs)
+    sys.exit(1 if bad else 0)
