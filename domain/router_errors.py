@@ -115,6 +115,11 @@ class RateLimited(RouterError):
         self.retry_after_s = retry_after_s
 
 
+class DeadlineTooShort(RateLimited):
+    """A request whose deadline ends before its model could be loaded: refused at once,
+    instead of failing when the deadline passes (its load is started for the retry)."""
+
+
 class PermissionDenied(RouterError):
     grpc_code = grpc.StatusCode.PERMISSION_DENIED
     http_status = 403

@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 # Triton model; routes: name -> Route (asdict); limits: name -> {qps, burst}; production:
 # model -> concrete name of its production version; versions: model -> {number: concrete};
 # public: concrete -> [model, number]; models: registry model -> true; servers: name ->
-# [grpc_url, http_url, up]; meta: repository, workers, expose_concrete.
+# [grpc_url, http_url, up]; meta: repository, workers, expose_concrete; miss_ms: model ->
+# milliseconds its last load took (what a miss of it costs).
 SECTIONS = ("placement", "carriers", "routes", "limits", "production", "versions", "public",
-            "models", "servers", "meta")
+            "models", "servers", "meta", "miss_ms")
 LOG_CHANGES = 20_000  # changes kept for workers that are behind; older: the whole state
 _ABSENT = object()
 
@@ -184,6 +185,11 @@ class Publisher:
             for name in moved:
                 server = manager.ready_server_of(name)
                 changes.append(("placement", name, None if server is None else server.name))
+                # What a miss of it takes (its last load): a request whose deadline is
+                # shorter is refused at once by the router instead of timing out.
+                rec = manager.records.get(name)
+                load_s = None if rec is None else rec.load_time_s
+                changes.append(("miss_ms", name, None if not load_s else round(load_s * 1000, 1)))
             changes += [("servers", s.name, [s.spec.grpc_url, s.spec.http_url, bool(s.up)])
                         for s in manager.servers.values()]
             repository = manager.repository

@@ -25,7 +25,13 @@ import aiohttp
 from aiohttp import web
 
 from domain import tracing
-from domain.router_errors import BackendUnavailable, PayloadTooLarge, RequestTimeout, RouterError
+from domain.router_errors import (
+    BackendUnavailable,
+    InvalidRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    RouterError,
+)
 from router.frontends.http_request import (
     HEADER_LENGTH,
     InferRequest,
@@ -49,6 +55,27 @@ if TYPE_CHECKING:  # the assembly builds the router these ports serve
     from router.assembly import Router
 
 UNLOADED_BODY = ('{"error":"' + UNLOADED_PREFIX).encode()
+
+
+# The HTTP client's deadline for one inference, in milliseconds (gRPC clients set their
+# call's deadline): a request whose model cannot load in time is refused at once (429).
+TIMEOUT_HEADER = "X-Request-Timeout-Ms"
+
+
+def request_timeout_s(headers, limit_s: float) -> float | None:
+    """The deadline ``TIMEOUT_HEADER`` gives, capped by the router's own ``limit_s``; None
+    without the header.  InvalidRequest for a value that is not a positive number."""
+    text = headers.get(TIMEOUT_HEADER)
+    if text is None:
+        return None
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = float("nan")
+    if not ms > 0 or ms == float("inf"):
+        raise InvalidRequest(f"header {TIMEOUT_HEADER} is the request's deadline in milliseconds, "
+                             f"a number > 0; got {text[:40]!r}")
+    return min(ms / 1000.0, limit_s)
 
 
 class HttpExchange:
@@ -181,7 +208,8 @@ async def infer(router: Router, session: aiohttp.ClientSession, request: web.Req
     pipeline = router.pipeline
     inference = pipeline.inference(request.match_info["model"], version, params, parsed.input_names,
                                    params.get("adapter") or None,
-                                   str(user_id) if user_id is not None else None, None,
+                                   str(user_id) if user_id is not None else None,
+                                   request_timeout_s(request.headers, router.config.request_timeout_s),
                                    lambda: request.headers)
     exchange = HttpExchange(pipeline, session, shared_memory, parsed,
                             request.headers.get("Content-Type", "application/json"),

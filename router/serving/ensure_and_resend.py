@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from domain import tracing
 from domain.errors import ControlPlaneError
 from domain.router_errors import (
     BackendUnavailable,
+    DeadlineTooShort,
     RequestTimeout,
     RouterError,
     UnknownModel,
@@ -40,6 +42,8 @@ from router.serving.triton_channels import Channels
 
 if TYPE_CHECKING:
     from router.serving.router_config import RouterConfig
+
+log = logging.getLogger(__name__)
 
 # Sends of one request that may each meet its model unloaded (then loaded again for it): the
 # load held for it keeps the model for its next send, so more than one resend means an
@@ -117,6 +121,7 @@ class Call:
     code: str = "OK"
     ready_at: float | None = None  # perf_counter when the model was ready (after any load)
     holds: int = 0  # ensures made for this request: the model is held until it is answered
+    deadline: float | None = None  # time.monotonic() when the client stops waiting, if it said
 
 
 class Sender:
@@ -136,6 +141,7 @@ class Sender:
         self.down_watch = DownWatch(lambda: self.state.servers())
         self.miss_budget = MissBudget(config.miss_budget_per_s,
                                       on_refused=metrics.miss_budget_refused.inc)
+        self._prefetching: set[asyncio.Task] = set()  # loads started for refused requests
 
     # ------------------------------------------------------------------ where
     async def server_for(self, model: str, asked: str | None = None, fresh: bool = False,
@@ -156,6 +162,8 @@ class Sender:
         asked = asked or model
         if not fresh and unreachable is None:  # the client's own miss, not one of our resends
             self.miss_budget.spend(asked)
+        if call is not None and call.deadline is not None and unreachable is None:
+            self._refuse_past_deadline(model, asked, call.deadline)
         start = time.perf_counter()
         counted = False
         try:
@@ -183,6 +191,35 @@ class Sender:
                 self.metrics.cold_wait_seconds.labels(series_model).observe(time.perf_counter() - start)
         return server
 
+    def _refuse_past_deadline(self, model: str, asked: str, deadline: float) -> None:
+        """A miss whose load would outlast the request's deadline (its last load took
+        longer than the time left) is refused now, with why, and the load is started so that
+        a retry finds the model: waiting would only end in the client's own timeout."""
+        expected_s = self.state.expected_miss_s(model)
+        left_s = deadline - time.monotonic()
+        if expected_s is None or expected_s <= left_s:
+            return
+        self.metrics.deadline_refused.inc()
+        self._prefetch(model)
+        raise DeadlineTooShort(
+            f"'{asked}' is not loaded and its load takes about {expected_s:.2f} s (its last one), "
+            f"longer than the {max(0.0, left_s):.3f} s left of this request's deadline; its load "
+            f"has started: retry in {expected_s:.1f} s, or with a longer deadline", expected_s)
+
+    def _prefetch(self, model: str) -> None:
+        """Have ``model`` loaded for the next request, holding it no longer than the load."""
+        async def load() -> None:
+            try:
+                await asyncio.wait_for(self.state.ensure(model), self.config.load_timeout_s)
+            except (ControlPlaneError, RouterError, TimeoutError) as exc:
+                log.info("loading %s after a request whose deadline was too short: %s", model, exc)
+                return
+            self.state.requests_answered(model, 1)  # no request waits on this hold
+
+        task = asyncio.get_running_loop().create_task(load())
+        self._prefetching.add(task)
+        task.add_done_callback(self._prefetching.discard)
+
     @staticmethod
     def _serving_error(exc: ControlPlaneError, asked: str) -> RouterError:
         """A control-plane failure met while serving ``asked``, as the client should see it.
@@ -202,16 +239,21 @@ class Sender:
 
     # ------------------------------------------------------------------ one request
     @contextlib.asynccontextmanager
-    async def serving(self, logical: str, user_id: str | None, version: str = "") -> AsyncIterator[Call]:
+    async def serving(self, logical: str, user_id: str | None, version: str = "",
+                      timeout_s: float | None = None) -> AsyncIterator[Call]:
         """Decide, rate-limit and find (or have loaded) the server for one request; record it
         when done.
 
         ``version``: the client's model version, already checked with ``parse_version``.
-        The body sets ``call.code`` to the outcome ("OK" or a status name)."""
+        ``timeout_s``: the client's deadline, when it gave one (a miss that cannot load in
+        time is refused at once).  The body sets ``call.code`` to the outcome ("OK" or a
+        status name)."""
         start = time.perf_counter()
         decision = self.decider.route(logical, user_id, version)
         await self.decider.admit(decision)
         call = Call(decision, start)
+        if timeout_s is not None:
+            call.deadline = time.monotonic() + timeout_s
         known = True
         self.metrics.inflight.inc()
         self.inflight += 1

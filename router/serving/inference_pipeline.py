@@ -159,7 +159,7 @@ class InferencePipeline:
 
     async def _infer(self, inference: Inference, exchange: Exchange):
         async with self.sender.serving(inference.logical, inference.user_id,
-                                       inference.version) as call:
+                                       inference.version, inference.timeout_s) as call:
             decision = call.decision
             message = exchange.outgoing(call, self.target(decision.model, decision.version,
                                                           decision.adapter))

@@ -35,6 +35,10 @@ class RouterMetrics:
         self.miss_budget_refused = Counter(
             "mmr_miss_budget_refused_total",
             "Requests refused because their client caused more misses than its budget", registry=r)
+        self.deadline_refused = Counter(
+            "mmr_deadline_refused_total",
+            "Requests refused at once because their model's load would outlast their deadline",
+            registry=r)
         self.refused = Counter("mmr_refused_total", "Model-control calls refused on the public port",
                                ["api"], registry=r)
         self.inflight = Gauge("mmr_inflight_requests", "Requests in flight", registry=r,

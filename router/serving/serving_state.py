@@ -52,6 +52,9 @@ class ServingState(Protocol):
         """The Triton model that serves ``model`` when it is a model family's variant (the
         request goes there with the parameter ``mms_variant``), else None."""
 
+    def expected_miss_s(self, model: str) -> float | None:
+        """How long a miss of ``model`` takes, from its last load (None: not known yet)."""
+
     def servers(self) -> list[ServerAddress]: ...
 
     async def health(self, model: str) -> dict: ...
@@ -95,6 +98,10 @@ class LocalState:
 
     def carrier_of(self, model: str) -> str | None:
         return None if self.families is None else self.families.carrier_of(model)
+
+    def expected_miss_s(self, model: str) -> float | None:
+        rec = self.manager.records.get(model)
+        return None if rec is None else rec.load_time_s
 
     def servers(self) -> list[ServerAddress]:
         return [self._address(s) for s in list(self.manager.servers.values())]

@@ -209,7 +209,7 @@ class RemoteState:
                     keys[key] = value
                 touched.add(section)
         for section in ("placement", "carriers", "routes", "limits", "production", "versions",
-                        "public", "models", "servers", "meta"):
+                        "public", "models", "servers", "meta", "miss_ms"):
             self.sections.setdefault(section, {})
         version = published["version"]
         if touched & NAME_SECTIONS:
@@ -317,6 +317,10 @@ class RemoteState:
 
     def carrier_of(self, model: str) -> str | None:
         return self.carriers.get(model)
+
+    def expected_miss_s(self, model: str) -> float | None:
+        ms = self.sections.get("miss_ms", {}).get(model)
+        return None if ms is None else ms / 1000.0
 
     def touch(self, model: str) -> None:
         self._uses[model] += 1

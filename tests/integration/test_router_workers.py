@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from tests.integration.answers import Answers, features
 from tests.product import Product
@@ -304,3 +305,43 @@ def test_a_canary_is_judged_on_both_workers_samples(product):
                      "the canary decision")
     assert final["status"] == "rolled_back", final["history"][-3:]
     assert final["serving"] == "cust006"
+
+
+def model_state(p: Product, model: str) -> str:
+    return next(m["state"] for m in p.json("status", "--all") if m["model"] == model)
+
+
+def test_a_request_whose_deadline_is_shorter_than_its_models_load_is_refused_at_once(product):
+    """A model whose load takes about a second: with its load time known, a request with a
+    200 ms deadline (gRPC's own deadline; HTTP's X-Request-Timeout-Ms) is refused at once,
+    RESOURCE_EXHAUSTED / 429 saying why, and its load starts; the retry is answered, with the
+    model's own scores, within the same deadline."""
+    x = features(2, seed=6)
+    client = grpcclient.InferenceServerClient(product.endpoints["router_grpc"])
+    for model in ("cust006", "cust007"):  # the first loads: the control plane learns their time
+        assert wrong_answer(product, model, x, infer_grpc(client, model, x)) is None
+        assert product.mmctl("unload", model).returncode == 0
+        wait_for(lambda m=model: model_state(product, m) == "warm", 30, f"{model} unloaded")
+    time.sleep(0.5)  # the workers have the placement without them
+
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException) as refused:
+        infer_grpc(client, "cust006", x, timeout_s=0.2)
+    assert time.monotonic() - started < 0.15
+    assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED", refused.value
+    assert "longer than the" in refused.value.message() and "deadline" in refused.value.message()
+
+    body = {"inputs": [{"name": "FEATURES", "shape": list(x.shape), "datatype": "FP32",
+                        "data": x.ravel().tolist()}]}
+    url = f"http://{product.endpoints['router_http']}/v2/models/cust007/infer"
+    resp = requests.post(url, json=body, headers={"X-Request-Timeout-Ms": "200"}, timeout=10)
+    assert resp.status_code == 429, resp.text
+    assert "deadline" in resp.json()["error"] and int(resp.headers["Retry-After"]) >= 1
+
+    for model in ("cust006", "cust007"):  # loading since the refusal
+        wait_for(lambda m=model: model_state(product, m) == "ready", 30, f"{model} loaded")
+    time.sleep(0.5)
+    assert wrong_answer(product, "cust006", x, infer_grpc(client, "cust006", x, timeout_s=0.2)) is None
+    resp = requests.post(url, json=body, headers={"X-Request-Timeout-Ms": "200"}, timeout=10)
+    assert resp.status_code == 200, resp.text
+    assert wrong_answer(product, "cust007", x, http_scores(resp)) is None

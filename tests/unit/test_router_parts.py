@@ -75,6 +75,9 @@ class State:
     def carrier_of(self, model):
         return None
 
+    def expected_miss_s(self, model):
+        return None
+
     def servers(self):
         return [SERVER]
 
@@ -251,7 +254,7 @@ class Sends:
         self.channels = None  # the message is kept here, never sent
 
     @contextlib.asynccontextmanager
-    async def serving(self, logical, user_id, version=""):
+    async def serving(self, logical, user_id, version="", timeout_s=None):
         yield Call(self.decider.route(logical, user_id, version), time.perf_counter(), SERVER)
 
     async def send(self, call, exchange, message, timeout_s, asked):

@@ -50,6 +50,9 @@ class MovingState:
     def carrier_of(self, model):
         return None
 
+    def expected_miss_s(self, model):
+        return None
+
     def servers(self):
         return [FIRST, SECOND]
 
@@ -180,3 +183,67 @@ def test_a_triton_that_stays_down_is_unavailable_and_named():
 
     assert triton.sent == ["triton0"] + ["triton1"] * MAX_RESENDS  # bounded
     assert state.unreachable == ["triton0"] + ["triton1"] * (MAX_RESENDS - 1)
+
+
+# --------------------------------------------------------------------------- deadlines
+class ColdState(MovingState):
+    """``m`` is loaded nowhere; its last load took ``load_s`` (None: never loaded)."""
+
+    def __init__(self, load_s):
+        super().__init__()
+        self.load_s = load_s
+
+    def ready_server(self, model):
+        return None
+
+    def expected_miss_s(self, model):
+        return self.load_s
+
+
+def test_a_miss_that_cannot_load_within_the_deadline_is_refused_at_once_and_its_load_starts():
+    import asyncio
+    import time
+
+    from domain.router_errors import DeadlineTooShort
+
+    async def go():
+        triton = Triton(triton1=[b""])
+        router, state = raw_router(triton, ColdState(load_s=2.0))
+        started = time.perf_counter()
+        with pytest.raises(DeadlineTooShort) as refused:
+            await router.forwarder.infer_raw(raw_request(), lambda: None, 0.25)
+        assert time.perf_counter() - started < 0.05
+        assert "its load takes about 2.00 s" in refused.value.message
+        assert "0.2" in refused.value.message and "retry in 2.0 s" in refused.value.message
+        assert refused.value.retry_after_s == 2.0 and triton.sent == []
+        await asyncio.sleep(0.01)  # the load started for the retry, its hold ended with it
+        assert state.ensured == ["m"] and state.answered == [("m", 1)]
+        assert router.metrics.deadline_refused._value.get() == 1
+
+    run(go())
+
+
+@pytest.mark.parametrize("load_s, timeout_s", [(0.1, 0.25), (None, 0.25), (2.0, None)])
+def test_a_miss_is_served_when_its_load_fits_the_deadline_or_nothing_says_otherwise(load_s, timeout_s):
+    triton = Triton(triton1=[b""])
+    router, state = raw_router(triton, ColdState(load_s=load_s))
+    response = run(router.forwarder.infer_raw(raw_request(), lambda: None, timeout_s))
+    assert service_pb2.ModelInferResponse.FromString(response).model_name == "m"
+    assert triton.sent == ["triton1"] and state.ensured == ["m"]
+
+
+@pytest.mark.parametrize("header, expected", [("250", 0.25), ("120000", 60.0), (None, None)])
+def test_the_http_deadline_header_gives_the_deadline_capped_by_the_routers(header, expected):
+    from router.frontends.http_inference import TIMEOUT_HEADER, request_timeout_s
+
+    headers = {} if header is None else {TIMEOUT_HEADER: header}
+    assert request_timeout_s(headers, 60.0) == expected
+
+
+@pytest.mark.parametrize("header", ["0", "-5", "soon", "nan", "inf"])
+def test_a_bad_http_deadline_header_is_a_clear_error(header):
+    from domain.router_errors import InvalidRequest
+    from router.frontends.http_inference import TIMEOUT_HEADER, request_timeout_s
+
+    with pytest.raises(InvalidRequest, match="deadline in milliseconds, a number > 0"):
+        request_timeout_s({TIMEOUT_HEADER: header}, 60.0)

@@ -325,6 +325,9 @@ class PublishedState:
     def carrier_of(self, model):
         return None
 
+    def expected_miss_s(self, model):
+        return None
+
     def servers(self):
         return [self._first(), self.second]
 
