@@ -3,7 +3,9 @@ swap-in latency, and memory of base + adapters vs one full model per customer.
 
 Runs the model-side serving core in-process (``model_runtime.lora``: cache lease, mixed
 batch forward, per-request replies), i.e. what the Triton models run per ``execute``,
-without the gRPC transport, so the numbers isolate the LoRA cost.
+without the gRPC transport, so the numbers isolate the LoRA cost.  After the timed rounds
+every answer of the mixed-adapter batch is checked against the same request served alone
+(the single-adapter path); a wrong one fails the run (exit status 1).
 
     .venv/bin/python bench/lora_bench.py            # all sections, ~1 minute on 2 cores
     .venv/bin/python bench/lora_bench.py --quick     # fewer iterations
@@ -103,8 +105,10 @@ def jobs_factory(base: str, assignment: list[str | None], new_tokens: int, spec:
     features = rng.standard_normal((len(assignment), spec.recommender.feature_dim)).astype(np.float32)
     prompts = [f"customer request {i:03d}".encode() for i in range(len(assignment))]
 
-    def make():
-        replies = []
+    def make(rows=None, replies=None):
+        """Jobs for ``rows`` (default all) of the assignment; answers go to ``replies``."""
+        rows = range(len(assignment)) if rows is None else rows
+        replies = [] if replies is None else replies
 
         def reply(result, error):
             if error is not None:
@@ -112,12 +116,32 @@ def jobs_factory(base: str, assignment: list[str | None], new_tokens: int, spec:
             replies.append(result)
 
         if base == "tinylm":
-            jobs = [Job(a, TextPayload([prompts[i]], [new_tokens]), reply) for i, a in enumerate(assignment)]
+            jobs = [Job(assignment[i], TextPayload([prompts[i]], [new_tokens]), reply) for i in rows]
         else:
-            jobs = [Job(a, features[i : i + 1], reply) for i, a in enumerate(assignment)]
+            jobs = [Job(assignment[i], features[i : i + 1], reply) for i in rows]
         return jobs, lambda: len(replies) == len(jobs)
 
     return make
+
+
+def wrong_answers(server, make_jobs, count: int) -> int:
+    """Requests of the batch whose answer differs from the same request served alone (one
+    row, so the single-adapter path): another text, or a score off by more than 1e-5.
+    Outside the timed calls; a fast kernel that computes the wrong rows must not pass."""
+    mixed: list = []
+    jobs, answered = make_jobs(replies=mixed)
+    server.submit(jobs)
+    wrong = 0
+    for i in range(count):
+        alone: list = []
+        jobs, _ = make_jobs(rows=[i], replies=alone)
+        server.submit(jobs)
+        if not answered() or len(alone) != 1:  # both served now, from resident adapters
+            raise RuntimeError("a request was not answered synchronously (cold adapter?)")
+        a, b = mixed[i], alone[0]
+        same = a == b if isinstance(a, list) else np.allclose(a, b, rtol=0, atol=1e-5)
+        wrong += not same
+    return wrong
 
 
 def describe(spec: LoraDemoSpec) -> str:
@@ -150,7 +174,7 @@ def throughput(args, adapter_dirs, device, spec: LoraDemoSpec, title: str) -> di
         (f"{args.adapters} distinct, only {args.churn_slots} slots (swap-ins + waves)",
          spread, args.churn_slots, True),
     ]
-    ratios = {}
+    ratios, wrong = {}, {}
     for base, unit, scale in [("recommender_lora", "rows/s", 1), ("tinylm", "tokens/s", args.new_tokens)]:
         print(f"\n  {base}" + (f" (greedy, {args.new_tokens} new tokens per request)" if base == "tinylm" else ""))
         print(f"  {'case':<52} {'cpu ms':>9} {'wall ms':>9} {unit:>11} {'vs 1 adapt.':>12}")
@@ -172,6 +196,7 @@ def throughput(args, adapter_dirs, device, spec: LoraDemoSpec, title: str) -> di
                     if i:  # the first round is warm-up
                         cpu[label].append(cpu_s)
                         wall[label].append(wall_s)
+            wrong[base] = wrong_answers(servers[many], factories[many], args.batch)
         finally:
             for server in servers.values():
                 server.close()
@@ -180,11 +205,15 @@ def throughput(args, adapter_dirs, device, spec: LoraDemoSpec, title: str) -> di
             rel = "" if label.startswith("base") else f"{results[single] / t * 100:.0f}%"
             wall_ms = statistics.median(wall[label]) * 1e3
             print(f"  {label:<52} {t * 1e3:>9.2f} {wall_ms:>9.2f} {args.batch * scale / t:>11.0f} {rel:>12}")
+        print(f"  answers: {args.batch - wrong[base]} of the {args.batch} requests of the '{many}' batch "
+              "equal the same request served alone" + ("" if not wrong[base] else "  <- WRONG ANSWERS"))
         ratios[base] = results[single] / results[many]
     for base, ratio in ratios.items():
         verdict = "meets" if ratio >= 0.8 else "misses"
         print(f"  -> {base}: {args.adapters}-adapter throughput = {ratio * 100:.0f}% of single-adapter "
               f"({verdict} the >= 80% target)")
+    if any(wrong.values()):
+        raise SystemExit(f"wrong answers in the mixed-adapter batch: {wrong}")
     return ratios
 
 

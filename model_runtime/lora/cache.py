@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from itertools import compress
 
 from .bank import LoraBank
 from .cache_control import CacheControl
@@ -92,6 +93,13 @@ class AdapterCache(CacheControl):
         self._pinned: set[str] = set()
         self._disabled: set[str] = set()
         self._stats: dict[str, AdapterStats] = {}
+        # The hot path's statistics (requests whose adapter was already in a slot, and when
+        # each adapter was last used), kept apart from AdapterStats so that a batch counts
+        # them with C loops (Counter.update, dict.update): a Python update of a hundred
+        # AdapterStats objects, cold after the rest of the process's work, took a 100-adapter
+        # batch's lease from about 40 to about 55 us (measured).
+        self._resident_requests: Counter[str] = Counter()
+        self._last_used: dict[str, float] = {}
         self._meta: dict[str, tuple[int, int]] = {}  # name -> (rank, bytes) once loaded
         self._control_errors: dict[str, str] = {}  # pin/preload failures, for status
         self.manifest_generation: int | None = None
@@ -109,29 +117,41 @@ class AdapterCache(CacheControl):
         ``count`` (parallel to ``names``, default all True) says which requests enter the
         statistics, so a request retried after a cold load or in a later wave counts once."""
         names = list(names)
-        counted = [True] * len(names) if count is None else list(count)
+        counted = names if count is None else list(compress(names, count))
         with self.lock:
-            yield self._assign(names, Counter(n for n, c in zip(names, counted) if c))
+            yield self._assign(names, counted)
 
-    def _assign(self, names: list[str | None], counts: Counter) -> Lease:
+    def _assign(self, names: list[str | None], counted: list[str | None]) -> Lease:
         lease = Lease()
-        # Adapters already in a slot go first, so they are protected before any swap-in of
-        # this batch picks a victim.
-        order = sorted(dict.fromkeys(names), key=lambda n: n is not None and n not in self._slot_of)
+        distinct = dict.fromkeys(names)
         now = self._wall_clock()
-        for name in order:
-            if name is None:
-                lease.slots[None] = 0
-                continue
-            slot = self._slot_of.get(name)
-            if slot is not None:  # the hot path: validated when it was admitted
-                self.device_tier.touch(name)
-                stats = self._stats[name]
-                stats.requests += counts[name]
-                stats.device_hits += counts[name]
-                stats.last_used_unix = now
-                lease.slots[name] = slot
-                continue
+        base_rows = None in distinct
+        distinct.pop(None, None)
+        # Adapters already in a slot go first, so they are protected before any swap-in of
+        # this batch picks a victim.  They are the hot path (validated when admitted): one
+        # dict lookup each, and their statistics in bulk, since a batch can name a hundred.
+        slot_of = self._slot_of
+        resident: dict[str, int] = {}
+        elsewhere = []
+        for name in distinct:
+            slot = slot_of.get(name)
+            if slot is None:
+                elsewhere.append(name)
+            else:
+                resident[name] = slot
+        if resident:
+            self.device_tier.touch_all(resident)
+            served = counted
+            if elsewhere:  # count only the requests served from a slot here
+                served = [name for name in counted if name in resident]
+            self._resident_requests.update(served)
+            self._resident_requests.pop(None, None)  # base rows
+            self._last_used.update(dict.fromkeys(resident, now))
+        if base_rows:
+            lease.slots[None] = 0
+        lease.slots.update(resident)
+        counts = Counter(counted) if elsewhere else Counter()
+        for name in elsewhere:
             try:
                 slot, hit = self._ready_slot(name, protect=lease.slots.keys())
             except (AdapterNotFound, InvalidRequest) as exc:
@@ -143,7 +163,7 @@ class AdapterCache(CacheControl):
                 slot = 0
             stats = self._stats.setdefault(name, AdapterStats())
             stats.requests += counts[name]
-            stats.last_used_unix = now
+            self._last_used[name] = now
             if hit == "device":
                 stats.device_hits += counts[name]
             elif hit == "host":
@@ -320,6 +340,7 @@ class AdapterCache(CacheControl):
             adapters = []
             for name in sorted(names):
                 stats = self._stats.get(name, AdapterStats())
+                resident_requests = self._resident_requests[name]
                 rank, nbytes = self._meta.get(name, (None, None))
                 refused = self._refused.get(name)
                 adapters.append({
@@ -329,14 +350,14 @@ class AdapterCache(CacheControl):
                     "slot": self._slot_of.get(name),
                     "rank": rank,
                     "bytes": nbytes,
-                    "requests": stats.requests,
-                    "device_hits": stats.device_hits,
+                    "requests": stats.requests + resident_requests,
+                    "device_hits": stats.device_hits + resident_requests,
                     "host_hits": stats.host_hits,
                     "misses": stats.misses,
                     "cold_loads": stats.cold_loads,
                     "load_time_s": stats.load_time_s,
                     "swap_in_s": stats.swap_in_s,
-                    "last_used_unix": stats.last_used_unix,
+                    "last_used_unix": self._last_used.get(name),
                     "error": refused[0].message if refused else self._control_errors.get(name),
                 })
             return {

@@ -11,6 +11,10 @@ from .errors import LoraError, RuntimeClosing
 
 @dataclass
 class AdapterStats:
+    """Counts of the slow paths.  Requests whose adapter was already in a device slot, and
+    when each adapter was last used, the cache counts in bulk (``AdapterCache.status`` adds
+    them in)."""
+
     requests: int = 0
     device_hits: int = 0
     host_hits: int = 0
@@ -18,7 +22,6 @@ class AdapterStats:
     cold_loads: int = 0
     load_time_s: float | None = None  # last cold load: read + validate, disk -> host
     swap_in_s: float | None = None  # last host -> device copy into a slot
-    last_used_unix: float | None = None
 
 
 @dataclass

@@ -206,6 +206,49 @@ def test_unknown_adapter_fails_only_its_request(make_server):
     assert "nobody" not in {a["name"] for a in server.cache.status()["adapters"]}
 
 
+def test_statistics_count_each_request_of_a_mixed_batch_once(tmp_path, adapter_dir):
+    """Resident adapters (counted in bulk), a swap-in from host memory, base rows and an
+    unknown name in one batch; a request retried in a later wave counts once."""
+    now = [100.0]
+    model = RecommenderMLP(base_weights(SPEC.recommender))
+    settings = LoraSettings.from_parameters(
+        {"max_device_adapters": "3", "manifest_poll_s": "0"}, tmp_path
+    )
+    server = build_server(model, recommender_runner(model), settings, base_name="r",
+                          wall_clock=lambda: now[0])
+    try:
+        for name in ("a", "b", "c"):
+            server.cache.load(name).result(timeout=30)
+        server.cache.unload("c")
+        server.cache.load("c").result(timeout=30)  # in a slot again
+        assert server.cache.resident() == ["a", "b", "c"]
+        now[0] = 200.0
+        results = serve(server, "b", "a", None, "b", "nobody", "a", "b")
+        assert [error is None for _, error in results] == [True, True, True, True, False, True, True]
+        assert server.cache.resident() == ["c", "b", "a"]  # touched in the batch's order
+        status = {x["name"]: x for x in server.cache.status()["adapters"]}
+        assert (status["a"]["requests"], status["a"]["device_hits"]) == (2, 2)
+        assert (status["b"]["requests"], status["b"]["device_hits"]) == (3, 3)
+        assert status["a"]["last_used_unix"] == status["b"]["last_used_unix"] == 200.0
+        assert status["c"]["requests"] == 0 and status["c"]["last_used_unix"] is None
+        assert "nobody" not in status
+
+        # c, now in host memory only, takes b's slot (the least recently used one that the
+        # batch does not use) in the same batch that a is served from its own.
+        server.cache.load("d").result(timeout=30)  # evicts c, the least recently used
+        assert server.cache.tier_of("c") == "host" and server.cache.resident() == ["b", "a", "d"]
+        now[0] = 300.0
+        serve(server, "c", "a", "c")
+        assert server.cache.resident() == ["d", "a", "c"]
+        status = {x["name"]: x for x in server.cache.status()["adapters"]}
+        assert (status["c"]["requests"], status["c"]["host_hits"], status["c"]["device_hits"]) == (2, 2, 0)
+        assert (status["a"]["requests"], status["a"]["device_hits"]) == (3, 3)
+        assert status["c"]["last_used_unix"] == status["a"]["last_used_unix"] == 300.0
+        assert status["b"]["last_used_unix"] == 200.0
+    finally:
+        server.close()
+
+
 def test_malformed_adapter_is_refused_and_the_model_keeps_serving(make_server, adapter_dir):
     server, reader = make_server()
     bad = adapter_dir / "broken"
