@@ -161,6 +161,12 @@ class FamilyAdmin(TritonAdmin):
     async def _load_family(self, family: Family, slots: int) -> None:
         if self.guard is not None:
             self.guard()
+        # The process Triton replaces may still answer on its socket for a moment: the next
+        # command goes through Triton, whose answer names the new process's socket.
+        channel = self.sockets.get(family.name)
+        if channel is not None:
+            self._never_again(channel.name)
+            await self._drop_socket(family.name)
         await self.load_with(family.name, await asyncio.to_thread(self._family_config, family, slots))
         self.instance(family.name).loaded(slots)
         log.info("family %s loaded on %s with %d slots of %d bytes", family.name, self.grpc_url,
@@ -281,7 +287,7 @@ class FamilyAdmin(TritonAdmin):
                     # loaded, died) and names the new process's socket.
                     log.info("family %s on %s: control socket %s: %s; sending as a request",
                              family.name, self.grpc_url, channel.name, exc)
-                    self.unreachable_sockets.add(channel.name)
+                    self._never_again(channel.name)
                     await self._drop_socket(family.name)
                 else:
                     if span is not None:
@@ -342,6 +348,12 @@ class FamilyAdmin(TritonAdmin):
             asyncio.get_running_loop().create_task(current.close())
         if name and name not in self.unreachable_sockets:
             self.sockets[family.name] = ControlSocket(name)
+
+    def _never_again(self, name: str) -> None:
+        """Send nothing more over socket ``name`` (its process is gone or being replaced)."""
+        if len(self.unreachable_sockets) >= 1024:  # names of processes long gone
+            self.unreachable_sockets.clear()
+        self.unreachable_sockets.add(name)
 
     async def _drop_socket(self, family: str) -> None:
         channel = self.sockets.pop(family, None)

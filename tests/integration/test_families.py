@@ -235,3 +235,40 @@ def test_a_crashed_family_process_comes_back_and_its_variants_are_loaded_again(
         await mgr.close()
 
     run(scenario())
+
+
+def test_a_family_grown_for_new_variants_answers_from_its_new_process(triton, repository, tmp_path):
+    """Variants registered after the family loaded: when its slots are full the family is
+    loaded again with more, the variants it held are copied into the new process, and every
+    command after that reaches the new process (never the one Triton replaced)."""
+    async def scenario():
+        mgr = make_manager(triton, repository, tmp_path, max_loaded=20)
+        await mgr.start()
+        for name in VARIANTS:
+            await mgr.ensure(name)
+        admin = mgr.servers["triton0"].admin
+        first = admin.family_slots("scaler")
+        first_process = admin.instance("scaler").instance_id
+        extra = {f"newco{i}": (float(i), -float(i)) for i in range(1, 5)}
+        for name, (scale, shift) in extra.items():
+            write_variant(repository, name, "scaler", scaler_weights(scale, shift))
+        VARIANTS.update(extra)
+        admin.families.refresh()  # what registering them does (mmctl registry add)
+        try:
+            for name in extra:
+                await mgr.ensure(name)
+            grown = admin.family_slots("scaler")
+            assert grown["slots"] > first["slots"] == 6
+            assert ready(mgr) == set(VARIANTS)
+            status = await admin.control(admin.families.family("scaler"), {"op": "status"})
+            assert status["instance"] != first_process
+            assert admin.sockets["scaler"].name == status["control_socket"]
+            assert status["control_socket"].endswith(status["instance"])
+            for name in VARIANTS:
+                np.testing.assert_allclose(infer(triton.grpc_url, name), expected(name))
+        finally:
+            for name in extra:
+                VARIANTS.pop(name)
+        await mgr.close()
+
+    run(scenario())
