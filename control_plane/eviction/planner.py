@@ -6,6 +6,14 @@ models, and capacity is a byte budget and/or a slot count.  ``plan`` returns the
 to free room for a new key, or raises CapacityExhausted naming the pinned keys and the
 budget; it changes nothing until the caller commits.  Residents marked ``leaving`` count
 as used but their room as already free (it is promised).
+
+Slot pools: a resident may hold ``holds`` fixed-size slots for other residents (a model
+family's Triton model and its weight slots).  The pool counts its whole size and its
+``holds`` slots from the moment it is admitted, filled or not; a member (``pool`` set) takes
+one of its slots and counts nothing of the server's room itself.  So a member's newcomer
+needs a free slot of its pool (evicting a member of that pool when none is free), never
+server room, and evicting a member frees no server room: only a pool with no members left
+is a victim for others, its whole size returned.
 """
 
 from __future__ import annotations
@@ -55,6 +63,17 @@ class Resident:
     # it gone), but its room is promised and counts as free when planning.  A model whose
     # unload failed is not leaving: it holds its room.
     leaving: bool = False
+    # A member of a slot pool: the key of the pool resident whose slot it takes (it counts
+    # no bytes or slots of the server's own: the pool does).
+    pool: str | None = None
+    # A slot pool: the slots it holds for its members, counted against the server's slot
+    # limit (its size_bytes is all of them), whether members fill them or not.
+    holds: int = 0
+
+    @property
+    def server_slots(self) -> int:
+        """Slots of the server's ``max_slots`` it takes."""
+        return 0 if self.pool is not None else (self.holds or 1)
 
 
 @dataclass
@@ -75,6 +94,10 @@ class Capacity:
 class EvictionPlan:
     victims: list[str] = field(default_factory=list)
     freed_bytes: int = 0
+    # A member's newcomer whose pool is not on the server, or grows: the slots the pool
+    # holds once it is loaded (the caller reserves them); 0: the newcomer takes a slot of a
+    # pool already there.
+    pool_slots: int = 0
 
 
 class CachePlanner:
@@ -95,25 +118,69 @@ class CachePlanner:
         self.headroom = headroom if headroom is not None else HeadroomSpec(models=0)
         self.residents: dict[str, Resident] = {}
         self._used_bytes = 0
+        self._used_slots = 0
+        self._pools = 0  # residents that are slot pools
         self._leaving_bytes = 0
         self._leaving_slots = 0
-        self._evictable: dict[int, int] = {}  # priority -> residents neither pinned nor busy
+        # priority -> residents that free server room when evicted, neither pinned nor busy
+        # (a pool only while it has no members; members never: they free none)
+        self._evictable: dict[int, int] = {}
+        self._members: dict[str, int] = {}  # pool key -> its members (loading ones included)
+        self._leaving_members: dict[str, int] = {}  # pool key -> its members being unloaded
 
     # -- running totals (admit, update, remove) -----------------------------------------
     def _count(self, r: Resident) -> None:
-        self._used_bytes += r.size_bytes
-        if r.leaving:
-            self._leaving_bytes += r.size_bytes
-            self._leaving_slots += 1
-        if r.evictable and not r.pinned:
-            self._evictable[r.priority] = self._evictable.get(r.priority, 0) + 1
+        if r.pool is not None:
+            self._change_members(r, +1)
+        else:
+            self._count_own(r)
 
     def _uncount(self, r: Resident) -> None:
+        if r.pool is not None:
+            self._change_members(r, -1)
+        else:
+            self._uncount_own(r)
+
+    def _change_members(self, member: Resident, delta: int) -> None:
+        """A member joins or leaves its pool: the pool's own evictability follows (a pool with
+        members is no victim), so it is counted again around the change."""
+        pool = self.residents.get(member.pool)
+        if pool is not None:
+            self._uncount_own(pool)
+        for counts, applies in ((self._members, True), (self._leaving_members, member.leaving)):
+            if applies:
+                left = counts.get(member.pool, 0) + delta
+                if left:
+                    counts[member.pool] = left
+                else:
+                    counts.pop(member.pool, None)
+        if pool is not None:
+            self._count_own(pool)
+
+    def _frees_room(self, r: Resident) -> bool:
+        """Whether evicting ``r`` frees server room and may be planned: a model or an empty
+        pool, neither pinned nor busy."""
+        return (r.pool is None and r.evictable and not r.pinned
+                and not (r.holds and self._members.get(r.key)))
+
+    def _count_own(self, r: Resident) -> None:
+        self._used_bytes += r.size_bytes
+        self._used_slots += r.server_slots
+        self._pools += 1 if r.holds else 0
+        if r.leaving:
+            self._leaving_bytes += r.size_bytes
+            self._leaving_slots += r.server_slots
+        if self._frees_room(r):
+            self._evictable[r.priority] = self._evictable.get(r.priority, 0) + 1
+
+    def _uncount_own(self, r: Resident) -> None:
         self._used_bytes -= r.size_bytes
+        self._used_slots -= r.server_slots
+        self._pools -= 1 if r.holds else 0
         if r.leaving:
             self._leaving_bytes -= r.size_bytes
-            self._leaving_slots -= 1
-        if r.evictable and not r.pinned:
+            self._leaving_slots -= r.server_slots
+        if self._frees_room(r):
             left = self._evictable[r.priority] - 1
             if left:
                 self._evictable[r.priority] = left
@@ -127,7 +194,8 @@ class CachePlanner:
 
     @property
     def used_slots(self) -> int:
-        return len(self.residents)
+        """Slots of ``max_slots`` taken: one per model, a pool's all (members none)."""
+        return self._used_slots
 
     @property
     def committed_bytes(self) -> int:
@@ -136,10 +204,29 @@ class CachePlanner:
 
     @property
     def committed_slots(self) -> int:
-        return len(self.residents) - self._leaving_slots
+        return self._used_slots - self._leaving_slots
+
+    @property
+    def models(self) -> int:
+        """Models resident (loading and leaving included), slot pools left out."""
+        return len(self.residents) - self._pools
+
+    def frees_room(self, key: str) -> bool:
+        """Whether evicting ``key`` may free server room now (see ``_frees_room``)."""
+        r = self.residents.get(key)
+        return r is not None and self._frees_room(r)
+
+    def members(self, pool: str) -> int:
+        """Members of ``pool`` that hold one of its slots (loading and leaving included)."""
+        return self._members.get(pool, 0)
 
     def touch(self, key: str, now: float) -> None:
         self.policy.touch(key, now)
+        # A pool is as recently used as its newest member: once empty, the policy ranks it
+        # by when its last variant was used.
+        r = self.residents.get(key)
+        if r is not None and r.pool is not None and r.pool in self.residents:
+            self.policy.touch(r.pool, now)
 
     def admit(self, resident: Resident, now: float, load_cost_s: float = 1.0) -> None:
         """Record ``resident`` as loaded; re-admitting a key replaces its old entry."""
@@ -166,9 +253,10 @@ class CachePlanner:
         return new
 
     def remove(self, key: str) -> None:
-        r = self.residents.pop(key, None)
+        r = self.residents.get(key)
         if r is not None:
             self._uncount(r)
+            del self.residents[key]
         self.policy.remove(key)
 
     # -- decisions --------------------------------------------------------------------
@@ -178,22 +266,78 @@ class CachePlanner:
             return False
         return cap.max_bytes is None or size_bytes <= cap.max_bytes
 
-    def plan(self, key: str, size_bytes: int) -> EvictionPlan:
+    def plan(self, key: str, size_bytes: int, pool: str | None = None,
+             pool_slots: int = 0) -> EvictionPlan:
         """Victims that make room for ``key``; raises CapacityExhausted if none can.
 
         Victims come lowest stage priority first, then in the policy's order; pinned and
         busy (not evictable) residents are skipped.  One pass over ``victim_order``: keys
         of a higher priority level are held back until every evictable key of the lower
         levels has been seen (the running counts say when).
+
+        ``pool``: ``key`` goes into a slot (of ``size_bytes``) of that pool, which a load
+        would give ``pool_slots`` slots now.  A free slot costs nothing; a pool not here
+        needs the room of all its slots (``EvictionPlan.pool_slots``); a full one grows
+        into free room when its load would have more slots now, else a member leaves.
         """
+        limit = victim_priority_limit(
+            self.priority_of(key) if self.priority_of is not None else DEFAULT_PRIORITY)
+        if pool is not None:
+            return self._plan_slot(key, size_bytes, pool, pool_slots, limit)
+        return self._plan_room(key, size_bytes, 1, limit)
+
+    def _plan_slot(self, key: str, slot_bytes: int, pool: str, pool_slots: int,
+                   limit: int | None) -> EvictionPlan:
+        holder = self.residents.get(pool)
+        if holder is None:
+            slots = max(pool_slots, 1)
+            plan = self._plan_room(key, slots * slot_bytes, slots, limit)
+            plan.pool_slots = slots
+            return plan
+        if holder.leaving or not (holder.evictable or self._members.get(pool)):
+            # Being unloaded (or its unload failed): its slots are going; the newcomer waits
+            # for the unload, then loads it again.
+            raise CapacityExhausted(f"no room for {key}: its family {pool} is being unloaded "
+                                    "from this server")
+        taken = self._members.get(pool, 0) - self._leaving_members.get(pool, 0)
+        need = taken + 1 - holder.holds
+        if need <= 0:
+            return EvictionPlan()
+        grow = pool_slots - holder.holds
+        if grow >= need and self._free_for(grow * slot_bytes, grow):
+            return EvictionPlan(pool_slots=pool_slots)
+        victims = [r.key for r in self._members_in_order(key, pool, limit)][:need]
+        if len(victims) < need:
+            raise self._exhausted_in_pool(key, pool, holder.holds)
+        return EvictionPlan(victims)
+
+    def _free_for(self, size_bytes: int, slots: int) -> bool:
+        """Whether free (or promised) room holds ``size_bytes`` and ``slots`` with no victim."""
         cap = self.capacity
-        if not self.fits_at_all(size_bytes):
+        return ((cap.max_bytes is None or self.committed_bytes + size_bytes <= cap.max_bytes)
+                and (cap.max_slots is None or self.committed_slots + slots <= cap.max_slots))
+
+    def _members_in_order(self, key: str, pool: str, limit: int | None) -> list[Resident]:
+        """``pool``'s evictable members, lowest stage priority first, then the policy's order."""
+        found = []
+        for candidate in self.policy.victim_order():
+            r = self.residents.get(candidate)
+            if (r is None or r.pool != pool or r.pinned or not r.evictable or candidate == key
+                    or (limit is not None and r.priority > limit)):
+                continue
+            found.append(r)
+        found.sort(key=lambda r: r.priority)  # stable: the policy's order within a stage
+        return found
+
+    def _plan_room(self, key: str, size_bytes: int, slots: int,
+                   limit: int | None) -> EvictionPlan:
+        cap = self.capacity
+        if not self.fits_at_all(size_bytes) or (cap.max_slots is not None
+                                                and slots > cap.max_slots):
             raise CapacityExhausted(
                 f"{key} needs {size_bytes} bytes but the whole budget is {cap.describe()}; "
                 "raise --memory-budget / --max-loaded or place it on a larger device"
             )
-        limit = victim_priority_limit(
-            self.priority_of(key) if self.priority_of is not None else DEFAULT_PRIORITY)
         # Room that leaving residents free is already promised: count it as free.  A shadow
         # leaves the headroom alone (restoring it would evict a serving model for it).
         reserve = self.headroom_target() if limit is not None else Headroom()
@@ -202,7 +346,7 @@ class CachePlanner:
             need_bytes = max(0, self.committed_bytes + size_bytes + reserve.bytes - cap.max_bytes)
         need_slots = 0
         if cap.max_slots is not None:
-            need_slots = max(0, self.committed_slots + 1 + reserve.slots - cap.max_slots)
+            need_slots = max(0, self.committed_slots + slots + reserve.slots - cap.max_slots)
         if need_bytes <= 0 and need_slots <= 0:
             return EvictionPlan()
         evictable = sum(n for p, n in self._evictable.items() if limit is None or p <= limit)
@@ -227,7 +371,8 @@ class CachePlanner:
             if spec.bytes is not None:
                 size = spec.bytes
             elif spec.models != 0:
-                sizes = sorted(r.size_bytes for r in self.residents.values() if r.size_bytes > 0)
+                sizes = sorted(r.size_bytes for r in self.residents.values()
+                               if r.size_bytes > 0 and r.pool is None)
                 typical = sizes[len(sizes) // 2] if sizes else 0
                 n = spec.models
                 if n is None:
@@ -277,7 +422,7 @@ class CachePlanner:
             freed = 0
             for candidate in self.policy.victim_order():
                 r = residents.get(candidate)
-                if r is None or r.pinned or not r.evictable or candidate == key:
+                if r is None or not self._frees_room(r) or candidate == key:
                     continue
                 if limit is not None and r.priority > limit:
                     continue
@@ -312,7 +457,7 @@ class CachePlanner:
 
         for candidate in self.policy.victim_order():
             r = residents.get(candidate)
-            if r is None or r.pinned or not r.evictable or candidate == key:
+            if r is None or not self._frees_room(r) or candidate == key:
                 continue
             bucket = buckets.get(r.priority)
             if bucket is None:  # above the limit, or priority changed mid-walk
@@ -335,6 +480,19 @@ class CachePlanner:
             f"no room for {key} ({size_bytes} bytes): budget is {cap.describe()}, "
             f"{self.used_slots} loaded using {self.used_bytes} bytes, and nothing evictable is "
             f"left ({detail}); unpin a model (mmctl unpin NAME) or raise the budget"
+        )
+
+    def _exhausted_in_pool(self, key: str, pool: str, slots: int) -> CapacityExhausted:
+        members = [(k, r) for k, r in self.residents.items() if r.pool == pool]
+        pinned = sorted(k for k, r in members if r.pinned)
+        busy = sorted(k for k, r in members if not r.evictable and not r.pinned)
+        detail = f"pinned: {', '.join(pinned) or 'none'}"
+        if busy:
+            detail += f"; busy loading/unloading: {', '.join(busy)}"
+        return CapacityExhausted(
+            f"no room for {key}: all {slots} slots of its family {pool} on this server hold "
+            f"variants that cannot leave ({detail}); unpin a model (mmctl unpin NAME) or "
+            "raise the budget"
         )
 
     def _exhausted_for_shadow(self, key: str, size_bytes: int, limit: int) -> CapacityExhausted:

@@ -38,7 +38,9 @@ def family_slots(family: Family, max_loaded: int | None, budget_bytes: int | Non
     """Slots a family gets on one server: as many variants as the server's budget can hold
     (``--max-loaded``, and the byte budget in slots of the family's size), so the manager's
     accounting never asks for a slot the family does not have.  With neither limit, one per
-    variant known now.  At least one."""
+    variant known now.  At least one.  All of them count against the server's budget once
+    the family loads (the manager charges a family for the slots it holds), so a family
+    sharing a server with separate models leaves them only the rest."""
     limits = [n for n in (max_loaded,
                           budget_bytes // max(family.slot_bytes, 1) if budget_bytes else None)
               if n is not None]

@@ -14,7 +14,11 @@ The model manager calls ``load``, ``unload``, ``wait_unavailable``, ``index``,
   nothing to wait for.
 * ``index``: Triton's index with each family model replaced by the variants in its slots,
   so the reconcile adopts and forgets variants as it does models; the family models
-  themselves are never the manager's (not in its catalogue, never a victim).
+  themselves are not models of the manager's catalogue (never listed, loaded or pinned).
+* The family model's slots are the manager's to count (``slot_pool``, ``slot_pools``,
+  ``loaded_slots``): all K count against the server's budget from its load on, filled or
+  not; once no variant is left in them the manager may unload it (``unload_slots``) for
+  another model's room.
 * warm-up: the family's config shapes the request, sent with the variant's name.
 
 A family model whose process died (Triton answers "Stub process ... is not healthy" and
@@ -43,7 +47,8 @@ from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from control_plane.families.family_catalog import WEIGHTS_FILE, Family, FamilyCatalog
-from control_plane.families.instance import FamilyInstance, FamilyState
+from control_plane.families.instance import IN_PROGRESS, FamilyInstance, FamilyState
+from control_plane.manager.records import SlotPool
 from control_plane.triton.admin import (
     IndexEntry,
     Timeouts,
@@ -229,6 +234,48 @@ class FamilyAdmin(TritonAdmin):
         log.info("family %s on %s: growing from %d to %d slots", family.name, self.grpc_url,
                  status["slots"], wanted)
         return await self._reload(family, wanted, set(status["resident"]), FamilyState.GROWING)
+
+    # ------------------------------------------------------------------ the slots' room
+    def slot_pool(self, model: str) -> SlotPool | None:
+        """The slots ``model`` goes into here (its family's, with the slots a load of the
+        family would allocate now), or None for a model of its own."""
+        family = self.families.family_of(model)
+        if family is None:
+            return None
+        return SlotPool(family.name, self.slots_for(family), family.slot_bytes)
+
+    def loaded_slots(self, family: str) -> int | None:
+        """Slots of ``family``'s model loaded here as last known, or None when it is not."""
+        instance = self.instances.get(family)
+        if instance is None or instance.state is FamilyState.ABSENT:
+            return None
+        return instance.slots
+
+    def slot_pools(self) -> dict[str, SlotPool]:
+        """The families loaded here (as the last index read found them) with their slots."""
+        found = {}
+        for name in list(self.instances):
+            family = self.families.family(name)
+            slots = self.loaded_slots(name)
+            if family is not None and slots is not None:
+                found[name] = SlotPool(name, slots, family.slot_bytes)
+        return found
+
+    async def unload_slots(self, family: str) -> None:
+        """Unload ``family``'s model (the manager found no variant left in its slots); its
+        memory is back once Triton's index shows it unavailable (``wait_unavailable``)."""
+        if self.families.family(family) is None:
+            raise ModelNotFound(f"{family} is not a model family")
+        instance = self.instance(family)
+        async with instance.lock:
+            channel = self.sockets.get(family)
+            if channel is not None:  # its process goes: nothing more to it over its socket
+                self._never_again(channel.name)
+                await self._drop_socket(family)
+            await super().unload(family)
+            instance.move(FamilyState.ABSENT, "unloaded: no variant left in its slots")
+        log.info("family %s unloaded from %s: no variant was left in its slots", family,
+                 self.grpc_url)
 
     def family_slots(self, family: str) -> dict | None:
         """State, slots and resident variants of ``family`` on this server, as last reported;
@@ -458,6 +505,14 @@ class FamilyAdmin(TritonAdmin):
 
     async def index(self, ready_only: bool = False) -> dict[str, IndexEntry]:
         index = await super().index(ready_only)
+        for name, instance in self.instances.items():
+            entry = index.get(name)
+            if ((entry is None or entry.state != TritonModelState.READY)
+                    and instance.state is not FamilyState.ABSENT
+                    and instance.state not in IN_PROGRESS and not instance.lock.locked()):
+                # Triton no longer has it (unloaded, or its Triton restarted): nothing of its
+                # slots holds, and their room is free.
+                instance.move(FamilyState.ABSENT, "Triton's index does not list it ready")
         for name in list(index):
             family = self.families.family(name)
             if family is None:

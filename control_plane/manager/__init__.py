@@ -47,6 +47,14 @@ Eviction off the critical path (a miss should cost one load, not an unload and a
   (``unload_failed``); the newcomer stays loaded and the reconcile evicts down to the budget.
   Without a probe (unit tests, attached Tritons) nothing overlaps.
 
+Model families (``records.SlotPool``): a family model's K weight slots count against its
+server's budget from its load until Triton confirms it unloaded, filled or not; its record
+is a ``ModelBook.pools`` entry per server, moved like a model's.  A variant takes a slot of
+its family (evicting a variant of that family, per the policy and pins, when none is free),
+never server room; a family with no variant left is a victim for other models (its whole
+room returned).  ``residency.py`` derives both planner entries; ``eviction.planner`` plans
+the slots.
+
 Layout: records.py (records, server specs, configuration), room.py (held room, the
 overlap rule, the host's free memory), fleet_state.py (``ManagerState``: what the parts share),
 residency.py (the planner's view of each copy, derived from its record),

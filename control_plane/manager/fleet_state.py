@@ -22,8 +22,10 @@ from control_plane.manager.records import (
     ManagerConfig,
     ModelRecord,
     ModelState,
+    SlotPool,
     Stager,
     TritonServer,
+    pool_key,
 )
 from control_plane.manager.residency import Residency
 from control_plane.manager.room import RoomLedger
@@ -43,6 +45,10 @@ class ModelBook:
         self.residency = residency
         self.metrics = metrics
         self.records: dict[str, ModelRecord] = {}
+        # Slot pools (a family model on one server), by ``pool_key``: records like a model's
+        # (the same states and writers, the planner's view derived the same way), but no
+        # model of the catalogue: never listed, ensured, pinned or published to the router.
+        self.pools: dict[str, ModelRecord] = {}
         self.known_names: set[str] = set()  # names some Triton's repository index listed
         self.load_listeners: list[Callable[[str, ModelRecord], None]] = []
         self.move_listeners: list[Callable[[str], None]] = []  # a model's state changed
@@ -55,6 +61,21 @@ class ModelBook:
                                                    on_move=self._moved,
                                                    on_change=self.residency.sync)
         return rec
+
+    def pool(self, server: str, pool: SlotPool) -> ModelRecord:
+        """The record of ``pool``'s slots on ``server``, made on first use."""
+        key = pool_key(pool.name, server)
+        rec = self.pools.get(key)
+        if rec is None:
+            rec = self.pools[key] = ModelRecord(key, on_illegal=self._count_illegal,
+                                                on_change=self.residency.sync,
+                                                slot_bytes=max(pool.slot_bytes, 1))
+        return rec
+
+    def lookup(self, key: str) -> ModelRecord:
+        """The record behind a planner's key: a model's, or a slot pool's."""
+        rec = self.records.get(key)
+        return rec if rec is not None else self.pools[key]
 
     def _moved(self, name: str) -> None:
         for listener in self.move_listeners:
@@ -103,7 +124,7 @@ class Bookkeeping:
 
     def update_gauges(self, server: TritonServer) -> None:
         self.metrics.loaded_bytes.labels(server.name).set(server.planner.used_bytes)
-        self.metrics.loaded_models.labels(server.name).set(server.planner.used_slots)
+        self.metrics.loaded_models.labels(server.name).set(server.planner.models)
 
     def meter(self, server: TritonServer, name: str):
         """The memory meter for ``name`` on ``server``: the configured one, or none for a

@@ -20,6 +20,7 @@ from control_plane.manager.records import (
     ModelState,
     Stager,
     TritonServer,
+    slot_pool,
 )
 from control_plane.manager.room import RoomLedger
 from control_plane.manager.unloader import Unloader, retrieve
@@ -165,11 +166,15 @@ class Loader:
                     waiting = self._busy_tasks()
                 else:
                     for v in victims:
-                        self.book.records[v].move(ModelState.UNLOADING)
+                        self.book.lookup(v).move(ModelState.UNLOADING)
                     previous_state = rec.state
                     rec.failure = None
+                    # A family's variant takes a slot: the room reserved is its family's
+                    # slots when this load loads the family (or grows it), else none.
+                    pool, undo_pool, room_bytes, room_slots = self._reserve_pool(
+                        server, name, size_bytes)
                     rec.move(ModelState.LOADING, server=server.name, memory_bytes=size_bytes)
-                    self.room.queue(server, name, size_bytes)
+                    self.room.queue(server, name, room_bytes, room_slots)
                     self.unloader.maintain_headroom(server)  # the next miss finds room again
                     break
             # Room comes back when a load/unload task ends or a request releases a model.
@@ -203,12 +208,14 @@ class Loader:
                 overlapped = await self._wait_for_room(
                     server, name, size_bytes, evictions,
                     # The longest an unload in progress takes before it fails on its own.
-                    time.monotonic() + self.config.drain_timeout_s + self.config.unload_timeout_s)
+                    time.monotonic() + self.config.drain_timeout_s + self.config.unload_timeout_s,
+                    room_bytes, room_slots, pool)
             except BaseException as exc:
                 self.room.unqueue(server, name)
                 self.keeping.release_warm(name)
                 rec.move(previous_state if previous_state not in (ModelState.LOADING, ModelState.UNLOAD_FAILED)
                          else ModelState.WARM, server=None)
+                undo_pool()
                 self.keeping.metrics.loads.labels(server.name, "evict_failed").inc()
                 if isinstance(exc, ControlPlaneError):
                     raise OperationTimeout(
@@ -239,8 +246,10 @@ class Loader:
         except BaseException as exc:
             self.room.finish(name)
             await self._undo_failed_load(server, rec, exc)
+            self._settle_pool(server, pool)
             raise
         self.room.finish(name)
+        self._settle_pool(server, pool)
         rec.load_time_s = time.monotonic() - start
         rec.warmup = warmup
         if not warmup.get("ok", True):
@@ -266,7 +275,7 @@ class Loader:
             victims = plan_measured(server.planner, rec.name, measured_bytes)
             for v in victims:
                 # Its room already went to this model's growth: no load may plan on it.
-                self.book.records[v].move(ModelState.UNLOADING, room_promised=False)
+                self.book.lookup(v).move(ModelState.UNLOADING, room_promised=False)
             rec.resize(measured_bytes)
         if victims:
             log.info("%s measured %d bytes on %s: evicting %s", rec.name, measured_bytes,
@@ -275,24 +284,32 @@ class Loader:
                                  return_exceptions=True)  # a failed one stays counted
 
     async def _wait_for_room(self, server: TritonServer, name: str, size_bytes: int,
-                             evictions: list[asyncio.Future], deadline: float) -> bool:
+                             evictions: list[asyncio.Future], deadline: float,
+                             room_bytes: int | None = None, room_slots: int = 1,
+                             pool: ModelRecord | None = None) -> bool:
         """Wait until the load of ``name`` may be sent to Triton.  False: Triton's held room
         fits it; True: it starts before its victims are confirmed gone (overlap).
+        ``room_bytes`` / ``room_slots``: the server room its load takes (a variant: its
+        family's slots, or none); ``pool``: the family whose slot it takes, free once no
+        more variants hold its slots than it has (a leaving one's evict is done).
 
         Raises the first failed eviction of its own, or OperationTimeout when the room is
         held by models no unload is freeing (an unload failed: its room stays counted) or
         is not freed by ``deadline``."""
+        room_bytes = size_bytes if room_bytes is None else room_bytes
         while True:
             for fut in evictions:
                 if fut.done() and not fut.cancelled() and fut.exception() is not None:
                     raise fut.exception()
-            if self.room.fits_held(server, size_bytes):
+            slot_free = pool is None or server.planner.members(pool.name) <= pool.slots
+            if slot_free and (room_slots == 0 or self.room.fits_held(server, room_bytes, room_slots)):
                 return False
             # A fixed-size slot (a family's variant) is free only once its evict is done.
             if server.admin.measured(name) and self.room.fits_measured(server, size_bytes):
                 return True
             freeing = [t for n, t in self.tasks.unloads.items()
-                       if not t.done() and (r := self.book.records.get(n)) is not None and r.server == server.name]
+                       if not t.done() and (r := self.book.records.get(n) or self.book.pools.get(n)) is not None
+                       and r.server == server.name]
             if not freeing:
                 raise OperationTimeout(
                     f"its room on {server.name} is held by models whose unload did not complete; "
@@ -303,6 +320,47 @@ class Loader:
             await asyncio.wait(freeing, return_when=asyncio.FIRST_COMPLETED,
                                timeout=min(remaining_s, ROOM_POLL_S) if self.room.free_memory else remaining_s)
 
+    def _reserve_pool(self, server: TritonServer, name: str, size_bytes: int):
+        """Reserve the room of ``name``'s family's slots on ``server`` when its load loads
+        the family there (or grows it); call under the lock, right after placement.  Returns
+        (the family's pool record or None, its undo, server bytes and slots reserved)."""
+        pool = slot_pool(server.admin, name)
+        if pool is None:
+            return None, lambda: None, size_bytes, 1
+        pool_rec = self.book.pool(server.name, pool)
+        plan = server.planner.plan(name, size_bytes, pool=pool_rec.name, pool_slots=pool.slots)
+        if not plan.pool_slots:
+            return pool_rec, lambda: None, 0, 0
+        slot_bytes = pool_rec.slot_bytes
+        if pool_rec.server == server.name and pool_rec.state in (ModelState.READY, ModelState.LOADING):
+            held = pool_rec.slots  # it grows: the slots it adds
+            pool_rec.resize(plan.pool_slots * slot_bytes)
+            return (pool_rec, lambda: pool_rec.resize(held * slot_bytes),
+                    (plan.pool_slots - held) * slot_bytes, plan.pool_slots - held)
+        before = pool_rec.state
+        pool_rec.move(ModelState.LOADING, server=server.name,
+                      memory_bytes=plan.pool_slots * slot_bytes)
+
+        def undo() -> None:
+            if pool_rec.state == ModelState.LOADING and server.planner.members(pool_rec.name) == 0:
+                pool_rec.move(before if before not in (ModelState.LOADING, ModelState.READY)
+                              else ModelState.WARM, server=None)
+
+        return pool_rec, undo, plan.pool_slots * slot_bytes, plan.pool_slots
+
+    def _settle_pool(self, server: TritonServer, pool: ModelRecord | None) -> None:
+        """After a variant's load (done or failed): its family's slots as the server's model
+        control knows them now (loaded with so many slots, or not at all)."""
+        if pool is None or pool.server not in (None, server.name):
+            return
+        slots = getattr(server.admin, "loaded_slots", lambda _name: None)(pool.holder)
+        if slots is None:
+            if pool.state == ModelState.LOADING and server.planner.members(pool.name) == 0:
+                pool.move(ModelState.WARM, server=None)  # never loaded: its room is free
+            return
+        if pool.state in (ModelState.LOADING, ModelState.READY, ModelState.WARM):
+            pool.move(ModelState.READY, server=server.name, memory_bytes=slots * pool.slot_bytes)
+
     def _room_is_busy(self, name: str) -> bool:
         """Room held by loads/unloads in progress or by requests (not by pins or failures)
         that ``name`` could get once they end.  A shadow can only get room that an unload
@@ -311,7 +369,7 @@ class Loader:
         limit = victim_priority_limit(self.priority_of(name))
         for server in self.servers.values():
             for r in server.planner.residents.values():
-                rec = self.book.records.get(r.key)
+                rec = self.book.records.get(r.key) or self.book.pools.get(r.key)
                 if r.evictable or r.pinned or rec is None or rec.state == ModelState.UNLOAD_FAILED:
                     continue
                 if limit is None or rec.state == ModelState.UNLOADING or r.priority <= limit:

@@ -19,6 +19,7 @@ Ordering keys, applied in this order to the servers that pass (lower is better):
 
     already_warm         the artifact is already in that server's repository
     fewest_victims       fewer models evicted
+    family_there         a variant goes where its family is loaded (no second copy of its slots)
     shared_for_non_gold  non-gold models stay off isolated devices while shared ones fit
     spread_pinned        a pinned model goes where fewer pinned models are
     least_loaded         lowest used fraction of the budget (bytes, else slots)
@@ -34,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from control_plane.manager.records import pool_key, slot_pool
 from domain.errors import CapacityExhausted, ControlPlaneError, TritonUnavailable
 from domain.stages import DEFAULT_SLA
 
@@ -70,6 +72,7 @@ class Candidate:
     warm: bool = True
     victims: tuple[str, ...] = ()
     plan_error: ControlPlaneError | None = None  # the planner could not make room
+    new_pool: bool = False  # a variant whose family would be loaded there (all its slots)
 
     @property
     def load_fraction(self) -> float:
@@ -133,6 +136,7 @@ Key = Callable[[PlacementRequest, Candidate], Any]
 DEFAULT_KEYS: tuple[tuple[str, Key], ...] = (
     ("already_warm", lambda req, c: 0 if c.warm else 1),
     ("fewest_victims", lambda req, c: len(c.victims)),
+    ("family_there", lambda req, c: 1 if c.new_pool else 0),
     ("shared_for_non_gold", lambda req, c: 1 if (req.sla != GOLD and c.isolated) else 0),
     ("spread_pinned", lambda req, c: c.pinned_models if req.pinned else 0),
     ("least_loaded", lambda req, c: c.load_fraction),
@@ -260,9 +264,19 @@ class Placer:
         labels = self.labels.get(server.name, ServerLabels())
         victims: tuple[str, ...] = ()
         plan_error: ControlPlaneError | None = None
+        new_pool = False
         if server.up:
+            # A family's variant takes a slot of its family there (the family's whole slots
+            # when it is not loaded there yet).
+            pool = slot_pool(getattr(server, "admin", None), name)
             try:
-                victims = tuple(planner.plan(name, size_bytes).victims)
+                if pool is None:
+                    plan = planner.plan(name, size_bytes)
+                else:
+                    plan = planner.plan(name, size_bytes, pool=pool_key(pool.name, server.name),
+                                        pool_slots=pool.slots)
+                victims = tuple(plan.victims)
+                new_pool = pool is not None and pool_key(pool.name, server.name) not in planner.residents
             except CapacityExhausted as exc:
                 plan_error = exc
         return Candidate(
@@ -273,7 +287,7 @@ class Placer:
             isolated=labels.isolated, reserved_for_sla=labels.reserved_for_sla,
             tenants=labels.tenants,
             warm=self.warm_on(server.name, name) if self.warm_on is not None else True,
-            victims=victims, plan_error=plan_error)
+            victims=victims, plan_error=plan_error, new_pool=new_pool)
 
     def place(self, name: str, size_bytes: int, servers: Iterable, pinned: bool = False):
         """(server, victims) for ``name``; raises CapacityExhausted / TritonUnavailable."""

@@ -178,10 +178,41 @@ class Reconciler:
                 # A failed model keeps its failure visible; any other is warm again.
                 rec.move(ModelState.FAILED if rec.state in (ModelState.FAILED, ModelState.UNLOAD_FAILED)
                          else ModelState.WARM, server=None)
+            self._reconcile_pools(server, read_at, busy)
         self.keeping.update_gauges(server)
         with contextlib.suppress(ControlPlaneError):
             await self.recency.refresh_usage(server)
         await self.unloader.enforce_capacity(server)
+
+    def _reconcile_pools(self, server: TritonServer, read_at: float, busy: set[str]) -> None:
+        """The families loaded on ``server`` (as its index read just now found them) hold their
+        slots' room: one loaded by an earlier life, or left empty, is counted; one Triton no
+        longer has frees its room.  Call under the lock."""
+        listed = getattr(server.admin, "slot_pools", dict)()
+        for pool in listed.values():
+            rec = self.book.pool(server.name, pool)
+            if rec.name in busy or rec.moved_at >= read_at:
+                continue
+            if rec.state == ModelState.UNLOAD_FAILED and rec.server == server.name:
+                if (rec.failed_at is None
+                        or time.monotonic() - rec.failed_at >= self.config.failure_backoff_s):
+                    self.tasks.spawn(self.unloader.retry_unload(server, rec.name))
+                continue
+            if rec.state in (ModelState.WARM, ModelState.FAILED, ModelState.READY) and (
+                    rec.server != server.name or rec.slots != pool.slots
+                    or rec.state != ModelState.READY):
+                if rec.server not in (None, server.name):
+                    continue
+                rec.move(ModelState.READY, server=server.name,
+                         memory_bytes=pool.slots * max(pool.slot_bytes, 1))
+        for key, rec in list(self.book.pools.items()):
+            if (rec.server != server.name or rec.holder in listed or key in busy
+                    or rec.moved_at >= read_at
+                    or rec.state not in (ModelState.READY, ModelState.UNLOAD_FAILED)):
+                continue
+            log.info("family %s is no longer loaded on %s: its slots' room is free", rec.holder,
+                     server.name)
+            rec.move(ModelState.WARM, server=None)
 
     async def _restart_triton(self, server: TritonServer) -> None:
         """Relaunch a managed Triton that died (or was killed, frozen); the event loop keeps
@@ -299,6 +330,9 @@ class Reconciler:
                 server.left_behind.add(name)  # a copy it keeps is unloaded when it answers
                 self.keeping.release_warm(name)
                 rec.failure = reason
+                rec.move(ModelState.WARM, server=None)
+        for rec in self.book.pools.values():  # its families' slots go with it
+            if rec.server == server.name:
                 rec.move(ModelState.WARM, server=None)
         self.keeping.update_gauges(server)
 

@@ -82,6 +82,32 @@ class Copy:
     room_promised: bool = False
 
 
+@dataclass(frozen=True)
+class SlotPool:
+    """Fixed-size slots a Triton model holds for the models placed in them: a model family's
+    weight slots (``TritonAdmin.slot_pool``).  ``name``: the Triton model that holds them;
+    ``slots``: how many a load of it would allocate now."""
+
+    name: str
+    slots: int
+    slot_bytes: int
+
+
+POOL_SEPARATOR = "@"  # never in a model's name (domain.names), so a pool's key is no model's
+
+
+def pool_key(holder: str, server: str) -> str:
+    """The key of ``holder``'s slots on ``server``: its record's name and its planner entry."""
+    return f"{holder}{POOL_SEPARATOR}{server}"
+
+
+def slot_pool(admin, model: str) -> SlotPool | None:
+    """The slots ``model`` goes into on the server ``admin`` controls, or None (a model of
+    its own).  An admin without slots (Triton's own, test stand-ins) has none."""
+    find = getattr(admin, "slot_pool", None)
+    return find(model) if find is not None else None
+
+
 @dataclass
 class ModelRecord:
     """A model and its copies, one per server that holds (or may hold) it: ``copies``.  A
@@ -90,7 +116,11 @@ class ModelRecord:
 
     ``move``, ``resize``, ``set_pinned``, ``hold`` and ``release`` are the only writers of
     what the eviction planner sees (copies, size, pin, holds); each tells ``on_change``,
-    which derives the planner's entries (``residency.Residency.sync``)."""
+    which derives the planner's entries (``residency.Residency.sync``).
+
+    A record with ``slot_bytes`` is a slot pool's on one server (``ModelBook.pool``: a
+    family model, named ``pool_key(family, server)``): its copy holds ``memory_bytes``, all
+    of its slots, from its load until Triton confirms it unloaded, whatever fills them."""
 
     name: str
     settled: ModelState = ModelState.WARM  # the state when it has no copy
@@ -116,6 +146,17 @@ class ModelRecord:
     on_change: Callable[[ModelRecord], None] | None = field(default=None, repr=False,
                                                             compare=False)
     moved_at: float = 0.0  # monotonic time of the last change of state
+    slot_bytes: int = 0  # a slot pool's bytes per slot (fixed when it is made); 0: a model
+
+    @property
+    def holder(self) -> str | None:
+        """A slot pool's Triton model (the family), or None for a model."""
+        return self.name.partition(POOL_SEPARATOR)[0] if self.slot_bytes else None
+
+    @property
+    def slots(self) -> int:
+        """A slot pool's slots (0 for a model)."""
+        return self.memory_bytes // self.slot_bytes if self.slot_bytes else 0
 
     @property
     def copy(self) -> Copy | None:
@@ -311,7 +352,12 @@ class TritonServer:
             "max_loaded": self.spec.max_loaded,
             "used_bytes": self.planner.used_bytes,
             "headroom": vars(self.planner.headroom_target()),
-            "loaded": sorted(self.planner.residents),
+            "loaded": sorted(k for k, r in self.planner.residents.items() if not r.holds),
+            # Model families loaded here: their slots count in used_bytes, filled or not.
+            "slot_pools": {k.partition(POOL_SEPARATOR)[0]: {"slots": r.holds,
+                                                            "bytes": r.size_bytes,
+                                                            "members": self.planner.members(k)}
+                           for k, r in sorted(self.planner.residents.items()) if r.holds},
         }
 
 

@@ -20,6 +20,12 @@ warm, failed       no            -                               -
 
 A pinned copy is pinned only while it serves or is loading: on its way out it holds its
 room as busy, and the pin takes a room again when the model is reloaded.
+
+Slot pools (a model family's Triton model, ``ModelRecord.slot_bytes``): the pool's copy is
+admitted holding all its slots (``Resident.holds``) and counts their bytes; a copy of a model
+that goes into a slot (``records.slot_pool``: a family's variant) is admitted as a member of
+its pool on that server (``Resident.pool``) and counts nothing of the server's room.  Whether
+an empty pool may be a victim is the planner's to derive from its members.
 """
 
 from __future__ import annotations
@@ -28,7 +34,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from control_plane.eviction import Resident
-from control_plane.manager.records import Copy, ModelRecord, ModelState, TritonServer
+from control_plane.manager.records import (
+    Copy,
+    ModelRecord,
+    ModelState,
+    TritonServer,
+    pool_key,
+    slot_pool,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,16 +100,21 @@ class Residency:
         view = resident_view(rec, copy)
         current = server.planner.residents.get(rec.name)
         if current is None or server.name not in placed:
+            pool = None if rec.slot_bytes else slot_pool(server.admin, rec.name)
             server.planner.admit(
                 Resident(rec.name, rec.memory_bytes, pinned=view.pinned,
                          priority=self.priority_of(rec.name), evictable=view.evictable,
-                         leaving=view.leaving),
+                         leaving=view.leaving,
+                         pool=pool_key(pool.name, server.name) if pool is not None else None,
+                         holds=rec.slots),
                 self.clock(), load_cost_s=rec.load_time_s or 1.0)
             placed.add(server.name)
-        elif (current.pinned, current.evictable, current.leaving, current.size_bytes) != (
-                view.pinned, view.evictable, view.leaving, rec.memory_bytes):
+        elif (current.pinned, current.evictable, current.leaving, current.size_bytes,
+              current.holds) != (view.pinned, view.evictable, view.leaving, rec.memory_bytes,
+                                 rec.slots):
             server.planner.update(rec.name, pinned=view.pinned, evictable=view.evictable,
-                                  leaving=view.leaving, size_bytes=rec.memory_bytes)
+                                  leaving=view.leaving, size_bytes=rec.memory_bytes,
+                                  holds=rec.slots)
         else:
             return
         self.on_room_changed(server)

@@ -60,15 +60,19 @@ class RoomLedger:
         # package docstring); host_available_bytes on CPU.  None: nothing overlaps.
         self.free_memory = free_memory
         self.queued: dict[str, dict[str, int]] = {}
+        self.queued_slots: dict[str, dict[str, int]] = {}  # server -> model -> slots reserved
         self.sent: dict[str, tuple[str, int]] = {}
         self._probe_failed: set[str] = set()  # servers whose probe raised (logged once)
 
-    def queue(self, server: TritonServer, name: str, size_bytes: int) -> None:
-        """``name`` is reserved on ``server`` and waits for room there."""
+    def queue(self, server: TritonServer, name: str, size_bytes: int, slots: int = 1) -> None:
+        """``name`` is reserved on ``server`` (``size_bytes`` and ``slots`` of its room: a
+        family's whole slots when its load loads the family) and waits for room there."""
         self.queued.setdefault(server.name, {})[name] = size_bytes
+        self.queued_slots.setdefault(server.name, {})[name] = slots
 
     def unqueue(self, server: TritonServer, name: str) -> None:
         self.queued.get(server.name, {}).pop(name, None)
+        self.queued_slots.get(server.name, {}).pop(name, None)
 
     def send(self, server: TritonServer, name: str, size_bytes: int) -> None:
         """The load of ``name`` leaves the queue and goes to Triton."""
@@ -79,12 +83,15 @@ class RoomLedger:
         """The load sent for ``name`` ended (loaded or failed)."""
         self.sent.pop(name, None)
 
-    def fits_held(self, server: TritonServer, size_bytes: int) -> bool:
-        """Whether one more model of ``size_bytes`` fits next to what Triton holds: loaded,
-        loading, and unloading until confirmed gone (loads not sent yet left out)."""
+    def fits_held(self, server: TritonServer, size_bytes: int, slots: int = 1) -> bool:
+        """Whether one more model of ``size_bytes`` (taking ``slots``) fits next to what Triton
+        holds: loaded, loading, and unloading until confirmed gone (loads not sent yet left
+        out)."""
         planner, cap = server.planner, server.planner.capacity
         queued = self.queued.get(server.name, {})
-        if cap.max_slots is not None and planner.used_slots - len(queued) + 1 > cap.max_slots:
+        queued_slots = self.queued_slots.get(server.name, {})
+        if (cap.max_slots is not None
+                and planner.used_slots - sum(queued_slots.values()) + slots > cap.max_slots):
             return False
         return (cap.max_bytes is None
                 or planner.used_bytes - sum(queued.values()) + size_bytes <= cap.max_bytes)

@@ -70,13 +70,17 @@ class Unloader:
         return asyncio.shield(task)
 
     async def _do_unload(self, server: TritonServer, name: str, reason: str) -> None:
-        rec = self.book.records[name]
+        rec = self.book.lookup(name)
         rec.move(ModelState.UNLOADING)
         await self._drain([rec])
         start = time.monotonic()
         try:
-            await server.admin.unload(name)
-            await server.admin.wait_unavailable(name, self.config.unload_timeout_s)
+            if rec.holder is not None:  # a family model whose variants all left: its slots
+                await server.admin.unload_slots(rec.holder)
+                await server.admin.wait_unavailable(rec.holder, self.config.unload_timeout_s)
+            else:
+                await server.admin.unload(name)
+                await server.admin.wait_unavailable(name, self.config.unload_timeout_s)
         except ControlPlaneError as exc:
             self._unload_failed(server, rec, exc)
             raise
@@ -139,14 +143,16 @@ class Unloader:
         """Triton confirmed ``rec`` gone from ``server``: its room is free once the memory is
         back (NVML on a GPU; what is not back stays counted), and it is warm."""
         name = rec.name
-        await self.keeping.meter(server, name).released(server, name)
+        triton_name = rec.holder or name
+        await self.keeping.meter(server, triton_name).released(server, triton_name)
         freed_s = time.monotonic() - start
         self.keeping.metrics.unload_free_seconds.labels(server.name).observe(freed_s)
         self.keeping.metrics.unloads.labels(server.name, reason).inc()
-        self.keeping.release_warm(name)
         rec.warmup = None
         rec.move(ModelState.WARM, server=None)
-        self.keeping.save_row(name, server=None)
+        if rec.holder is None:  # a family's slots have no tier copy and no history row
+            self.keeping.release_warm(name)
+            self.keeping.save_row(name, server=None)
         log.info("unloaded %s from %s (%s); memory free after %.2fs", name, server.name, reason, freed_s)
 
     async def retry_unload(self, server: TritonServer, name: str) -> None:
@@ -165,14 +171,15 @@ class Unloader:
             over_bytes = cap.max_bytes is not None and server.planner.used_bytes > cap.max_bytes
             if not (over_slots or over_bytes):
                 return
+            # What frees room: a model, or a family none of whose variants is left (evicting a
+            # variant frees only a slot of its family).
             victim = next((k for k in server.planner.policy.victim_order()
-                           if not server.planner.residents[k].pinned
-                           and server.planner.residents[k].evictable), None)
+                           if server.planner.frees_room(k)), None)
             if victim is None:
-                log.error("%s is over its budget (%s) with only pinned models", server.name,
-                          cap.describe())
+                log.error("%s is over its budget (%s) with only pinned models and families "
+                          "holding variants", server.name, cap.describe())
                 return
-            self.book.records[victim].move(ModelState.UNLOADING)
+            self.book.lookup(victim).move(ModelState.UNLOADING)
             try:
                 await self.unload_now(server, victim, reason="over_budget")
             except ControlPlaneError:
@@ -186,7 +193,7 @@ class Unloader:
             return
         victims = server.planner.headroom_victims()
         for v in victims:
-            self.book.records[v].move(ModelState.UNLOADING)
+            self.book.lookup(v).move(ModelState.UNLOADING)
         if victims:
             log.info("%s: unloading %s to keep room for the next miss", server.name, ", ".join(victims))
         for v in victims:

@@ -272,3 +272,46 @@ def test_a_family_grown_for_new_variants_answers_from_its_new_process(triton, re
         await mgr.close()
 
     run(scenario())
+
+
+def test_a_familys_slots_are_charged_on_a_server_it_shares_with_a_model(triton, repository, tmp_path):
+    """The family's 6 slots (192 B) count from its load on, filled or not: a separate model
+    that fits only in the room of its empty slots is refused while a variant holds one, and
+    once its variants all left the family model is unloaded from Triton for that model."""
+    import shutil
+
+    from domain.errors import CapacityExhausted
+
+    shutil.copytree(SCALER.parents[1] / "models" / "simple", repository / "simple")
+    (repository / "simple" / "padding.bin").write_bytes(b"\0" * 100_000)
+    model_bytes = sum(p.stat().st_size for p in (repository / "simple").rglob("*") if p.is_file())
+    budget = model_bytes + 150  # the model and one slot's bytes fit; not the family's 6 slots
+
+    async def scenario():
+        catalog = FamilyCatalog(repository)
+        spec = ServerSpec("triton0", triton.grpc_url, triton.http_url, memory_budget_bytes=budget)
+        admin = FamilyAdmin(triton.grpc_url, catalog, lambda f: family_slots(
+            f, None, budget, len(catalog.variants(f.name))))
+        server = ModelManager.make_server(spec, "lru", admin=admin)
+        mgr = ModelManager([server], StateStore(tmp_path / "state.db"), repository=repository,
+                           config=ManagerConfig(policy="lru", headroom_models=0))
+        await mgr.start()
+        await mgr.ensure("acme")
+        assert admin.family_slots("scaler")["slots"] == 6
+        assert mgr.fleet()[0]["used_bytes"] == 6 * 32
+        # (a) acme holds a slot, so the family is no victim and its empty slots are no room.
+        with pytest.raises(CapacityExhausted):
+            await mgr.ensure("simple")
+        assert ready(mgr) == {"acme"}
+        assert mgr.fleet()[0]["used_bytes"] == 6 * 32
+        # (b) its last variant leaves: the family keeps its slots until their room is needed.
+        await mgr.unload("acme")
+        assert (await admin.triton_index())["scaler"].state.value == "READY"
+        assert mgr.fleet()[0]["used_bytes"] == 6 * 32
+        await mgr.ensure("simple")
+        assert ready(mgr) == {"simple"}
+        assert (await admin.triton_index())["scaler"].state.value != "READY"
+        assert mgr.fleet()[0]["used_bytes"] == model_bytes <= budget
+        await mgr.close()
+
+    run(scenario())
