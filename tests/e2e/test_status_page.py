@@ -187,7 +187,14 @@ def test_markup_in_a_filter_or_a_failure_stays_text(product, page, tmp_path):
         'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n')
     (evil / "1" / "model.py").write_text(f"raise RuntimeError({MARKUP!r})\n")
     mmctl_ok(product, "registry", "add", "evil", "--from-dir", str(evil))
+    # The family holds every slot of --max-loaded 4: a separate model gets room once no
+    # variant is left in it (the family is then unloaded for it).
+    mmctl_ok(product, "unpin", "cust001")
+    for row in product.json("status"):
+        if row["state"] == "ready":
+            mmctl_ok(product, "unload", row["model"])
     assert product.mmctl("load", "evil").returncode == 6  # its load fails with that message
+    mmctl_ok(product, "pin", "cust001")  # the family is loaded again for it
     problem = page.locator('[data-problem="model"]').filter(has_text="evil.v1")
     expect(problem).to_contain_text(MARKUP, timeout=WAIT_MS)  # shown as the text it is
     assert page.locator("#problems img, #problems b:text('bold')").count() == 0
