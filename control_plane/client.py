@@ -180,6 +180,10 @@ class AdminClient:
     def unpin(self, model: str) -> dict:
         return self.call("POST", f"/v1/models/{_q(model)}/unpin")[1]
 
+    def scale(self, model: str, replicas: int) -> dict:
+        """Keep ``replicas`` copies of ``model``, each on its own server."""
+        return self.call("POST", f"/v1/models/{_q(model)}/scale", body={"replicas": replicas})[1]
+
     def health(self, model: str, probe: bool = False) -> dict:
         """The model's health (``healthy``, state, warm-up); an unhealthy model is an answer,
         not an error."""

@@ -65,6 +65,9 @@ class ControlPlaneMetrics:
             "mms_dataplane_propagation_seconds",
             "From a change's publication to a router worker's acknowledgement of it (each "
             "worker, each version it applies)", buckets=PROPAGATION_BUCKETS_S, registry=r)
+        self.model_copies = Gauge(
+            "mms_model_copies", "Servers a model with a copy target (mmctl scale) is READY on: "
+            "its own copy and its extra copies", ["model"], registry=r)
         self.capacity_errors = Counter("mms_capacity_errors_total",
                                        "Loads refused because nothing was evictable", registry=r)
         # The same name as a standby's (control_plane.runtime.leadership): sum() over the

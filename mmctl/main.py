@@ -42,6 +42,15 @@ def _one_line(rec: dict) -> str:
     return f"{rec['model']}: {rec['state']}{extra}{pinned}"
 
 
+def _servers(rec: dict) -> str:
+    """Where a model is: its copies' servers (the first is its own), or -."""
+    copies = rec.get("copies") or []
+    if len(copies) <= 1:
+        return rec.get("server") or "-"
+    return ",".join(c["server"] + ("" if c["state"] == "ready" else f"({c['state']})")
+                    for c in copies)
+
+
 @click.command()
 @click.argument("pattern", required=False)
 @click.option("--state", type=click.Choice(["warm", "loading", "ready", "unloading", "failed", "unload_failed"]),
@@ -67,12 +76,14 @@ def status(api: Api, pattern: str | None, state: str | None, tier: str | None, s
         shown, hidden = api.status(pattern, state, tier, server), 0
     else:
         shown, hidden = api.status_without_warm()
-    rows = [[m["model"], m["state"], m.get("tier", "-"), "yes" if m["pinned"] else "", m["server"] or "-",
+    rows = [[m["model"], m["state"], m.get("tier", "-"), "yes" if m["pinned"] else "", _servers(m),
+             f"{len([c for c in m.get('copies') or [] if c['state'] == 'ready'])}/{m['replicas']}"
+             if m.get("replicas", 1) > 1 else "",
              _ago(m["last_used"]),
              f"{m['load_time_s']:.2f}s" if m["load_time_s"] else "-", _bytes(m["memory_bytes"]),
-             (m["failure"] or "")[:60]] for m in shown]
-    click.echo(_table(rows, ["MODEL", "STATE", "TIER", "PINNED", "SERVER", "LAST USED", "LOAD TIME",
-                             "MEMORY", "NOTE"]))
+             (m["failure"] or m.get("copies_note") or "")[:60]] for m in shown]
+    click.echo(_table(rows, ["MODEL", "STATE", "TIER", "PINNED", "SERVER", "COPIES", "LAST USED",
+                             "LOAD TIME", "MEMORY", "NOTE"]))
     if hidden:
         click.echo(f"({hidden} more warm models; --all shows them)")
 
@@ -108,6 +119,23 @@ def unload(api: Api, model: str, force: bool, as_json: bool):
     """Unload MODEL (waits for in-flight requests and for the memory to be freed)."""
     body = api.unload(model, force=force)
     _emit(body, as_json, _one_line(body))
+
+
+@click.command()
+@click.argument("model")
+@click.option("--replicas", required=True, type=click.IntRange(min=1),
+              help="Copies to keep, each on its own server (1: the model's own copy only).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_api
+def scale(api: Api, model: str, replicas: int, as_json: bool):
+    """Keep REPLICAS copies of MODEL on as many servers; the router sends each request to the
+    copy with the fewest outstanding.  Kept across restarts; copies follow the model's own
+    (none while it is not loaded) and are the first to be evicted when room is needed."""
+    body = api.scale(model, replicas)
+    ready = [c["server"] for c in body.get("copies", []) if c["state"] == "ready"]
+    note = f" ({body['copies_note']})" if body.get("copies_note") else ""
+    _emit(body, as_json, f"{body['model']}: {len(ready)} of {body['replicas']} copies ready"
+          f"{' on ' + ', '.join(ready) if ready else ''}{note}")
 
 
 @click.command()
@@ -191,7 +219,7 @@ def _add_commands() -> None:
     commands and groups with click and lists them in ``COMMANDS``; this adds them all."""
     from mmctl import adapters, families, registry, routing, serve, settings
 
-    own = [status, load, pin, unpin, unload, health, fleet, endpoints, demo_fleet]
+    own = [status, load, pin, unpin, unload, scale, health, fleet, endpoints, demo_fleet]
     for command in (*own, *routing.COMMANDS, *serve.COMMANDS, *registry.COMMANDS,
                     *adapters.COMMANDS, *families.COMMANDS, *settings.COMMANDS):
         cli.add_command(command)

@@ -131,8 +131,9 @@ async def status(request: web.Request) -> web.StreamResponse:
         include_warm=not hide_warm)
     locate = request.app[EXTRA_KEY].get("locate")
     rows = []
+    manager = _manager(request)
     for rec in records:
-        row = rec.to_dict()
+        row = manager.status_row(rec)
         if locate is not None:  # hot / warm / cold, from the warm tier
             row["tier"] = locate(rec.name)["tier"]
         if tier is None or row.get("tier", "hot" if rec.server else "warm") == tier:
@@ -149,7 +150,24 @@ async def status(request: web.Request) -> web.StreamResponse:
 
 
 async def model_status(request: web.Request) -> web.Response:
-    return web.json_response(_manager(request).get(_model(request)).to_dict())
+    manager = _manager(request)
+    return web.json_response(manager.status_row(manager.get(_model(request))))
+
+
+async def scale(request: web.Request) -> web.Response:
+    """``{"replicas": N}``: keep N copies of the model, each on its own server."""
+    body = await json_body(request)
+    if set(body) != {"replicas"}:
+        raise InvalidInput('the body must be {"replicas": N} (N >= 1), nothing else')
+    name = request.match_info["model"]
+    concrete = _model(request)
+    if concrete != name:
+        raise InvalidInput(f"{name} is a logical name: its requests go to its production version "
+                           f"{concrete}; copies belong to a version: mmctl scale {concrete} "
+                           "--replicas N")
+    manager = _manager(request)
+    rec = await manager.scale(name, body["replicas"])
+    return web.json_response(manager.status_row(rec))
 
 
 async def load(request: web.Request) -> web.Response:
@@ -255,6 +273,7 @@ def make_app(manager: ModelManager, extra: dict | None = None,
         web.post("/v1/models/{model}/unload", unload),
         web.post("/v1/models/{model}/pin", pin),
         web.post("/v1/models/{model}/unpin", unpin),
+        web.post("/v1/models/{model}/scale", scale),
         web.get("/health/{model}", health),
         web.get("/health", service_health),
         web.get("/v1/fleet", fleet),

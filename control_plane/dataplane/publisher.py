@@ -31,9 +31,11 @@ log = logging.getLogger(__name__)
 # model -> concrete name of its production version; versions: model -> {number: concrete};
 # public: concrete -> [model, number]; models: registry model -> true; servers: name ->
 # [grpc_url, http_url, up]; meta: repository, workers, expose_concrete; miss_ms: model ->
-# milliseconds its last load took (what a miss of it costs).
+# milliseconds its last load took (what a miss of it costs); copies: model -> the servers of
+# its READY extra copies (mmctl scale), beside its placement (a worker that does not know the
+# section serves from placement alone).
 SECTIONS = ("placement", "carriers", "routes", "limits", "production", "versions", "public",
-            "models", "servers", "meta", "miss_ms")
+            "models", "servers", "meta", "miss_ms", "copies")
 LOG_CHANGES = 20_000  # changes kept for workers that are behind; older: the whole state
 _ABSENT = object()
 
@@ -185,6 +187,8 @@ class Publisher:
             for name in moved:
                 server = manager.ready_server_of(name)
                 changes.append(("placement", name, None if server is None else server.name))
+                extra = manager.copy_servers_of(name)[1:]
+                changes.append(("copies", name, extra or None))
                 # What a miss of it takes (its last load): a request whose deadline is
                 # shorter is refused at once by the router instead of timing out.
                 rec = manager.records.get(name)

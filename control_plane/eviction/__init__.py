@@ -63,6 +63,7 @@ from control_plane.eviction.headroom import (
 )
 from control_plane.eviction.planner import (
     DEFAULT_PRIORITY,
+    EXTRA_COPY_PRIORITY,
     SHADOW_PRIORITY,
     STAGE_PRIORITY,
     CachePlanner,
@@ -77,6 +78,7 @@ from control_plane.eviction.policy import EvictionPolicy, LRUPolicy
 __all__ = [
     "DEFAULT_POLICY",
     "DEFAULT_PRIORITY",
+    "EXTRA_COPY_PRIORITY",
     "HEADROOM_DEFAULT_MODELS",
     "HEADROOM_MAX_FRACTION",
     "HEADROOM_MIN_CAPACITY_MODELS",

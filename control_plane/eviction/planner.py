@@ -36,14 +36,18 @@ from domain.errors import CapacityExhausted
 STAGE_PRIORITY = {"shadow": 0, "canary": 1, "registered": 2, "production": 2, "retired": 0}
 DEFAULT_PRIORITY = 2
 SHADOW_PRIORITY = STAGE_PRIORITY["shadow"]
+# A model's extra copy (mmctl scale): the first to go, and its load evicts only other extra
+# copies, never a model's last copy.
+EXTRA_COPY_PRIORITY = -1
 
 
 def victim_priority_limit(priority: int) -> int | None:
     """The highest stage priority a newcomer of ``priority`` may evict; None: any.
 
     A shadow (or a retired model) may evict only shadow or retired models: mirrored traffic
-    must never take the room of a model that serves clients (canary included)."""
-    return SHADOW_PRIORITY if priority <= SHADOW_PRIORITY else None
+    must never take the room of a model that serves clients (canary included); an extra
+    copy may evict only extra copies."""
+    return min(priority, SHADOW_PRIORITY) if priority <= SHADOW_PRIORITY else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -498,6 +502,13 @@ class CachePlanner:
     def _exhausted_for_shadow(self, key: str, size_bytes: int, limit: int) -> CapacityExhausted:
         serving = sorted(k for k, r in self.residents.items() if r.priority > limit)
         cap = self.capacity
+        if limit < SHADOW_PRIORITY:
+            return CapacityExhausted(
+                f"no room for the extra copy {key} ({size_bytes} bytes): an extra copy takes "
+                f"free room or the room of other extra copies only, and the budget "
+                f"({cap.describe()}, {self.used_slots} loaded using {self.used_bytes} bytes, "
+                f"headroom kept free) is held by models' own copies ({', '.join(serving) or 'none'}); "
+                "it is added when room frees up; raise the budget or add a device")
         return CapacityExhausted(
             f"no room for shadow {key} ({size_bytes} bytes): a shadow may evict only other "
             f"shadow or retired models, and the budget ({cap.describe()}, {self.used_slots} "

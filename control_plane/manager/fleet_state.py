@@ -25,6 +25,7 @@ from control_plane.manager.records import (
     SlotPool,
     Stager,
     TritonServer,
+    copy_key,
     pool_key,
 )
 from control_plane.manager.residency import Residency
@@ -49,6 +50,10 @@ class ModelBook:
         # (the same states and writers, the planner's view derived the same way), but no
         # model of the catalogue: never listed, ensured, pinned or published to the router.
         self.pools: dict[str, ModelRecord] = {}
+        # A model's extra copies (mmctl scale), by ``copy_key``: a record per copy beyond its
+        # own, moved like a model's; never listed, ensured or pinned on their own.  A change
+        # of one tells the move listeners the model's name (where it is READY changed).
+        self.extra: dict[str, ModelRecord] = {}
         self.known_names: set[str] = set()  # names some Triton's repository index listed
         self.load_listeners: list[Callable[[str, ModelRecord], None]] = []
         self.move_listeners: list[Callable[[str], None]] = []  # a model's state changed
@@ -72,10 +77,28 @@ class ModelBook:
                                                 slot_bytes=max(pool.slot_bytes, 1))
         return rec
 
+    def extra_copy(self, model: str, server: str) -> ModelRecord:
+        """The record of ``model``'s extra copy on ``server``, made on first use."""
+        key = copy_key(model, server)
+        rec = self.extra.get(key)
+        if rec is None:
+            rec = self.extra[key] = ModelRecord(key, on_illegal=self._count_illegal,
+                                                on_move=lambda _key, m=model: self._moved(m),
+                                                on_change=self.residency.sync, copy_of=model)
+        return rec
+
+    def extra_copies(self, model: str) -> list[ModelRecord]:
+        """``model``'s extra copies that hold a server (loading, ready, unloading)."""
+        return [r for r in self.extra.values() if r.copy_of == model and r.server is not None]
+
     def lookup(self, key: str) -> ModelRecord:
-        """The record behind a planner's key: a model's, or a slot pool's."""
-        rec = self.records.get(key)
-        return rec if rec is not None else self.pools[key]
+        """The record behind a planner's key: a model's, a slot pool's or an extra copy's."""
+        rec = self.records.get(key) or self.pools.get(key)
+        return rec if rec is not None else self.extra[key]
+
+    def find(self, key: str) -> ModelRecord | None:
+        """``lookup``, or None for a key no record has."""
+        return self.records.get(key) or self.pools.get(key) or self.extra.get(key)
 
     def _moved(self, name: str) -> None:
         for listener in self.move_listeners:

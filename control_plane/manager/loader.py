@@ -205,7 +205,7 @@ class Loader:
             for fut in evictions:
                 fut.add_done_callback(retrieve)  # failures are raised below or logged
             try:
-                overlapped = await self._wait_for_room(
+                overlapped = await self.wait_for_room(
                     server, name, size_bytes, evictions,
                     # The longest an unload in progress takes before it fails on its own.
                     time.monotonic() + self.config.drain_timeout_s + self.config.unload_timeout_s,
@@ -283,7 +283,7 @@ class Loader:
             await asyncio.gather(*(self.unloader.unload_now(server, v, reason="evicted") for v in victims),
                                  return_exceptions=True)  # a failed one stays counted
 
-    async def _wait_for_room(self, server: TritonServer, name: str, size_bytes: int,
+    async def wait_for_room(self, server: TritonServer, name: str, size_bytes: int,
                              evictions: list[asyncio.Future], deadline: float,
                              room_bytes: int | None = None, room_slots: int = 1,
                              pool: ModelRecord | None = None) -> bool:
@@ -308,7 +308,7 @@ class Loader:
             if server.admin.measured(name) and self.room.fits_measured(server, size_bytes):
                 return True
             freeing = [t for n, t in self.tasks.unloads.items()
-                       if not t.done() and (r := self.book.records.get(n) or self.book.pools.get(n)) is not None
+                       if not t.done() and (r := self.book.find(n)) is not None
                        and r.server == server.name]
             if not freeing:
                 raise OperationTimeout(
@@ -369,7 +369,7 @@ class Loader:
         limit = victim_priority_limit(self.priority_of(name))
         for server in self.servers.values():
             for r in server.planner.residents.values():
-                rec = self.book.records.get(r.key) or self.book.pools.get(r.key)
+                rec = self.book.find(r.key)
                 if r.evictable or r.pinned or rec is None or rec.state == ModelState.UNLOAD_FAILED:
                     continue
                 if limit is None or rec.state == ModelState.UNLOADING or r.priority <= limit:

@@ -13,11 +13,13 @@ from pathlib import Path
 from control_plane.eviction import (
     DEFAULT_POLICY,
     DEFAULT_PRIORITY,
+    EXTRA_COPY_PRIORITY,
     CachePlanner,
     Capacity,
     HeadroomSpec,
     make_policy,
 )
+from control_plane.manager.copies import Copies
 from control_plane.manager.fleet_state import ManagerState
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.leases import Leases
@@ -27,6 +29,7 @@ from control_plane.manager.placement import Placer
 from control_plane.manager.recency import Recency
 from control_plane.manager.reconciler import Reconciler
 from control_plane.manager.records import (
+    COPY_SEPARATOR,
     ManagerConfig,
     ModelRecord,
     ModelState,
@@ -61,7 +64,9 @@ class ModelManager:
     * ``reconciler``: each pass corrects what drifted from Triton's indexes; it owns
       ``health`` (``reconciler.health``), the one writer of each server's health, whose
       probes run beside the passes;
-    * ``leases``: requests holding models, through the loader and the reconciler.
+    * ``leases``: requests holding models, through the loader and the reconciler;
+    * ``copies``: a model's copies on several servers (``mmctl scale``), through the loader
+      and the unloader; the reconciler runs it after each pass.
 
     Its own methods are the product's API of the manager and say which part answers."""
 
@@ -86,7 +91,12 @@ class ModelManager:
         metrics = metrics or ControlPlaneMetrics()
         # Rollout-stage eviction priority of a model (registry.stage_priority); SLA/tenant
         # aware placement (placement.Placer).  Defaults: one priority, filters without labels.
-        priority_of = priority_of or (lambda _name: DEFAULT_PRIORITY)
+        stage_priority = priority_of or (lambda _name: DEFAULT_PRIORITY)
+
+        def priority_of(key: str) -> int:
+            """A planner key's priority: an extra copy's is the lowest (copies.py)."""
+            return EXTRA_COPY_PRIORITY if COPY_SEPARATOR in key else stage_priority(key)
+
         headroom = HeadroomSpec(config.headroom_models, config.headroom_bytes)
         for s in servers:
             s.planner.priority_of = priority_of  # a shadow never evicts serving models
@@ -114,8 +124,11 @@ class ModelManager:
                              st.placer, priority_of, st.room, st.warmup_enabled, self.catalog,
                              self.recency, self.unloader)
         self.pins = Pins(st.book, st.tasks, store, config, self.catalog, self.loader)
+        self.copies = Copies(st.book, st.servers, st.tasks, st.keeping, config, store,
+                             self.catalog, st.placer, st.room, self.loader, self.unloader)
         self.reconciler = Reconciler(st.book, st.servers, st.tasks, st.keeping, config, clock,
-                                     self.catalog, self.recency, self.unloader, self.pins)
+                                     self.catalog, self.recency, self.unloader, self.pins,
+                                     self.copies)
         self.leases = Leases(st.book, config, self.catalog, self.recency, self.loader,
                              self.reconciler)
         for name, row in store.model_rows().items():
@@ -162,13 +175,21 @@ class ModelManager:
         return self.catalog.get(name)
 
     def status(self) -> list[dict]:
-        return self.catalog.status()
+        return [self.copies.row(rec) for rec in self.catalog.find()[0]]
 
     def fleet(self) -> list[dict]:
         return self.catalog.fleet()
 
     def ready_server_of(self, name: str) -> TritonServer | None:
         return self.catalog.ready_server_of(name)
+
+    def copy_servers_of(self, name: str) -> list[str]:
+        """The servers ``name`` is READY on: its own copy's first (empty when it is not)."""
+        return self.copies.servers_of(name)
+
+    def status_row(self, rec: ModelRecord) -> dict:
+        """``rec`` as ``mmctl status`` shows it, its copies included."""
+        return self.copies.row(rec)
 
     def on_loaded(self, listener: Callable[[str, ModelRecord], None]) -> None:
         self.catalog.on_loaded(listener)
@@ -231,6 +252,9 @@ class ModelManager:
 
     async def unpin(self, name: str) -> ModelRecord:
         return await self.pins.unpin(name)
+
+    async def scale(self, name: str, replicas: object) -> ModelRecord:
+        return await self.copies.scale(name, replicas)
 
     # The reconcile loop.
     async def start(self) -> None:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from control_plane.manager.records import pool_key, slot_pool
+from control_plane.manager.records import copy_key, pool_key, slot_pool
 from domain.errors import CapacityExhausted, ControlPlaneError, TritonUnavailable
 from domain.stages import DEFAULT_SLA
 
@@ -259,7 +259,9 @@ class Placer:
         self.filters = filters
         self.keys = keys
 
-    def candidate(self, server, name: str, size_bytes: int) -> Candidate:
+    def candidate(self, server, name: str, size_bytes: int, extra_copy: bool = False) -> Candidate:
+        """``extra_copy``: the candidate for one more copy of ``name`` (planned under its
+        copy's key, whose priority lets it evict only other extra copies)."""
         spec, planner = server.spec, server.planner
         labels = self.labels.get(server.name, ServerLabels())
         victims: tuple[str, ...] = ()
@@ -268,9 +270,11 @@ class Placer:
         if server.up:
             # A family's variant takes a slot of its family there (the family's whole slots
             # when it is not loaded there yet).
-            pool = slot_pool(getattr(server, "admin", None), name)
+            pool = None if extra_copy else slot_pool(getattr(server, "admin", None), name)
             try:
-                if pool is None:
+                if extra_copy:
+                    plan = planner.plan(copy_key(name, server.name), size_bytes)
+                elif pool is None:
                     plan = planner.plan(name, size_bytes)
                 else:
                     plan = planner.plan(name, size_bytes, pool=pool_key(pool.name, server.name),
@@ -289,12 +293,14 @@ class Placer:
             warm=self.warm_on(server.name, name) if self.warm_on is not None else True,
             victims=victims, plan_error=plan_error, new_pool=new_pool)
 
-    def place(self, name: str, size_bytes: int, servers: Iterable, pinned: bool = False):
-        """(server, victims) for ``name``; raises CapacityExhausted / TritonUnavailable."""
+    def place(self, name: str, size_bytes: int, servers: Iterable, pinned: bool = False,
+              extra_copy: bool = False):
+        """(server, victims) for ``name`` (``extra_copy``: one more copy of it, on one of
+        ``servers``); raises CapacityExhausted / TritonUnavailable."""
         servers = list(servers)
         facts = self.facts(name)
         req = PlacementRequest(name, size_bytes, facts.sla, facts.tenant, pinned)
-        decision = choose(req, [self.candidate(s, name, size_bytes) for s in servers],
+        decision = choose(req, [self.candidate(s, name, size_bytes, extra_copy) for s in servers],
                           self.filters, self.keys)
         chosen = next(s for s in servers if s.name == decision.server)
         if decision.rejected:

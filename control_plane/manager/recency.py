@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from control_plane.manager.fleet_state import ModelBook
-from control_plane.manager.records import TritonServer
+from control_plane.manager.records import TritonServer, copy_key
 
 
 class Recency:
@@ -23,6 +23,11 @@ class Recency:
         rec.last_used = self.clock()
         if rec.server is not None and rec.server in self.servers:
             self.servers[rec.server].planner.touch(name, rec.last_used)
+        if self.book.extra:  # its extra copies are as recent (the policy orders them too)
+            for server in self.servers.values():
+                key = copy_key(name, server.name)
+                if key in server.planner.residents:
+                    server.planner.touch(key, rec.last_used)
 
     async def refresh_usage(self, server: TritonServer) -> None:
         """Refresh recency from Triton's statistics: inferences sent straight to Triton count."""

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from control_plane.manager.copies import Copies
 from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
 from control_plane.manager.health import Health
 from control_plane.manager.known_models import Catalog
@@ -39,7 +40,8 @@ CATALOG_READ_S = 30.0
 class Reconciler:
     def __init__(self, book: ModelBook, servers: dict[str, TritonServer], tasks: TaskBoard,
                  keeping: Bookkeeping, config: ManagerConfig, clock: Callable[[], float],
-                 catalog: Catalog, recency: Recency, unloader: Unloader, pins: Pins):
+                 catalog: Catalog, recency: Recency, unloader: Unloader, pins: Pins,
+                 copies: Copies | None = None):
         self.book = book
         self.servers = servers
         self.tasks = tasks
@@ -50,6 +52,7 @@ class Reconciler:
         self.recency = recency
         self.unloader = unloader
         self.pins = pins
+        self.copies = copies  # models' extra copies: adopted, forgotten and converged here
         self._catalog_read_at: dict[str, float] = {}  # server -> monotonic; its whole index read
         self.health = Health(servers, config, keeping.metrics)
         self.health.on_down = self._server_down
@@ -76,6 +79,8 @@ class Reconciler:
 
         await asyncio.gather(*(reconcile(s) for s in list(self.servers.values())))
         self.pins.repair_pins()
+        if self.copies is not None:
+            self.copies.converge_all()
 
     async def _reconcile_server(self, server: TritonServer) -> None:
         if server.process is not None and not server.process.alive():
@@ -125,6 +130,13 @@ class Reconciler:
                 if name in busy:
                     continue
                 rec = self.book.record(name)
+                if (entry.state == TritonModelState.READY and rec.state == ModelState.READY
+                        and rec.server != server.name and name not in server.left_behind):
+                    # Loaded here too: an extra copy (an earlier life's, or Triton's own),
+                    # counted here; the copies' converge keeps or unloads it.  Whether the
+                    # model's own copy moved since the read does not matter to this one.
+                    self._adopt_copy(server, name, sizes.get(name), read_at, busy)
+                    continue
                 if rec.moved_at >= read_at:
                     # Changed after the index was read (an unload that completed meanwhile
                     # would be adopted back, counted and served from an empty slot): the
@@ -136,8 +148,6 @@ class Reconciler:
                         # (else loaded twice, counted once).  One placed nowhere is adopted.
                         self._unload_stray(server, name)
                         continue
-                    if rec.state == ModelState.READY and rec.server != server.name:
-                        continue  # loaded on another server too; keep our placement
                     size = sizes.get(name)
                     if size is None:
                         continue  # it changed while the others were sized: the next pass
@@ -179,10 +189,43 @@ class Reconciler:
                 rec.move(ModelState.FAILED if rec.state in (ModelState.FAILED, ModelState.UNLOAD_FAILED)
                          else ModelState.WARM, server=None)
             self._reconcile_pools(server, read_at, busy)
+            self._reconcile_copies(server, index, read_at, busy)
         self.keeping.update_gauges(server)
         with contextlib.suppress(ControlPlaneError):
             await self.recency.refresh_usage(server)
         await self.unloader.enforce_capacity(server)
+
+    def _adopt_copy(self, server: TritonServer, name: str, size: int | None, read_at: float,
+                    busy: set[str]) -> None:
+        copy = self.book.extra_copy(name, server.name)
+        if (size is None or copy.name in busy or copy.moved_at >= read_at
+                or copy.state not in (ModelState.WARM, ModelState.FAILED)):
+            return
+        copy.move(ModelState.READY, server=server.name, memory_bytes=size)
+        copy.warmup = {"ok": True, "latency_ms": None, "checked_at": self.clock(), "error": None,
+                       "note": "adopted from Triton's index"}
+        log.warning("adopted a copy of %s: Triton %s has it loaded", name, server.name)
+
+    def _reconcile_copies(self, server: TritonServer, index: dict, read_at: float,
+                          busy: set[str]) -> None:
+        """Extra copies on ``server`` that Triton no longer lists as loaded leave it; one
+        whose unload failed is unloaded again after the backoff.  Call under the lock."""
+        for copy in list(self.book.extra.values()):
+            if copy.server != server.name or copy.name in busy or copy.moved_at >= read_at:
+                continue
+            entry = index.get(copy.triton_name)
+            loaded = entry is not None and entry.state == TritonModelState.READY
+            if copy.state == ModelState.UNLOAD_FAILED and loaded:
+                if (copy.failed_at is None
+                        or time.monotonic() - copy.failed_at >= self.config.failure_backoff_s):
+                    self.tasks.spawn(self.unloader.retry_unload(server, copy.name))
+            elif copy.state in (ModelState.READY, ModelState.UNLOAD_FAILED) and not loaded:
+                if entry is not None and entry.state in (TritonModelState.LOADING,
+                                                         TritonModelState.UNLOADING):
+                    continue
+                log.warning("the copy of %s is no longer loaded on %s", copy.triton_name,
+                            server.name)
+                copy.move(ModelState.WARM, server=None)
 
     def _reconcile_pools(self, server: TritonServer, read_at: float, busy: set[str]) -> None:
         """The families loaded on ``server`` (as its index read just now found them) hold their
@@ -333,6 +376,10 @@ class Reconciler:
                 rec.move(ModelState.WARM, server=None)
         for rec in self.book.pools.values():  # its families' slots go with it
             if rec.server == server.name:
+                rec.move(ModelState.WARM, server=None)
+        for rec in self.book.extra.values():  # and its extra copies (placed again elsewhere)
+            if rec.server == server.name:
+                server.left_behind.add(rec.triton_name)
                 rec.move(ModelState.WARM, server=None)
         self.keeping.update_gauges(server)
 

@@ -101,6 +101,17 @@ def pool_key(holder: str, server: str) -> str:
     return f"{holder}{POOL_SEPARATOR}{server}"
 
 
+# A model's extra copy (``copy_key``): one record and one planner key per server it is
+# copied to beyond the first, as ``pool_key`` is a family's.  Never in a model's name.
+COPY_SEPARATOR = "#"
+
+
+def copy_key(model: str, server: str) -> str:
+    """The key of ``model``'s extra copy on ``server``: its record's name and its planner
+    entry (the model's own copy is keyed by its name)."""
+    return f"{model}{COPY_SEPARATOR}{server}"
+
+
 def slot_pool(admin, model: str) -> SlotPool | None:
     """The slots ``model`` goes into on the server ``admin`` controls, or None (a model of
     its own).  An admin without slots (Triton's own, test stand-ins) has none."""
@@ -147,6 +158,12 @@ class ModelRecord:
                                                             compare=False)
     moved_at: float = 0.0  # monotonic time of the last change of state
     slot_bytes: int = 0  # a slot pool's bytes per slot (fixed when it is made); 0: a model
+    copy_of: str | None = None  # an extra copy's model (``ModelBook.extra``); None: the model's
+
+    @property
+    def triton_name(self) -> str:
+        """The model Triton loads for this record: the model's, its family's (a slot pool's)."""
+        return self.copy_of or self.holder or self.name
 
     @property
     def holder(self) -> str | None:

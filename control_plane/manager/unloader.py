@@ -50,15 +50,28 @@ class Unloader:
             if rec.pinned and not force:
                 raise InvalidInput(f"{name} was pinned while this unload waited for its load; "
                                    f"unpin it first (mmctl unpin {name})")
+            # Its extra copies go with it (the target stays: its next load copies it again).
+            extra = [(self.servers[c.server], c) for c in self.book.extra_copies(name)
+                     if c.state in (ModelState.READY, ModelState.UNLOAD_FAILED)]
+            for _server, copy in extra:
+                copy.move(ModelState.UNLOADING)
             if (rec.state not in (ModelState.READY, ModelState.UNLOAD_FAILED, ModelState.UNLOADING)
                     or rec.server is None):
-                return rec
-            server = self.servers[rec.server]
-            # On its way out it holds its room as busy, not as a pin (a forced unload of a
-            # pinned model keeps the pin: the reconcile loads it again).  A failed unload
-            # retried here promises no room: it stays held until Triton confirms it gone.
-            rec.move(ModelState.UNLOADING)
-        await self.unload_now(server, name, reason="requested")
+                server = None
+            else:
+                server = self.servers[rec.server]
+                # On its way out it holds its room as busy, not as a pin (a forced unload of
+                # a pinned model keeps the pin: the reconcile loads it again).  A failed
+                # unload retried here promises no room: it stays held until Triton confirms
+                # it gone.
+                rec.move(ModelState.UNLOADING)
+        unloads = [self.unload_now(s, c.name, reason="requested") for s, c in extra]
+        if server is not None:
+            unloads.append(self.unload_now(server, name, reason="requested"))
+        results = await asyncio.gather(*unloads, return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
         return rec
 
     def unload_now(self, server: TritonServer, name: str, reason: str) -> asyncio.Future:
@@ -78,9 +91,9 @@ class Unloader:
             if rec.holder is not None:  # a family model whose variants all left: its slots
                 await server.admin.unload_slots(rec.holder)
                 await server.admin.wait_unavailable(rec.holder, self.config.unload_timeout_s)
-            else:
-                await server.admin.unload(name)
-                await server.admin.wait_unavailable(name, self.config.unload_timeout_s)
+            else:  # a model's copy (its own, or an extra one: the same Triton model)
+                await server.admin.unload(rec.triton_name)
+                await server.admin.wait_unavailable(rec.triton_name, self.config.unload_timeout_s)
         except ControlPlaneError as exc:
             self._unload_failed(server, rec, exc)
             raise
@@ -143,14 +156,14 @@ class Unloader:
         """Triton confirmed ``rec`` gone from ``server``: its room is free once the memory is
         back (NVML on a GPU; what is not back stays counted), and it is warm."""
         name = rec.name
-        triton_name = rec.holder or name
+        triton_name = rec.triton_name
         await self.keeping.meter(server, triton_name).released(server, triton_name)
         freed_s = time.monotonic() - start
         self.keeping.metrics.unload_free_seconds.labels(server.name).observe(freed_s)
         self.keeping.metrics.unloads.labels(server.name, reason).inc()
         rec.warmup = None
         rec.move(ModelState.WARM, server=None)
-        if rec.holder is None:  # a family's slots have no tier copy and no history row
+        if triton_name == name:  # a family's slots, an extra copy: no tier mark or history row
             self.keeping.release_warm(name)
             self.keeping.save_row(name, server=None)
         log.info("unloaded %s from %s (%s); memory free after %.2fs", name, server.name, reason, freed_s)

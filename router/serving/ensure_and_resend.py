@@ -14,9 +14,11 @@ deadline)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -142,6 +144,9 @@ class Sender:
         self.miss_budget = MissBudget(config.miss_budget_per_s,
                                       on_refused=metrics.miss_budget_refused.inc)
         self._prefetching: set[asyncio.Task] = set()  # loads started for refused requests
+        # Requests this process has sent to each server and not had answered: a model with
+        # copies on several servers is sent where the fewest wait (``least_loaded``).
+        self.outstanding: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------------------------ where
     async def server_for(self, model: str, asked: str | None = None, fresh: bool = False,
@@ -157,7 +162,8 @@ class Sender:
         server = None if fresh else self.state.ready_server(model)
         if server is not None:
             if server.up:
-                return server
+                copies = self.state.copy_servers(model)
+                return self.least_loaded([server, *copies]) if copies else server
             unreachable = server.name
         asked = asked or model
         if not fresh and unreachable is None:  # the client's own miss, not one of our resends
@@ -190,6 +196,17 @@ class Sender:
                 self.metrics.cold_waits.labels(series_model).inc()
                 self.metrics.cold_wait_seconds.labels(series_model).observe(time.perf_counter() - start)
         return server
+
+    def least_loaded(self, servers: list[ServerAddress]) -> ServerAddress:
+        """Of a model's copies, the one with fewer requests outstanding from this process of
+        two chosen at random (a tie goes to the first drawn, so idle copies share evenly):
+        two random choices spread the load nearly as well as looking at all of them, and
+        workers that each count only their own requests do not all rush the same copy."""
+        up = [s for s in servers if s.up]
+        if len(up) < 2:
+            return up[0] if up else servers[0]
+        first, second = random.sample(up, 2)
+        return second if self.outstanding[second.name] < self.outstanding[first.name] else first
 
     def _refuse_past_deadline(self, model: str, asked: str, deadline: float) -> None:
         """A miss whose load would outlast the request's deadline (its last load took
@@ -320,10 +337,14 @@ class Sender:
         resends = 0
         while True:
             try:
-                with tracing.span("triton.infer", tracing.SpanKind.CLIENT, server=server.name,
-                                  resend=resends or None):
-                    outcome = await self.down_watch.wait(
-                        server, attempt(server, max(0.001, deadline - time.monotonic())))
+                self.outstanding[server.name] += 1
+                try:
+                    with tracing.span("triton.infer", tracing.SpanKind.CLIENT, server=server.name,
+                                      resend=resends or None):
+                        outcome = await self.down_watch.wait(
+                            server, attempt(server, max(0.001, deadline - time.monotonic())))
+                finally:
+                    self.outstanding[server.name] -= 1
                 why = resend_for(outcome)
             except ServerDown as exc:
                 outcome, why = exc, Resend.UNREACHABLE

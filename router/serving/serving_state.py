@@ -36,6 +36,10 @@ class ServingState(Protocol):
     def ready_server(self, model: str) -> ServerAddress | None:
         """The server that has ``model`` READY now, from what this process knows."""
 
+    def copy_servers(self, model: str) -> list[ServerAddress]:
+        """The servers of ``model``'s other READY copies (``mmctl scale``), besides
+        ``ready_server``'s; empty for a model with one copy."""
+
     async def ensure(self, model: str, unreachable: str | None = None) -> ServerAddress:
         """Have ``model`` loaded (ControlPlaneError subclasses when it cannot be).
         ``unreachable``: the server a request for it could not reach; the control plane
@@ -82,6 +86,10 @@ class LocalState:
     def ready_server(self, model: str) -> ServerAddress | None:
         server = self.manager.ready_server_of(model)
         return None if server is None else self._address(server)
+
+    def copy_servers(self, model: str) -> list[ServerAddress]:
+        servers = self.manager.servers
+        return [self._address(servers[name]) for name in self.manager.copy_servers_of(model)[1:]]
 
     async def ensure(self, model: str, unreachable: str | None = None) -> ServerAddress:
         # Shielded: a client that gives up does not cancel a load others may wait for.

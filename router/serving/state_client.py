@@ -209,7 +209,7 @@ class RemoteState:
                     keys[key] = value
                 touched.add(section)
         for section in ("placement", "carriers", "routes", "limits", "production", "versions",
-                        "public", "models", "servers", "meta", "miss_ms"):
+                        "public", "models", "servers", "meta", "miss_ms", "copies"):
             self.sections.setdefault(section, {})
         version = published["version"]
         if touched & NAME_SECTIONS:
@@ -252,6 +252,10 @@ class RemoteState:
     def ready_server(self, model: str) -> ServerAddress | None:
         name = self.placement.get(model)
         return None if name is None else self.addresses.get(name)
+
+    def copy_servers(self, model: str) -> list[ServerAddress]:
+        found = [self.addresses.get(name) for name in self.sections["copies"].get(model, ())]
+        return [a for a in found if a is not None]
 
     async def ensure(self, model: str, unreachable: str | None = None) -> ServerAddress:
         # Requests that could not reach the model's server do not share a plain miss's

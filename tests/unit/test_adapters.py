@@ -256,6 +256,9 @@ class FakeManager:
     def ready_server_of(self, name):
         return self.server if name == "tinylm" else None
 
+    def copy_servers_of(self, name):
+        return []
+
     def not_use(self, name, until_ms):
         rec = self.records.get(name)
         if rec is not None:

@@ -49,6 +49,9 @@ class FakeManager:
     def ready_server_of(self, name):
         return self.server if name in self.ready else None
 
+    def copy_servers_of(self, name):
+        return []
+
     async def ensure(self, name):
         if name not in self.known:
             raise CpModelNotFound(f"unknown model {name!r}")

@@ -92,6 +92,9 @@ class NoModels(Touches):
     def ready_server_of(self, _name):
         return None
 
+    def copy_servers_of(self, name):
+        return []
+
 
 async def serving_hub(tmp_path, monkeypatch, workers: int = 1):
     """A real hub on a loopback port and ``workers`` RemoteState workers watching it, whose

@@ -35,7 +35,7 @@ def test_mmctl_commands_are_added_one_way():
     assert all(isinstance(c, click.Command) for c in listed)
     assert set(mmctl.commands.values()) >= set(listed)
     own = set(mmctl.commands.values()) - set(listed)
-    assert {c.name for c in own} == {"status", "load", "pin", "unpin", "unload", "health", "fleet",
+    assert {c.name for c in own} == {"status", "load", "pin", "unpin", "unload", "scale", "health", "fleet",
                                      "endpoints", "demo-fleet"}
     for path in (ROOT / "mmctl").glob("*.py"):
         text = path.read_text()

@@ -86,6 +86,12 @@ class FakeManager:
     def get(self, name):
         return self._rec("get", name)
 
+    async def scale(self, name, replicas):
+        return self._rec("scale", name)
+
+    def status_row(self, rec):
+        return rec.to_dict()
+
     async def health(self, name, probe=False):
         self.asked.append(("health", name))
         return {"model": name, "healthy": True}
@@ -118,3 +124,32 @@ def test_admin_model_handlers_resolve_logical_names(tmp_path):
     assert manager.asked == [("load", "m1.v1"), ("pin", "m1.v1"), ("unpin", "m1.v1"),
                              ("unload", "m1.v1"), ("get", "m1.v1"), ("health", "m1.v1"),
                              ("load", "m1.v1"), ("load", "other")]
+
+
+def test_scaling_a_logical_name_says_which_version_to_scale(tmp_path, monkeypatch):
+    """Copies belong to a concrete version: ``mmctl scale m1`` names the version instead of
+    scaling whichever version is in production today."""
+    env = Env(tmp_path, budget_models=None, count=1)
+    env.registry.promote("m1", 1, "production", who="t")
+    manager = FakeManager()
+    app = make_app(manager, {"resolve_name": env.registry.resolve_name})
+
+    async def scale(name, body):
+        request = make_mocked_request("POST", f"/v1/models/{name}/scale", match_info={"model": name},
+                                      app=app)
+        monkeypatch.setattr(admin_api, "json_body", lambda _request: _async(body))
+        return await admin_api.scale(request)
+
+    async def go():
+        with pytest.raises(InvalidInput, match=r"m1 is a logical name.*mmctl scale m1.v1 --replicas N"):
+            await scale("m1", {"replicas": 2})
+        with pytest.raises(InvalidInput, match=r'\{"replicas": N\}'):
+            await scale("m1.v1", {"replicas": 2, "extra": 1})
+        assert (await scale("m1.v1", {"replicas": 2})).status == 200
+
+    run(go())
+    assert manager.asked == [("scale", "m1.v1")]
+
+
+async def _async(value):
+    return value

@@ -70,6 +70,9 @@ class Manager:
         rec = self.records.get(name)
         return self.server if rec is not None and rec.state == ModelState.READY else None
 
+    def copy_servers_of(self, name):
+        return []
+
 
 def hub_of(tmp_path, models: int) -> tuple[DataPlaneHub, Manager]:
     store = StateStore(tmp_path / f"state-{models}.db")

@@ -61,6 +61,9 @@ class State:
     def ready_server(self, model):
         return SERVER if model in self.ready else None
 
+    def copy_servers(self, model):
+        return []
+
     async def ensure(self, model, unreachable=None):
         self.ensured.append(model)
         self.ready.add(model)

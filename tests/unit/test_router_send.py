@@ -35,6 +35,9 @@ class MovingState:
     def ready_server(self, model):
         return self.first
 
+    def copy_servers(self, model):
+        return []
+
     async def ensure(self, model, unreachable=None):
         self.ensured.append(model)
         if unreachable is not None:
@@ -247,3 +250,62 @@ def test_a_bad_http_deadline_header_is_a_clear_error(header):
 
     with pytest.raises(InvalidRequest, match="deadline in milliseconds, a number > 0"):
         request_timeout_s({TIMEOUT_HEADER: header}, 60.0)
+
+
+class CopiesState(MovingState):
+    """``m`` has copies on FIRST and SECOND (``mmctl scale m --replicas 2``)."""
+
+    def copy_servers(self, model):
+        return [SECOND]
+
+
+class CopiesTriton:
+    """Answers at once, except on the servers in ``held`` until ``release`` is set."""
+
+    def __init__(self, held=()):
+        import asyncio
+
+        self.held = set(held)
+        self.release = asyncio.Event()
+        self.sent: list[str] = []
+
+    def rpc(self, server: ServerAddress):
+        async def model_infer(message, timeout=None):
+            self.sent.append(server.name)
+            if server.name in self.held:
+                await self.release.wait()
+            return b""
+        return model_infer
+
+
+def test_idle_copies_share_the_requests():
+    triton = CopiesTriton()
+    router, state = raw_router(triton, CopiesState())  # type: ignore[arg-type]
+    for _ in range(400):
+        run(router.forwarder.infer_raw(raw_request(), lambda: None))
+    first = triton.sent.count("triton0")
+    assert 120 <= first <= 280, first  # two random choices among idle copies: about half each
+    assert state.ensured == []  # every request found a copy ready: no miss
+    assert router.sender.outstanding == {"triton0": 0, "triton1": 0}
+
+
+def test_a_copy_with_requests_outstanding_gets_no_more_while_another_is_free():
+    import asyncio
+
+    triton = CopiesTriton(held={"triton0"})
+    router, _state = raw_router(triton, CopiesState())  # type: ignore[arg-type]
+
+    async def go():
+        sent = []
+        while router.sender.outstanding["triton0"] == 0:  # until one request waits on triton0
+            sent.append(asyncio.ensure_future(router.forwarder.infer_raw(raw_request(), lambda: None)))
+            await asyncio.sleep(0.001)
+        triton.sent.clear()
+        for _ in range(50):  # every other request goes to the free copy
+            await router.forwarder.infer_raw(raw_request(), lambda: None)
+        assert triton.sent == ["triton1"] * 50
+        triton.release.set()
+        await asyncio.gather(*sent)
+        assert router.sender.outstanding == {"triton0": 0, "triton1": 0}
+
+    run(go())

@@ -307,6 +307,9 @@ class PublishedState:
     def ready_server(self, model):
         return self._first()
 
+    def copy_servers(self, model):
+        return []
+
     def _first(self) -> ServerAddress:
         f = self.first
         return ServerAddress(f.name, f.grpc_url, f.http_url, up=not self.down)

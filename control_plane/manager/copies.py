@@ -1,0 +1,297 @@
+"""Copies of a model on several servers (``mmctl scale NAME --replicas N``).
+
+A model's own copy is its record (``ModelBook.records``), loaded on demand by the loader
+as ever; each copy beyond it is an *extra copy*: a record of its own in ``ModelBook.extra``
+(``copy_key(model, server)``), moved through the same states by the same writers, and an
+entry of that server's planner.  The rules:
+
+* A model has at most one copy per server, so at most as many copies as the fleet has
+  servers; its extra copies exist only while its own copy is READY (a model that is not
+  loaded has no copies to spread requests over).  When its own copy leaves (evicted, its
+  server down or lost) and an extra copy is READY on a server that is up, that copy becomes
+  its own at once: requests keep a server, and nothing is loaded again.
+* An extra copy has the lowest eviction priority (``EXTRA_COPY_PRIORITY``): it is the first
+  victim when any model needs room, and its own load takes only free room (the server's
+  headroom left alone) or other extra copies' room: a model's last copy is never evicted
+  for another model's extra one.  A pinned model's copies are pinned with it.
+* ``converge`` brings a model to its target: it adds copies one at a time where placement
+  finds room (the filters of ``placement``: server up, SLA isolation, tenants) and unloads
+  the copies above it; the reconcile pass runs it for every model that has a target or a
+  copy, so a copy lost with its server is placed again, and a copy that could not be
+  added is tried again on a later pass (after ``failure_backoff_s`` when its load failed).
+* Targets survive restarts (the state store's key-value table); copies that Triton already
+  holds at start are adopted by the reconcile pass as extra copies and counted.
+
+The router sends each request to the copy with the fewest requests it has outstanding
+(``router.serving.ensure_and_resend``), from the ``copies`` section the control plane
+publishes beside ``placement``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
+from control_plane.manager.known_models import Catalog
+from control_plane.manager.loader import Loader
+from control_plane.manager.placement import Placer
+from control_plane.manager.records import (
+    ManagerConfig,
+    ModelRecord,
+    ModelState,
+    TritonServer,
+    slot_pool,
+)
+from control_plane.manager.room import RoomLedger
+from control_plane.manager.unloader import Unloader, retrieve
+from control_plane.state.state_store import StateStore
+from domain.errors import CapacityExhausted, ControlPlaneError, InvalidInput, TritonUnavailable
+from domain.names import validate_model_name
+
+log = logging.getLogger(__name__)
+
+TARGETS_KEY = "replicas"  # state store key-value: JSON {model: copies wanted}, 1 left out
+
+
+class Copies:
+    def __init__(self, book: ModelBook, servers: dict[str, TritonServer], tasks: TaskBoard,
+                 keeping: Bookkeeping, config: ManagerConfig, store: StateStore,
+                 catalog: Catalog, placer: Placer, room: RoomLedger, loader: Loader,
+                 unloader: Unloader):
+        self.book = book
+        self.servers = servers
+        self.tasks = tasks
+        self.keeping = keeping
+        self.config = config
+        self.store = store
+        self.catalog = catalog
+        self.placer = placer
+        self.room = room
+        self.loader = loader
+        self.unloader = unloader
+        raw = store.get(TARGETS_KEY)
+        self.targets: dict[str, int] = {str(k): int(v) for k, v in json.loads(raw).items()} if raw else {}
+        self._converging: dict[str, asyncio.Task] = {}  # model -> its converge in the background
+        self._retry_at: dict[str, float] = {}  # model -> monotonic; after a failed copy load
+        self.notes: dict[str, str] = {}  # model -> why it has fewer copies than its target
+        book.move_listeners.append(self._moved)
+
+    def target(self, name: str) -> int:
+        return self.targets.get(name, 1)
+
+    def servers_of(self, name: str) -> list[str]:
+        """The servers where ``name`` is READY: its own copy's first, then its extra ones."""
+        rec = self.book.records.get(name)
+        if rec is None or rec.state != ModelState.READY or rec.server is None:
+            return []
+        return [rec.server, *sorted(c.server for c in self.book.extra_copies(name)
+                                    if c.state == ModelState.READY)]
+
+    def row(self, rec: ModelRecord) -> dict:
+        """``rec`` as ``mmctl status`` shows it: with its copy target and every copy."""
+        row = rec.to_dict()
+        row["replicas"] = self.target(rec.name)
+        if self.book.extra:
+            row["copies"] = [*row["copies"], *(
+                {"server": c.server, "state": c.state.value}
+                for c in sorted(self.book.extra_copies(rec.name), key=lambda c: c.server or ""))]
+        if rec.name in self.notes and len(row["copies"]) < row["replicas"]:
+            row["copies_note"] = self.notes[rec.name]
+        return row
+
+    # -- the operator's command ------------------------------------------------------
+    async def scale(self, name: str, replicas: object) -> ModelRecord:
+        """Keep ``replicas`` copies of ``name`` (on as many servers); 1: its own only."""
+        validate_model_name(name)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise InvalidInput(f"replicas must be a whole number >= 1, not {replicas!r} "
+                               "(1: the model's own copy only)")
+        rec = self.catalog.get(name)  # ModelNotFound for an unknown name
+        self._refuse_family_models(name)
+        if replicas > len(self.servers):
+            raise InvalidInput(
+                f"{name} cannot have {replicas} copies: a server holds one copy of a model and "
+                f"the fleet has {len(self.servers)} server(s) ({', '.join(sorted(self.servers))}); "
+                "add servers (mmctl up --triton-servers N) or ask for fewer")
+        if replicas == 1:
+            self.targets.pop(name, None)
+        else:
+            self.targets[name] = replicas
+        self.notes.pop(name, None)
+        self._retry_at.pop(name, None)
+        await self.store.db.off_loop(self.store.put, TARGETS_KEY,
+                                     json.dumps(self.targets, sort_keys=True))
+        log.info("%s: %d cop%s wanted", name, replicas, "y" if replicas == 1 else "ies")
+        if replicas > 1 and rec.state != ModelState.READY:
+            await self.loader.ensure(name, retry_failed=True)  # its own copy first
+        running = self._converging.get(name)  # its load started one: it ends first
+        if running is not None:
+            await asyncio.wait([running])
+        await self.converge(name)
+        return rec
+
+    def _refuse_family_models(self, name: str) -> None:
+        for server in self.servers.values():
+            pool = slot_pool(server.admin, name)
+            if pool is not None:
+                raise InvalidInput(
+                    f"{name} is a variant of the model family {pool.name}: its requests run in "
+                    f"the family's model, which holds it in a weight slot; copies of a variant "
+                    f"are not supported yet: scale a model of its own")
+            if name in getattr(server.admin, "slot_pools", dict)():
+                raise InvalidInput(f"{name} is a model family's Triton model: the control plane "
+                                   "loads it for its variants; it cannot be scaled")
+
+    # -- bringing models to their targets --------------------------------------------
+    def converge_all(self) -> None:
+        """Start a converge for every model with a target or an extra copy (a reconcile pass)."""
+        names = set(self.targets) | {c.copy_of for c in self.book.extra.values()
+                                     if c.server is not None}
+        for name in sorted(names):
+            self._spawn_converge(name)
+
+    def _spawn_converge(self, name: str) -> None:
+        if name in self._converging:
+            return
+
+        async def run() -> None:
+            try:
+                await self.converge(name)
+            except ControlPlaneError as exc:
+                log.warning("copies of %s: %s", name, exc.message)
+            finally:
+                self._converging.pop(name, None)
+
+        self._converging[name] = asyncio.get_running_loop().create_task(run())
+        self.tasks.background.add(self._converging[name])
+        self._converging[name].add_done_callback(self.tasks.background.discard)
+
+    def _moved(self, name: str) -> None:
+        """A model's state changed (a move listener): when its own copy left and an extra one
+        is READY, that one becomes its own now; a model loaded gets its copies soon."""
+        rec = self.book.records.get(name)
+        if rec is None:
+            return
+        if rec.state in (ModelState.WARM, ModelState.FAILED) and name not in self.tasks.loads:
+            self._promote(rec)
+        if name in self.targets and rec.state == ModelState.READY:
+            self._spawn_converge(name)
+
+    def _promote(self, rec: ModelRecord) -> None:
+        ready = [c for c in self.book.extra_copies(rec.name) if c.state == ModelState.READY
+                 and c.server in self.servers and self.servers[c.server].up]
+        if not ready:
+            return
+        copy = min(ready, key=lambda c: c.server)
+        where, size = copy.server, copy.memory_bytes
+        # No await between the two moves: the server's room changes hands, never counted twice.
+        copy.move(ModelState.WARM, server=None)
+        rec.move(ModelState.READY, server=where, memory_bytes=size)
+        rec.warmup = copy.warmup
+        rec.failure = None
+        log.info("%s: its copy on %s is its own now (its own copy left)", rec.name, where)
+
+    async def converge(self, name: str) -> None:
+        """Add or unload extra copies until ``name`` has its target (as far as room allows)."""
+        rec = self.book.records.get(name)
+        wanted = self.target(name) - 1 if rec is not None and rec.state == ModelState.READY else 0
+        async with self.tasks.lock:
+            live = [c for c in self.book.extra_copies(name)
+                    if c.state in (ModelState.LOADING, ModelState.READY)]
+            pinned = rec is not None and rec.pinned
+            for c in live:
+                if c.pinned != pinned:
+                    c.set_pinned(pinned)
+            excess = sorted((c for c in live if c.state == ModelState.READY),
+                            key=lambda c: c.server, reverse=True)[:max(0, len(live) - wanted)]
+            for c in excess:
+                c.move(ModelState.UNLOADING)
+        for c in excess:
+            self.unloader.unload_now(self.servers[c.server], c.name,
+                                     reason="scaled_down").add_done_callback(retrieve)
+        for _ in range(wanted - len(live)):
+            if time.monotonic() < self._retry_at.get(name, 0.0) or not await self._add(name):
+                break
+        self.keeping.metrics.model_copies.labels(self.keeping.metrics.model_label(name)).set(
+            len(self.servers_of(name)))
+
+    async def _add(self, name: str) -> bool:
+        """Load one more copy of ``name`` where placement finds room; False when none did."""
+        rec = self.book.records[name]
+        async with self.tasks.lock:
+            if rec.state != ModelState.READY:
+                return False
+            holding = {rec.server, *(c.server for c in self.book.extra_copies(name))}
+            candidates = [s for s in self.servers.values() if s.name not in holding]
+            if not candidates:
+                self.notes[name] = "every server that is up holds a copy"
+                return False
+            size = rec.memory_bytes
+            try:
+                server, victims = self.placer.place(name, size, candidates, pinned=rec.pinned,
+                                                    extra_copy=True)
+            except (CapacityExhausted, TritonUnavailable) as exc:
+                self.notes[name] = exc.message
+                return False
+            for v in victims:
+                self.book.lookup(v).move(ModelState.UNLOADING)
+            copy = self.book.extra_copy(name, server.name)
+            copy.failure = None
+            copy.set_pinned(rec.pinned)
+            copy.move(ModelState.LOADING, server=server.name, memory_bytes=size)
+            self.room.queue(server, copy.name, size)
+        log.info("copying %s to %s (%d bytes), evicting %s", name, server.name, size,
+                 victims or "nothing")
+        evictions = [self.unloader.unload_now(server, v, reason="evicted") for v in victims]
+        for fut in evictions:
+            fut.add_done_callback(retrieve)
+        try:
+            await self.loader.wait_for_room(
+                server, name, size, evictions,
+                time.monotonic() + self.config.drain_timeout_s + self.config.unload_timeout_s,
+                room_bytes=size)
+        except ControlPlaneError as exc:
+            self.room.unqueue(server, copy.name)
+            copy.move(ModelState.WARM, server=None)
+            self.notes[name] = f"no room on {server.name}: {exc.message}"
+            return False
+        self.room.send(server, copy.name, size)
+        start = time.monotonic()
+        try:
+            await server.admin.load(name)
+            warmup = await self.loader.warm_up(server, name)
+        except ControlPlaneError as exc:
+            self.room.finish(copy.name)
+            await self._undo(server, copy, exc)
+            return False
+        self.room.finish(copy.name)
+        copy.load_time_s = time.monotonic() - start
+        copy.warmup = warmup
+        copy.move(ModelState.READY)
+        self.notes.pop(name, None)
+        self.keeping.metrics.loads.labels(server.name, "ok").inc()
+        log.info("copied %s to %s in %.2fs", name, server.name, copy.load_time_s)
+        if rec.state != ModelState.READY:  # its own copy left meanwhile: this one takes over
+            self._promote(rec)
+        return True
+
+    async def _undo(self, server: TritonServer, copy: ModelRecord, exc: ControlPlaneError) -> None:
+        """A copy's load failed: unload what Triton kept; tried again after the backoff."""
+        copy.failure = exc.message
+        self.notes[copy.copy_of] = f"its copy on {server.name} failed: {exc.message}"
+        self._retry_at[copy.copy_of] = time.monotonic() + self.config.failure_backoff_s
+        self.keeping.metrics.loads.labels(server.name, "failed").inc()
+        log.warning("copy of %s on %s failed: %s", copy.copy_of, server.name, exc.message)
+        try:
+            await server.admin.unload(copy.triton_name)
+            await server.admin.wait_unavailable(copy.triton_name, self.config.unload_timeout_s)
+        except ControlPlaneError as cleanup:
+            copy.failed_at = time.monotonic()
+            log.error("the failed copy of %s could not be unloaded from %s: %s", copy.copy_of,
+                      server.name, cleanup.message)
+            copy.move(ModelState.UNLOAD_FAILED)
+            return
+        copy.move(ModelState.FAILED, server=None)

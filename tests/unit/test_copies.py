@@ -1,0 +1,214 @@
+"""A model's copies on several servers (``mmctl scale``), with fake Tritons (unit tier)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
+from control_plane.state.state_store import StateStore
+from control_plane.triton.admin import TritonModelState
+from domain.errors import InvalidInput, ModelNotFound
+from tests.conftest import run
+from tests.unit.test_manager_unit import MODELS, FakeAdmin
+
+READY = TritonModelState.READY
+NAMES = ("s0", "s1", "s2")
+
+
+def fleet(tmp_path, max_loaded=2, servers=NAMES, admins=None, store=None):
+    admins = admins or {n: FakeAdmin(MODELS) for n in servers}
+    made = [ModelManager.make_server(ServerSpec(n, f"{n}:1", f"{n}:2", max_loaded=max_loaded),
+                                     "lru", admin=admins[n]) for n in servers]
+    mgr = ModelManager(made, store or StateStore(tmp_path / "s.db"),
+                       config=ManagerConfig(policy="lru", unload_timeout_s=0.3,
+                                            failure_backoff_s=0.2, headroom_models=0))
+    return mgr, admins
+
+
+async def settle(mgr, until, timeout_s=3.0):
+    """Run the manager's background work until ``until()`` holds."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not until():
+        assert asyncio.get_running_loop().time() < deadline, mgr.status()
+        await asyncio.sleep(0.01)
+
+
+def loaded_on(admins, model):
+    return sorted(n for n, a in admins.items() if a.states.get(model) == READY)
+
+
+def test_scale_loads_copies_on_other_servers_and_counts_each(tmp_path):
+    async def go():
+        mgr, admins = fleet(tmp_path)
+        await mgr.start()
+        rec = await mgr.scale("m1", 3)
+        assert loaded_on(admins, "m1") == ["s0", "s1", "s2"]
+        assert mgr.copy_servers_of("m1")[0] == rec.server
+        assert sorted(mgr.copy_servers_of("m1")) == ["s0", "s1", "s2"]
+        # Each copy holds room on its own server: the planners count one model each.
+        assert [mgr.servers[n].planner.used_slots for n in NAMES] == [1, 1, 1]
+        row = mgr.status_row(rec)
+        assert row["replicas"] == 3
+        assert sorted(c["server"] for c in row["copies"]) == ["s0", "s1", "s2"]
+        assert {c["state"] for c in row["copies"]} == {"ready"}
+        # Down to one: the extra copies are unloaded, the model's own stays.
+        await mgr.scale("m1", 1)
+        await settle(mgr, lambda: sum(mgr.servers[n].planner.used_slots for n in NAMES) == 1)
+        assert loaded_on(admins, "m1") == [rec.server]
+        assert mgr.copy_servers_of("m1") == [rec.server]
+        await mgr.close()
+
+    run(go())
+
+
+def test_scale_refuses_bad_input_with_what_to_do(tmp_path):
+    async def go():
+        mgr, admins = fleet(tmp_path)
+        await mgr.start()
+        for bad in (0, -1, "2", 2.5, True, None):
+            with pytest.raises(InvalidInput, match="whole number >= 1"):
+                await mgr.scale("m1", bad)
+        with pytest.raises(InvalidInput, match=r"the fleet has 3 server\(s\) .*--triton-servers"):
+            await mgr.scale("m1", 4)
+        with pytest.raises(ModelNotFound, match="unknown model 'nope'"):
+            await mgr.scale("nope", 2)
+        assert mgr.copies.targets == {}
+        assert all(a.load_calls == [] for a in admins.values())  # nothing was loaded
+        await mgr.close()
+
+    run(go())
+
+
+def test_an_extra_copy_never_evicts_a_models_own_copy(tmp_path):
+    async def go():
+        mgr, admins = fleet(tmp_path, servers=("s0", "s1"), max_loaded=2)
+        await mgr.start()
+        await mgr.ensure("m1")
+        for name in ("m2", "m3", "m4"):  # fill both servers with models' own copies
+            await mgr.ensure(name)
+        before = {n: loaded_on(admins, n) for n in ("m1", "m2", "m3", "m4")}
+        await mgr.scale("m1", 2)
+        # No room but the other models' own: the copy waits, and says why.
+        assert {n: loaded_on(admins, n) for n in before} == before
+        row = mgr.status_row(mgr.get("m1"))
+        assert len(row["copies"]) == 1 and "extra copy" in row["copies_note"]
+        await mgr.close()
+
+    run(go())
+
+
+def test_a_models_load_evicts_extra_copies_first(tmp_path):
+    async def go():
+        mgr, admins = fleet(tmp_path, servers=("s0", "s1"), max_loaded=2)
+        await mgr.start()
+        await mgr.ensure("m2")  # oldest: the LRU victim, were it not for the copy
+        own = (await mgr.ensure("m1")).server
+        other = "s1" if own == "s0" else "s0"
+        await mgr.scale("m1", 2)
+        assert loaded_on(admins, "m1") == ["s0", "s1"]
+        mgr.touch("m1")
+        planner = mgr.servers[other].planner
+        # The copy shares its server with m2, the least recently used model: the copy goes.
+        assert sorted(planner.residents) == [f"m1#{other}", "m2"]
+        assert planner.plan("m5", 0).victims == [f"m1#{other}"]
+        await mgr.ensure("m3")
+        await mgr.ensure("m4")  # the fleet is full: the copy went first, m1's own stays
+        await settle(mgr, lambda: mgr.copy_servers_of("m1") == [own])
+        assert own in loaded_on(admins, "m1")
+        await mgr.close()
+
+    run(go())
+
+
+def test_a_copy_takes_over_when_the_models_own_server_goes(tmp_path):
+    async def go():
+        mgr, admins = fleet(tmp_path)
+        await mgr.start()
+        rec = await mgr.scale("m1", 2)
+        own = rec.server
+        copy_server = mgr.copy_servers_of("m1")[1]
+        # Its own server is lost: the copy is its own at once (no load), and a new extra
+        # copy is placed on the server left.
+        mgr.reconciler._forget_server_models(mgr.servers[own], "test: server lost")
+        mgr.servers[own].health = mgr.servers[own].health.DOWN
+        assert (rec.state, rec.server) == (ModelState.READY, copy_server)
+        assert len(admins[copy_server].load_calls) == 1
+        third = next(n for n in NAMES if n not in (own, copy_server))
+        await settle(mgr, lambda: mgr.copy_servers_of("m1") == [copy_server, third])
+        await mgr.close()
+
+    run(go())
+
+
+def test_unload_unloads_every_copy(tmp_path):
+    async def go():
+        mgr, admins = fleet(tmp_path)
+        await mgr.start()
+        await mgr.scale("m1", 3)
+        rec = await mgr.unload("m1")
+        assert rec.state == ModelState.WARM
+        assert loaded_on(admins, "m1") == []
+        await settle(mgr, lambda: sum(mgr.servers[n].planner.used_slots for n in NAMES) == 0)
+        assert mgr.copies.target("m1") == 3  # the target stays: its next load copies it again
+        await mgr.ensure("m1")
+        await settle(mgr, lambda: len(loaded_on(admins, "m1")) == 3)
+        await mgr.close()
+
+    run(go())
+
+
+def test_a_pinned_models_copies_are_pinned(tmp_path):
+    async def go():
+        mgr, _admins = fleet(tmp_path, servers=("s0", "s1"))
+        await mgr.start()
+        await mgr.pin("m1")
+        await mgr.scale("m1", 2)
+        copy = next(iter(mgr.state.book.extra.values()))
+        assert copy.pinned and mgr.servers[copy.server].planner.residents[copy.name].pinned
+        await mgr.unpin("m1")
+        await mgr.copies.converge("m1")
+        assert not mgr.servers[copy.server].planner.residents[copy.name].pinned
+        await mgr.close()
+
+    run(go())
+
+
+def test_targets_and_copies_survive_a_restart(tmp_path):
+    async def go():
+        mgr, admins = fleet(tmp_path)
+        await mgr.start()
+        await mgr.scale("m1", 2)
+        held = loaded_on(admins, "m1")
+        await mgr.close()
+        mgr.store.close()
+        # A new control plane over the same Tritons: the target is read back, the two copies
+        # Triton holds are adopted (one its own, one extra), nothing is loaded again.
+        loads = {n: len(a.load_calls) for n, a in admins.items()}
+        again, _ = fleet(tmp_path, admins=admins)
+        await again.start()
+        assert again.copies.target("m1") == 2
+        assert sorted(again.copy_servers_of("m1")) == held
+        assert sum(again.servers[n].planner.used_slots for n in NAMES) == 2
+        await again.step()
+        await asyncio.sleep(0.05)
+        assert {n: len(a.load_calls) for n, a in admins.items()} == loads
+        assert loaded_on(admins, "m1") == held
+        await again.close()
+
+    run(go())
+
+
+def test_a_copy_triton_holds_without_a_target_is_unloaded(tmp_path):
+    async def go():
+        mgr, admins = fleet(tmp_path)
+        admins["s0"].states["m1"] = READY
+        admins["s2"].states["m1"] = READY  # a copy nobody asked for (another life's)
+        await mgr.start()
+        await settle(mgr, lambda: sum(mgr.servers[n].planner.used_slots for n in NAMES) == 1)
+        assert mgr.copy_servers_of("m1") == loaded_on(admins, "m1")
+        assert len(loaded_on(admins, "m1")) == 1
+        await mgr.close()
+
+    run(go())
