@@ -44,7 +44,7 @@ CACHE_S = 1.0  # one build serves every page that polls within this long
 CANARY_HISTORY_POINTS = 120
 MODEL_COLUMNS = ("model", "tier", "state", "pinned", "server", "last_used", "load_time_s",
                  "memory_bytes", "loads", "requests", "errors", "hit_ratio", "p50_ms", "p99_ms",
-                 "failure")
+                 "failure", "copies")
 
 # Returns the router's samples (``traffic.Sample``); raises when it cannot read them (the
 # page says so and shows the rest).
@@ -196,7 +196,9 @@ class Overview:
                          m["load_time_s"], m["memory_bytes"], m.get("loads", 0),
                          t.requests if t else None, t.errors if t else None,
                          t.hit_ratio if t else None, t.p50_ms if t else None,
-                         t.p99_ms if t else None, m["failure"]])
+                         t.p99_ms if t else None, m["failure"],
+                         # The servers of its extra copies (mmctl scale) that are ready.
+                         [c["server"] for c in m.get("copies", ())[1:] if c["state"] == "ready"]])
         return rows
 
     @staticmethod

@@ -426,7 +426,7 @@
         h("span", {data: {col: "tier"}}, badge(r[idx.tier])),
         h("span", {data: {col: "state"}}, badge(r[idx.state])),
         h("span", {data: {col: "pinned"}}, r[idx.pinned] ? badge("pin", "pin") : ""),
-        h("span", {class: "mono", data: {col: "server"}}, r[idx.server] || "–"),
+        h("span", {class: "mono", data: {col: "server"}}, [r[idx.server], ...(r[idx.copies] || [])].filter(Boolean).join(", ") || "–"),
         h("span", {data: {col: "last_used"}}, fmtAgo(r[idx.last_used], now)),
         h("span", {class: "num", data: {col: "load_time_s"}}, isNum(r[idx.load_time_s]) ? fmtMs(r[idx.load_time_s] * 1000) : "–"),
         h("span", {data: {col: "hit_ratio"}}, ratioCell(r[idx.hit_ratio])),

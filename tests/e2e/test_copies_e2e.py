@@ -1,0 +1,154 @@
+"""Copies of a model, driven as an operator does: `mmctl scale` on `mmctl up --triton-servers 2`
+puts a copy on each real tritonserver, unmodified Triton clients' requests through the
+router are answered by both (Triton's own statistics count them), a SIGKILLed server's copy
+is placed again with no client error, and `mmctl unload` unloads every copy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from safetensors.torch import load_file
+
+from control_plane.demo.fleet import WEIGHTS_FILE
+from tests.conftest import pid_alive
+from tests.product import Product
+from tests.reference import mlp_scores
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.integration
+
+MODEL = "cust001"
+DEADLINE_S = 30.0
+FEATURES = np.random.default_rng(31).standard_normal((2, 64)).astype(np.float32)
+
+
+def infer(client, protocol: str) -> np.ndarray:
+    module = grpcclient if protocol == "grpc" else httpclient
+    x = module.InferInput("FEATURES", list(FEATURES.shape), "FP32")
+    x.set_data_from_numpy(FEATURES)
+    if protocol == "grpc":
+        return client.infer(MODEL, [x], client_timeout=DEADLINE_S).as_numpy("SCORES")
+    return client.infer(MODEL, [x]).as_numpy("SCORES")
+
+
+def client_for(endpoints: dict, protocol: str):
+    if protocol == "grpc":
+        return grpcclient.InferenceServerClient(endpoints["router_grpc"])
+    return httpclient.InferenceServerClient(endpoints["router_http"], connection_timeout=DEADLINE_S,
+                                            network_timeout=DEADLINE_S)
+
+
+def inferences_on(http_url: str) -> int:
+    """Successful inferences of ``MODEL`` that Triton itself counted (0 when not loaded)."""
+    try:
+        body = requests.get(f"http://{http_url}/v2/models/{MODEL}/stats", timeout=5).json()
+    except (requests.RequestException, ValueError):
+        return 0
+    return sum(int(s["inference_stats"]["success"]["count"]) for s in body.get("model_stats", []))
+
+
+def ready_on(http_url: str) -> bool:
+    try:
+        return requests.get(f"http://{http_url}/v2/models/{MODEL}/ready", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def test_scale_spreads_requests_over_copies_and_a_killed_servers_copy_comes_back(repository, tmp_path):
+    product = Product(tmp_path / "state", repository, "--triton-servers", "2", "--fleet-size", "0",
+                      "--router-workers", "1", "--max-loaded", "4").start()
+    try:
+        endpoints = product.json("endpoints")
+        tritons = {t["server"]: t for t in endpoints["triton"]}
+        http_of = {name: t["http"].removeprefix("http://") for name, t in tritons.items()}
+        expected = mlp_scores(load_file(str(repository / MODEL / "1" / WEIGHTS_FILE)), FEATURES)
+        logs = lambda: product.log_text()[-4000:]
+
+        # Bad input first: nothing is loaded for it.
+        too_many = product.mmctl("scale", MODEL, "--replicas", "3")
+        assert too_many.returncode == 2, too_many.stderr
+        assert "the fleet has 2 server(s)" in too_many.stderr and "--triton-servers" in too_many.stderr
+        assert product.mmctl("scale", MODEL, "--replicas", "0").returncode == 2
+        unknown = product.mmctl("scale", "nosuch", "--replicas", "2")
+        assert unknown.returncode == 4 and "unknown model 'nosuch'" in unknown.stderr
+        assert not any(ready_on(url) for url in http_of.values())
+
+        scaled = product.mmctl("scale", MODEL, "--replicas", "2")
+        assert scaled.returncode == 0, scaled.stderr
+        assert scaled.stdout.startswith(f"{MODEL}: 2 of 2 copies ready on "), scaled.stdout
+        assert all(ready_on(url) for url in http_of.values())
+        row = product.json("status", MODEL)[0]
+        assert row["replicas"] == 2
+        assert sorted((c["server"], c["state"]) for c in row["copies"]) == [
+            (name, "ready") for name in sorted(tritons)]
+        own = row["server"]
+        other = next(name for name in tritons if name != own)
+        fleet = {s["server"]: s for s in product.json("fleet")}
+        assert MODEL in fleet[own]["loaded"] and f"{MODEL}#{other}" in fleet[other]["loaded"]
+
+        errors: list[str] = []
+        answered = [0]
+        stop = threading.Event()
+
+        def traffic(protocol: str) -> None:
+            client = client_for(endpoints, protocol)
+            try:
+                while not stop.is_set():
+                    sent = time.monotonic()
+                    try:
+                        np.testing.assert_allclose(infer(client, protocol), expected, rtol=1e-5, atol=1e-6)
+                        answered[0] += 1
+                    except Exception as exc:  # noqa: BLE001  (every failure is the test's finding)
+                        errors.append(f"{protocol} after {time.monotonic() - sent:.1f}s: "
+                                      f"{type(exc).__name__}: {exc}")
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=traffic, args=(p,)) for p in ("grpc", "grpc", "http", "http")]
+        for t in threads:
+            t.start()
+        try:
+            wait_for(lambda: answered[0] >= 200 or errors, 60, "200 requests were not answered", logs)
+            counts = {name: inferences_on(url) for name, url in http_of.items()}
+            # Both copies served: the least-loaded choice spreads the requests over them.
+            assert all(n >= 0.15 * sum(counts.values()) for n in counts.values()), counts
+
+            # SIGKILL the server of the model's own copy under traffic: its copy elsewhere is
+            # the model's own at once, and the killed Triton, started again, gets a copy back.
+            pid = next(p["pid"] for p in endpoints["processes"]
+                       if p.get("role") == "triton" and p.get("name") == own)
+            before = answered[0]
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: not pid_alive(pid), 10, "the killed tritonserver did not exit", logs)
+            wait_for(lambda: product.json("status", MODEL)[0]["server"] == other, DEADLINE_S,
+                     f"{MODEL}'s copy on {other} did not become its own", logs)
+            wait_for(lambda: sorted(c["server"] for c in product.json("status", MODEL)[0]["copies"]
+                                    if c["state"] == "ready") == sorted(tritons),
+                     60, f"{MODEL} did not get its copy on {own} back", logs)
+            wait_for(lambda: answered[0] >= before + 100 or errors, 60,
+                     "requests were not answered after the kill", logs)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(DEADLINE_S + 5)
+        assert errors == [], errors[:5]
+        print(f"answered {answered[0]} requests, 0 errors; before the kill: {counts}")
+
+        # Unload: every copy goes (the target stays for its next load).
+        unloaded = product.mmctl("unload", MODEL)
+        assert unloaded.returncode == 0, unloaded.stderr
+        wait_for(lambda: not any(ready_on(url) for url in http_of.values()), 30,
+                 f"{MODEL} stayed loaded somewhere", logs)
+        row = product.json("status", MODEL)[0]
+        assert (row["state"], row["copies"], row["replicas"]) == ("warm", [], 2)
+    finally:
+        product.stop()
+    product.assert_no_triton_left()
