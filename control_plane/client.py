@@ -180,9 +180,13 @@ class AdminClient:
     def unpin(self, model: str) -> dict:
         return self.call("POST", f"/v1/models/{_q(model)}/unpin")[1]
 
-    def scale(self, model: str, replicas: int) -> dict:
-        """Keep ``replicas`` copies of ``model``, each on its own server."""
-        return self.call("POST", f"/v1/models/{_q(model)}/scale", body={"replicas": replicas})[1]
+    def scale(self, model: str, replicas: int | str, minimum: int | None = None,
+              maximum: int | None = None) -> dict:
+        """Keep ``replicas`` copies of ``model``, each on its own server (``"auto"``: between
+        ``minimum`` and ``maximum``, as its traffic needs)."""
+        body: dict = {"replicas": replicas}
+        body.update({k: v for k, v in (("min", minimum), ("max", maximum)) if v is not None})
+        return self.call("POST", f"/v1/models/{_q(model)}/scale", body=body)[1]
 
     def health(self, model: str, probe: bool = False) -> dict:
         """The model's health (``healthy``, state, warm-up); an unhealthy model is an answer,

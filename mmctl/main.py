@@ -78,7 +78,8 @@ def status(api: Api, pattern: str | None, state: str | None, tier: str | None, s
         shown, hidden = api.status_without_warm()
     rows = [[m["model"], m["state"], m.get("tier", "-"), "yes" if m["pinned"] else "", _servers(m),
              f"{len([c for c in m.get('copies') or [] if c['state'] == 'ready'])}/{m['replicas']}"
-             if m.get("replicas", 1) > 1 else "",
+             + (" auto" if m.get("autoscale") else "")
+             if m.get("replicas", 1) > 1 or m.get("autoscale") else "",
              _ago(m["last_used"]),
              f"{m['load_time_s']:.2f}s" if m["load_time_s"] else "-", _bytes(m["memory_bytes"]),
              (m["failure"] or m.get("copies_note") or "")[:60]] for m in shown]
@@ -123,19 +124,35 @@ def unload(api: Api, model: str, force: bool, as_json: bool):
 
 @click.command()
 @click.argument("model")
-@click.option("--replicas", required=True, type=click.IntRange(min=1),
-              help="Copies to keep, each on its own server (1: the model's own copy only).")
+@click.option("--replicas", required=True, metavar="N|auto",
+              help="Copies to keep, each on its own server (1: the model's own copy only), or "
+              "auto: as many as its outstanding requests need, between --min and --max.")
+@click.option("--min", "minimum", type=click.IntRange(min=1), help="auto: the fewest copies (default 1).")
+@click.option("--max", "maximum", type=click.IntRange(min=1),
+              help="auto: the most copies (default: one per server).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_api
-def scale(api: Api, model: str, replicas: int, as_json: bool):
+def scale(api: Api, model: str, replicas: str, minimum: int | None, maximum: int | None,
+          as_json: bool):
     """Keep REPLICAS copies of MODEL on as many servers; the router sends each request to the
     copy with the fewest outstanding.  Kept across restarts; copies follow the model's own
     (none while it is not loaded) and are the first to be evicted when room is needed."""
-    body = api.scale(model, replicas)
+    if replicas != "auto":
+        try:
+            replicas = int(replicas)
+        except ValueError:
+            raise click.BadParameter(f"{replicas!r}: a whole number >= 1, or auto",
+                                     param_hint="--replicas") from None
+        if replicas < 1:
+            raise click.BadParameter(f"{replicas} is below 1 (1: the model's own copy only)",
+                                     param_hint="--replicas")
+    body = api.scale(model, replicas, minimum, maximum)
     ready = [c["server"] for c in body.get("copies", []) if c["state"] == "ready"]
     note = f" ({body['copies_note']})" if body.get("copies_note") else ""
+    auto = body.get("autoscale")
+    bounds = f" (auto, {auto['min']} to {auto['max']})" if auto else ""
     _emit(body, as_json, f"{body['model']}: {len(ready)} of {body['replicas']} copies ready"
-          f"{' on ' + ', '.join(ready) if ready else ''}{note}")
+          f"{' on ' + ', '.join(ready) if ready else ''}{bounds}{note}")
 
 
 @click.command()

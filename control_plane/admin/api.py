@@ -155,10 +155,12 @@ async def model_status(request: web.Request) -> web.Response:
 
 
 async def scale(request: web.Request) -> web.Response:
-    """``{"replicas": N}``: keep N copies of the model, each on its own server."""
+    """``{"replicas": N}``: keep N copies of the model, each on its own server;
+    ``{"replicas": "auto", "min": A, "max": B}``: as many as its traffic needs."""
     body = await json_body(request)
-    if set(body) != {"replicas"}:
-        raise InvalidInput('the body must be {"replicas": N} (N >= 1), nothing else')
+    if "replicas" not in body or not set(body) <= {"replicas", "min", "max"}:
+        raise InvalidInput('the body must be {"replicas": N} (N >= 1) or {"replicas": "auto", '
+                           '"min": A, "max": B}, nothing else')
     name = request.match_info["model"]
     concrete = _model(request)
     if concrete != name:
@@ -166,7 +168,7 @@ async def scale(request: web.Request) -> web.Response:
                            f"{concrete}; copies belong to a version: mmctl scale {concrete} "
                            "--replicas N")
     manager = _manager(request)
-    rec = await manager.scale(name, body["replicas"])
+    rec = await manager.scale(name, body["replicas"], body.get("min"), body.get("max"))
     return web.json_response(manager.status_row(rec))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from control_plane.dataplane.workers import WorkerRegistry, WorkerSeen
 from domain.errors import InvalidInput
@@ -27,6 +27,8 @@ class WorkerReport:
     samples: list[tuple[str, str, str, float | None, bool]]  # scope, variant, code, ms, random
     shadow: dict[str, dict[str, int | float]] | None  # route -> cumulative ShadowReport counts
     report_call: int = 0  # the ask for reports this one answers; 0: a periodic report
+    # model -> requests it has sent to Triton and not had answered, now (none: all idle)
+    outstanding: dict[str, int] = field(default_factory=dict)
 
 
 def worker_of(body: dict) -> tuple[str, int]:
@@ -45,6 +47,7 @@ def parse_report(body: dict) -> WorkerReport:
         samples = [(str(scope), str(variant), str(code), None if ms is None else float(ms), bool(randomly))
                    for scope, variant, code, ms, randomly in body.get("samples") or []]
         report_call = int(body.get("report_call") or 0)
+        outstanding = {str(model): int(n) for model, n in (body.get("outstanding") or {}).items()}
         shadow = body.get("shadow")
         if shadow is not None:
             shadow = {str(route): {key: SHADOW_COUNT_TYPES[key](counts.get(key, 0)) for key in SHADOW_COUNTS}
@@ -52,8 +55,9 @@ def parse_report(body: dict) -> WorkerReport:
     except (TypeError, ValueError, AttributeError) as exc:
         raise InvalidInput(f"malformed data-plane report from worker {worker!r} ({exc}): uses is "
                            "{model: count}, requests a count, samples [scope, variant, code, "
-                           "served_ms or null, randomly_assigned] lists, shadow {route: {count: n}}") from None
-    return WorkerReport(worker, pid, uses, requests, samples, shadow, report_call)
+                           "served_ms or null, randomly_assigned] lists, shadow {route: {count: n}}, "
+                           "outstanding {model: count}") from None
+    return WorkerReport(worker, pid, uses, requests, samples, shadow, report_call, outstanding)
 
 
 class ReportGathering:
@@ -83,10 +87,20 @@ class ReportGathering:
         seen.samples += len(report.samples)
         if report.shadow is not None:
             seen.shadow = report.shadow
+        seen.outstanding = report.outstanding
         if report.report_call > seen.report_call:
             seen.report_call = report.report_call
             return True
         return False
+
+    def outstanding(self) -> dict[str, int]:
+        """Requests each model has on Triton now, over the workers in touch (each worker
+        reports its count when it changes, with its other reports)."""
+        total: dict[str, int] = {}
+        for seen in self.workers.in_touch():
+            for model, n in seen.outstanding.items():
+                total[model] = total.get(model, 0) + n
+        return total
 
     def asked_since(self, answered: int) -> bool:
         """Whether there is an ask newer than the one a worker last ``answered``."""

@@ -29,6 +29,7 @@ class WorkerSeen:
     shadow: dict = field(default_factory=dict)  # route -> its cumulative ShadowReport counts
     watching: int = 0  # its snapshot long-polls waiting here now
     report_call: int = 0  # the latest ask for reports it answered (ReportGathering.gather)
+    outstanding: dict = field(default_factory=dict)  # model -> its requests on Triton, as reported
 
     def live(self, now: float) -> bool:
         return now - self.last_seen < WORKER_LIVE_S

@@ -33,6 +33,8 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
 from control_plane.manager.known_models import Catalog
@@ -56,6 +58,18 @@ log = logging.getLogger(__name__)
 TARGETS_KEY = "replicas"  # state store key-value: JSON {model: copies wanted}, 1 left out
 
 
+@dataclass(frozen=True)
+class AutoRange:
+    """``mmctl scale NAME --replicas auto --min A --max B``."""
+
+    minimum: int
+    maximum: int
+
+
+def _whole(value: object, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 class Copies:
     def __init__(self, book: ModelBook, servers: dict[str, TritonServer], tasks: TaskBoard,
                  keeping: Bookkeeping, config: ManagerConfig, store: StateStore,
@@ -72,15 +86,27 @@ class Copies:
         self.room = room
         self.loader = loader
         self.unloader = unloader
-        raw = store.get(TARGETS_KEY)
-        self.targets: dict[str, int] = {str(k): int(v) for k, v in json.loads(raw).items()} if raw else {}
+        # model -> copies wanted (fixed), or AutoRange (auto: ``current`` says how many now)
+        self.targets: dict[str, int | AutoRange] = {}
+        for name, spec in json.loads(store.get(TARGETS_KEY) or "{}").items():
+            self.targets[str(name)] = (AutoRange(int(spec["min"]), int(spec["max"]))
+                                       if isinstance(spec, dict) else int(spec))
+        self.current: dict[str, int] = {}  # an auto model -> copies wanted now
+        # Requests outstanding per model now, over every router worker (their reports; the
+        # service wires it): what ``autoscale`` reads.  Empty: no auto scaling happens.
+        self.load_of: Callable[[], dict[str, int]] = dict
+        self._above_since: dict[str, float] = {}  # auto model -> monotonic, busy past the bar
+        self._below_since: dict[str, float] = {}  # auto model -> monotonic, idle enough to shrink
+        self._changed_at: dict[str, float] = {}  # auto model -> monotonic, its last change
         self._converging: dict[str, asyncio.Task] = {}  # model -> its converge in the background
         self._retry_at: dict[str, float] = {}  # model -> monotonic; after a failed copy load
         self.notes: dict[str, str] = {}  # model -> why it has fewer copies than its target
         book.move_listeners.append(self._moved)
 
     def target(self, name: str) -> int:
-        return self.targets.get(name, 1)
+        """Copies wanted now (an auto model's current count)."""
+        spec = self.targets.get(name, 1)
+        return self.current.get(name, spec.minimum) if isinstance(spec, AutoRange) else spec
 
     def servers_of(self, name: str) -> list[str]:
         """The servers where ``name`` is READY: its own copy's first, then its extra ones."""
@@ -94,6 +120,9 @@ class Copies:
         """``rec`` as ``mmctl status`` shows it: with its copy target and every copy."""
         row = rec.to_dict()
         row["replicas"] = self.target(rec.name)
+        spec = self.targets.get(rec.name)
+        if isinstance(spec, AutoRange):
+            row["autoscale"] = {"min": spec.minimum, "max": spec.maximum}
         if self.book.extra:
             row["copies"] = [*row["copies"], *(
                 {"server": c.server, "state": c.state.value}
@@ -103,29 +132,52 @@ class Copies:
         return row
 
     # -- the operator's command ------------------------------------------------------
-    async def scale(self, name: str, replicas: object) -> ModelRecord:
-        """Keep ``replicas`` copies of ``name`` (on as many servers); 1: its own only."""
+    async def scale(self, name: str, replicas: object, minimum: object = None,
+                    maximum: object = None) -> ModelRecord:
+        """Keep ``replicas`` copies of ``name`` (on as many servers; 1: its own only), or
+        ``"auto"``: between ``minimum`` (default 1) and ``maximum`` (default: every server)
+        copies, as many as its outstanding requests need (``autoscale``)."""
         validate_model_name(name)
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-            raise InvalidInput(f"replicas must be a whole number >= 1, not {replicas!r} "
+        auto = replicas == "auto"
+        if not auto and not _whole(replicas, 1):
+            raise InvalidInput(f"replicas must be a whole number >= 1 or \"auto\", not {replicas!r} "
                                "(1: the model's own copy only)")
+        if not auto and (minimum is not None or maximum is not None):
+            raise InvalidInput("min and max go with replicas \"auto\" only")
+        fleet = len(self.servers)
+        low = 1 if minimum is None else minimum
+        high = fleet if maximum is None else maximum
+        for what, value in (("min", low), ("max", high)):
+            if auto and not _whole(value, 1):
+                raise InvalidInput(f"{what} must be a whole number >= 1, not {value!r}")
+        if auto and low > high:
+            raise InvalidInput(f"min ({low}) is more than max ({high})")
         rec = self.catalog.get(name)  # ModelNotFound for an unknown name
         self._refuse_family_models(name)
-        if replicas > len(self.servers):
+        most = high if auto else replicas
+        if most > fleet:
             raise InvalidInput(
-                f"{name} cannot have {replicas} copies: a server holds one copy of a model and "
-                f"the fleet has {len(self.servers)} server(s) ({', '.join(sorted(self.servers))}); "
+                f"{name} cannot have {most} copies: a server holds one copy of a model and "
+                f"the fleet has {fleet} server(s) ({', '.join(sorted(self.servers))}); "
                 "add servers (mmctl up --triton-servers N) or ask for fewer")
-        if replicas == 1:
+        self.current.pop(name, None)
+        if auto:
+            self.targets[name] = AutoRange(low, high)
+            self.current[name] = min(high, max(low, len(self.servers_of(name)) or low))
+        elif replicas == 1:
             self.targets.pop(name, None)
         else:
             self.targets[name] = replicas
         self.notes.pop(name, None)
         self._retry_at.pop(name, None)
-        await self.store.db.off_loop(self.store.put, TARGETS_KEY,
-                                     json.dumps(self.targets, sort_keys=True))
-        log.info("%s: %d cop%s wanted", name, replicas, "y" if replicas == 1 else "ies")
-        if replicas > 1 and rec.state != ModelState.READY:
+        for waits in (self._above_since, self._below_since, self._changed_at):
+            waits.pop(name, None)
+        await self.store.db.off_loop(self.store.put, TARGETS_KEY, json.dumps(
+            {n: {"min": t.minimum, "max": t.maximum} if isinstance(t, AutoRange) else t
+             for n, t in self.targets.items()}, sort_keys=True))
+        log.info("%s: %s", name, f"auto, {low} to {high} copies" if auto
+                 else f"{replicas} cop{'y' if replicas == 1 else 'ies'} wanted")
+        if self.target(name) > 1 and rec.state != ModelState.READY:
             await self.loader.ensure(name, retry_failed=True)  # its own copy first
         running = self._converging.get(name)  # its load started one: it ends first
         if running is not None:
@@ -146,8 +198,49 @@ class Copies:
                                    "loads it for its variants; it cannot be scaled")
 
     # -- bringing models to their targets --------------------------------------------
+    def autoscale(self, now: float | None = None) -> None:
+        """Move each auto model's count toward what its outstanding requests need: one more
+        copy once they stay above ``config.scale_up_outstanding`` per copy for
+        ``scale_up_after_s``; one fewer once the copies left would each stay under half of
+        it for ``scale_down_after_s`` (the gap between the two bars keeps a model at the edge
+        from flapping); ``scale_up_after_s`` apart at least (the cool-down), and never
+        before the copies of the last step are ready."""
+        now = time.monotonic() if now is None else now
+        load = self.load_of()
+        cfg = self.config
+        for name, spec in self.targets.items():
+            if not isinstance(spec, AutoRange):
+                continue
+            current = self.current.setdefault(name, spec.minimum)
+            ready = len(self.servers_of(name))
+            outstanding = load.get(name, 0)
+            cooled = now - self._changed_at.get(name, -1e18) >= cfg.scale_up_after_s
+            busy = (ready >= current and current < spec.maximum
+                    and outstanding > cfg.scale_up_outstanding * max(ready, 1))
+            idle = (current > spec.minimum
+                    and outstanding < cfg.scale_up_outstanding / 2 * (current - 1))
+            change = 0
+            if busy:
+                since = self._above_since.setdefault(name, now)
+                change = 1 if cooled and now - since >= cfg.scale_up_after_s else 0
+            else:
+                self._above_since.pop(name, None)
+            if idle:
+                since = self._below_since.setdefault(name, now)
+                change = -1 if cooled and now - since >= cfg.scale_down_after_s else change
+            else:
+                self._below_since.pop(name, None)
+            if change:
+                self.current[name] = current + change
+                self._changed_at[name] = now
+                self._above_since.pop(name, None)
+                self._below_since.pop(name, None)
+                log.info("%s: %d outstanding requests on %d cop%s: %d copies wanted now", name,
+                         outstanding, ready, "y" if ready == 1 else "ies", current + change)
+
     def converge_all(self) -> None:
         """Start a converge for every model with a target or an extra copy (a reconcile pass)."""
+        self.autoscale()
         names = set(self.targets) | {c.copy_of for c in self.book.extra.values()
                                      if c.server is not None}
         for name in sorted(names):

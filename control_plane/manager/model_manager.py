@@ -253,8 +253,9 @@ class ModelManager:
     async def unpin(self, name: str) -> ModelRecord:
         return await self.pins.unpin(name)
 
-    async def scale(self, name: str, replicas: object) -> ModelRecord:
-        return await self.copies.scale(name, replicas)
+    async def scale(self, name: str, replicas: object, minimum: object = None,
+                    maximum: object = None) -> ModelRecord:
+        return await self.copies.scale(name, replicas, minimum, maximum)
 
     # The reconcile loop.
     async def start(self) -> None:

@@ -414,6 +414,13 @@ class ManagerConfig:
     # Generous: on a busy machine a request can take seconds between its load and Triton's
     # answer, and a hold that ends before it does loses the request's model under it.
     on_its_way_s: float = 10.0
+    # Copies of a model scaled auto (copies.Copies.autoscale): one more once its outstanding
+    # requests per copy stay above scale_up_outstanding for scale_up_after_s (also the
+    # cool-down between two changes); one fewer once the copies left would each have under
+    # half of that for scale_down_after_s.
+    scale_up_outstanding: float = 4.0
+    scale_up_after_s: float = 3.0
+    scale_down_after_s: float = 60.0
 
     def __post_init__(self):
         for name in ("headroom_models", "headroom_bytes", "overlap_margin_bytes", "probe_interval_s"):

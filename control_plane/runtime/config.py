@@ -169,6 +169,17 @@ class ServiceConfig:
         None, "Bytes each server with a byte budget keeps free instead (e.g. 2GiB); default: "
         "--headroom-models times the median loaded model's size.",
         flag="--headroom-bytes", parse=parse_size, show=size_text, metavar="SIZE")
+    scale_up_outstanding: float = setting(
+        4.0, "A model scaled auto (mmctl scale --replicas auto) gets one more copy when its "
+        "requests outstanding on Triton, per copy, stay above this for --scale-up-after.",
+        flag="--scale-up-outstanding", parse=float)
+    scale_up_after_s: float = setting(
+        3.0, "Seconds its outstanding requests must stay above --scale-up-outstanding per copy "
+        "before a copy is added; also the least time between two changes of one model's copies.",
+        flag="--scale-up-after", parse=float)
+    scale_down_after_s: float = setting(
+        60.0, "Seconds the copies an auto model would keep must each have had under half of "
+        "--scale-up-outstanding before it loses one.", flag="--scale-down-after", parse=float)
     reconcile_interval_s: float = setting(
         2.0, "Seconds between passes that compare with each Triton and repair.",
         flag="--reconcile-interval", parse=float)
@@ -277,6 +288,11 @@ class ServiceConfig:
                                "the byte headroom off)")
         if self.fleet_size < 0:
             raise InvalidInput(f"fleet_size ({self.fleet_size}) must be >= 0")
+        for flag, value in (("--scale-up-outstanding", self.scale_up_outstanding),
+                            ("--scale-up-after", self.scale_up_after_s),
+                            ("--scale-down-after", self.scale_down_after_s)):
+            if not value > 0:
+                raise InvalidInput(f"{flag} ({value}) must be > 0")
         if self.fleet_layout not in ("family", "models"):
             raise InvalidInput(f"fleet layout {self.fleet_layout!r} must be 'family' or 'models'")
         if self.policy not in POLICIES:

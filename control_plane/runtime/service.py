@@ -227,7 +227,10 @@ class Service:
                                  unload_timeout_s=cfg.unload_timeout_s, policy=cfg.policy,
                                  headroom_models=cfg.headroom_models,
                                  headroom_bytes=cfg.headroom_bytes,
-                                 server_lost_after_s=cfg.server_lost_after_s),
+                                 server_lost_after_s=cfg.server_lost_after_s,
+                                 scale_up_outstanding=cfg.scale_up_outstanding,
+                                 scale_up_after_s=cfg.scale_up_after_s,
+                                 scale_down_after_s=cfg.scale_down_after_s),
             free_memory=free_memory_probe(self.memory),
             stager=stager, priority_of=self.registry.stage_priority,
             placer=Placer(facts=registry_facts(self.registry), labels=self.tritons.labels),
@@ -360,6 +363,7 @@ class Service:
                                 workers_expected=cfg.router_workers or 0, families=self.families,
                                 rollouts=self.rollouts)
         await self.hub.start()
+        self.manager.copies.load_of = self.hub.reports.outstanding  # mmctl scale auto
         add_dataplane_routes(admin_app, self.hub)
         endpoints["router_grpc"] = f"{cfg.router_host}:{cfg.router_grpc_port}"
         endpoints["router_http"] = f"{cfg.router_host}:{cfg.router_http_port}"

@@ -147,6 +147,8 @@ class Sender:
         # Requests this process has sent to each server and not had answered: a model with
         # copies on several servers is sent where the fewest wait (``least_loaded``).
         self.outstanding: collections.Counter[str] = collections.Counter()
+        # The same per model: what the control plane scales copies by (mmctl scale auto).
+        self.outstanding_models: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------------------------ where
     async def server_for(self, model: str, asked: str | None = None, fresh: bool = False,
@@ -337,7 +339,9 @@ class Sender:
         resends = 0
         while True:
             try:
+                model = call.decision.model
                 self.outstanding[server.name] += 1
+                self.outstanding_models[model] += 1
                 try:
                     with tracing.span("triton.infer", tracing.SpanKind.CLIENT, server=server.name,
                                       resend=resends or None):
@@ -345,6 +349,9 @@ class Sender:
                             server, attempt(server, max(0.001, deadline - time.monotonic())))
                 finally:
                     self.outstanding[server.name] -= 1
+                    self.outstanding_models[model] -= 1
+                    if not self.outstanding_models[model]:
+                        del self.outstanding_models[model]
                 why = resend_for(outcome)
             except ServerDown as exc:
                 outcome, why = exc, Resend.UNREACHABLE

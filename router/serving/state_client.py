@@ -103,6 +103,10 @@ class RemoteState:
         self.workers = 1
         self.on_snapshot = lambda: None  # called after each new snapshot is applied
         self.shadow_counts = dict  # () -> route -> cumulative ShadowReport counts
+        # () -> model -> requests sent to Triton and not answered now (router.worker sets it
+        # to the sender's count): the control plane scales copies by it (mmctl scale auto).
+        self.outstanding = dict
+        self._reported_outstanding: dict[str, int] = {}
         self._ensures: dict[tuple[str, str | None], asyncio.Task] = {}  # (model, unreachable)
         # Holds the control plane keeps for this worker's ensures, and the requests served
         # from them that are not answered yet: when none is left, the holds end
@@ -376,8 +380,11 @@ class RemoteState:
         plane's ask this answers, sent even when there is nothing new."""
         async with self._report_lock:
             shadow = self.shadow_counts()
-            if not (self._uses or self._samples or self._requests or shadow or report_call):
+            outstanding = {model: n for model, n in self.outstanding().items() if n > 0}
+            if not (self._uses or self._samples or self._requests or shadow or report_call
+                    or outstanding != self._reported_outstanding):
                 return
+            self._reported_outstanding = outstanding
             uses, requests, samples = dict(self._uses), self._requests, list(self._samples)
             self._uses.clear()
             self._samples.clear()
@@ -385,7 +392,8 @@ class RemoteState:
             try:
                 await self._call("POST", "/v1/dataplane/report", {
                     "worker": self.worker, "pid": self.pid, "uses": uses, "requests": requests,
-                    "samples": samples, "shadow": shadow, "report_call": report_call})
+                    "samples": samples, "shadow": shadow, "report_call": report_call,
+                    "outstanding": outstanding})
             except ControlPlaneAway:
                 self._uses.update(uses)
                 self._requests += requests

@@ -17,13 +17,13 @@ READY = TritonModelState.READY
 NAMES = ("s0", "s1", "s2")
 
 
-def fleet(tmp_path, max_loaded=2, servers=NAMES, admins=None, store=None):
+def fleet(tmp_path, max_loaded=2, servers=NAMES, admins=None, store=None, **cfg):
     admins = admins or {n: FakeAdmin(MODELS) for n in servers}
     made = [ModelManager.make_server(ServerSpec(n, f"{n}:1", f"{n}:2", max_loaded=max_loaded),
                                      "lru", admin=admins[n]) for n in servers]
     mgr = ModelManager(made, store or StateStore(tmp_path / "s.db"),
                        config=ManagerConfig(policy="lru", unload_timeout_s=0.3,
-                                            failure_backoff_s=0.2, headroom_models=0))
+                                            failure_backoff_s=0.2, headroom_models=0, **cfg))
     return mgr, admins
 
 
@@ -210,5 +210,68 @@ def test_a_copy_triton_holds_without_a_target_is_unloaded(tmp_path):
         assert mgr.copy_servers_of("m1") == loaded_on(admins, "m1")
         assert len(loaded_on(admins, "m1")) == 1
         await mgr.close()
+
+    run(go())
+
+
+def test_auto_follows_outstanding_requests_with_hysteresis_and_a_cool_down(tmp_path):
+    async def go():
+        mgr, admins = fleet(tmp_path, scale_up_outstanding=4.0, scale_up_after_s=3.0,
+                            scale_down_after_s=10.0)
+        await mgr.start()
+        await mgr.scale("m1", "auto", 1, 3)
+        assert (mgr.copies.target("m1"), admins["s0"].load_calls) == (1, [])  # loaded on demand
+        await mgr.ensure("m1")
+        load = {"m1": 10}
+        mgr.copies.load_of = lambda: load
+        copies = mgr.copies
+
+        def wanted_after(now):
+            copies.autoscale(now)
+            return copies.target("m1")
+
+        # 10 outstanding on one copy: busy; a copy is added once that lasted 3 s.
+        assert [wanted_after(t) for t in (100.0, 102.0)] == [1, 1]
+        assert wanted_after(103.0) == 2
+        await copies.converge("m1")
+        assert len(mgr.copy_servers_of("m1")) == 2
+        # 5 per copy still: one more after the cool-down and 3 s busy again; never past max.
+        assert [wanted_after(t) for t in (104.0, 105.5, 107.0)] == [2, 2, 3]
+        await copies.converge("m1")
+        assert len(mgr.copy_servers_of("m1")) == 3 and wanted_after(200.0) == 3
+        # 5 outstanding on 3 copies: neither busy (5 < 4 x 3) nor idle (5 >= 2 x 2): stays.
+        load["m1"] = 5
+        assert [wanted_after(t) for t in (300.0, 400.0)] == [3, 3]
+        # Idle: one copy fewer after 10 s each, down to min.
+        load.clear()
+        assert [wanted_after(t) for t in (500.0, 509.0, 510.0)] == [3, 3, 2]
+        await copies.converge("m1")
+        await settle(mgr, lambda: len(loaded_on(admins, "m1")) == 2)
+        assert [wanted_after(t) for t in (511.0, 521.0, 530.0)] == [2, 1, 1]
+        await mgr.close()
+
+    run(go())
+
+
+def test_auto_is_checked_kept_across_restarts_and_shown(tmp_path):
+    async def go():
+        mgr, _admins = fleet(tmp_path)
+        await mgr.start()
+        for args, message in ((("auto", 3, 2), r"min \(3\) is more than max \(2\)"),
+                              (("auto", 1, 4), "the fleet has 3 server"),
+                              (("auto", 0, 2), "min must be a whole number"),
+                              ((2, 1, 2), "min and max go with replicas \"auto\" only"),
+                              (("many",), "whole number >= 1 or \"auto\"")):
+            with pytest.raises(InvalidInput, match=message):
+                await mgr.scale("m1", *args)
+        rec = await mgr.scale("m1", "auto", 2, 3)  # the least it keeps: loaded and copied now
+        assert len(mgr.copy_servers_of("m1")) == 2
+        row = mgr.status_row(rec)
+        assert (row["replicas"], row["autoscale"]) == (2, {"min": 2, "max": 3})
+        await mgr.close()
+        mgr.store.close()
+        again, _ = fleet(tmp_path)
+        assert again.status_row(again.get("m1"))["autoscale"] == {"min": 2, "max": 3}
+        assert again.copies.target("m1") == 2
 
     run(go())

@@ -67,6 +67,8 @@ def test_a_report_is_applied(monkeypatch):
     {"requests": "many"},
     {"pid": "z"},
     {"shadow": {"m": {"mirrored": "two"}}},
+    {"outstanding": {"cust001": "lots"}},
+    {"outstanding": ["cust001"]},
 ])
 def test_a_malformed_report_is_refused_whole(monkeypatch, bad):
     h = hub()
@@ -74,6 +76,21 @@ def test_a_malformed_report_is_refused_whole(monkeypatch, bad):
     assert status == 400 and body["error"] == "invalid_input", body
     assert "report" in body["message"] or "pid" in body["message"]
     assert h.manager.touched == [] and h.workers == {} and h.stats.scope("canary:m") == {}
+
+
+def test_outstanding_requests_are_summed_over_the_workers_as_last_reported(monkeypatch):
+    """What ``mmctl scale --replicas auto`` scales by: each worker's count as it last said,
+    summed; a worker that reports none (an earlier version too) counts nothing."""
+    h = hub()
+    for worker, outstanding in (("w0", {"cust001": 3}), ("w1", {"cust001": 4, "cust002": 1}),
+                                ("w2", None)):
+        body = dict(GOOD, worker=worker, uses={})
+        if outstanding is not None:
+            body["outstanding"] = outstanding
+        assert post_report(monkeypatch, h, body)[0] == 200
+    assert h.reports.outstanding() == {"cust001": 7, "cust002": 1}
+    assert post_report(monkeypatch, h, dict(GOOD, worker="w1", uses={}, outstanding={}))[0] == 200
+    assert h.reports.outstanding() == {"cust001": 3}
 
 
 # ---------------------------------------------------------------------- reports on demand

@@ -86,7 +86,7 @@ class FakeManager:
     def get(self, name):
         return self._rec("get", name)
 
-    async def scale(self, name, replicas):
+    async def scale(self, name, replicas, minimum=None, maximum=None):
         return self._rec("scale", name)
 
     def status_row(self, rec):
