@@ -19,6 +19,7 @@ Each benchmark is its own module and can run alone with its own options:
     python -m bench.soak             minutes of Zipf traffic, every answer checked, memory sampled
     python -m bench.slot_fill        one family slot's swap-in: reading threads, device copies
     python -m bench.http_parse_offloop  how long a large JSON body holds up the router's loop
+    python -m bench.capacity         a hot model at 3x one copy: one copy vs --replicas auto, deadlines
 
 This runner uses shorter settings (`--full` uses each benchmark's defaults), writes
 bench/results/summary.json (machine, versions, conditions, headline numbers) and the plots
@@ -63,6 +64,7 @@ QUICK = {
     "slot_fill": ["-m", "bench.slot_fill", "--size-mb", "50", "--repeats", "5"],
     "mixed_traffic": ["-m", "bench.mixed_traffic", "--size-mb", "20", "--duration", "20"],
     "http_parse_offloop": ["-m", "bench.http_parse_offloop", "--mib", "4", "1", "--bodies", "3"],
+    "capacity": ["-m", "bench.capacity", "--rounds", "1", "--phase-s", "10", "--auto-s", "30"],
 }
 FULL = {
     "load_unload": ["-m", "bench.load_unload"],
@@ -82,6 +84,7 @@ FULL = {
     "slot_fill": ["-m", "bench.slot_fill"],
     "mixed_traffic": ["-m", "bench.mixed_traffic"],
     "http_parse_offloop": ["-m", "bench.http_parse_offloop"],
+    "capacity": ["-m", "bench.capacity"],
 }
 
 
@@ -238,6 +241,18 @@ def summary_rows() -> list[tuple[str, str, str]]:
             rows.append((label, "end to end",
                          (f"{r['req_per_s']:.0f} req/s, p50 {r['p50_ms']:.0f}ms p99 {r['p99_ms']:.0f}ms "
                           f"({r['p99_over_p50']:.2f}x), {r['errors']} errors")))
+    capacity = load("capacity.json")
+    if capacity:
+        c, h, b, d = (capacity["conditions"], capacity["hot_per_s"], capacity["background_p95_ms"],
+                      capacity["deadline"])
+        rows.append(((f"hot model at {c['hot_offered_per_s']:.0f}/s, {c['servers']} servers "
+                      "(device time simulated)"), "end to end",
+                     (f"one copy {h['one_copy']}/s, auto {h['auto_steady']}/s = {h['ratio']}x; "
+                      f"background p95 {b['auto_steady_ratio']}x alone's")))
+        rows.append((f"{d['deadline_ms']:.0f} ms deadlines at {d['offered_per_s']:.0f}/s on one copy",
+                     "router", (f"{d['in_time_per_s']['told']}/s in time vs "
+                                f"{d['in_time_per_s']['untold']}/s unrefused; refusal p99 "
+                                f"{d['refused_p99_ms']} ms")))
     thrash = load("thrash.json")
     if thrash:
         c = thrash["conditions"]

@@ -99,6 +99,7 @@ class Copies:
         self._below_since: dict[str, float] = {}  # auto model -> monotonic, idle enough to shrink
         self._changed_at: dict[str, float] = {}  # auto model -> monotonic, its last change
         self._converging: dict[str, asyncio.Task] = {}  # model -> its converge in the background
+        self._promoting = False  # a copy is becoming its model's own (``_promote``)
         self._retry_at: dict[str, float] = {}  # model -> monotonic; after a failed copy load
         self.notes: dict[str, str] = {}  # model -> why it has fewer copies than its target
         book.move_listeners.append(self._moved)
@@ -266,7 +267,7 @@ class Copies:
         """A model's state changed (a move listener): when its own copy left and an extra one
         is READY, that one becomes its own now; a model loaded gets its copies soon."""
         rec = self.book.records.get(name)
-        if rec is None:
+        if rec is None or self._promoting:  # the moves of a promotion are its own
             return
         if rec.state in (ModelState.WARM, ModelState.FAILED) and name not in self.tasks.loads:
             self._promote(rec)
@@ -281,8 +282,12 @@ class Copies:
         copy = min(ready, key=lambda c: c.server)
         where, size = copy.server, copy.memory_bytes
         # No await between the two moves: the server's room changes hands, never counted twice.
-        copy.move(ModelState.WARM, server=None)
-        rec.move(ModelState.READY, server=where, memory_bytes=size)
+        self._promoting = True
+        try:
+            copy.move(ModelState.WARM, server=None)
+            rec.move(ModelState.READY, server=where, memory_bytes=size)
+        finally:
+            self._promoting = False
         rec.warmup = copy.warmup
         rec.failure = None
         log.info("%s: its copy on %s is its own now (its own copy left)", rec.name, where)
@@ -366,9 +371,8 @@ class Copies:
         copy.move(ModelState.READY)
         self.notes.pop(name, None)
         self.keeping.metrics.loads.labels(server.name, "ok").inc()
+        # (Its own copy left meanwhile: this one became its own as it moved, ``_moved``.)
         log.info("copied %s to %s in %.2fs", name, server.name, copy.load_time_s)
-        if rec.state != ModelState.READY:  # its own copy left meanwhile: this one takes over
-            self._promote(rec)
         return True
 
     async def _undo(self, server: TritonServer, copy: ModelRecord, exc: ControlPlaneError) -> None:

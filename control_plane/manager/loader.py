@@ -101,8 +101,11 @@ class Loader:
     def place(self, name: str, size_bytes: int) -> tuple[TritonServer, list[str]]:
         """Pick a server and the victims to evict there.  Pure; raises if none fits."""
         rec = self.book.records.get(name)
+        # Not where an extra copy of it still is (copies.py): one Triton model, one record.
+        holding = {c.server for c in self.book.extra_copies(name)} if self.book.extra else set()
+        servers = [s for s in self.servers.values() if s.name not in holding] or list(self.servers.values())
         try:
-            return self.placer.place(name, size_bytes, self.servers.values(),
+            return self.placer.place(name, size_bytes, servers,
                                      pinned=bool(rec is not None and rec.pinned))
         except CapacityExhausted:
             self.keeping.metrics.capacity_errors.inc()

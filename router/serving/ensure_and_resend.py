@@ -51,6 +51,13 @@ log = logging.getLogger(__name__)
 # load held for it keeps the model for its next send, so more than one resend means an
 # explicit unload or a restart in between.
 MAX_RESENDS = 3
+# The rate a copy answers a model, from the answers of the last RATE_WINDOW_S seconds (at
+# least RATE_MIN_ANSWERS of them, at most RATE_MAX_ANSWERS kept): the wait a new request would
+# have there, which a deadline is checked against.
+RATE_WINDOW_S = 2.0
+RATE_MIN_ANSWERS = 5
+RATE_MAX_ANSWERS = 4096
+QUEUE_MARGIN = 0.8  # a request is sent when its expected wait and turn fit 80% of its time left
 # How often requests waiting on a server look whether the control plane declared it down.
 DOWN_CHECK_S = 0.1
 
@@ -149,6 +156,10 @@ class Sender:
         self.outstanding: collections.Counter[str] = collections.Counter()
         # The same per model: what the control plane scales copies by (mmctl scale auto).
         self.outstanding_models: collections.Counter[str] = collections.Counter()
+        # Per (server, model): the requests outstanding there and when the last ones were
+        # answered: the wait a new request would have there (``expected_wait_s``).
+        self.queued: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.answered_at: dict[tuple[str, str], collections.deque[float]] = {}
 
     # ------------------------------------------------------------------ where
     async def server_for(self, model: str, asked: str | None = None, fresh: bool = False,
@@ -165,7 +176,11 @@ class Sender:
         if server is not None:
             if server.up:
                 copies = self.state.copy_servers(model)
-                return self.least_loaded([server, *copies]) if copies else server
+                if copies:
+                    server = self.least_loaded([server, *copies])
+                if call is not None and call.deadline is not None and not fresh:
+                    self._refuse_queued_past_deadline(server, model, asked or model, call.deadline)
+                return server
             unreachable = server.name
         asked = asked or model
         if not fresh and unreachable is None:  # the client's own miss, not one of our resends
@@ -210,6 +225,46 @@ class Sender:
         first, second = random.sample(up, 2)
         return second if self.outstanding[second.name] < self.outstanding[first.name] else first
 
+    def expected_wait_s(self, server: str, model: str) -> tuple[float, int, float] | None:
+        """(seconds a request sent now would wait before ``server`` starts it, requests
+        queued there, the rate it answers them) for ``model``, from this process's own
+        requests (its share of the queue over its share of the answers: the same ratio over
+        all workers); None when it has answered too few lately to tell.  Little's law: the
+        requests before it over the rate they leave."""
+        queued = self.queued[(server, model)]
+        if queued == 0:
+            return 0.0, 0, 0.0
+        answered = self.answered_at.get((server, model))
+        now = time.monotonic()
+        while answered and answered[0] < now - RATE_WINDOW_S:
+            answered.popleft()
+        if not answered or len(answered) < RATE_MIN_ANSWERS:
+            return None
+        rate = len(answered) / max(now - answered[0], RATE_WINDOW_S / 4)
+        return queued / rate, queued, rate
+
+    def _refuse_queued_past_deadline(self, server: ServerAddress, model: str, asked: str,
+                                     deadline: float) -> None:
+        """A request that could not even start before its deadline (the requests queued
+        before it on its copy take longer to answer than the time it has left) is refused
+        now: sent, it would only take a turn from requests that can still be answered in
+        time, and its client would hear of it only at the deadline."""
+        expected = self.expected_wait_s(server.name, model)
+        left_s = deadline - time.monotonic()
+        if expected is None or expected[0] == 0.0:
+            return
+        wait_s, queued, rate = expected
+        # Its own turn too, and a margin: the wait is a mean, answers come unevenly, and a
+        # request admitted to miss its deadline by a little costs a turn all the same.
+        if (queued + 1) / rate <= left_s * QUEUE_MARGIN:
+            return
+        self.metrics.deadline_refused.labels("queue").inc()
+        raise DeadlineTooShort(
+            f"'{asked}' cannot start within this request's deadline: {queued} requests wait for "
+            f"it on {server.name}, which answers about {rate:.0f} per second, about "
+            f"{wait_s * 1000:.0f} ms, longer than the {max(0.0, left_s) * 1000:.0f} ms left; "
+            f"retry in {wait_s:.1f} s, or with a longer deadline", wait_s)
+
     def _refuse_past_deadline(self, model: str, asked: str, deadline: float) -> None:
         """A miss whose load would outlast the request's deadline (its last load took
         longer than the time left) is refused now, with why, and the load is started so that
@@ -218,7 +273,7 @@ class Sender:
         left_s = deadline - time.monotonic()
         if expected_s is None or expected_s <= left_s:
             return
-        self.metrics.deadline_refused.inc()
+        self.metrics.deadline_refused.labels("load").inc()
         self._prefetch(model)
         raise DeadlineTooShort(
             f"'{asked}' is not loaded and its load takes about {expected_s:.2f} s (its last one), "
@@ -340,18 +395,27 @@ class Sender:
         while True:
             try:
                 model = call.decision.model
+                pair = (server.name, model)
                 self.outstanding[server.name] += 1
                 self.outstanding_models[model] += 1
+                self.queued[pair] += 1
                 try:
                     with tracing.span("triton.infer", tracing.SpanKind.CLIENT, server=server.name,
                                       resend=resends or None):
                         outcome = await self.down_watch.wait(
                             server, attempt(server, max(0.001, deadline - time.monotonic())))
+                    answered = self.answered_at.get(pair)
+                    if answered is None:
+                        answered = self.answered_at[pair] = collections.deque(maxlen=RATE_MAX_ANSWERS)
+                    answered.append(time.monotonic())
                 finally:
                     self.outstanding[server.name] -= 1
                     self.outstanding_models[model] -= 1
                     if not self.outstanding_models[model]:
                         del self.outstanding_models[model]
+                    self.queued[pair] -= 1
+                    if not self.queued[pair]:
+                        del self.queued[pair]
                 why = resend_for(outcome)
             except ServerDown as exc:
                 outcome, why = exc, Resend.UNREACHABLE

@@ -37,8 +37,9 @@ class RouterMetrics:
             "Requests refused because their client caused more misses than its budget", registry=r)
         self.deadline_refused = Counter(
             "mmr_deadline_refused_total",
-            "Requests refused at once because their model's load would outlast their deadline",
-            registry=r)
+            "Requests refused at once because they could not start within their deadline: "
+            "their model's load (reason load) or the requests queued before them (reason "
+            "queue) would outlast it", ["reason"], registry=r)
         self.refused = Counter("mmr_refused_total", "Model-control calls refused on the public port",
                                ["api"], registry=r)
         self.inflight = Gauge("mmr_inflight_requests", "Requests in flight", registry=r,

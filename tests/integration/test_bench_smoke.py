@@ -96,6 +96,13 @@ def check_family_swap(result: dict) -> None:
     assert positive(family["empty_ensure"]["p50_ms"])
 
 
+def check_capacity(result: dict) -> None:
+    assert result["errors"]["wrong_answers"] == 0 and result["errors"]["other"] == 0, result["errors"]
+    assert positive(result["hot_per_s"]["one_copy"]) and positive(result["hot_per_s"]["auto_steady"])
+    assert positive(result["background_p95_ms"]["alone"])
+    assert positive(result["deadline"]["in_time_per_s"]["told"]), result["deadline"]
+
+
 def check_router_latency(result: dict) -> None:
     for key in ("direct", "router_w1"):
         assert positive(result["paths"][key]["p50_us"]), result["paths"].keys()
@@ -112,6 +119,13 @@ SMOKES: dict[str, Smoke] = {
     "status_page_shot": Smoke(
         ["-m", "bench.status_page_shot", "--seconds", "2", "--out", "{out}/status_page.png"],
         [r"\d+ requests in 2 s; the page: "]),
+    "capacity": Smoke(
+        ["-m", "bench.capacity", "--smoke", "--out", "{out}/capacity.json",
+         "--plot", "{out}/capacity.png"],
+        [r"device time simulated: every model's one instance sleeps",
+         rf"hot model offered {NUMBER}/s: one copy {NUMBER}/s, auto \(steady\) {NUMBER}/s",
+         rf"background p95: alone {NUMBER} ms", rf"deadlines of 100 ms .* p99 {NUMBER} ms"],
+        "capacity.json", check_capacity),
     "router_latency": Smoke(
         ["-m", "bench.router_latency", "--requests", "40", "--block", "20", "--threads", "2",
          "--seconds", "1", "--rounds", "1", "--workers", "1", "--no-install",

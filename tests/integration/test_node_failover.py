@@ -72,9 +72,13 @@ def two_nodes(repository, tmp_path):
         assert not any(p.alive() for p in nodes.values()), "a tritonserver was left running"
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
+PROTOCOLS = ("grpc", "http")
+
+
 def test_a_request_for_a_model_on_a_dead_node_is_served_by_another_node(two_nodes, repository,
-                                                                        tmp_path, protocol):
+                                                                        tmp_path):
+    """Both protocols' clients at once, around one kill: each protocol's requests in flight
+    are answered or refused clearly, and each protocol's next request is served."""
     answers = Answers(repository)
     servers_file = tmp_path / "servers.json"
     servers_file.write_text(json.dumps({"servers": [
@@ -85,11 +89,12 @@ def test_a_request_for_a_model_on_a_dead_node_is_served_by_another_node(two_node
                       "--router-workers", "1").start()
     try:
         endpoints = product.json("endpoints")
-        client = make_client(endpoints, protocol)
+        clients = {p: make_client(endpoints, p) for p in PROTOCOLS}
         answers.assert_distinct([SLOW, "cust001"], features(1, 0))
         for seed, model in enumerate((SLOW, "cust001")):
             x = features(1, seed)
-            answers.assert_answer(model, x, infer(client, model, x))
+            for client in clients.values():
+                answers.assert_answer(model, x, infer(client, model, x))
         headers = product.admin_headers()
 
         def model(name: str) -> dict:
@@ -100,43 +105,44 @@ def test_a_request_for_a_model_on_a_dead_node_is_served_by_another_node(two_node
         survivor = next(n for n in two_nodes if n != dead)
 
         # Requests in flight on the node when it dies, and clients that keep sending.
-        outcomes: list[tuple[str, str]] = []  # (model, "answered" or the refusal)
+        outcomes: list[tuple[str, str, str]] = []  # (protocol, model, "answered" or the refusal)
         wrong: list[str] = []
         stop = threading.Event()
 
-        def request(c, name: str, seed: int) -> None:
+        def request(c, protocol: str, name: str, seed: int) -> None:
             x = features(1, seed)
             try:
                 scores = infer(c, name, x)
             except InferenceServerException as exc:
                 if exc.status() == RETRYABLE[protocol] and exc.message():
-                    outcomes.append((name, f"refused: {exc.message()[:120]}"))
+                    outcomes.append((protocol, name, f"refused: {exc.message()[:120]}"))
                 else:
-                    wrong.append(f"{name}: not a retryable error: {exc.status()} {exc}")
+                    wrong.append(f"{protocol} {name}: not a retryable error: {exc.status()} {exc}")
                 return
             except Exception as exc:  # noqa: BLE001  (a broken connection is not a clear error)
-                wrong.append(f"{name}: {type(exc).__name__}: {exc}")
+                wrong.append(f"{protocol} {name}: {type(exc).__name__}: {exc}")
                 return
             if answers.matches(name, x, scores):
-                outcomes.append((name, "answered"))
+                outcomes.append((protocol, name, "answered"))
             else:
-                wrong.append(f"{name}: answered {scores.ravel().tolist()}, not its own scores")
+                wrong.append(f"{protocol} {name}: answered {scores.ravel().tolist()}, not its own scores")
 
-        def in_flight(seed: int) -> None:
+        def in_flight(protocol: str, seed: int) -> None:
             c = make_client(endpoints, protocol)
-            request(c, SLOW, seed)
+            request(c, protocol, SLOW, seed)
             c.close()
 
-        def steady(thread: int) -> None:
+        def steady(protocol: str, thread: int) -> None:
             c = make_client(endpoints, protocol)
             sent = 0
             while not stop.is_set():
                 sent += 1
-                request(c, "cust001", 1000 * thread + sent)
+                request(c, protocol, "cust001", 1000 * thread + sent)
             c.close()
 
-        threads = ([threading.Thread(target=in_flight, args=(100 + i,)) for i in range(IN_FLIGHT)]
-                   + [threading.Thread(target=steady, args=(i,)) for i in range(2)])
+        threads = ([threading.Thread(target=in_flight, args=(p, 100 + 10 * n + i))
+                    for n, p in enumerate(PROTOCOLS) for i in range(IN_FLIGHT)]
+                   + [threading.Thread(target=steady, args=(p, n)) for n, p in enumerate(PROTOCOLS)])
         for t in threads:
             t.start()
         time.sleep(1.0)  # the first slow request is executing, the others wait in its queue
@@ -144,18 +150,22 @@ def test_a_request_for_a_model_on_a_dead_node_is_served_by_another_node(two_node
         killed.send_signal(signal.SIGKILL)
         killed.wait(10)
 
-        started = time.monotonic()
-        x = features(1, 7)
-        scores = infer(client, SLOW, x)  # before the fix: UNAVAILABLE
-        took_s = time.monotonic() - started
-        answers.assert_answer(SLOW, x, scores)
+        took_s = {}
+        for n, (protocol, client) in enumerate(clients.items()):
+            started = time.monotonic()
+            x = features(1, 7 + n)
+            scores = infer(client, SLOW, x)  # before the fix: UNAVAILABLE
+            took_s[protocol] = round(time.monotonic() - started, 2)
+            answers.assert_answer(SLOW, x, scores)
         stop.set()
         for t in threads:
             t.join(REQUEST_DEADLINE_S + 10)
         assert not any(t.is_alive() for t in threads), "a request hung past its deadline"
         assert wrong == [], wrong[:5]
-        assert sum(1 for name, _ in outcomes if name == SLOW) == IN_FLIGHT
-        assert sum(1 for name, what in outcomes if name == "cust001" and what == "answered") > 0
+        for protocol in PROTOCOLS:
+            assert sum(1 for p, name, _ in outcomes if (p, name) == (protocol, SLOW)) == IN_FLIGHT
+            assert sum(1 for p, name, what in outcomes
+                       if (p, name, what) == (protocol, "cust001", "answered")) > 0
         assert model(SLOW)["server"] == survivor
         fleet = {s["server"]: s for s in requests.get(f"{product.url}/v1/fleet", headers=headers,
                                                       timeout=10).json()}
@@ -165,9 +175,11 @@ def test_a_request_for_a_model_on_a_dead_node_is_served_by_another_node(two_node
         # Traffic afterwards: every model answers with its own scores.
         for seed, name in enumerate((SLOW, "cust001", "cust002")):
             x = features(1, 200 + seed)
-            answers.assert_answer(name, x, infer(client, name, x))
-        print(f"served from {survivor} {took_s:.2f}s after {dead} died; in flight then: "
-              f"{[what for name, what in outcomes if name == SLOW]}")
-        client.close()
+            for client in clients.values():
+                answers.assert_answer(name, x, infer(client, name, x))
+        print(f"served from {survivor} after {dead} died, first request of each protocol took "
+              f"{took_s} s; in flight then: {[(p, what) for p, name, what in outcomes if name == SLOW]}")
+        for client in clients.values():
+            client.close()
     finally:
         product.stop()

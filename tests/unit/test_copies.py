@@ -275,3 +275,22 @@ def test_auto_is_checked_kept_across_restarts_and_shown(tmp_path):
         assert again.copies.target("m1") == 2
 
     run(go())
+
+
+def test_with_three_copies_one_takes_over_and_the_other_stays_counted(tmp_path):
+    async def go():
+        mgr, admins = fleet(tmp_path)
+        await mgr.start()
+        rec = await mgr.scale("m1", 3)
+        own = rec.server
+        mgr.reconciler._forget_server_models(mgr.servers[own], "test: server lost")
+        mgr.servers[own].health = mgr.servers[own].health.DOWN
+        # One of the two extra copies is its own now; the other is still an extra copy,
+        # each counted once by its server.
+        others = sorted(n for n in NAMES if n != own)
+        assert rec.server in others and sorted(mgr.copy_servers_of("m1")) == others
+        for name in others:
+            assert mgr.servers[name].planner.used_slots == 1, mgr.servers[name].planner.residents
+        await mgr.close()
+
+    run(go())

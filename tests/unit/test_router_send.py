@@ -221,7 +221,7 @@ def test_a_miss_that_cannot_load_within_the_deadline_is_refused_at_once_and_its_
         assert refused.value.retry_after_s == 2.0 and triton.sent == []
         await asyncio.sleep(0.01)  # the load started for the retry, its hold ended with it
         assert state.ensured == ["m"] and state.answered == [("m", 1)]
-        assert router.metrics.deadline_refused._value.get() == 1
+        assert router.metrics.deadline_refused.labels("load")._value.get() == 1
 
     run(go())
 
@@ -307,5 +307,52 @@ def test_a_copy_with_requests_outstanding_gets_no_more_while_another_is_free():
         triton.release.set()
         await asyncio.gather(*sent)
         assert router.sender.outstanding == {"triton0": 0, "triton1": 0}
+
+    run(go())
+
+
+def test_a_request_that_cannot_start_within_its_deadline_is_refused_at_once():
+    """One copy answers one request per 25 ms: of 30 sent at once with 200 ms to live, those
+    that fit are answered within it and the others are refused at once, saying why."""
+    import asyncio
+    import time
+
+    from domain.router_errors import DeadlineTooShort
+
+    async def go():
+        busy = asyncio.Lock()
+        sent: list[str] = []
+
+        def rpc(server):
+            async def model_infer(message, timeout=None):
+                sent.append(server.name)
+                async with busy:  # one instance: a request at a time
+                    await asyncio.sleep(0.025)
+                return b""
+            return model_infer
+
+        router, _state = raw_router(Triton())
+        router.channels.raw_infer = rpc
+        for _ in range(24):  # its answers tell the router the rate it serves at
+            await router.forwarder.infer_raw(raw_request(), lambda: None, 1.0)
+
+        async def timed():
+            started = time.monotonic()
+            try:
+                await router.forwarder.infer_raw(raw_request(), lambda: None, 0.2)
+                return "answered", time.monotonic() - started, None
+            except DeadlineTooShort as exc:
+                return "refused", time.monotonic() - started, exc.message
+
+        outcomes = await asyncio.gather(*(timed() for _ in range(30)))
+        answered = [s for kind, s, _ in outcomes if kind == "answered"]
+        refused = [(s, why) for kind, s, why in outcomes if kind == "refused"]
+        assert 3 <= len(answered) <= 8 and len(answered) + len(refused) == 30, outcomes
+        assert max(answered) < 0.2  # everything sent was answered in time
+        assert max(s for s, _ in refused) < 0.01  # and the rest heard at once
+        assert "cannot start within this request's deadline" in refused[0][1]
+        assert "requests wait for it on triton0" in refused[0][1]
+        assert len(sent) == 24 + len(answered)  # refused requests never reached Triton
+        assert router.metrics.deadline_refused.labels("queue")._value.get() == len(refused)
 
     run(go())
