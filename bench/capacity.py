@@ -27,7 +27,8 @@ throughput over time into ``bench/results/capacity_copies.png``.
 
     .venv/bin/python -m bench.capacity [--servers 4] [--rounds 3] [--phase-s 15] [--auto-s 40]
 
-``--smoke``: 2 servers, 1 round, 3 s phases (the suite runs it: the bench still works).
+``--smoke``: 2 servers, 2 background models, 1 round, 2 s phases (the suite runs it: the bench
+still works).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from tests.product import Product
 HOT = "hot"
 RESULTS = ROOT / "bench" / "results"
 CPU_FLAG = 0.70
-SMOKE = ["--servers", "2", "--rounds", "1", "--phase-s", "3", "--auto-s", "8", "--background", "4",
+SMOKE = ["--servers", "2", "--rounds", "1", "--phase-s", "2", "--auto-s", "6", "--background", "2",
          "--background-rate", "10"]
 
 MODEL_PY = '''\

@@ -12,6 +12,7 @@ What it is launched with (flags, environment, backend directory, the exec wrappe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -47,6 +48,15 @@ __all__ = ["TRITON_ENV_NAMES", "TRITON_ENV_PREFIXES", "_PDEATHSIG_EXEC", "Triton
            "which_tritonserver", "with_parent_death_signal"]
 
 log = logging.getLogger(__name__)
+
+
+def end_leftovers(pid: int) -> None:
+    """SIGKILL what is left of the process group of a tritonserver ``pid`` that died without
+    a clean exit (SIGKILL, a crash): its python-backend stubs, each holding its model's
+    memory, outlive it otherwise.  The group is the dead server's own (it was started in a
+    session of its own, whose id is its pid), so nothing else is in it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 class TritonProcess(PreviousLife):
@@ -108,7 +118,10 @@ class TritonProcess(PreviousLife):
         return self.adopted[0] if self.adopted is not None else None
 
     def launch(self) -> None:
-        """Start the child process without waiting for it to be ready."""
+        """Start the child process without waiting for it to be ready (ending what is left of
+        an earlier one that died: ``end_leftovers``)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            end_leftovers(self.proc.pid)
         cfg = self.cfg
         cfg.work_dir.mkdir(parents=True, exist_ok=True)
         binary = pytriton_root() / "bin" / "tritonserver"
@@ -198,6 +211,7 @@ class TritonProcess(PreviousLife):
                 return
         else:
             self._stop_adopted(signal.SIGKILL)
+        end_leftovers(pid)
         for path in shm:
             Path(path).unlink(missing_ok=True)
 

@@ -1,7 +1,8 @@
 """Copies of a model, driven as an operator does: `mmctl scale` on `mmctl up --triton-servers 2`
 puts a copy on each real tritonserver, unmodified Triton clients' requests through the
 router are answered by both (Triton's own statistics count them), a SIGKILLed server's copy
-is placed again with no client error, and `mmctl unload` unloads every copy."""
+is placed again with no client error (and what the killed server left, its python stubs, ends
+with its restart), and `mmctl unload` unloads every copy."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,6 +55,19 @@ def inferences_on(http_url: str) -> int:
     except (requests.RequestException, ValueError):
         return 0
     return sum(int(s["inference_stats"]["success"]["count"]) for s in body.get("model_stats", []))
+
+
+def group_of(pid: int) -> list[int]:
+    """The other processes of ``pid``'s process group (a tritonserver's python stubs)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != pid:
+            try:
+                if os.getpgid(int(entry.name)) == pid:
+                    found.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return found
 
 
 def ready_on(http_url: str) -> bool:
@@ -126,6 +141,8 @@ def test_scale_spreads_requests_over_copies_and_a_killed_servers_copy_comes_back
             pid = next(p["pid"] for p in endpoints["processes"]
                        if p.get("role") == "triton" and p.get("name") == own)
             before = answered[0]
+            stubs = group_of(pid)  # its python-backend stubs: they hold the models' memory
+            assert stubs, f"tritonserver {pid} has no python-backend stub"
             os.kill(pid, signal.SIGKILL)
             wait_for(lambda: not pid_alive(pid), 10, "the killed tritonserver did not exit", logs)
             wait_for(lambda: product.json("status", MODEL)[0]["server"] == other, DEADLINE_S,
@@ -135,6 +152,9 @@ def test_scale_spreads_requests_over_copies_and_a_killed_servers_copy_comes_back
                      60, f"{MODEL} did not get its copy on {own} back", logs)
             wait_for(lambda: answered[0] >= before + 100 or errors, 60,
                      "requests were not answered after the kill", logs)
+            # What the killed server left (its stubs) ended with its restart.
+            wait_for(lambda: not any(pid_alive(p) for p in stubs), 10,
+                     f"the killed tritonserver's stubs {stubs} outlived it", logs)
         finally:
             stop.set()
             for t in threads:

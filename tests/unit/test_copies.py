@@ -279,7 +279,7 @@ def test_auto_is_checked_kept_across_restarts_and_shown(tmp_path):
 
 def test_with_three_copies_one_takes_over_and_the_other_stays_counted(tmp_path):
     async def go():
-        mgr, admins = fleet(tmp_path)
+        mgr, _admins = fleet(tmp_path)
         await mgr.start()
         rec = await mgr.scale("m1", 3)
         own = rec.server
