@@ -56,6 +56,8 @@ async def start_in_process_router(parts: RouterParts, endpoints: dict) -> InProc
         miss_budget_per_s=cfg.miss_budget, client_header=cfg.client_header),
         names=rollouts.names, families=parts.families, stats=rollouts.stats)
     await router.start()
+    # mmctl scale --replicas auto scales by the requests this router has on Triton.
+    parts.manager.copies.load_of = lambda: router.sender.outstanding_models
     grpc_server, grpc_port = await start_grpc(router, cfg.router_host, cfg.router_grpc_port,
                                               cfg.max_request_bytes)
     http_runner = web.AppRunner(make_http_app(router), access_log=None)

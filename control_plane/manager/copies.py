@@ -267,8 +267,8 @@ class Copies:
         """A model's state changed (a move listener): when its own copy left and an extra one
         is READY, that one becomes its own now; a model loaded gets its copies soon."""
         rec = self.book.records.get(name)
-        if rec is None or self._promoting:  # the moves of a promotion are its own
-            return
+        if rec is None or self._promoting or name in self.book.unloading:
+            return  # the moves of a promotion are its own; an operator's unload takes all
         if rec.state in (ModelState.WARM, ModelState.FAILED) and name not in self.tasks.loads:
             self._promote(rec)
         if name in self.targets and rec.state == ModelState.READY:

@@ -54,6 +54,9 @@ class ModelBook:
         # own, moved like a model's; never listed, ensured or pinned on their own.  A change
         # of one tells the move listeners the model's name (where it is READY changed).
         self.extra: dict[str, ModelRecord] = {}
+        # Models an operator is unloading (``Unloader.unload``): none of their copies becomes
+        # their own meanwhile (copies.py).
+        self.unloading: set[str] = set()
         self.known_names: set[str] = set()  # names some Triton's repository index listed
         self.load_listeners: list[Callable[[str, ModelRecord], None]] = []
         self.move_listeners: list[Callable[[str], None]] = []  # a model's state changed

@@ -36,8 +36,17 @@ class Unloader:
         self.catalog = catalog
 
     async def unload(self, name: str, force: bool = False) -> ModelRecord:
-        """Unload ``name`` (explicit request).  Pinned models are refused unless forced."""
+        """Unload ``name`` (explicit request) with every copy of it.  Pinned models are
+        refused unless forced."""
         rec = self.catalog.get(name)
+        self.book.unloading.add(name)
+        try:
+            await self._unload_all(rec, name, force)
+        finally:
+            self.book.unloading.discard(name)
+        return rec
+
+    async def _unload_all(self, rec: ModelRecord, name: str, force: bool) -> None:
         if rec.pinned and not force:
             raise InvalidInput(f"{name} is pinned; unpin it first (mmctl unpin {name})")
         load = self.tasks.loads.get(name)
@@ -68,11 +77,21 @@ class Unloader:
         unloads = [self.unload_now(s, c.name, reason="requested") for s, c in extra]
         if server is not None:
             unloads.append(self.unload_now(server, name, reason="requested"))
+        # A copy still loading (mmctl scale) is unloaded once it is: an unload leaves none.
+        deadline = time.monotonic() + self.config.unload_timeout_s
+        while (any(c.state == ModelState.LOADING for c in self.book.extra_copies(name))
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
+        async with self.tasks.lock:
+            late = [(self.servers[c.server], c) for c in self.book.extra_copies(name)
+                    if c.state == ModelState.READY]
+            for _server, copy in late:
+                copy.move(ModelState.UNLOADING)
+        unloads += [self.unload_now(s, c.name, reason="requested") for s, c in late]
         results = await asyncio.gather(*unloads, return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
-        return rec
 
     def unload_now(self, server: TritonServer, name: str, reason: str) -> asyncio.Future:
         task = self.tasks.unloads.get(name)

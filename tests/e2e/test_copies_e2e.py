@@ -15,14 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from safetensors.torch import load_file
 
 from control_plane.demo.fleet import WEIGHTS_FILE
 from tests.conftest import pid_alive
 from tests.product import Product
 from tests.reference import mlp_scores
+from tests.router_clients import client_for, infer_scores, ready_on
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -32,20 +31,8 @@ DEADLINE_S = 30.0
 FEATURES = np.random.default_rng(31).standard_normal((2, 64)).astype(np.float32)
 
 
-def infer(client, protocol: str) -> np.ndarray:
-    module = grpcclient if protocol == "grpc" else httpclient
-    x = module.InferInput("FEATURES", list(FEATURES.shape), "FP32")
-    x.set_data_from_numpy(FEATURES)
-    if protocol == "grpc":
-        return client.infer(MODEL, [x], client_timeout=DEADLINE_S).as_numpy("SCORES")
-    return client.infer(MODEL, [x]).as_numpy("SCORES")
 
 
-def client_for(endpoints: dict, protocol: str):
-    if protocol == "grpc":
-        return grpcclient.InferenceServerClient(endpoints["router_grpc"])
-    return httpclient.InferenceServerClient(endpoints["router_http"], connection_timeout=DEADLINE_S,
-                                            network_timeout=DEADLINE_S)
 
 
 def inferences_on(http_url: str) -> int:
@@ -70,11 +57,6 @@ def group_of(pid: int) -> list[int]:
     return found
 
 
-def ready_on(http_url: str) -> bool:
-    try:
-        return requests.get(f"http://{http_url}/v2/models/{MODEL}/ready", timeout=5).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def test_scale_spreads_requests_over_copies_and_a_killed_servers_copy_comes_back(repository, tmp_path):
@@ -94,12 +76,12 @@ def test_scale_spreads_requests_over_copies_and_a_killed_servers_copy_comes_back
         assert product.mmctl("scale", MODEL, "--replicas", "0").returncode == 2
         unknown = product.mmctl("scale", "nosuch", "--replicas", "2")
         assert unknown.returncode == 4 and "unknown model 'nosuch'" in unknown.stderr
-        assert not any(ready_on(url) for url in http_of.values())
+        assert not any(ready_on(url, MODEL) for url in http_of.values())
 
         scaled = product.mmctl("scale", MODEL, "--replicas", "2")
         assert scaled.returncode == 0, scaled.stderr
         assert scaled.stdout.startswith(f"{MODEL}: 2 of 2 copies ready on "), scaled.stdout
-        assert all(ready_on(url) for url in http_of.values())
+        assert all(ready_on(url, MODEL) for url in http_of.values())
         row = product.json("status", MODEL)[0]
         assert row["replicas"] == 2
         assert sorted((c["server"], c["state"]) for c in row["copies"]) == [
@@ -114,12 +96,13 @@ def test_scale_spreads_requests_over_copies_and_a_killed_servers_copy_comes_back
         stop = threading.Event()
 
         def traffic(protocol: str) -> None:
-            client = client_for(endpoints, protocol)
+            client = client_for(endpoints, protocol, DEADLINE_S)
             try:
                 while not stop.is_set():
                     sent = time.monotonic()
                     try:
-                        np.testing.assert_allclose(infer(client, protocol), expected, rtol=1e-5, atol=1e-6)
+                        scores = infer_scores(client, protocol, MODEL, FEATURES, DEADLINE_S)
+                        np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-6)
                         answered[0] += 1
                     except Exception as exc:  # noqa: BLE001  (every failure is the test's finding)
                         errors.append(f"{protocol} after {time.monotonic() - sent:.1f}s: "
@@ -165,7 +148,7 @@ def test_scale_spreads_requests_over_copies_and_a_killed_servers_copy_comes_back
         # Unload: every copy goes (the target stays for its next load).
         unloaded = product.mmctl("unload", MODEL)
         assert unloaded.returncode == 0, unloaded.stderr
-        wait_for(lambda: not any(ready_on(url) for url in http_of.values()), 30,
+        wait_for(lambda: not any(ready_on(url, MODEL) for url in http_of.values()), 30,
                  f"{MODEL} stayed loaded somewhere", logs)
         row = product.json("status", MODEL)[0]
         assert (row["state"], row["copies"], row["replicas"]) == ("warm", [], 2)

@@ -18,14 +18,13 @@ import time
 import numpy as np
 import pytest
 import requests
-import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from safetensors.torch import load_file
 
 from control_plane.demo.fleet import WEIGHTS_FILE
 from tests.conftest import pid_alive
 from tests.product import Product
 from tests.reference import mlp_scores
+from tests.router_clients import client_for, infer_scores, ready_on
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -35,29 +34,10 @@ DEADLINE_S = 30.0
 FEATURES = np.random.default_rng(29).standard_normal((2, 64)).astype(np.float32)
 
 
-def infer(client, protocol: str) -> np.ndarray:
-    module = grpcclient if protocol == "grpc" else httpclient
-    x = module.InferInput("FEATURES", list(FEATURES.shape), "FP32")
-    x.set_data_from_numpy(FEATURES)
-    if protocol == "grpc":
-        return client.infer(MODEL, [x], client_timeout=DEADLINE_S).as_numpy("SCORES")
-    return client.infer(MODEL, [x]).as_numpy("SCORES")
 
 
-def client_for(endpoints: dict, protocol: str):
-    if protocol == "grpc":
-        return grpcclient.InferenceServerClient(endpoints["router_grpc"])
-    # The HTTP client's own timeout is the request's deadline.
-    return httpclient.InferenceServerClient(endpoints["router_http"], connection_timeout=DEADLINE_S,
-                                            network_timeout=DEADLINE_S)
 
 
-def ready_on(http_url: str) -> bool:
-    """Whether ``MODEL`` is loaded on that Triton, asked of Triton itself (not restricted)."""
-    try:
-        return requests.get(f"http://{http_url}/v2/models/{MODEL}/ready", timeout=5).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def product_log(product: Product):
@@ -77,8 +57,9 @@ def test_a_frozen_triton_is_down_and_its_requests_are_answered_elsewhere(reposit
             return requests.get(f"{product.url}{path}", headers=headers, timeout=10).json()
 
         for protocol in ("grpc", "http"):  # loaded, and both paths answer right
-            client = client_for(endpoints, protocol)
-            np.testing.assert_allclose(infer(client, protocol), expected, rtol=1e-5, atol=1e-6)
+            client = client_for(endpoints, protocol, DEADLINE_S)
+            scores = infer_scores(client, protocol, MODEL, FEATURES, DEADLINE_S)
+            np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-6)
             client.close()
         frozen = admin(f"/v1/models/{MODEL}")["server"]
         survivor = next(s["server"] for s in admin("/v1/fleet") if s["server"] != frozen)
@@ -90,12 +71,12 @@ def test_a_frozen_triton_is_down_and_its_requests_are_answered_elsewhere(reposit
         stop = threading.Event()
 
         def traffic(protocol: str) -> None:
-            client = client_for(endpoints, protocol)
+            client = client_for(endpoints, protocol, DEADLINE_S)
             try:
                 while not stop.is_set():
                     sent = time.monotonic()
                     try:
-                        scores = infer(client, protocol)
+                        scores = infer_scores(client, protocol, MODEL, FEATURES, DEADLINE_S)
                         np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-6)
                         served.append((protocol, sent, time.monotonic()))
                     except Exception as exc:  # noqa: BLE001  (every failure is the test's finding)
@@ -139,13 +120,15 @@ def test_a_frozen_triton_is_down_and_its_requests_are_answered_elsewhere(reposit
         wait_for(lambda: up(frozen), 30, f"{frozen} was not started again", product_log(product))
         fleet = {s["server"]: s for s in admin("/v1/fleet")}
         assert MODEL in fleet[survivor]["loaded"] and MODEL not in fleet[frozen]["loaded"]
-        assert ready_on(fleet[survivor]["http_url"]) and not ready_on(fleet[frozen]["http_url"])
+        assert ready_on(fleet[survivor]["http_url"], MODEL)
+        assert not ready_on(fleet[frozen]["http_url"], MODEL)
         assert admin(f"/v1/models/{MODEL}")["state"] == "ready"
         # No false alarm: the survivor, as loaded as the machine, was never taken for down.
         assert not [line for line in product.log_text().splitlines()
                     if f"Triton {survivor} at" in line and "is down" in line]
-        client = client_for(endpoints, "http")
-        np.testing.assert_allclose(infer(client, "http"), expected, rtol=1e-5, atol=1e-6)
+        client = client_for(endpoints, "http", DEADLINE_S)
+        np.testing.assert_allclose(infer_scores(client, "http", MODEL, FEATURES, DEADLINE_S),
+                                   expected, rtol=1e-5, atol=1e-6)
         client.close()
     finally:
         if frozen_pid is not None and pid_alive(frozen_pid):

@@ -294,3 +294,22 @@ def test_with_three_copies_one_takes_over_and_the_other_stays_counted(tmp_path):
         await mgr.close()
 
     run(go())
+
+
+def test_unload_while_a_copy_is_loading_leaves_no_copy(tmp_path):
+    async def go():
+        mgr, admins = fleet(tmp_path, servers=("s0", "s1"))
+        await mgr.start()
+        own = (await mgr.ensure("m1")).server
+        other = "s1" if own == "s0" else "s0"
+        admins[other].load_delay_s = 0.3  # the copy's load is under way when the unload comes
+        scaling = asyncio.ensure_future(mgr.scale("m1", 2))
+        await settle(mgr, lambda: admins[other].states.get("m1") == TritonModelState.LOADING)
+        rec = await mgr.unload("m1")
+        await scaling
+        await settle(mgr, lambda: sum(mgr.servers[n].planner.used_slots for n in ("s0", "s1")) == 0)
+        assert rec.state == ModelState.WARM and loaded_on(admins, "m1") == []
+        assert mgr.copy_servers_of("m1") == []
+        await mgr.close()
+
+    run(go())
