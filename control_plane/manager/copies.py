@@ -30,6 +30,7 @@ publishes beside ``placement``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -100,6 +101,7 @@ class Copies:
         self._changed_at: dict[str, float] = {}  # auto model -> monotonic, its last change
         self._converging: dict[str, asyncio.Task] = {}  # model -> its converge in the background
         self._promoting = False  # a copy is becoming its model's own (``_promote``)
+        self._counted: set[str] = set()  # models with a mms_model_copies series
         self._retry_at: dict[str, float] = {}  # model -> monotonic; after a failed copy load
         self.notes: dict[str, str] = {}  # model -> why it has fewer copies than its target
         book.move_listeners.append(self._moved)
@@ -246,6 +248,18 @@ class Copies:
                                      if c.server is not None}
         for name in sorted(names):
             self._spawn_converge(name)
+        self._count_copies(names)
+
+    def _count_copies(self, names: set[str]) -> None:
+        """``mms_model_copies`` of the models with a target or a copy, as of this pass; a
+        model with neither any longer loses its series."""
+        metrics = self.keeping.metrics
+        for name in sorted(self._counted - names):
+            with contextlib.suppress(KeyError):
+                metrics.model_copies.remove(metrics.model_label(name))
+        for name in names:
+            metrics.model_copies.labels(metrics.model_label(name)).set(len(self.servers_of(name)))
+        self._counted = set(names)
 
     def _spawn_converge(self, name: str) -> None:
         if name in self._converging:
@@ -295,6 +309,8 @@ class Copies:
     async def converge(self, name: str) -> None:
         """Add or unload extra copies until ``name`` has its target (as far as room allows)."""
         rec = self.book.records.get(name)
+        if rec is not None and rec.state in (ModelState.LOADING, ModelState.UNLOADING):
+            return  # its own copy is coming or going: a ready copy may be about to take over
         wanted = self.target(name) - 1 if rec is not None and rec.state == ModelState.READY else 0
         async with self.tasks.lock:
             live = [c for c in self.book.extra_copies(name)
@@ -313,8 +329,6 @@ class Copies:
         for _ in range(wanted - len(live)):
             if time.monotonic() < self._retry_at.get(name, 0.0) or not await self._add(name):
                 break
-        self.keeping.metrics.model_copies.labels(self.keeping.metrics.model_label(name)).set(
-            len(self.servers_of(name)))
 
     async def _add(self, name: str) -> bool:
         """Load one more copy of ``name`` where placement finds room; False when none did."""

@@ -313,3 +313,38 @@ def test_unload_while_a_copy_is_loading_leaves_no_copy(tmp_path):
         await mgr.close()
 
     run(go())
+
+
+def test_the_copies_gauge_follows_each_pass_and_is_dropped_with_the_target(tmp_path):
+    async def go():
+        mgr, _admins = fleet(tmp_path)
+        await mgr.start()
+        await mgr.scale("m1", 3)
+        gauge = mgr.metrics.registry.get_sample_value
+        mgr.copies.converge_all()
+        assert gauge("mms_model_copies", {"model": "m1"}) == 3
+        await mgr.scale("m1", 1)
+        await settle(mgr, lambda: not mgr.state.book.extra_copies("m1"))
+        mgr.copies.converge_all()
+        assert gauge("mms_model_copies", {"model": "m1"}) is None
+        await mgr.close()
+
+    run(go())
+
+
+def test_a_copy_takes_over_when_the_models_own_copy_is_evicted(tmp_path):
+    async def go():
+        mgr, admins = fleet(tmp_path, servers=("s0", "s1"), max_loaded=1)
+        await mgr.start()
+        rec = await mgr.scale("m1", 2)
+        own = rec.server
+        other = "s1" if own == "s0" else "s0"
+        admins[own].free_delay_s = 0.3  # a pass of the reconcile runs while it leaves
+        evicting = asyncio.ensure_future(mgr.unloader.unload_now(mgr.servers[own], "m1", "evicted"))
+        mgr.copies.converge_all()
+        await evicting
+        await settle(mgr, lambda: rec.server == other and rec.state == ModelState.READY)
+        assert loaded_on(admins, "m1") == [other]
+        await mgr.close()
+
+    run(go())

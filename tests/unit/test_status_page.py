@@ -270,7 +270,9 @@ def test_the_overview_puts_the_fleet_traffic_and_rollouts_together():
     manager = fake_manager()
     manager.status = lambda: [
         {"model": "a", "state": "ready", "server": "t0", "pinned": True, "last_used": 5.0,
-         "load_time_s": 1.5, "memory_bytes": 100, "failure": None, "loads": 1},
+         "load_time_s": 1.5, "memory_bytes": 100, "failure": None, "loads": 1,
+         "copies": [{"server": "t0", "state": "ready"}, {"server": "t1", "state": "ready"},
+                    {"server": "t2", "state": "loading"}]},
         {"model": "z", "state": "failed", "server": None, "pinned": False, "last_used": None,
          "load_time_s": None, "memory_bytes": 0, "failure": "<b>boom</b>", "loads": 1}]
     manager.fleet = lambda: [{"server": "t0", "device": "cpu", "up": True, "lost": False,
@@ -295,6 +297,7 @@ def test_the_overview_puts_the_fleet_traffic_and_rollouts_together():
     rows = {r[0]: dict(zip(cols, r)) for r in doc["models"]["rows"]}
     assert rows["a"]["tier"] == "hot" and rows["a"]["requests"] == 4 and rows["a"]["hit_ratio"] == 1.0
     assert rows["z"]["failure"] == "<b>boom</b>"  # data, as it is: the page writes it as text
+    assert rows["a"]["copies"] == ["t1"] and rows["z"]["copies"] == []  # its other ready copies
     [server] = doc["servers"]
     assert server["pinned"] == ["a"] and server["pinned_bytes"] == 100
     assert doc["summary"]["tiers"] == {"hot": 1, "warm": 1}
