@@ -19,6 +19,11 @@ entry of that server's planner.  The rules:
   the copies above it; the reconcile pass runs it for every model that has a target or a
   copy, so a copy lost with its server is placed again, and a copy that could not be
   added is tried again on a later pass (after ``failure_backoff_s`` when its load failed).
+* ``--replicas auto --min A --max B``: ``autoscale`` (each reconcile pass) moves the count
+  between A and B by the requests the router workers report outstanding on Triton for the
+  model (``load_of``), with the thresholds, hysteresis and cool-down of ``ManagerConfig``.
+* ``mmctl unload`` unloads every copy, one still loading too (``ModelBook.unloading`` keeps
+  any from becoming the model's own meanwhile); the target stays for its next load.
 * Targets survive restarts (the state store's key-value table); copies that Triton already
   holds at start are adopted by the reconcile pass as extra copies and counted.
 

@@ -188,14 +188,15 @@ class Loader:
                 await asyncio.sleep(timeout_s)
         # A variant's swap takes milliseconds: its one INFO line is "loaded" (below); a
         # model's load, seconds: this line says what it waits for.
-        (log.debug if replacing_possible(server, name, victims) else log.info)(
+        in_one = replacing_possible(server, name, victims)
+        (log.debug if in_one else log.info)(
             "loading %s on %s (%d bytes), evicting %s", name, server.name, size_bytes,
             victims or "nothing")
 
         # 1. Room.  Victims a single request can replace (variants of the newcomer's family,
         # in their slots) go with the load: Triton never holds both, nothing to wait for.
         replacing = None
-        if replacing_possible(server, name, victims):
+        if in_one:
             self.room.send(server, name, size_bytes)
             # Listed as the victims' unload now, before any await: a load of a victim waits.
             replacing = self.unloader.replace(server, victims, name)

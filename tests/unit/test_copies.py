@@ -339,7 +339,7 @@ def test_a_copy_takes_over_when_the_models_own_copy_is_evicted(tmp_path):
         rec = await mgr.scale("m1", 2)
         own = rec.server
         other = "s1" if own == "s0" else "s0"
-        admins[own].free_delay_s = 0.3  # a pass of the reconcile runs while it leaves
+        admins[own].free_delay_s = 0.1  # a pass of the reconcile runs while it leaves
         evicting = asyncio.ensure_future(mgr.unloader.unload_now(mgr.servers[own], "m1", "evicted"))
         mgr.copies.converge_all()
         await evicting
