@@ -154,8 +154,6 @@ class Sender:
         # Requests this process has sent to each server and not had answered: a model with
         # copies on several servers is sent where the fewest wait (``least_loaded``).
         self.outstanding: collections.Counter[str] = collections.Counter()
-        # The same per model: what the control plane scales copies by (mmctl scale auto).
-        self.outstanding_models: collections.Counter[str] = collections.Counter()
         # Per (server, model): the requests outstanding there and when the last ones were
         # answered: the wait a new request would have there (``expected_wait_s``).
         self.queued: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -224,6 +222,14 @@ class Sender:
             return up[0] if up else servers[0]
         first, second = random.sample(up, 2)
         return second if self.outstanding[second.name] < self.outstanding[first.name] else first
+
+    def outstanding_by_model(self) -> dict[str, int]:
+        """Requests sent to Triton and not answered, per model: what the control plane scales
+        copies by (mmctl scale --replicas auto).  Read with each report, not per request."""
+        by_model: collections.Counter[str] = collections.Counter()
+        for (_server, model), n in self.queued.items():
+            by_model[model] += n
+        return dict(by_model)
 
     def expected_wait_s(self, server: str, model: str) -> tuple[float, int, float] | None:
         """(seconds a request sent now would wait before ``server`` starts it, requests
@@ -397,7 +403,6 @@ class Sender:
                 model = call.decision.model
                 pair = (server.name, model)
                 self.outstanding[server.name] += 1
-                self.outstanding_models[model] += 1
                 self.queued[pair] += 1
                 try:
                     with tracing.span("triton.infer", tracing.SpanKind.CLIENT, server=server.name,
@@ -410,9 +415,6 @@ class Sender:
                     answered.append(time.monotonic())
                 finally:
                     self.outstanding[server.name] -= 1
-                    self.outstanding_models[model] -= 1
-                    if not self.outstanding_models[model]:
-                        del self.outstanding_models[model]
                     self.queued[pair] -= 1
                     if not self.queued[pair]:
                         del self.queued[pair]

@@ -304,9 +304,12 @@ def test_a_copy_with_requests_outstanding_gets_no_more_while_another_is_free():
         for _ in range(50):  # every other request goes to the free copy
             await router.forwarder.infer_raw(raw_request(), lambda: None)
         assert triton.sent == ["triton1"] * 50
+        waiting = router.sender.outstanding["triton0"]
+        assert router.sender.outstanding_by_model() == {"m": waiting}  # what a report says
         triton.release.set()
         await asyncio.gather(*sent)
         assert router.sender.outstanding == {"triton0": 0, "triton1": 0}
+        assert router.sender.outstanding_by_model() == {}
 
     run(go())
 
