@@ -36,7 +36,7 @@ test: setup
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@tmp=$$(mktemp -d /tmp/mms-tests.XXXXXX); \
 	$(BIN)/python -m pytest -q -p no:cacheprovider --basetemp=$$tmp/unit tests/unit > $$tmp/unit.log 2>&1 & unit=$$!; \
-	$(BIN)/python -m pytest -q --basetemp=$$tmp/rest --ignore=tests/unit; rest=$$?; \
+	$(BIN)/python -m pytest -q --durations=40 --basetemp=$$tmp/rest --ignore=tests/unit; rest=$$?; \
 	wait $$unit; units=$$?; echo "tests/unit:"; cat $$tmp/unit.log; rm -rf $$tmp; \
 	exit $$(( rest || units ))
 else

@@ -260,7 +260,7 @@ class DataPlaneHub:
                                   "limit": spec})
 
     async def worker_list(self, request: web.Request) -> web.Response:
-        return web.json_response(self.registry.listing())
+        return web.json_response(self.registry.listing(self.version, self.epoch))
 
 
 def add_dataplane_routes(app: web.Application, hub: DataPlaneHub) -> None:

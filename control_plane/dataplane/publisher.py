@@ -154,13 +154,18 @@ class Publisher:
             manager.on_state_change(self.model_moved)
 
     def routes_judged(self) -> None:
-        """The canaries were judged: publish the route table with the next pass."""
+        """The canaries were judged: publish the route table at once (a rollback must reach
+        the workers before anyone reads the verdict, not with the next publish pass)."""
         self._routes_judged = True
+        self._publish_after_this_turn()
 
     def model_moved(self, name: str) -> None:
         """A model's state changed: publish where it is READY now, once the change that
         moved it is complete (the same event-loop turn may set its server too)."""
         self._moved.add(name)
+        self._publish_after_this_turn()
+
+    def _publish_after_this_turn(self) -> None:
         if not self._publish_soon:
             self._publish_soon = True
             asyncio.get_running_loop().call_soon(self._publish_moved)

@@ -39,8 +39,11 @@ class WorkerSeen:
         router.serving.state_client, longer than ``WORKER_LIVE_S``) is its heartbeat."""
         return self.watching > 0 or self.live(now)
 
-    def to_dict(self, now: float) -> dict:
+    def to_dict(self, now: float, version: int, epoch: str) -> dict:
+        """``current``: it has the published state's ``version`` of ``epoch`` (it serves every
+        change made so far)."""
         return {"worker": self.worker, "pid": self.pid, "snapshot_version": self.version,
+                "current": self.epoch == epoch and self.version >= version,
                 "seen_s_ago": round(now - self.last_seen, 3), "live": self.live(now),
                 "requests": self.requests, "samples": self.samples}
 
@@ -76,9 +79,9 @@ class WorkerRegistry:
         """(workers in touch now, workers expected): ``mms_router_workers_*``."""
         return len(self.in_touch()), self.expected
 
-    def listing(self) -> list[dict]:
+    def listing(self, version: int, epoch: str) -> list[dict]:
         now = self.clock()
-        return [w.to_dict(now) for w in self.workers.values()]
+        return [w.to_dict(now, version, epoch) for w in self.workers.values()]
 
     async def notify(self) -> None:
         async with self.changed:

@@ -136,6 +136,12 @@ def live_workers(cp: ControlPlane) -> int:
     return sum(1 for w in resp.json() if w["live"]) if resp.ok else 0
 
 
+def current_workers(cp: ControlPlane) -> int:
+    """Live workers that have every change the control plane published."""
+    resp = cp.call("GET", "/v1/dataplane/workers")
+    return sum(1 for w in resp.json() if w["live"] and w["current"]) if resp.ok else 0
+
+
 def test_a_standby_taking_over_judges_the_canary_on_the_requests_seen_before(stack):
     leader, standby, logs = stack["leader"], stack["standby"], stack["logs"]
     answers: Answers = stack["answers"]
@@ -191,7 +197,10 @@ def test_a_standby_taking_over_judges_the_canary_on_the_requests_seen_before(sta
     assert canary["serving"] == BASELINE
     assert sent.wrong == [], sent.wrong[:5]
 
-    # Rolled back: every answer is the baseline's own.
+    # Rolled back: once both workers have the published rollback (a verdict is published
+    # before it can be read), every answer is the baseline's own.
+    wait_for(lambda: current_workers(standby) == 2, 10, "the workers did not get the rollback",
+             log_tails(logs))
     rolled_back = Outcomes(stack["routers"].http, answers)
     rolled_back.sent = sent.sent
     rolled_back.send(12, allowed=(BASELINE,))

@@ -203,3 +203,32 @@ def test_an_admin_change_waits_for_an_idle_worker_in_its_long_poll(tmp_path, mon
             await server.close()
 
     asyncio.run(go())
+
+
+def test_a_judged_canary_pass_is_published_at_once_and_the_listing_says_who_has_it(
+        tmp_path, monkeypatch):
+    async def go():
+        h, server, (w0,) = await serving_hub(tmp_path, monkeypatch)
+        try:
+            assert await h.settle(timeout_s=5)
+            (listed,) = h.registry.listing(h.version, h.epoch)
+            assert listed["current"]
+            before = h.version
+            h.table.set_limit("m1", 5.0, 5.0)  # a table changed, as a rollback changes it
+            h.rollouts.judge()
+            await asyncio.sleep(0)  # the rest of this event-loop turn, not a publish pass
+            assert h.version > before
+            (listed,) = h.registry.listing(h.version, h.epoch)
+            assert not listed["current"]  # w0 has not fetched it yet
+            for _ in range(500):
+                if h.registry.listing(h.version, h.epoch)[0]["current"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert w0.table.limits == {"m1": {"qps": 5.0, "burst": 5.0}}
+            assert h.registry.listing(h.version, h.epoch)[0]["current"]
+        finally:
+            await w0.stop()
+            await h.release_watchers()
+            await server.close()
+
+    asyncio.run(go())

@@ -88,7 +88,8 @@ def test_the_data_plane_hubs_publish_and_canary_loops_survive_failures(tmp_path,
     async def go():
         store = StateStore(tmp_path / "state.db")
         metrics = ControlPlaneMetrics()
-        manager = SimpleNamespace(metrics=metrics, records={}, on_state_change=lambda listener: None)
+        manager = SimpleNamespace(metrics=metrics, records={}, servers={}, repository=None,
+                                  on_state_change=lambda listener: None)
         hub = DataPlaneHub(manager, Registry(store.db), store)
         hub.publish = lambda: None  # what a snapshot holds is not this test's
         await hub.start()
