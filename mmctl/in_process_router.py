@@ -54,7 +54,8 @@ async def start_in_process_router(parts: RouterParts, endpoints: dict) -> InProc
         load_timeout_s=cfg.load_wait_timeout_s, max_request_bytes=cfg.max_request_bytes,
         shadow_log_dir=(cfg.state_dir / "shadow").resolve(),
         miss_budget_per_s=cfg.miss_budget, client_header=cfg.client_header),
-        names=rollouts.names, families=parts.families, stats=rollouts.stats)
+        names=rollouts.names, families=parts.families, stats=rollouts.stats,
+        share_weights=rollouts.shares.resolved)
     await router.start()
     # mmctl scale --replicas auto scales by the requests this router has on Triton.
     parts.manager.copies.load_of = lambda: router.sender.outstanding_by_model()

@@ -234,6 +234,52 @@ def limit_list(api):
     click.echo(_table([[n, f"{v['qps']:g}", f"{v['burst']:g}"] for n, v in sorted(body.items())],
                       ["NAME", "QPS", "BURST"]))
 
+@click.group()
+def share():
+    """Weights in a saturated server's fair share (servers with --server-concurrency)."""
+
+def _share_path(name, tenant):
+    if (name is None) == (tenant is None):
+        raise click.UsageError("name a model, or a tenant with --tenant (one of the two)")
+    return f"/v1/shares/models/{_q(name)}" if tenant is None else f"/v1/shares/tenants/{_q(tenant)}"
+
+@share.command("set")
+@click.argument("name", required=False)
+@click.option("--tenant", default=None, help="Weigh every model registered for this tenant.")
+@click.option("--weight", type=float, required=True,
+              help="Its share relative to the others' (unset: 1); > 0, at most 1000.")
+@pass_api
+def share_set(api, name, tenant, weight):
+    """Weigh model NAME (a model, a family's variant, or a registry model: all its versions)
+    or a tenant's models in the fair share of a saturated server (exit 4 if NAME is unknown).
+    A model's own weight beats its tenant's."""
+    _send(api, "PUT", _share_path(name, tenant), {"weight": weight})
+    click.echo(f"{name or 'tenant ' + tenant}: weight {weight:g}")
+
+@share.command("clear")
+@click.argument("name", required=False)
+@click.option("--tenant", default=None, help="Clear a tenant's weight.")
+@pass_api
+def share_clear(api, name, tenant):
+    """Weigh NAME (or --tenant) 1 again."""
+    _send(api, "DELETE", _share_path(name, tenant))
+    click.echo(f"{name or 'tenant ' + tenant}: weight 1")
+
+@share.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@pass_api
+def share_list(api, as_json):
+    """The weights set, and each server's concurrency (its fair share applies past it)."""
+    body = _send(api, "GET", "/v1/shares")
+    if as_json:
+        click.echo(json.dumps(body, indent=2))
+        return
+    rows = [["model", n, f"{w:g}"] for n, w in sorted(body["models"].items())]
+    rows += [["tenant", n, f"{w:g}"] for n, w in sorted(body["tenants"].items())]
+    click.echo(_table(rows, ["KIND", "NAME", "WEIGHT"]) if rows else "no weights set: every model weighs 1")
+    servers = [[n, str(c) if c else "no limit"] for n, c in sorted(body["servers"].items())]
+    click.echo(_table(servers, ["SERVER", "CONCURRENCY"]))
+
 @click.command()
 @click.argument("name")
 @click.argument("target")
@@ -245,4 +291,4 @@ def alias(api, name, target):
 
 
 # The commands this module adds to mmctl (mmctl.main.COMMANDS).
-COMMANDS = [experiment, canary, shadow, limit, alias]
+COMMANDS = [experiment, canary, shadow, limit, share, alias]

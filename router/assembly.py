@@ -69,18 +69,20 @@ class Router:
     def __init__(self, state, table: RouteTable, config: RouterConfig | None = None,
                  metrics: RouterMetrics | None = None, names: PublicNames | None = None,
                  families=None, stats: OutcomeSink | None = None,
-                 canaries: CanaryJudge | None = None, limiter: Limiter | None = None):
+                 canaries: CanaryJudge | None = None, limiter: Limiter | None = None,
+                 share_weights=None):
         """``state``: a ServingState, or the control plane's ModelManager in this process.
         ``names``: the registry's public names (None: every name is served as it is, with
         Triton's own versions).  ``stats``: where the outcomes of experiment and canary
         requests go (None: nowhere).  ``canaries``: judged every ``canary_interval_s``
         (None: elsewhere, or nowhere).  ``limiter``: the rate limits (None: this process's
-        token buckets, ``LocalLimiter``)."""
+        token buckets, ``LocalLimiter``).  ``share_weights()``: model -> fair-share weight, for
+        a router beside the control plane's manager (a worker reads them from its snapshot)."""
         if hasattr(state, "ready_server"):
             self.state: ServingState = state
             self.manager = None
         else:
-            self.state = LocalState(state, families)
+            self.state = LocalState(state, families, share_weights)
             self.manager = state
         self.config = config or RouterConfig()
         self.metrics = metrics or RouterMetrics()

@@ -275,6 +275,44 @@ async def limit_list(request):
     return web.json_response(_r(request).table.limits)
 
 
+def _share_listing(router: RolloutAdmin) -> dict:
+    body = router.rollouts.shares.listing()
+    body["servers"] = {name: server.spec.concurrency
+                       for name, server in router.manager.servers.items()}
+    return body
+
+
+async def share_set(request):
+    router, kind, name = _r(request), request.match_info["kind"], request.match_info["name"]
+    body = await _json(request)
+    if body.get("weight") is None:
+        raise InvalidRequest("give the weight as 'weight': a number > 0 (unset, a model's "
+                             "weight is 1)")
+    shares = router.rollouts.shares
+    if kind == "models":
+        validate_model_name(name)
+        if name not in router.rollouts.names.models:  # a registry model: all its versions
+            await require_model(router, name)
+        shares.set_model(name, body["weight"])
+    else:
+        shares.set_tenant(name, body["weight"])
+    return web.json_response(_share_listing(router))
+
+
+async def share_clear(request):
+    router, kind, name = _r(request), request.match_info["kind"], request.match_info["name"]
+    shares = router.rollouts.shares
+    if name not in (shares.models if kind == "models" else shares.tenants):
+        raise ModelNotFound(f"{kind[:-1]} {name!r} has no weight of its own; `mmctl share list` "
+                            "lists the weights set")
+    (shares.set_model if kind == "models" else shares.set_tenant)(name, None)
+    return web.json_response(_share_listing(router))
+
+
+async def share_list(request):
+    return web.json_response(_share_listing(_r(request)))
+
+
 def add_rollout_routes(app: web.Application, admin: RolloutAdmin) -> None:
     app[ROUTER_ADMIN_KEY] = admin
     app.middlewares.append(router_errors)
@@ -295,4 +333,7 @@ def add_rollout_routes(app: web.Application, admin: RolloutAdmin) -> None:
         web.put("/v1/limits/{name}", limit_set),
         web.delete("/v1/limits/{name}", limit_clear),
         web.get("/v1/limits", limit_list),
+        web.put("/v1/shares/{kind:models|tenants}/{name}", share_set),
+        web.delete("/v1/shares/{kind:models|tenants}/{name}", share_clear),
+        web.get("/v1/shares", share_list),
     ])

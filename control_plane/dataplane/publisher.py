@@ -33,9 +33,10 @@ log = logging.getLogger(__name__)
 # [grpc_url, http_url, up]; meta: repository, workers, expose_concrete; miss_ms: model ->
 # milliseconds its last load took (what a miss of it costs); copies: model -> the servers of
 # its READY extra copies (mmctl scale), beside its placement (a worker that does not know the
-# section serves from placement alone).
+# section serves from placement alone); concurrency: server -> requests it takes at once from
+# the router (set ones only); shares: concrete model -> its fair-share weight (not 1 only).
 SECTIONS = ("placement", "carriers", "routes", "limits", "production", "versions", "public",
-            "models", "servers", "meta", "miss_ms", "copies")
+            "models", "servers", "meta", "miss_ms", "copies", "concurrency", "shares")
 LOG_CHANGES = 20_000  # changes kept for workers that are behind; older: the whole state
 _ABSENT = object()
 
@@ -144,7 +145,7 @@ class Publisher:
         self.workers = workers
         self.on_version = on_version
         self.published = PublishedState(epoch)
-        self._generation = {"table": -1, "names": -1, "families": -1}
+        self._generation = {"table": -1, "names": -1, "families": -1, "shares": (-1, -1)}
         self._routes_judged = False  # a canary pass may have changed a route's stage
         self._moved: set[str] = set()  # models whose state changed since the last publish
         self._publish_soon = False
@@ -201,6 +202,10 @@ class Publisher:
                 changes.append(("miss_ms", name, None if not load_s else round(load_s * 1000, 1)))
             changes += [("servers", s.name, [s.spec.grpc_url, s.spec.http_url, bool(s.up)])
                         for s in manager.servers.values()]
+            # A section of its own: a worker of the previous version reads "servers" as
+            # exactly three fields.
+            changes += [("concurrency", s.name, s.spec.concurrency)
+                        for s in manager.servers.values()]
             repository = manager.repository
             changes.append(("meta", "repository", str(repository) if repository is not None else None))
         names, table = self.rollouts.names, self.rollouts.table
@@ -211,6 +216,10 @@ class Publisher:
             self._generation["table"] = table.version
             changes += published.diff("routes", {n: asdict(r) for n, r in table.routes.items()})
             changes += published.diff("limits", {k: dict(v) for k, v in table.limits.items()})
+        shares = self.rollouts.shares
+        if (shares.generation, names.generation) != self._generation["shares"]:
+            self._generation["shares"] = (shares.generation, names.generation)
+            changes += published.diff("shares", shares.resolved())
         if names.generation != self._generation["names"]:
             self._generation["names"] = names.generation
             versions: dict[str, dict[str, str]] = {}

@@ -180,6 +180,8 @@ def render_family_config(spec: FleetSpec) -> str:
     model_config.set_input_dims(config, FEATURES_INPUT, [spec.feature_dim])
     config.max_batch_size = spec.max_batch_size
     model_config.set_instance_kind(config, "KIND_CPU", spec.instance_kind)
+    for key, value in spec.extra_parameters:
+        model_config.set_parameter(config, key, value)
     return model_config.render_config(config)
 
 

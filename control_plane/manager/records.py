@@ -290,12 +290,16 @@ class ServerSpec:
     device: str = "cpu"
     memory_budget_bytes: int | None = None
     max_loaded: int | None = None
+    # Requests it takes at once from the router; past that, fair shares (None: no gate).
+    concurrency: int | None = None
 
     def __post_init__(self):
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise InvalidInput(f"memory budget ({self.memory_budget_bytes}) must be > 0 bytes")
         if self.max_loaded is not None and self.max_loaded < 1:
             raise InvalidInput(f"max_loaded ({self.max_loaded}) must be >= 1")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise InvalidInput(f"concurrency ({self.concurrency}) must be >= 1")
 
 
 class ServerHealth(str, enum.Enum):

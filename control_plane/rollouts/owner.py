@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from control_plane.rollouts.canary import CanaryController, registry_promoter
+from control_plane.rollouts.shares import ShareWeights
 from control_plane.rollouts.stats import StatsBook
 from control_plane.state.background import BackgroundStore
 from domain.periodic import run_periodically
@@ -34,6 +35,8 @@ class Rollouts:
         self.route_store = BackgroundStore(store)
         self.table = RouteTable(self.route_store, default_target=self.names.production.get,
                                 unrouted=self.names.unrouted)
+        # Fair-share weights (mmctl share): saved beside the table, by the same writer.
+        self.shares = ShareWeights(self.route_store, registry.versions, self.names)
         self.stats = StatsBook(clock=clock)
         self.canaries = CanaryController(self.table, self.stats, clock=clock,
                                          on_promote=registry_promoter(registry))

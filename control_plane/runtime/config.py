@@ -78,6 +78,10 @@ class ServiceConfig:
         flag="--repository", parse=Path)
     max_loaded: int | None = setting(None, "Most models loaded per Triton server.",
                                      flag="--max-loaded", parse=int)
+    server_concurrency: int | None = setting(
+        None, "Requests each Triton server takes at once from the router; past that each "
+        "model gets its fair share of the server (mmctl share). Default: no limit.",
+        flag="--server-concurrency", parse=int)
     # None: derived from the device (local servers); ``--memory-budget unlimited`` sets
     # derive_memory_budget=False instead (__post_init__).
     memory_budget_bytes: int | None = setting(
@@ -270,6 +274,8 @@ class ServiceConfig:
     def validate(self) -> None:
         if self.max_loaded is not None and self.max_loaded < 1:
             raise InvalidInput(f"max_loaded ({self.max_loaded}) must be >= 1")
+        if self.server_concurrency is not None and self.server_concurrency < 1:
+            raise InvalidInput(f"server_concurrency ({self.server_concurrency}) must be >= 1")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
             raise InvalidInput(f"memory budget ({self.memory_budget_bytes}) must be > 0 bytes")
         if self.triton_servers < 0 or (self.triton_servers == 0 and not self.attach

@@ -30,11 +30,12 @@ class RemoteServer:
     node: str | None = None
     memory_budget_bytes: int | None = None
     max_loaded: int | None = None
+    concurrency: int | None = None
 
 
 def load_servers_file(path: Path) -> list[RemoteServer]:
     """``{"servers": [{"name", "grpc_url", "http_url", "metrics_url"?, "node"?,
-    "memory_budget"? (bytes or "70GiB"), "max_loaded"?}, ...]}`` (JSON)."""
+    "memory_budget"? (bytes or "70GiB"), "max_loaded"?, "concurrency"?}, ...]}`` (JSON)."""
     from domain.names import validate_model_name
 
     try:
@@ -53,11 +54,11 @@ def load_servers_file(path: Path) -> list[RemoteServer]:
         if not isinstance(entry, dict):
             raise InvalidInput(f"{where} must be an object with name, grpc_url and http_url")
         unknown = set(entry) - {"name", "grpc_url", "http_url", "metrics_url", "node",
-                                "memory_budget", "max_loaded"}
+                                "memory_budget", "max_loaded", "concurrency"}
         if unknown:
             raise InvalidInput(f"{where} has unknown fields {sorted(unknown)}; a server has "
                                "name, grpc_url, http_url, metrics_url, node, memory_budget, "
-                               "max_loaded")
+                               "max_loaded, concurrency")
         missing = [k for k in ("name", "grpc_url", "http_url") if not entry.get(k)]
         if missing:
             raise InvalidInput(f"{where} lacks {', '.join(missing)}")
@@ -74,9 +75,14 @@ def load_servers_file(path: Path) -> list[RemoteServer]:
         max_loaded = entry.get("max_loaded")
         if max_loaded is not None and (not isinstance(max_loaded, int) or max_loaded < 1):
             raise InvalidInput(f"{where}: max_loaded must be a whole number >= 1")
+        concurrency = entry.get("concurrency")
+        if concurrency is not None and (type(concurrency) is not int or concurrency < 1):
+            raise InvalidInput(f"{where}: concurrency must be a whole number >= 1 (requests "
+                               "the server takes at once from the router)")
         found.append(RemoteServer(str(entry["name"]), str(entry["grpc_url"]), str(entry["http_url"]),
                                   entry.get("metrics_url"), entry.get("node"),
-                                  int(budget) if budget is not None else None, max_loaded))
+                                  int(budget) if budget is not None else None, max_loaded,
+                                  concurrency))
     names = [s.name for s in found]
     if len(set(names)) != len(names):
         raise InvalidInput(f"the servers file {path} names a server twice: each needs its own name")
@@ -225,7 +231,7 @@ class TritonFleet:
             self.processes.append(proc)
             spec = ServerSpec(plan.name, proc.grpc_url, proc.http_url, proc.metrics_url,
                               device=plan.device.id, memory_budget_bytes=plan.budget_bytes,
-                              max_loaded=cfg.max_loaded)
+                              max_loaded=cfg.max_loaded, concurrency=cfg.server_concurrency)
             admin = self.family_admin(spec, load_config=instance_kind_override(self.repository, kind))
             servers.append(ModelManager.make_server(spec, cfg.policy, process=proc, admin=admin))
             self.labels[plan.name] = ServerLabels.from_device(plan.device)
@@ -254,7 +260,7 @@ class TritonFleet:
             self.processes.append(proc)
             spec = ServerSpec(f"triton{i}", proc.grpc_url, proc.http_url, proc.metrics_url,
                               device="cpu", memory_budget_bytes=local_budget_bytes,
-                              max_loaded=cfg.max_loaded)
+                              max_loaded=cfg.max_loaded, concurrency=cfg.server_concurrency)
             servers.append(ModelManager.make_server(spec, cfg.policy, process=proc,
                                                     admin=self.family_admin(spec)))
         return servers
@@ -277,7 +283,8 @@ class TritonFleet:
                               memory_budget_bytes=(remote.memory_budget_bytes
                                                    if remote.memory_budget_bytes is not None
                                                    else cfg.memory_budget_bytes),
-                              max_loaded=remote.max_loaded or cfg.max_loaded)
+                              max_loaded=remote.max_loaded or cfg.max_loaded,
+                              concurrency=remote.concurrency or cfg.server_concurrency)
             servers.append(ModelManager.make_server(spec, cfg.policy, admin=self.family_admin(spec)))
         return servers
 

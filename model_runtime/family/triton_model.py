@@ -158,6 +158,9 @@ class FamilyModel:
         except (OSError, json.JSONDecodeError, LayoutError) as exc:
             raise SlotError(f"family {self.family}: cannot read {LAYOUT_FILE}: {exc}") from None
         slots = int(_parameter(self.model_config, SLOTS_PARAMETER, "1"))
+        # Benchmarks and tests: device time simulated on a machine without one, slept once
+        # per batch that ran (the recommender's parameter of the same name).
+        self.execute_delay_s = float(_parameter(self.model_config, "execute_delay_s", "0"))
         self.bank = SlotBank(layout, slots, self.device)
         self.modules = [self.build(self.bank.views(i)) for i in range(slots)]
         self.instance = uuid.uuid4().hex[:12]  # a restarted family has empty slots
@@ -213,6 +216,8 @@ class FamilyModel:
                     for i in members:
                         if responses[i] is None:
                             responses[i] = _error(f"{holders[slot]} failed: {exc}", "INTERNAL")
+            if groups and self.execute_delay_s > 0:
+                time.sleep(self.execute_delay_s)
         finally:
             with self.guard:
                 for slot in groups:

@@ -37,6 +37,7 @@ from domain.router_errors import (
 )
 from domain.routes import Decision
 from router.rollouts.routing_decisions import Decider
+from router.serving.fair_shares import ShareGate
 from router.serving.metrics import Recording, RouterMetrics
 from router.serving.miss_budget import MissBudget
 from router.serving.serving_state import ServerAddress, ServingState
@@ -60,6 +61,7 @@ RATE_MAX_ANSWERS = 4096
 QUEUE_MARGIN = 0.8  # a request is sent when its expected wait and turn fit 80% of its time left
 # How often requests waiting on a server look whether the control plane declared it down.
 DOWN_CHECK_S = 0.1
+_NO_GATE = contextlib.nullcontext()  # a server without a concurrency: no fair-share turn
 
 
 class Resend(enum.Enum):
@@ -158,6 +160,12 @@ class Sender:
         # answered: the wait a new request would have there (``expected_wait_s``).
         self.queued: collections.Counter[tuple[str, str]] = collections.Counter()
         self.answered_at: dict[tuple[str, str], collections.deque[float]] = {}
+        # Turns on servers with a concurrency, by fair share (router.serving.fair_shares).
+        self.shares = ShareGate(
+            lambda server: self.state.concurrency(server),
+            lambda model: self.state.share_weight(model),
+            on_wait=lambda model, s: metrics.share_wait.labels(metrics.model_label(model)).observe(s),
+            on_refused=lambda model: metrics.share_refused.labels(metrics.model_label(model)).inc())
 
     # ------------------------------------------------------------------ where
     async def server_for(self, model: str, asked: str | None = None, fresh: bool = False,
@@ -403,12 +411,15 @@ class Sender:
                 model = call.decision.model
                 pair = (server.name, model)
                 self.outstanding[server.name] += 1
-                self.queued[pair] += 1
+                self.queued[pair] += 1  # waiting for its turn too: expected_wait_s counts it
                 try:
-                    with tracing.span("triton.infer", tracing.SpanKind.CLIENT, server=server.name,
-                                      resend=resends or None):
-                        outcome = await self.down_watch.wait(
-                            server, attempt(server, max(0.001, deadline - time.monotonic())))
+                    gate = (_NO_GATE if self.state.concurrency(server.name) is None
+                            else self.shares.turn(server.name, model, deadline, call.decision.logical))
+                    async with gate:
+                        with tracing.span("triton.infer", tracing.SpanKind.CLIENT,
+                                          server=server.name, resend=resends or None):
+                            outcome = await self.down_watch.wait(
+                                server, attempt(server, max(0.001, deadline - time.monotonic())))
                     answered = self.answered_at.get(pair)
                     if answered is None:
                         answered = self.answered_at[pair] = collections.deque(maxlen=RATE_MAX_ANSWERS)

@@ -40,6 +40,14 @@ class RouterMetrics:
             "Requests refused at once because they could not start within their deadline: "
             "their model's load (reason load) or the requests queued before them (reason "
             "queue) would outlast it", ["reason"], registry=r)
+        self.share_wait = Histogram(
+            "mmr_share_wait_seconds", "Time requests waited for their model's fair share of a "
+            "saturated server (servers with a concurrency)", ["model"],
+            buckets=LATENCY_BUCKETS_S, registry=r)
+        self.share_refused = Counter(
+            "mmr_share_refused_total", "Requests refused because as many of their model's "
+            "requests already waited for its share of a saturated server as a worker holds",
+            ["model"], registry=r)
         self.refused = Counter("mmr_refused_total", "Model-control calls refused on the public port",
                                ["api"], registry=r)
         self.inflight = Gauge("mmr_inflight_requests", "Requests in flight", registry=r,

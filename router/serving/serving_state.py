@@ -61,15 +61,25 @@ class ServingState(Protocol):
 
     def servers(self) -> list[ServerAddress]: ...
 
+    def concurrency(self, server: str) -> int | None:
+        """This process's part of ``server``'s concurrency (its requests at once from the
+        router, over the router workers, at least 1): the fair-share gate
+        (``router.serving.fair_shares``); None: not set, no gate."""
+
+    def share_weight(self, model: str) -> float:
+        """``model``'s weight in a saturated server's fair share (``mmctl share``; 1 unset)."""
+
     async def health(self, model: str) -> dict: ...
 
 
 class LocalState:
     """The manager of this process as a state source."""
 
-    def __init__(self, manager, families=None):
+    def __init__(self, manager, families=None, weights=None):
         self.manager = manager
         self.families = families  # control_plane.families.FamilyCatalog, or None
+        # () -> model -> weight (control_plane.rollouts.shares.ShareWeights.resolved)
+        self.weights = weights or dict
         self._addresses: dict[str, ServerAddress] = {}
 
     @property
@@ -113,6 +123,13 @@ class LocalState:
 
     def servers(self) -> list[ServerAddress]:
         return [self._address(s) for s in list(self.manager.servers.values())]
+
+    def concurrency(self, server: str) -> int | None:
+        found = self.manager.servers.get(server)
+        return None if found is None else found.spec.concurrency  # the only router process
+
+    def share_weight(self, model: str) -> float:
+        return self.weights().get(model, 1.0)
 
     async def health(self, model: str) -> dict:
         return await self.manager.health(model)

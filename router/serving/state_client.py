@@ -213,7 +213,8 @@ class RemoteState:
                     keys[key] = value
                 touched.add(section)
         for section in ("placement", "carriers", "routes", "limits", "production", "versions",
-                        "public", "models", "servers", "meta", "miss_ms", "copies"):
+                        "public", "models", "servers", "meta", "miss_ms", "copies", "concurrency",
+                        "shares"):
             self.sections.setdefault(section, {})
         version = published["version"]
         if touched & NAME_SECTIONS:
@@ -260,6 +261,13 @@ class RemoteState:
     def copy_servers(self, model: str) -> list[ServerAddress]:
         found = [self.addresses.get(name) for name in self.sections["copies"].get(model, ())]
         return [a for a in found if a is not None]
+
+    def concurrency(self, server: str) -> int | None:
+        total = self.sections["concurrency"].get(server)
+        return None if total is None else max(1, int(total) // self.workers)
+
+    def share_weight(self, model: str) -> float:
+        return float(self.sections["shares"].get(model, 1.0))
 
     async def ensure(self, model: str, unreachable: str | None = None) -> ServerAddress:
         # Requests that could not reach the model's server do not share a plain miss's

@@ -51,7 +51,8 @@ class Manager:
         self.listeners = []
         self.records = {}
         self.server = SimpleNamespace(name="triton0", up=True,
-                                      spec=SimpleNamespace(grpc_url="127.0.0.1:1", http_url="127.0.0.1:2"))
+                                      spec=SimpleNamespace(grpc_url="127.0.0.1:1", http_url="127.0.0.1:2",
+                                                           concurrency=None))
         self.servers = {"triton0": self.server}
         for i in range(models):
             rec = self.records[f"m{i:05d}"] = ModelRecord(f"m{i:05d}", on_move=self._moved)

@@ -64,6 +64,12 @@ class State:
     def copy_servers(self, model):
         return []
 
+    def concurrency(self, server):
+        return None
+
+    def share_weight(self, model):
+        return 1.0
+
     async def ensure(self, model, unreachable=None):
         self.ensured.append(model)
         self.ready.add(model)

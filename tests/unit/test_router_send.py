@@ -38,6 +38,12 @@ class MovingState:
     def copy_servers(self, model):
         return []
 
+    def concurrency(self, server):
+        return None
+
+    def share_weight(self, model):
+        return 1.0
+
     async def ensure(self, model, unreachable=None):
         self.ensured.append(model)
         if unreachable is not None:

@@ -310,6 +310,12 @@ class PublishedState:
     def copy_servers(self, model):
         return []
 
+    def concurrency(self, server):
+        return None
+
+    def share_weight(self, model):
+        return 1.0
+
     def _first(self) -> ServerAddress:
         f = self.first
         return ServerAddress(f.name, f.grpc_url, f.http_url, up=not self.down)

@@ -284,8 +284,11 @@ def test_the_overview_puts_the_fleet_traffic_and_rollouts_together():
         return router_metrics({("a", "a", "default", "OK"): 4}, {}, {("a", "default"): [0.002] * 4})
 
     clock = iter(range(1000, 2000)).__next__
+    hub = SimpleNamespace(worker_counts=lambda: (2, 2), version=7, epoch="e1", workers={
+        "w0": WorkerSeen("w0", last_seen=1000.0, version=7, epoch="e1"),
+        "w1": WorkerSeen("w1", last_seen=1000.0, version=6, epoch="e1")})
     overview = Overview(StatusSources(manager, locate=lambda n: {"tier": "hot" if n == "a" else "warm"},
-                                      rollouts=fake_rollouts(), router_metrics=read,
+                                      rollouts=fake_rollouts(), router_metrics=read, workers=hub,
                                       clock=lambda: float(clock())))
 
     async def built() -> dict:
@@ -309,6 +312,8 @@ def test_the_overview_puts_the_fleet_traffic_and_rollouts_together():
     assert (shadow["route"], shadow["dropped"], shadow["divergence_rate"]) == ("n", 2, 0.25)
     assert "log" not in shadow
     assert doc["experiments"][0]["id"] == "ab1" and doc["traffic"]["available"]
+    # Which workers serve every change published (w1 is a version behind).
+    assert {w["worker"]: w["current"] for w in doc["workers"]["list"]} == {"w0": True, "w1": False}
 
 
 def test_a_router_that_cannot_be_read_leaves_the_rest_of_the_page():

@@ -252,7 +252,7 @@ class Overview:
             return None
         live, expected = hub.worker_counts()
         return {"live": live, "expected": expected,
-                "list": [dict(w.to_dict(now), in_touch=w.in_touch(now))
+                "list": [dict(w.to_dict(now, hub.version, hub.epoch), in_touch=w.in_touch(now))
                          for w in list(hub.workers.values())]}
 
 
