@@ -20,6 +20,7 @@ Each benchmark is its own module and can run alone with its own options:
     python -m bench.slot_fill        one family slot's swap-in: reading threads, device copies
     python -m bench.http_parse_offloop  how long a large JSON body holds up the router's loop
     python -m bench.capacity         a hot model at 3x one copy: one copy vs --replicas auto, deadlines
+    python -m bench.fair_share       a flood beside 20 customers on one family: Triton's queue vs fair shares
 
 This runner uses shorter settings (`--full` uses each benchmark's defaults), writes
 bench/results/summary.json (machine, versions, conditions, headline numbers) and the plots
@@ -65,6 +66,7 @@ QUICK = {
     "mixed_traffic": ["-m", "bench.mixed_traffic", "--size-mb", "20", "--duration", "20"],
     "http_parse_offloop": ["-m", "bench.http_parse_offloop", "--mib", "4", "1", "--bodies", "3"],
     "capacity": ["-m", "bench.capacity", "--rounds", "1", "--phase-s", "10", "--auto-s", "30"],
+    "fair_share": ["-m", "bench.fair_share", "--rounds", "1", "--phase-s", "10"],
 }
 FULL = {
     "load_unload": ["-m", "bench.load_unload"],
@@ -85,6 +87,7 @@ FULL = {
     "mixed_traffic": ["-m", "bench.mixed_traffic"],
     "http_parse_offloop": ["-m", "bench.http_parse_offloop"],
     "capacity": ["-m", "bench.capacity"],
+    "fair_share": ["-m", "bench.fair_share"],
 }
 
 
@@ -253,6 +256,15 @@ def summary_rows() -> list[tuple[str, str, str]]:
                      "router", (f"{d['in_time_per_s']['told']}/s in time vs "
                                 f"{d['in_time_per_s']['untold']}/s unrefused; refusal p99 "
                                 f"{d['refused_p99_ms']} ms")))
+    fair = load("fair_share.json")
+    if fair:
+        c = fair["conditions"]
+        plain, shares = fair["plain"]["background_beside_flood"], fair["fair"]["background_beside_flood"]
+        rows.append(((f"{c['background_variants']} customers beside a flood of one family "
+                      "(device time simulated)"), "end to end",
+                     (f"background p95 {shares['p95_ratio']}x alone's with fair shares "
+                      f"({shares['timeouts']} timed out) vs {plain['p95_ratio']}x without "
+                      f"({plain['timeouts']} timed out)")))
     thrash = load("thrash.json")
     if thrash:
         c = thrash["conditions"]

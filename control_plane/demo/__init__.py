@@ -8,6 +8,15 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+# The demo's cust017 rollout variants have their place in the registry: versions of cust017
+# (whose own folder is version 1), so a rollout reads "cust017 -> version 2"; each keeps its
+# folder name as its concrete name.  (Here, not beside the generators: the control plane
+# reads them at every start and imports torch only when it writes the demo.)
+DEMO_VERSIONS = {"cust017-v2": ("cust017", 2), "cust017-v3": ("cust017", 3), "cust017-faulty": ("cust017", 4)}
+# Written beside them: only a repository the demo wrote reads those folders as versions of
+# cust017 (in anyone else's, a folder named cust017-v2 is a model of its own).
+DEMO_MARKER = ".mms-demo"
+
 
 def write_demo_repository(repository: Path, fleet_size: int, model_size_mb: float | None = None,
                           layout: str = "family") -> None:

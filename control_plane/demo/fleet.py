@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from control_plane.demo import DEMO_MARKER, DEMO_VERSIONS
 from domain import model_config
 from domain.names import validate_model_name
 
@@ -121,14 +122,6 @@ def demo_spec(count: int, size_mb: float | None = None) -> FleetSpec:
     if size_mb:
         spec = FleetSpec(count=count, instance_kind=spec.instance_kind, hidden_dim=hidden_dim_for_size(size_mb))
     return spec
-
-
-# Their place in the registry: versions of cust017 (whose own folder is version 1), so a
-# rollout reads "cust017 -> version 2"; each keeps its folder name as its concrete name.
-DEMO_VERSIONS = {"cust017-v2": ("cust017", 2), "cust017-v3": ("cust017", 3), "cust017-faulty": ("cust017", 4)}
-# Written beside them: only a repository the demo wrote reads those folders as versions of
-# cust017 (in anyone else's, a folder named cust017-v2 is a model of its own).
-DEMO_MARKER = ".mms-demo"
 
 
 def generate_extras(repository: Path, spec: FleetSpec = FleetSpec(), family: bool = False) -> list[str]:

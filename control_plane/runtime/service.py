@@ -35,8 +35,7 @@ from control_plane.admin.access import (
 )
 from control_plane.admin.api import make_app
 from control_plane.admin.rollout_routes import RolloutAdmin, ShadowFigures
-from control_plane.demo import write_demo_repository
-from control_plane.demo.fleet import DEMO_MARKER, DEMO_VERSIONS
+from control_plane.demo import DEMO_MARKER, DEMO_VERSIONS, write_demo_repository
 from control_plane.manager import ManagerConfig, ModelManager
 from control_plane.runtime.config import ServiceConfig, config_from_json, config_to_json  # noqa: F401  (their import path)
 from control_plane.runtime.supervisor import PROCESSES_FILE

@@ -103,6 +103,13 @@ def check_capacity(result: dict) -> None:
     assert positive(result["deadline"]["in_time_per_s"]["told"]), result["deadline"]
 
 
+def check_fair_share(result: dict) -> None:
+    for key in ("plain", "fair"):
+        assert result[key]["wrong_answers"] == 0 and result[key]["errors"] == 0, result[key]
+        assert positive(result[key]["background_alone"]["p95_ms"]), result[key]
+        assert positive(result[key]["flood"]["answered_per_s"]), result[key]
+
+
 def check_router_latency(result: dict) -> None:
     for key in ("direct", "router_w1"):
         assert positive(result["paths"][key]["p50_us"]), result["paths"].keys()
@@ -126,6 +133,12 @@ SMOKES: dict[str, Smoke] = {
          rf"hot model offered {NUMBER}/s: one copy {NUMBER}/s, auto \(steady\) {NUMBER}/s",
          rf"background p95: alone {NUMBER} ms", rf"deadlines of 100 ms .* p99 {NUMBER} ms"],
         "capacity.json", check_capacity),
+    "fair_share": Smoke(
+        ["-m", "bench.fair_share", "--smoke", "--out", "{out}/fair_share.json"],
+        [r"device time simulated: the family's one instance sleeps",
+         rf"plain \(no concurrency\): background p95 alone {NUMBER} ms, beside the flood",
+         rf"fair  \(--server-concurrency 2\): background p95 alone {NUMBER} ms, beside the flood"],
+        "fair_share.json", check_fair_share),
     "router_latency": Smoke(
         ["-m", "bench.router_latency", "--requests", "40", "--block", "20", "--threads", "2",
          "--seconds", "1", "--rounds", "1", "--workers", "1", "--no-install",
