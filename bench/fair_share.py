@@ -23,7 +23,7 @@ batch runs waits for it, so one service time over alone is the floor on one inst
 background requests that timed out, the flood's answers per second (the gate must not lose
 throughput), refusals at once (RESOURCE_EXHAUSTED) apart from errors.
 
-    .venv/bin/python -m bench.fair_share [--rounds 3] [--phase-s 15] [--concurrency 2]
+    .venv/bin/python -m bench.fair_share [--rounds 3] [--phase-s 45] [--concurrency 2]
 
 ``--smoke``: 4 background variants, 1 round, 3 s phases (the suite runs it: the bench still
 works).
@@ -163,11 +163,11 @@ def settle(product: Product, seconds: float = 60.0) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--phase-s", type=float, default=15.0)
+    parser.add_argument("--phase-s", type=float, default=45.0)
     parser.add_argument("--service-ms", type=float, default=25.0)
     parser.add_argument("--overload", type=float, default=3.0)
     parser.add_argument("--background", type=int, default=20)
-    parser.add_argument("--background-rate", type=float, default=8.0)
+    parser.add_argument("--background-rate", type=float, default=16.0)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=2.0)
     parser.add_argument("--router-workers", type=int, default=2)

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 
 MODELS = ["identity", "cust001", "cust002", "cust003", "cust004"]
 THREADS = 16
-DURATION_S = 20.0
+DURATION_S = 12.0
 MAX_LOADED = 3
 OP_TIMEOUT_S = 180.0  # one call may wait for loads/unloads ahead of it on a busy machine
 SETTLE_TIMEOUT_S = 120.0

@@ -93,7 +93,8 @@ def test_a_request_for_a_model_on_a_dead_node_is_served_by_another_node(two_node
         answers.assert_distinct([SLOW, "cust001"], features(1, 0))
         for seed, model in enumerate((SLOW, "cust001")):
             x = features(1, seed)
-            for client in clients.values():
+            # Both loaded; the slow one (3 s a request) asked once, the other on both protocols.
+            for client in list(clients.values())[:1 if model == SLOW else None]:
                 answers.assert_answer(model, x, infer(client, model, x))
         headers = product.admin_headers()
 
@@ -172,8 +173,9 @@ def test_a_request_for_a_model_on_a_dead_node_is_served_by_another_node(two_node
         # Re-placed for the request, not by the lost-node bookkeeping: that waits its time.
         assert fleet[dead]["up"] is False and fleet[dead]["lost"] is False
         assert SLOW in fleet[survivor]["loaded"] and SLOW not in fleet[dead]["loaded"]
-        # Traffic afterwards: every model answers with its own scores.
-        for seed, name in enumerate((SLOW, "cust001", "cust002")):
+        # Traffic afterwards: every model answers with its own scores (the slow one did just
+        # above, on both protocols).
+        for seed, name in enumerate(("cust001", "cust002")):
             x = features(1, 200 + seed)
             for client in clients.values():
                 answers.assert_answer(name, x, infer(client, name, x))
