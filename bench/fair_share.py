@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.mixed_traffic import cpu_busy
 from control_plane.demo.fleet import (
+    DEMO_FAMILY,
     FleetSpec,
     base_weights,
     customer_weights,
@@ -146,7 +147,7 @@ def settle(product: Product, seconds: float = 60.0) -> None:
 
     def executions() -> int:
         try:
-            body = requests.get(f"http://{url}/v2/models/recommender_family/stats", timeout=5).json()
+            body = requests.get(f"http://{url}/v2/models/{DEMO_FAMILY}/stats", timeout=5).json()
         except (requests.RequestException, ValueError):
             return -1
         return sum(int(m.get("execution_count", 0)) for m in body.get("model_stats", []))

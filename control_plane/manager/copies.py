@@ -22,6 +22,10 @@ entry of that server's planner.  The rules:
 * ``--replicas auto --min A --max B``: ``autoscale`` (each reconcile pass) moves the count
   between A and B by the requests the router workers report outstanding on Triton for the
   model (``load_of``), with the thresholds, hysteresis and cool-down of ``ManagerConfig``.
+* A family's variant is copied into a slot of its family's model on the other server (the
+  family loaded there with its slots, reserved like the loader's, when the copy is its
+  first variant there); the copy is a member of that server's family pool, and Triton's
+  name of it is the variant's (``ModelRecord.triton_name``).
 * ``mmctl unload`` unloads every copy, one still loading too (``ModelBook.unloading`` keeps
   any from becoming the model's own meanwhile); the target stays for its next load.
 * Targets survive restarts (the state store's key-value table); copies that Triton already
@@ -51,7 +55,6 @@ from control_plane.manager.records import (
     ModelRecord,
     ModelState,
     TritonServer,
-    slot_pool,
 )
 from control_plane.manager.room import RoomLedger
 from control_plane.manager.unloader import Unloader, retrieve
@@ -194,13 +197,9 @@ class Copies:
         return rec
 
     def _refuse_family_models(self, name: str) -> None:
+        """A family's Triton model is the control plane's to load for its variants; its
+        variants are scaled (each copy takes a slot of the family on its server)."""
         for server in self.servers.values():
-            pool = slot_pool(server.admin, name)
-            if pool is not None:
-                raise InvalidInput(
-                    f"{name} is a variant of the model family {pool.name}: its requests run in "
-                    f"the family's model, which holds it in a weight slot; copies of a variant "
-                    f"are not supported yet: scale a model of its own")
             if name in getattr(server.admin, "slot_pools", dict)():
                 raise InvalidInput(f"{name} is a model family's Triton model: the control plane "
                                    "loads it for its variants; it cannot be scaled")
@@ -358,8 +357,12 @@ class Copies:
             copy = self.book.extra_copy(name, server.name)
             copy.failure = None
             copy.set_pinned(rec.pinned)
+            # A variant's copy takes a slot of its family there: the room reserved is the
+            # family's slots when this copy loads the family on that server, else none.
+            pool, undo_pool, room_bytes, room_slots = self.loader.reserve_pool(
+                server, name, size, key=copy.name)
             copy.move(ModelState.LOADING, server=server.name, memory_bytes=size)
-            self.room.queue(server, copy.name, size)
+            self.room.queue(server, copy.name, room_bytes, room_slots)
         log.info("copying %s to %s (%d bytes), evicting %s", name, server.name, size,
                  victims or "nothing")
         evictions = [self.unloader.unload_now(server, v, reason="evicted") for v in victims]
@@ -369,10 +372,12 @@ class Copies:
             await self.loader.wait_for_room(
                 server, name, size, evictions,
                 time.monotonic() + self.config.drain_timeout_s + self.config.unload_timeout_s,
-                room_bytes=size)
+                room_bytes=room_bytes, room_slots=room_slots, pool=pool)
         except ControlPlaneError as exc:
             self.room.unqueue(server, copy.name)
             copy.move(ModelState.WARM, server=None)
+            undo_pool()
+            self.loader.settle_pool(server, pool)
             self.notes[name] = f"no room on {server.name}: {exc.message}"
             return False
         self.room.send(server, copy.name, size)
@@ -383,8 +388,10 @@ class Copies:
         except ControlPlaneError as exc:
             self.room.finish(copy.name)
             await self._undo(server, copy, exc)
+            self.loader.settle_pool(server, pool)
             return False
         self.room.finish(copy.name)
+        self.loader.settle_pool(server, pool)
         copy.load_time_s = time.monotonic() - start
         copy.warmup = warmup
         copy.move(ModelState.READY)

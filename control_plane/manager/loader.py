@@ -174,7 +174,7 @@ class Loader:
                     rec.failure = None
                     # A family's variant takes a slot: the room reserved is its family's
                     # slots when this load loads the family (or grows it), else none.
-                    pool, undo_pool, room_bytes, room_slots = self._reserve_pool(
+                    pool, undo_pool, room_bytes, room_slots = self.reserve_pool(
                         server, name, size_bytes)
                     rec.move(ModelState.LOADING, server=server.name, memory_bytes=size_bytes)
                     self.room.queue(server, name, room_bytes, room_slots)
@@ -250,10 +250,10 @@ class Loader:
         except BaseException as exc:
             self.room.finish(name)
             await self._undo_failed_load(server, rec, exc)
-            self._settle_pool(server, pool)
+            self.settle_pool(server, pool)
             raise
         self.room.finish(name)
-        self._settle_pool(server, pool)
+        self.settle_pool(server, pool)
         rec.load_time_s = time.monotonic() - start
         rec.warmup = warmup
         if not warmup.get("ok", True):
@@ -324,15 +324,16 @@ class Loader:
             await asyncio.wait(freeing, return_when=asyncio.FIRST_COMPLETED,
                                timeout=min(remaining_s, ROOM_POLL_S) if self.room.free_memory else remaining_s)
 
-    def _reserve_pool(self, server: TritonServer, name: str, size_bytes: int):
+    def reserve_pool(self, server: TritonServer, name: str, size_bytes: int, key: str | None = None):
         """Reserve the room of ``name``'s family's slots on ``server`` when its load loads
         the family there (or grows it); call under the lock, right after placement.  Returns
-        (the family's pool record or None, its undo, server bytes and slots reserved)."""
+        (the family's pool record or None, its undo, server bytes and slots reserved).
+        ``key``: the planner's key of the load (an extra copy's; default ``name``)."""
         pool = slot_pool(server.admin, name)
         if pool is None:
             return None, lambda: None, size_bytes, 1
         pool_rec = self.book.pool(server.name, pool)
-        plan = server.planner.plan(name, size_bytes, pool=pool_rec.name, pool_slots=pool.slots)
+        plan = server.planner.plan(key or name, size_bytes, pool=pool_rec.name, pool_slots=pool.slots)
         if not plan.pool_slots:
             return pool_rec, lambda: None, 0, 0
         slot_bytes = pool_rec.slot_bytes
@@ -352,7 +353,7 @@ class Loader:
 
         return pool_rec, undo, plan.pool_slots * slot_bytes, plan.pool_slots
 
-    def _settle_pool(self, server: TritonServer, pool: ModelRecord | None) -> None:
+    def settle_pool(self, server: TritonServer, pool: ModelRecord | None) -> None:
         """After a variant's load (done or failed): its family's slots as the server's model
         control knows them now (loaded with so many slots, or not at all)."""
         if pool is None or pool.server not in (None, server.name):

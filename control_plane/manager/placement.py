@@ -269,15 +269,14 @@ class Placer:
         new_pool = False
         if server.up:
             # A family's variant takes a slot of its family there (the family's whole slots
-            # when it is not loaded there yet).
-            pool = None if extra_copy else slot_pool(getattr(server, "admin", None), name)
+            # when it is not loaded there yet); so does each extra copy of a variant.
+            pool = slot_pool(getattr(server, "admin", None), name)
+            key = copy_key(name, server.name) if extra_copy else name
             try:
-                if extra_copy:
-                    plan = planner.plan(copy_key(name, server.name), size_bytes)
-                elif pool is None:
-                    plan = planner.plan(name, size_bytes)
+                if pool is None:
+                    plan = planner.plan(key, size_bytes)
                 else:
-                    plan = planner.plan(name, size_bytes, pool=pool_key(pool.name, server.name),
+                    plan = planner.plan(key, size_bytes, pool=pool_key(pool.name, server.name),
                                         pool_slots=pool.slots)
                 victims = tuple(plan.victims)
                 new_pool = pool is not None and pool_key(pool.name, server.name) not in planner.residents

@@ -100,7 +100,8 @@ class Residency:
         view = resident_view(rec, copy)
         current = server.planner.residents.get(rec.name)
         if current is None or server.name not in placed:
-            pool = None if rec.slot_bytes else slot_pool(server.admin, rec.name)
+            # (An extra copy of a variant is a member of its family there too.)
+            pool = None if rec.slot_bytes else slot_pool(server.admin, rec.triton_name)
             server.planner.admit(
                 Resident(rec.name, rec.memory_bytes, pinned=view.pinned,
                          priority=self.priority_of(rec.name), evictable=view.evictable,

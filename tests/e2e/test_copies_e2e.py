@@ -17,7 +17,14 @@ import pytest
 import requests
 from safetensors.torch import load_file
 
-from control_plane.demo.fleet import WEIGHTS_FILE
+from control_plane.demo.fleet import (
+    DEMO_FAMILY,
+    WEIGHTS_FILE,
+    FleetSpec,
+    base_weights,
+    customer_weights,
+    generate_family_fleet,
+)
 from tests.conftest import pid_alive
 from tests.product import Product
 from tests.reference import mlp_scores
@@ -27,21 +34,24 @@ from tests.waiting import wait_for
 pytestmark = pytest.mark.integration
 
 MODEL = "cust001"
+VARIANT = "fam001"  # a variant of the demo's model family, in the same repository
+VARIANT_SPEC = FleetSpec(count=2, hidden_dim=32, hidden_layers=1, prefix="fam")
 DEADLINE_S = 30.0
 FEATURES = np.random.default_rng(31).standard_normal((2, 64)).astype(np.float32)
 
 
-
-
-
-
-def inferences_on(http_url: str) -> int:
-    """Successful inferences of ``MODEL`` that Triton itself counted (0 when not loaded)."""
+def inferences_on(http_url: str, model: str = MODEL) -> int:
+    """Successful inferences of ``model`` that Triton itself counted (0 when not loaded)."""
     try:
-        body = requests.get(f"http://{http_url}/v2/models/{MODEL}/stats", timeout=5).json()
+        body = requests.get(f"http://{http_url}/v2/models/{model}/stats", timeout=5).json()
     except (requests.RequestException, ValueError):
         return 0
     return sum(int(s["inference_stats"]["success"]["count"]) for s in body.get("model_stats", []))
+
+
+def family_inferences_on(http_url: str) -> int:
+    """Inferences of the family's Triton model on one server (its variants' requests)."""
+    return inferences_on(http_url, DEMO_FAMILY)
 
 
 def group_of(pid: int) -> list[int]:
@@ -60,6 +70,9 @@ def group_of(pid: int) -> list[int]:
 
 
 def test_scale_spreads_requests_over_copies_and_a_killed_servers_copy_comes_back(repository, tmp_path):
+    generate_family_fleet(repository, VARIANT_SPEC)  # beside the models of their own
+    variant_expected = mlp_scores(customer_weights(VARIANT_SPEC, VARIANT, base_weights(VARIANT_SPEC)),
+                                  FEATURES)
     product = Product(tmp_path / "state", repository, "--triton-servers", "2", "--fleet-size", "0",
                       "--router-workers", "1", "--max-loaded", "4").start()
     try:
@@ -152,6 +165,25 @@ def test_scale_spreads_requests_over_copies_and_a_killed_servers_copy_comes_back
                  f"{MODEL} stayed loaded somewhere", logs)
         row = product.json("status", MODEL)[0]
         assert (row["state"], row["copies"], row["replicas"]) == ("warm", [], 2)
+
+        # A family's variant: each copy takes a slot of the family's model on its server,
+        # and requests for it are answered from both (the family model's own statistics).
+        scaled = product.mmctl("scale", VARIANT, "--replicas", "2")
+        assert scaled.returncode == 0, scaled.stderr
+        assert sorted(c["server"] for c in product.json("status", VARIANT)[0]["copies"]
+                      if c["state"] == "ready") == sorted(tritons)
+        client = client_for(endpoints, "grpc", DEADLINE_S)
+        try:
+            for _ in range(40):
+                np.testing.assert_allclose(infer_scores(client, "grpc", VARIANT, FEATURES, DEADLINE_S),
+                                           variant_expected, rtol=1e-5, atol=1e-6)
+        finally:
+            client.close()
+        served = {name: family_inferences_on(url) for name, url in http_of.items()}
+        assert all(n > 0 for n in served.values()), served
+        unloaded = product.mmctl("unload", VARIANT)
+        assert unloaded.returncode == 0, unloaded.stderr
+        assert product.json("status", VARIANT)[0]["copies"] == []
     finally:
         product.stop()
     product.assert_no_triton_left()

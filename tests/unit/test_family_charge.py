@@ -239,3 +239,49 @@ def test_the_first_start_evicts_what_assumed_empty_slots_were_free(tmp_path):
         await mgr.close()
 
     run(go())
+
+
+def make_two(tmp_path, budget_bytes):
+    """Two servers, each with its own family instance (FakeFamilyAdmin)."""
+    admins = {n: FakeFamilyAdmin(("m1", "m2", "m3")) for n in ("s0", "s1")}
+    servers = [ModelManager.make_server(ServerSpec(n, f"{n}:1", f"{n}:2", memory_budget_bytes=budget_bytes),
+                                        "lru", admin=a) for n, a in admins.items()]
+    mgr = ModelManager(servers, StateStore(tmp_path / "s.db"), stager=Sizes(),
+                       config=ManagerConfig(policy="lru", unload_timeout_s=0.3, headroom_models=0))
+    return mgr, admins, {s.name: s for s in servers}
+
+
+def test_a_variants_copy_takes_a_slot_of_its_family_on_the_other_server(tmp_path):
+    async def go():
+        mgr, admins, servers = make_two(tmp_path, budget_bytes=400)
+        await mgr.start()
+        await mgr.scale("v1", 2)
+        await idle(mgr)
+        # v1 in a slot on both servers, each server's family charged its 2 slots (200
+        # bytes) and the copy counted as one member of the family there, nothing more.
+        assert [n for n, a in admins.items() if a.states.get("v1") == TritonModelState.READY] == ["s0", "s1"]
+        assert all(a.family_loaded for a in admins.values())
+        for name, server in servers.items():
+            assert server.planner.used_bytes == 200, name
+            pools = next(f for f in mgr.fleet() if f["server"] == name)["slot_pools"]
+            assert pools == {"fam": {"slots": 2, "bytes": 200, "members": 1}}, (name, pools)
+        (row,) = [r for r in mgr.status() if r["model"] == "v1"]
+        assert sorted(c["server"] for c in row["copies"] if c["state"] == "ready") == ["s0", "s1"]
+        own = row["server"]
+        other = next(n for n in servers if n != own)
+        # Another variant's miss on the copy's server takes the free slot; a third variant's
+        # miss there evicts the extra copy first (the lowest priority), never v2's own.
+        await mgr.ensure("v2")
+        await mgr.ensure("v3")
+        await idle(mgr)
+        ready_on_other = {m for m, s in admins[other].states.items() if s == TritonModelState.READY}
+        own_on_other = {r["model"] for r in mgr.status()
+                        if r["server"] == other and r["state"] == "ready"}
+        assert own_on_other <= ready_on_other and len(ready_on_other) <= 2, ready_on_other
+        # mmctl unload: every copy leaves, its families' slots stay charged until needed.
+        await mgr.unload("v1")
+        await idle(mgr)
+        assert not any(a.states.get("v1") == TritonModelState.READY for a in admins.values())
+        await mgr.close()
+
+    run(go())
