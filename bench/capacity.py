@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.mixed_traffic import cpu_busy
+from bench.open_loop import open_loop, outcome_of
 from tests.product import Product
 
 HOT = "hot"
@@ -124,45 +125,26 @@ class Traffic:
         import tritonclient.grpc.aio as grpcclient
 
         client = grpcclient.InferenceServerClient(self.url)
-        start = time.monotonic() + 0.1
-        plan = sorted((start + (i + offset) / rate, model)
-                      for model, rate in rates.items() if rate > 0
-                      for offset in [self.rng.random()]
-                      for i in range(int(rate * seconds)))
-        results: list[tuple] = []
         x = np.arange(4, dtype=np.float32).reshape(4) + 1
-
         limit_s = self.timeout_s if timeout_s is None else timeout_s
 
-        async def one(model: str, due: float) -> None:
+        async def one(model: str) -> str:
             inputs = [grpcclient.InferInput("X", [4], "FP32")]
             inputs[0].set_data_from_numpy(x)
-            sent = time.monotonic()
             try:
                 if tell_deadline:
                     answer = await client.infer(model, inputs, client_timeout=limit_s)
                 else:
                     answer = await asyncio.wait_for(client.infer(model, inputs), limit_s)
-                y = answer.as_numpy("Y")
-                ok = y is not None and np.allclose(y, x * self.factors[model])
-                results.append((model, sent, time.monotonic(), "ok" if ok else "wrong"))
-            except TimeoutError:
-                results.append((model, sent, time.monotonic(), "timeout"))
             except Exception as exc:  # noqa: BLE001  (every failure is counted by kind)
-                text = str(exc)
-                kind = ("timeout" if "DEADLINE_EXCEEDED" in text
-                        else "refused" if "RESOURCE_EXHAUSTED" in text else f"error: {exc}")
-                results.append((model, sent, time.monotonic(), kind))
+                return outcome_of(exc)
+            y = answer.as_numpy("Y")
+            return "ok" if y is not None and np.allclose(y, x * self.factors[model]) else "wrong"
 
-        tasks = []
-        for due, model in plan:
-            delay = due - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(one(model, due)))
-        await asyncio.gather(*tasks)
-        await client.close()
-        return results
+        try:
+            return await open_loop(rates, seconds, self.rng, one)
+        finally:
+            await client.close()
 
 
 def copies_of(product: Product) -> int:

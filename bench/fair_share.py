@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.mixed_traffic import cpu_busy
+from bench.open_loop import open_loop, outcome_of
 from control_plane.demo.fleet import (
     DEMO_FAMILY,
     FleetSpec,
@@ -84,36 +85,21 @@ class Traffic:
         import tritonclient.grpc.aio as grpcclient
 
         client = grpcclient.InferenceServerClient(self.url)
-        start = time.monotonic() + 0.1
-        plan = sorted((start + (i + offset) / rate, model)
-                      for model, rate in rates.items() if rate > 0
-                      for offset in [self.rng.random()]
-                      for i in range(int(rate * seconds)))
-        results: list[tuple] = []
 
-        async def one(model: str) -> None:
+        async def one(model: str) -> str:
             inputs = [grpcclient.InferInput("FEATURES", list(self.x.shape), "FP32")]
             inputs[0].set_data_from_numpy(self.x)
-            sent = time.monotonic()
             try:
                 answer = await client.infer(model, inputs, client_timeout=self.timeout_s)
-                ok = np.allclose(answer.as_numpy("SCORES"), self.expected[model], rtol=1e-4, atol=1e-5)
-                results.append((model, sent, time.monotonic(), "ok" if ok else "wrong"))
             except Exception as exc:  # noqa: BLE001  (every failure is counted by kind)
-                text = str(exc)
-                kind = ("timeout" if "DEADLINE_EXCEEDED" in text
-                        else "refused" if "RESOURCE_EXHAUSTED" in text else f"error: {exc}")
-                results.append((model, sent, time.monotonic(), kind))
+                return outcome_of(exc)
+            ok = np.allclose(answer.as_numpy("SCORES"), self.expected[model], rtol=1e-4, atol=1e-5)
+            return "ok" if ok else "wrong"
 
-        tasks = []
-        for due, model in plan:
-            delay = due - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(one(model)))
-        await asyncio.gather(*tasks)
-        await client.close()
-        return results
+        try:
+            return await open_loop(rates, seconds, self.rng, one)
+        finally:
+            await client.close()
 
 
 def summarize(results: list[tuple], models, since: float = 0.0, until: float = 1e18) -> dict:

@@ -98,13 +98,19 @@ def test_turns_follow_the_weights_when_both_wait():
     asyncio.run(go())
 
 
+async def saturated(**kw) -> tuple[ShareGate, Server, asyncio.Event, asyncio.Task]:
+    """A server of one turn, taken by a request of "a" until the event is set."""
+    g = gate(limit=1, **kw)
+    server = Server(g)
+    hold = asyncio.Event()
+    busy = asyncio.create_task(server.request("a", hold=hold))
+    await settle()
+    return g, server, hold, busy
+
+
 def test_a_wait_ends_with_its_deadline_and_hands_nothing_on():
     async def go():
-        g = gate(limit=1)
-        server = Server(g)
-        hold = asyncio.Event()
-        busy = asyncio.create_task(server.request("a", hold=hold))
-        await settle()
+        g, server, hold, busy = await saturated()
         started = time.monotonic()
         with pytest.raises(RequestTimeout, match="its share of s0"):
             await server.request("b", deadline=time.monotonic() + 0.05)
@@ -120,11 +126,7 @@ def test_a_wait_ends_with_its_deadline_and_hands_nothing_on():
 
 def test_a_cancelled_waiter_leaves_its_turn_to_the_next():
     async def go():
-        g = gate(limit=1)
-        server = Server(g)
-        hold = asyncio.Event()
-        busy = asyncio.create_task(server.request("a", hold=hold))
-        await settle()
+        g, server, hold, busy = await saturated()
         gone = asyncio.create_task(server.request("b"))
         after = asyncio.create_task(server.request("c"))
         await settle()
@@ -141,11 +143,7 @@ def test_a_cancelled_waiter_leaves_its_turn_to_the_next():
 def test_each_models_queue_is_bounded_and_the_refusal_says_what_to_do():
     async def go():
         refused = []
-        g = gate(limit=1, max_waiting=3, on_refused=refused.append)
-        server = Server(g)
-        hold = asyncio.Event()
-        busy = asyncio.create_task(server.request("a", hold=hold))
-        await settle()
+        _gate, server, hold, busy = await saturated(max_waiting=3, on_refused=refused.append)
         waiting = [asyncio.create_task(server.request("a")) for _ in range(3)]
         await settle()
         with pytest.raises(ShareExhausted, match="mmctl share") as caught:
