@@ -18,7 +18,7 @@ from control_plane.runtime.service import RouterParts
 from router.assembly import Router, RouterConfig
 from router.frontends.grpc_frontend import start_grpc
 from router.frontends.http_frontend import make_http_app
-from router.frontends.http_site import HalfCloseTCPSite
+from router.frontends.http_site import STOP_GRACE_S, HalfCloseTCPSite
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class InProcessRouter:
         return await self.router.gather_reports()
 
     async def close(self) -> None:
-        await self.grpc_server.stop(grace=2)
+        await self.grpc_server.stop(grace=STOP_GRACE_S)
         await self.http_runner.cleanup()
         await self.router.stop()
 
@@ -61,7 +61,8 @@ async def start_in_process_router(parts: RouterParts, endpoints: dict) -> InProc
     parts.manager.copies.load_of = lambda: router.sender.outstanding_by_model()
     grpc_server, grpc_port = await start_grpc(router, cfg.router_host, cfg.router_grpc_port,
                                               cfg.max_request_bytes)
-    http_runner = web.AppRunner(make_http_app(router), access_log=None)
+    http_runner = web.AppRunner(make_http_app(router), access_log=None,
+                                shutdown_timeout=STOP_GRACE_S)
     await http_runner.setup()
     await HalfCloseTCPSite(http_runner, cfg.router_host, cfg.router_http_port).start()
     http_port = http_runner.addresses[0][1]

@@ -27,7 +27,7 @@ from domain.worker_settings import WorkerConfig, parse_worker_argv
 from router.assembly import Router, RouterConfig
 from router.frontends.grpc_frontend import start_grpc
 from router.frontends.http_frontend import make_http_app
-from router.frontends.http_site import HalfCloseTCPSite
+from router.frontends.http_site import STOP_GRACE_S, HalfCloseTCPSite
 from router.serving.granted_limits import GrantedLimiter
 from router.serving.metrics import RouterMetrics
 from router.serving.state_client import RemoteState
@@ -82,7 +82,8 @@ async def serve(args: WorkerConfig) -> None:
     await router.start()
     grpc_server, grpc_port = await start_grpc(router, args.host, args.grpc_port, args.max_request_bytes,
                                               reuse_port=True)
-    runner = web.AppRunner(make_http_app(router), access_log=None)
+    runner = web.AppRunner(make_http_app(router), access_log=None,
+                           shutdown_timeout=STOP_GRACE_S)
     await runner.setup()
     await HalfCloseTCPSite(runner, args.host, args.http_port, reuse_port=True).start()
     log.info("router worker %s (pid %d): gRPC %s:%d, HTTP %s:%d, snapshot %d", args.worker, os.getpid(),
@@ -94,7 +95,7 @@ async def serve(args: WorkerConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await grpc_server.stop(grace=2)
+    await grpc_server.stop(grace=STOP_GRACE_S)
     await runner.cleanup()
     await router.stop()
     await state.stop()

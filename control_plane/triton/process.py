@@ -216,16 +216,19 @@ class TritonProcess(PreviousLife):
 
         with ThreadPoolExecutor(min(8, len(names))) as pool:
             list(pool.map(unload, names))
-        # The unload API answers once an unload has started: wait until none is left.
+        # The unload API answers once an unload has started: wait until each has been seen
+        # gone (a control plane still attached may load one again meanwhile: not waited for).
+        left = set(names)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while left and time.monotonic() < deadline:
             try:
                 resp = requests.post(f"{base}/index", json={}, headers=headers, timeout=2)
-                if not any(m.get("state") in ("READY", "LOADING", "UNLOADING") for m in resp.json()):
-                    return
+                states = {m.get("name"): m.get("state") for m in resp.json()}
             except (requests.RequestException, ValueError, AttributeError):
                 return
-            time.sleep(0.05)
+            left = {n for n in left if states.get(n) in ("READY", "UNLOADING")}
+            if left:
+                time.sleep(0.05)
 
     def kill_unanswering(self, wait_s: float = 10.0) -> None:
         """End a tritonserver that stopped answering (SIGSTOP, a hung GPU, a stuck backend):

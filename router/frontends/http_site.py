@@ -48,6 +48,12 @@ class _AnswerAfterEof(asyncio.Protocol):
         self.handler.resume_writing()
 
 
+# How long requests in flight get to finish when a router stops, on both protocols (gRPC's
+# stop grace, the HTTP runner's shutdown timeout): a client stuck sending its body does not
+# hold a stop for aiohttp's default minute.
+STOP_GRACE_S = 2.0
+
+
 class HalfCloseTCPSite(web.BaseSite):
     """``web.TCPSite`` (host, port, SO_REUSEPORT) whose connections answer after the client's
     end of stream."""

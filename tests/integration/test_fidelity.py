@@ -54,6 +54,12 @@ class Side:
     def get(self, path: str) -> requests.Response:
         return requests.get(f"http://{self.urls['http']}{path}", timeout=60)
 
+    def close(self) -> None:
+        """Close the clients' connections (Triton waits for open HTTP connections to close
+        before it stops, up to its exit timeout)."""
+        self.grpc.close()
+        self.http.close()
+
 
 @pytest.fixture(scope="module")
 def sides(tmp_path_factory):
@@ -85,6 +91,8 @@ def sides(tmp_path_factory):
         routed.product = product
         assert infer(routed, "grpc", "simple")[0] == "OK"  # loads simple.v2
         yield direct, routed
+        direct.close()
+        routed.close()
     finally:
         product.stop()
         triton.stop()
