@@ -128,9 +128,18 @@ def test_scale_spreads_requests_over_copies_and_a_killed_servers_copy_comes_back
             t.start()
         try:
             wait_for(lambda: answered[0] >= 200 or errors, 60, "200 requests were not answered", logs)
-            counts = {name: inferences_on(url) for name, url in http_of.items()}
-            # Both copies served: the least-loaded choice spreads the requests over them.
-            assert all(n >= 0.15 * sum(counts.values()) for n in counts.values()), counts
+            # Both copies serve: the least-loaded choice spreads the requests over them.  (How
+            # evenly depends on how fast each answers, which the unit tests beside this one
+            # make uneven on two cores: the faster copy rightly gets more.  The unit tests of
+            # ``least_loaded`` check the split itself.)
+            counts: dict[str, int] = {}
+
+            def both_served() -> bool:
+                counts.update({name: inferences_on(url) for name, url in http_of.items()})
+                return all(n >= 30 for n in counts.values()) or bool(errors)
+
+            wait_for(both_served, 60, "both copies serving 30 requests",
+                     lambda: f"Triton's counts: {counts}\n{logs()}")
 
             # SIGKILL the server of the model's own copy under traffic: its copy elsewhere is
             # the model's own at once, and the killed Triton, started again, gets a copy back.
