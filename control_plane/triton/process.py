@@ -24,6 +24,7 @@ import requests
 
 from control_plane.triton.launch import (
     _PDEATHSIG_EXEC,
+    RESTRICTED_KEY_HEADER,
     TRITON_ENV_NAMES,
     TRITON_ENV_PREFIXES,
     TritonLaunchConfig,
@@ -201,7 +202,7 @@ class TritonProcess(PreviousLife):
         from concurrent.futures import ThreadPoolExecutor
 
         base = f"http://{self.http_url}/v2/repository"
-        headers = {"admin-key": self.cfg.restricted_key} if self.cfg.restricted_key else {}
+        headers = {RESTRICTED_KEY_HEADER: self.cfg.restricted_key} if self.cfg.restricted_key else {}
         try:
             resp = requests.post(f"{base}/index", json={"ready": True}, headers=headers, timeout=2)
             names = [m["name"] for m in resp.json()] if resp.status_code == 200 else []
