@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import getpass
+import math
 import sys
 
 import click
@@ -42,6 +43,28 @@ class Api(AdminClient):
 
 
 pass_api = click.make_pass_decorator(Api)
+
+
+class FiniteFloat(click.ParamType):
+    """A number option sent in a JSON body: NaN and infinity are refused here, with the
+    option's name (JSON has no such numbers: the body could not even be written)."""
+
+    name = "number"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float):
+            number = value
+        else:
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+FINITE = FiniteFloat()
 
 
 def _table(rows: list[list[str]], headers: list[str]) -> str:

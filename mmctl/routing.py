@@ -8,7 +8,7 @@ import json
 import click
 import requests
 
-from mmctl.common import Api, _table, pass_api
+from mmctl.common import FINITE, Api, _table, pass_api
 
 
 def _q(name: str) -> str:
@@ -31,7 +31,7 @@ def experiment():
 @click.argument("experiment_id")
 @click.option("--control", required=True, help="Model that serves the control group.")
 @click.option("--treatment", required=True, help="Model that serves the treatment group.")
-@click.option("--treatment-percent", type=float, default=50.0, show_default=True,
+@click.option("--treatment-percent", type=FINITE, default=50.0, show_default=True,
               help="Share of users (or requests) sent to the treatment.")
 @click.option("--sticky/--no-sticky", default=True, show_default=True,
               help="Same user id -> same variant (hash of experiment and user id).")
@@ -103,16 +103,16 @@ def canary():
 @click.option("--to", "to", required=True, help="Candidate model.")
 @click.option("--stages", default="1,5,10,25,50,100", show_default=True,
               help="Percentages of NAME's traffic the candidate gets, stage by stage.")
-@click.option("--stage-seconds", type=float, default=1800, show_default=True,
+@click.option("--stage-seconds", type=FINITE, default=1800, show_default=True,
               help="Time at each stage before moving to the next.")
-@click.option("--check-interval", type=float, default=None, help="Seconds between checks.")
-@click.option("--max-error-rate", type=float, default=0.05, show_default=True,
+@click.option("--check-interval", type=FINITE, default=None, help="Seconds between checks.")
+@click.option("--max-error-rate", type=FINITE, default=0.05, show_default=True,
               help="A check fails above this canary error rate.")
-@click.option("--max-p99-ms", type=float, default=None,
+@click.option("--max-p99-ms", type=FINITE, default=None,
               help="A check fails above this canary p99 latency.")
-@click.option("--max-error-ratio", type=float, default=2.0, show_default=True,
+@click.option("--max-error-ratio", type=FINITE, default=2.0, show_default=True,
               help="Canary error rate vs baseline.")
-@click.option("--max-p99-ratio", type=float, default=None, help="Canary p99 vs baseline.")
+@click.option("--max-p99-ratio", type=FINITE, default=None, help="Canary p99 vs baseline.")
 @click.option("--min-requests", type=int, default=50, show_default=True,
               help="Fewer canary requests in a check is inconclusive: hold, no verdict.")
 @click.option("--max-failed-checks", type=int, default=3, show_default=True,
@@ -171,7 +171,7 @@ def shadow():
 @shadow.command("start")
 @click.argument("name")
 @click.option("--model", required=True, help="Shadow model.")
-@click.option("--percent", type=float, default=100.0, show_default=True,
+@click.option("--percent", type=FINITE, default=100.0, show_default=True,
               help="Share of NAME's requests mirrored to the shadow.")
 @pass_api
 def shadow_start(api, name, model, percent):
@@ -209,8 +209,8 @@ def limit():
 
 @limit.command("set")
 @click.argument("name")
-@click.option("--qps", type=float, required=True, help="Requests per second allowed.")
-@click.option("--burst", type=float, default=None,
+@click.option("--qps", type=FINITE, required=True, help="Requests per second allowed.")
+@click.option("--burst", type=FINITE, default=None,
               help="Requests allowed at once above the rate (default: max(1, qps)).")
 @pass_api
 def limit_set(api, name, qps, burst):
@@ -246,7 +246,7 @@ def _share_path(name, tenant):
 @share.command("set")
 @click.argument("name", required=False)
 @click.option("--tenant", default=None, help="Weigh every model registered for this tenant.")
-@click.option("--weight", type=float, required=True,
+@click.option("--weight", type=FINITE, required=True,
               help="Its share relative to the others' (unset: 1); > 0, at most 1000.")
 @pass_api
 def share_set(api, name, tenant, weight):

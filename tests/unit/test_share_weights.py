@@ -87,3 +87,16 @@ def test_a_worker_takes_its_part_of_a_servers_concurrency():
     # A control plane of the previous version publishes neither section.
     state.apply({"version": 1, "epoch": "e2", "sections": {"meta": {"workers": 1}}})
     assert state.concurrency("triton0") is None and state.share_weight("cust017") == 1.0
+
+
+@pytest.mark.parametrize("args", [["share", "set", "--tenant", "acme", "--weight", "nan"],
+                                  ["share", "set", "cust017", "--weight", "inf"],
+                                  ["limit", "set", "cust017", "--qps", "nan"]])
+def test_a_number_json_cannot_carry_is_a_usage_error_before_any_call(args, monkeypatch):
+    from click.testing import CliRunner
+
+    from mmctl import cli
+
+    monkeypatch.setenv("MMS_URL", "http://127.0.0.1:1")  # never reached
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and "is not a finite number" in result.output, result.output
