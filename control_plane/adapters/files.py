@@ -76,12 +76,14 @@ def read_base_manifest(base: LoraBase):
 
 def write_base_manifest(base: LoraBase, *, pinned: Iterable[str], preload: Iterable[str],
                         disabled: Iterable[str]):
-    """The next generation of the base's manifest, written atomically by ``lora``."""
-    from model_runtime.lora import Manifest, write_manifest
+    """The next generation of the base's manifest, written atomically by ``lora``; the control
+    plane decides which adapters hold the base's slots (``AdapterSlots``)."""
+    from model_runtime.lora import RESIDENCY_CONTROL_PLANE, Manifest, write_manifest
 
     current = read_base_manifest(base)
     manifest = Manifest(generation=current.generation + 1, pinned=tuple(sorted(set(pinned))),
-                        preload=tuple(sorted(set(preload))), disabled=tuple(sorted(set(disabled))))
+                        preload=tuple(sorted(set(preload))), disabled=tuple(sorted(set(disabled))),
+                        residency=RESIDENCY_CONTROL_PLANE)
     write_manifest(base.adapter_dir, manifest)
     return manifest
 

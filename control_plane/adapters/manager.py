@@ -27,6 +27,7 @@ from control_plane.adapters.files import (
 )
 from control_plane.adapters.metrics import AdapterMetrics
 from control_plane.adapters.rows import _peft_summary, merge_rows
+from control_plane.adapters.slots import AdapterSlots
 from control_plane.tiers.cold import ColdStores
 from domain.errors import (
     CapacityExhausted,
@@ -63,6 +64,11 @@ class AdapterManager:
         self.refresh_interval_s = refresh_interval_s
         self._locks: dict[str, asyncio.Lock] = {}
         self._bases: dict[str, bool] = {}  # model name -> is a LoRA base (for step())
+        # Which adapters hold the bases' device slots: entries of the model manager.
+        self.slots = AdapterSlots(manager, self.repository)
+        self.slots.on_status = self._absorb
+        self.slots.evictions = self.metrics.evictions
+        manager.attach_adapters(self.slots)
 
     # ------------------------------------------------------------------ helpers
     def base(self, name: str) -> LoraBase:
@@ -101,7 +107,7 @@ class AdapterManager:
         status = await server.admin.adapter_control(base, command)
         if quiet:
             self.manager.not_use(base, int(time.time() * 1000))
-        self._absorb(base, status)
+        self.slots.observe(base, server.name, status)  # metrics and recency too (_absorb)
         return status
 
     def _absorb(self, base: str, status: dict) -> None:
@@ -221,6 +227,9 @@ class AdapterManager:
                                  disabled=[d for d in before.disabled if d != name])
             await self._write(self.store.set_pinned, base.name, name, True, self.clock())
             try:
+                server = self.manager.ready_server_of(base.name)
+                if server is not None:  # into a slot first, evicting by the policy if need be
+                    await self.slots.place(server, base.name, name)
                 status = await self._control(base.name, {"op": "sync"})
                 entry = self._entry(status, name)
                 if status is not None and (entry is None or not entry.get("pinned")):
@@ -261,9 +270,10 @@ class AdapterManager:
         base = self.base(base_name)
         self._known(base, name)
         await self.manager.ensure(base.name)
-        status = await self._control(base.name, {"op": "load", "adapter": name})
-        if status is None:
+        server = self.manager.ready_server_of(base.name)
+        if server is None:
             raise ModelLoadFailed(f"{base.name} was unloaded before {name!r} could be loaded; retry")
+        status = await self.slots.place(server, base.name, name)
         return await self.describe(base.name, name, status)
 
     async def unload(self, base_name: str, ref: str) -> dict:
@@ -315,6 +325,7 @@ class AdapterManager:
         repository) from their cold copy, drop staging leftovers, and rewrite the manifest's
         pins from the registry.  Failures are logged and reported, never raised."""
         report: dict = {"restored": [], "failed": {}}
+        await self._blocking(self._hand_slots_to_control_plane)
         by_base: dict[str, list[dict]] = {}
         for row in self.store.rows():
             by_base.setdefault(row["base"], []).append(row)
@@ -355,6 +366,27 @@ class AdapterManager:
         if pinned != set(manifest.pinned):
             write_base_manifest(base, pinned=pinned, preload=manifest.preload,
                                  disabled=[d for d in manifest.disabled if d not in pinned])
+
+    def _hand_slots_to_control_plane(self) -> None:
+        """Every LoRA base's manifest says the control plane decides which adapters hold its
+        slots (a manifest written before that said nothing, and its model decided)."""
+        from model_runtime.lora import RESIDENCY_CONTROL_PLANE
+
+        if not self.repository.is_dir():
+            return
+        for folder in sorted(self.repository.iterdir()):
+            if not (folder / "config.pbtxt").is_file() or not self._is_base(folder.name):
+                continue
+            base = self.base(folder.name)
+            try:
+                manifest = read_base_manifest(base)
+                if manifest.residency != RESIDENCY_CONTROL_PLANE:
+                    write_base_manifest(base, pinned=manifest.pinned, preload=manifest.preload,
+                                         disabled=manifest.disabled)
+                    log.info("%s: the control plane decides which adapters hold its slots now",
+                             base.name)
+            except (ControlPlaneError, OSError) as exc:
+                log.error("adapters of %s: could not write its manifest: %s", base.name, exc)
 
     def _is_base(self, name: str) -> bool:
         known = self._bases.get(name)

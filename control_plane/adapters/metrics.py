@@ -26,6 +26,8 @@ class AdapterMetrics:
 
     def __init__(self, registry: CollectorRegistry | None, label: BoundedLabel | None = None):
         self._status: dict[str, dict] = {}
+        # base -> adapters the control plane evicted from its slots for others (AdapterSlots)
+        self.evictions: dict[str, int] = {}
         self._label = label or BoundedLabel()
         if registry is not None:
             registry.register(self)
@@ -74,7 +76,12 @@ class AdapterMetrics:
                 self._add_counts(key, counts, requests, hits, misses, cold_loads, resident)
             if others:
                 self._add_counts([base, OTHER_LABEL], others, requests, hits, misses, cold_loads, resident)
-        yield from (requests, hits, misses, cold_loads, load_s, swap_s, resident, slots)
+        evictions = CounterMetricFamily("mms_adapter_evictions", "Adapters the control plane "
+                                        "evicted from the base's device slots for others",
+                                        labels=["base"])
+        for base, count in sorted(self.evictions.items()):
+            evictions.add_metric([base], count)
+        yield from (requests, hits, misses, cold_loads, load_s, swap_s, resident, slots, evictions)
 
     @staticmethod
     def _add_counts(key, counts, requests, hits, misses, cold_loads, resident) -> None:

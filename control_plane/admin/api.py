@@ -27,6 +27,7 @@ requests to 127.0.0.1.  ``access_middleware`` closes that door, in this order:
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
@@ -138,6 +139,14 @@ async def status(request: web.Request) -> web.StreamResponse:
             row["tier"] = locate(rec.name)["tier"]
         if tier is None or row.get("tier", "hot" if rec.server else "warm") == tier:
             rows.append(row)
+    if manager.adapters is not None:  # LoRA adapters: entries BASE:ADAPTER in their base's slots
+        for row in manager.adapters.rows():
+            if not _adapter_row_matches(row, pattern, state, tier, q.get("server") or None):
+                continue
+            if hide_warm and row["state"] != ModelState.READY.value:
+                hidden += 1
+            else:
+                rows.append(row)
     response = web.StreamResponse(headers={"Content-Type": "application/json"})
     await response.prepare(request)
     await response.write(f'{{"warm_hidden":{hidden},"models":['.encode() if hide_warm else b"[")
@@ -147,6 +156,14 @@ async def status(request: web.Request) -> web.StreamResponse:
     await response.write(b"]}" if hide_warm else b"]")
     await response.write_eof()
     return response
+
+
+def _adapter_row_matches(row: dict, pattern: str | None, state: str | None, tier: str | None,
+                         server: str | None) -> bool:
+    return ((pattern is None or fnmatch.fnmatchcase(row["model"], pattern)
+             or fnmatch.fnmatchcase(row["base"], pattern))
+            and (state is None or row["state"] == state) and (tier is None or row["tier"] == tier)
+            and (server is None or row["server"] == server))
 
 
 async def model_status(request: web.Request) -> web.Response:

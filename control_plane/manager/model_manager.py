@@ -45,6 +45,7 @@ from control_plane.triton.admin import TritonAdmin, TritonModelState
 from control_plane.triton.devices import NoMemoryMeter
 from control_plane.triton.process import TritonProcess
 from domain.errors import ControlPlaneError, InvalidInput
+from domain.routes import ADAPTER_SEPARATOR
 
 
 class ModelManager:
@@ -181,11 +182,32 @@ class ModelManager:
         return self.catalog.fleet()
 
     def ready_server_of(self, name: str) -> TritonServer | None:
+        if self._is_adapter(name):
+            return self.adapters.ready_server_of(name)
         return self.catalog.ready_server_of(name)
 
     def copy_servers_of(self, name: str) -> list[str]:
         """The servers ``name`` is READY on: its own copy's first (empty when it is not)."""
+        if self._is_adapter(name):
+            return self.adapters.copy_servers_of(name)
         return self.copies.servers_of(name)
+
+    # LoRA adapters: entries named BASE:ADAPTER in the adapter slots of their base, placed by
+    # the part the service attaches (control_plane.adapters.slots.AdapterSlots: a layer
+    # above this package, which knows LoRA bases); the manager's API answers for them too.
+    adapters = None
+
+    def attach_adapters(self, adapters) -> None:
+        self.adapters = adapters
+
+    def _is_adapter(self, name: str) -> bool:
+        return self.adapters is not None and ADAPTER_SEPARATOR in name
+
+    def announce_moved(self, name: str) -> None:
+        """Tell the state-change listeners that where ``name`` is READY may have changed
+        (an adapter entry: its base's slots changed)."""
+        for listener in self.state.book.move_listeners:
+            listener(name)
 
     def status_row(self, rec: ModelRecord) -> dict:
         """``rec`` as ``mmctl status`` shows it, its copies included."""
@@ -207,15 +229,22 @@ class ModelManager:
         return await self.loader.ensure(name, retry_failed)
 
     def touch(self, name: str) -> None:
+        if self._is_adapter(name):
+            self.adapters.touch(name)
+            return
         self.recency.touch(name)
 
     def lease(self, name: str):
         return self.leases.lease(name)
 
     async def ensure_for_request(self, name: str, unreachable: str | None = None) -> TritonServer:
+        if self._is_adapter(name):
+            return await self.adapters.ensure_for_request(name, unreachable)
         return await self.leases.ensure_for_request(name, unreachable)
 
     def requests_answered(self, name: str, count: int = 1) -> int:
+        if self._is_adapter(name):
+            return self.adapters.requests_answered(name, count)
         return self.leases.requests_answered(name, count)
 
     async def acquire(self, name: str) -> ModelRecord:

@@ -30,13 +30,22 @@ from .errors import (
     LoraError,
     RuntimeClosing,
 )
-from .manifest import MANIFEST_FILE, Manifest, read_manifest, write_manifest
+from .manifest import (
+    MANIFEST_FILE,
+    RESIDENCY_CONTROL_PLANE,
+    RESIDENCY_MODEL,
+    Manifest,
+    read_manifest,
+    write_manifest,
+)
 from .names import validate_adapter_name
 from .peft import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, LoraConfig, read_adapter, write_adapter
 
 __all__ = [
     "CONFIG_FILE",
     "MANIFEST_FILE",
+    "RESIDENCY_CONTROL_PLANE",
+    "RESIDENCY_MODEL",
     "WEIGHTS_FILE",
     "AdapterCapacityExhausted",
     "AdapterNotFound",

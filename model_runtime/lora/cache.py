@@ -19,6 +19,13 @@ How a request's adapter gets to a slot (``lease``):
   never blocks a batch whose adapters are resident; it costs it at most one swap-in copy.
 * unknown, disabled, or refused earlier: an error for the requests that named it only.
 
+Where the control plane decides (``managed``: the manifest's ``residency`` is
+``control_plane``), only the first case serves: an adapter in host memory or on disk is
+``AdapterNotLoaded`` (NOT_FOUND) for its requests, and a slot changes hands only by a
+``load`` control command naming the adapters it evicts; the cache never picks a victim.
+The host tier stays as the adapters' warm copy, so a slot filled again after an eviction is
+one device copy.
+
 Thread safety: one ``RLock`` guards all of the cache's state and the bank.  ``lease`` holds
 it for the batch's forward pass too, so a slot cannot be rewritten while a batch reads it.
 The loader thread takes it only to insert a finished adapter.
@@ -40,6 +47,7 @@ from .cache_control import CacheControl
 from .errors import (
     AdapterCapacityExhausted,
     AdapterNotFound,
+    AdapterNotLoaded,
     AdapterRefused,
     InvalidRequest,
     LoraError,
@@ -102,6 +110,8 @@ class AdapterCache(CacheControl):
         self._last_used: dict[str, float] = {}
         self._meta: dict[str, tuple[int, int]] = {}  # name -> (rank, bytes) once loaded
         self._control_errors: dict[str, str] = {}  # pin/preload failures, for status
+        # The control plane decides which adapters hold the slots (the manifest says so).
+        self.managed = False
         self.manifest_generation: int | None = None
         self.manifest_error: str | None = None
         self._closed = False
@@ -191,6 +201,14 @@ class AdapterCache(CacheControl):
             self.device_tier.touch(name)
             self.host_tier.touch(name)
             return slot, "device"
+        if self.managed:
+            if name not in self._host and not self.source.exists(name):
+                raise AdapterNotFound(f"adapter {name!r} not found for {self.base_name}: no "
+                                      f"{self.source.path(name)} directory with {CONFIG_FILE}")
+            raise AdapterNotLoaded(
+                f"Request for unknown model: adapter {name!r} of {self.base_name} is not in a "
+                "device slot; the control plane loads it for requests sent through the router "
+                f"(or: mmctl adapter load {self.base_name} {name})")
         if name in self._host:
             self.host_tier.touch(name)
             slot = self._swap_in(name, protect)
@@ -213,6 +231,11 @@ class AdapterCache(CacheControl):
         not in ``protect``.  None when every slot is in use by ``protect``."""
         if self._free_slots:
             slot = self._free_slots.pop()
+        elif self.managed:
+            raise AdapterCapacityExhausted(
+                f"cannot load adapter {name!r}: all {self.bank.num_slots} device slots of "
+                f"{self.base_name} hold adapters and the control plane named none of them to "
+                "evict")
         else:
             victim = self.device_tier.victim(protect)
             if victim is None:
@@ -373,6 +396,7 @@ class AdapterCache(CacheControl):
                 "adapter_dir": str(self.source.root),
                 "manifest_generation": self.manifest_generation,
                 "manifest_error": self.manifest_error,
+                "residency": "control_plane" if self.managed else "model",
                 "adapters": adapters,
             }
 

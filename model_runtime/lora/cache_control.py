@@ -8,11 +8,12 @@ it works on the state ``AdapterCache.__init__`` sets up and takes the same ``loc
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from concurrent.futures import Future
 
 from .errors import AdapterCapacityExhausted, AdapterNotFound, InvalidRequest, LoraError
-from .leases import done_future, future_error
-from .manifest import Manifest
+from .leases import AdapterStats, done_future, future_error
+from .manifest import RESIDENCY_CONTROL_PLANE, Manifest
 from .names import validate_adapter_name
 
 # The control operations log as the cache they are part of.
@@ -25,12 +26,15 @@ class CacheControl:
     # Works on the state AdapterCache.__init__ sets up, under its ``lock``, and calls its
     # data-path methods (_ensure_host, _swap_in, _evict_device).
 
-    def load(self, name: str) -> Future:
+    def load(self, name: str, evict: Iterable[str] = ()) -> Future:
         """Bring ``name`` into a device slot now (from disk if needed), in the background.
         The Future fails with the reason when the adapter is unknown, refused or no slot
-        can be freed."""
+        can be freed.  ``evict``: adapters whose slots it may take (the control plane's
+        victims), freed only once ``name`` is in host memory, so they serve until then;
+        a pinned one is kept."""
         try:
             validate_adapter_name(name)
+            evict = [validate_adapter_name(v) for v in evict if v != name]
             with self.lock:
                 if name in self._disabled:
                     raise AdapterNotFound(f"adapter {name!r} is disabled on {self.base_name}")
@@ -55,6 +59,12 @@ class CacheControl:
                         if name not in self._slot_of:
                             if name not in self._host:
                                 raise LoraError(f"adapter {name!r} left host memory before its swap-in; retry")
+                            for victim in evict:
+                                if victim in self._slot_of and victim not in self._pinned:
+                                    # write() overwrites a slot whole: no clearing first
+                                    self._free_slots.append(self._evict_device(victim, clear=False))
+                            if self.managed:  # the control plane's fill is what a miss is now
+                                self._stats.setdefault(name, AdapterStats()).misses += 1
                             if self._swap_in(name) is None:  # pragma: no cover - no batch holds slots here
                                 raise AdapterCapacityExhausted(f"no device slot free for {name!r}")
                 except LoraError as exc:
@@ -135,6 +145,7 @@ class CacheControl:
             for name in set(self._pinned) - set(manifest.pinned):
                 self.unpin(name)
             self.manifest_generation = manifest.generation
+            self.managed = manifest.residency == RESIDENCY_CONTROL_PLANE
             for name in manifest.pinned:
                 self._control_errors.pop(name, None)
             for name in manifest.preload:

@@ -4,6 +4,7 @@
     +-- InvalidRequest                 a request's inputs or parameters are wrong -> INVALID_ARG
     |   +-- InvalidAdapterName         name with '..', '/', whitespace, shell chars -> INVALID_ARG
     +-- AdapterNotFound                not staged in the adapter directory, or disabled -> NOT_FOUND
+    |   +-- AdapterNotLoaded           not in a device slot where the control plane decides -> NOT_FOUND
     +-- AdapterRefused                 malformed files, or made for another base -> INVALID_ARG
     +-- AdapterCapacityExhausted       every device slot holds a pinned adapter -> UNAVAILABLE
     +-- RuntimeClosing                 the model is being unloaded -> UNAVAILABLE
@@ -39,6 +40,14 @@ class InvalidAdapterName(InvalidRequest):
 class AdapterNotFound(LoraError):
     code = "adapter_not_found"
     triton_code = "NOT_FOUND"
+
+
+class AdapterNotLoaded(AdapterNotFound):
+    """Where the control plane decides which adapters hold the slots, a request named one in
+    none.  Worded as Triton words a model that is not loaded, which is what the router sends
+    again once it has had it loaded."""
+
+    code = "adapter_not_loaded"
 
 
 class AdapterRefused(LoraError):

@@ -5,13 +5,21 @@
     {"generation": 7,                 # bumped by every write; echoed in the model's status
      "pinned":   ["acme"],            # kept in a device slot, never evicted
      "preload":  ["globex"],          # loaded into a device slot when the manifest changes
-     "disabled": ["initech"]}         # evicted; requests for it get NOT_FOUND
+     "disabled": ["initech"],         # evicted; requests for it get NOT_FOUND
+     "residency": "control_plane"}    # who decides which adapters hold the device slots
 
 The control plane is the only writer (``write_manifest``: temp file + rename, so a reader
 never sees half a file).  Every model instance re-reads it when it changes
 (``ManifestWatcher``), at load, and on an ``ADAPTER_CONTROL {"op": "sync"}`` request, so the
 state survives model reloads and reaches every instance, which per-request control alone
-would not.  Adapters not named here are loaded on demand from the directory.
+would not.
+
+``residency``: ``"model"`` (the default, a model served by Triton alone) loads adapters on
+demand from the directory and evicts the least recently used; ``"control_plane"`` (written by
+the control plane, which decides with its model manager's policy) puts an adapter into a
+device slot only when told (``load``, with the adapters to ``evict``), never evicts one on its
+own, and answers a request for an adapter not in a slot NOT_FOUND, as Triton answers a model
+that is not loaded (the router loads it and sends the request again).
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ from .names import validate_adapter_name
 log = logging.getLogger(__name__)
 
 MANIFEST_FILE = "manifest.json"
+RESIDENCY_MODEL = "model"
+RESIDENCY_CONTROL_PLANE = "control_plane"
+RESIDENCIES = (RESIDENCY_MODEL, RESIDENCY_CONTROL_PLANE)
 
 
 @dataclass(frozen=True)
@@ -39,12 +50,13 @@ class Manifest:
     pinned: tuple[str, ...] = ()
     preload: tuple[str, ...] = ()
     disabled: tuple[str, ...] = field(default_factory=tuple)
+    residency: str = RESIDENCY_MODEL
 
     @classmethod
     def from_dict(cls, raw: object) -> Manifest:
         if not isinstance(raw, dict):
             raise InvalidRequest(f"{MANIFEST_FILE} must hold a JSON object, got {type(raw).__name__}")
-        unknown = set(raw) - {"generation", "pinned", "preload", "disabled"}
+        unknown = set(raw) - {"generation", "pinned", "preload", "disabled", "residency"}
         if unknown:
             raise InvalidRequest(f"{MANIFEST_FILE} has unknown fields {sorted(unknown)}")
         generation = raw.get("generation", 0)
@@ -59,7 +71,10 @@ class Manifest:
         both = set(lists["pinned"]) & set(lists["disabled"])
         if both:
             raise InvalidRequest(f"adapters {sorted(both)} are both pinned and disabled")
-        return cls(generation=generation, **lists)
+        residency = raw.get("residency", RESIDENCY_MODEL)
+        if residency not in RESIDENCIES:
+            raise InvalidRequest(f"'residency' must be one of {list(RESIDENCIES)}, got {residency!r}")
+        return cls(generation=generation, residency=residency, **lists)
 
     def to_dict(self) -> dict:
         return {
@@ -67,6 +82,7 @@ class Manifest:
             "pinned": list(self.pinned),
             "preload": list(self.preload),
             "disabled": list(self.disabled),
+            "residency": self.residency,
         }
 
 

@@ -161,7 +161,8 @@ class BatchServer:
 
     def control(self, command: object, reply: Reply) -> None:
         """``{"op": "status"}``, ``{"op": "sync"}`` (re-read the manifest now, answer once its
-        pins/preloads are done), ``{"op": "load", "adapter": n}`` (into a device slot now),
+        pins/preloads are done), ``{"op": "load", "adapter": n, "evict": [...]}`` (into a device slot now, taking the
+        slots of ``evict`` if need be),
         ``{"op": "unload", "adapter": n}`` (out of device and host memory).  Answers with
         ``status()`` or an error; slow work finishes on background threads."""
         try:
@@ -184,7 +185,10 @@ class BatchServer:
                     self.cache.unload(name)
                     reply(self.cache.status(), None)
                     return
-                futures = [self.cache.load(name)]
+                evict = command.get("evict", [])
+                if not isinstance(evict, list) or not all(isinstance(v, str) for v in evict):
+                    raise InvalidRequest(f"op {op!r}: 'evict' is a list of adapter names, got {evict!r}")
+                futures = [self.cache.load(name, evict)]
         except LoraError as exc:
             reply(None, exc)
             return

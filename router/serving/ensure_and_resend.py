@@ -35,7 +35,7 @@ from domain.router_errors import (
     UnknownModel,
     from_control_plane,
 )
-from domain.routes import Decision
+from domain.routes import ADAPTER_SEPARATOR, Decision
 from router.rollouts.routing_decisions import Decider
 from router.serving.fair_shares import ShareGate
 from router.serving.metrics import Recording, RouterMetrics
@@ -122,6 +122,14 @@ class DownWatch:
                         cut.reschedule(loop.time())
         finally:
             self._task = None
+
+
+def placed_name(decision: Decision) -> str:
+    """What the control plane places for a request: its model, or for a LoRA adapter the
+    entry ``BASE:ADAPTER`` (the adapter in a slot of its base)."""
+    if decision.adapter is None:
+        return decision.model
+    return f"{decision.model}{ADAPTER_SEPARATOR}{decision.adapter}"
 
 
 @dataclass
@@ -347,12 +355,14 @@ class Sender:
         self.inflight += 1
         try:
             try:
-                call.server = await self.server_for(decision.model, decision.logical, call=call)
+                call.server = await self.server_for(placed_name(decision), decision.logical, call=call)
             except UnknownModel:
                 known = False  # names that turned out unknown get no series (label cardinality)
                 raise
             call.ready_at = time.perf_counter()
             self.state.touch(decision.model)
+            if decision.adapter is not None:
+                self.state.touch(placed_name(decision))
             yield call
         except RouterError as exc:
             call.code = exc.grpc_code.name
@@ -366,7 +376,7 @@ class Sender:
             raise
         finally:
             if call.holds:  # answered (or given up): the model need not be held for it now
-                self.state.requests_answered(decision.model, call.holds)
+                self.state.requests_answered(placed_name(decision), call.holds)
             self.metrics.inflight.dec()
             self.inflight -= 1
             end = time.perf_counter()
@@ -453,8 +463,8 @@ class Sender:
     async def resend_after_unload(self, call: Call) -> ServerAddress:
         """Triton no longer holds the model the request was sent to (evicted in between):
         have it loaded again and return where; the caller sends once more."""
-        call.server = await self.server_for(call.decision.model, call.decision.logical, fresh=True,
-                                            call=call)
+        call.server = await self.server_for(placed_name(call.decision), call.decision.logical,
+                                            fresh=True, call=call)
         call.ready_at = time.perf_counter()
         return call.server
 
@@ -462,8 +472,8 @@ class Sender:
         """``server`` could not be reached for the request: the control plane checks it and,
         when it is down, places the model on a server that is up; returns where to send
         once more (``server`` again when it was alive after all)."""
-        call.server = await self.server_for(call.decision.model, call.decision.logical, fresh=True,
-                                            unreachable=server.name, call=call)
+        call.server = await self.server_for(placed_name(call.decision), call.decision.logical,
+                                            fresh=True, unreachable=server.name, call=call)
         call.ready_at = time.perf_counter()
         return call.server
 

@@ -230,19 +230,24 @@ class FakeModel:
         self.adapter_dir = adapter_dir
         self.slots = slots
         self.commands = []
+        self.loaded = set()  # loaded by a load command, beside the pins
 
     async def adapter_control(self, model, command):
         self.commands.append(command)
         manifest = read_manifest(self.adapter_dir)
         names = sorted(p.name for p in self.adapter_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
         pinned = list(manifest.pinned)[: self.slots]
+        if command["op"] == "load":
+            self.loaded -= set(command.get("evict", ()))
+            self.loaded.add(command["adapter"])
         adapters = []
         for n in names:
             error = "pin failed: cannot pin: all device slots are already pinned" if (
                 n in manifest.pinned and n not in pinned) else None
-            adapters.append({"name": n, "tier": "device" if n in pinned else "cold",
+            adapters.append({"name": n, "tier": "device" if n in pinned or n in self.loaded else "cold",
                              "pinned": n in pinned, "error": error, "requests": 0})
-        return {"device": "cpu", "device_slots_used": len(pinned), "adapters": adapters}
+        return {"device": "cpu", "device_slots_used": len(pinned), "max_device_adapters": self.slots,
+                "adapters": adapters}
 
 
 class FakeManager:
@@ -251,13 +256,36 @@ class FakeManager:
         self.records = {"tinylm": SimpleNamespace(last_inference_ms=0)}
         self.store = SimpleNamespace(db=sqlite3.connect(":memory:"))
         self.metrics = SimpleNamespace(registry=CollectorRegistry())
+        self.config = SimpleNamespace(policy="lru", on_its_way_s=10.0)
         self.ensured = []
+        self.adapters = None
+        self.moved = []  # entries whose placement was announced
+        self.answered = []
 
     def ready_server_of(self, name):
+        if self.adapters is not None and ":" in name:
+            return self.adapters.ready_server_of(name)
         return self.server if name == "tinylm" else None
 
     def copy_servers_of(self, name):
-        return []
+        return [self.server.name] if self.server is not None and name == "tinylm" else []
+
+    def attach_adapters(self, adapters):
+        self.adapters = adapters
+
+    def on_state_change(self, listener):
+        self.listener = listener
+
+    def announce_moved(self, name):
+        self.moved.append(name)
+
+    async def ensure_for_request(self, name, unreachable=None):
+        self.ensured.append(name)
+        return self.server
+
+    def requests_answered(self, name, count=1):
+        self.answered.append((name, count))
+        return count
 
     def not_use(self, name, until_ms):
         rec = self.records.get(name)
@@ -325,7 +353,7 @@ def test_pin_is_confirmed_by_the_model_and_undone_when_it_cannot_pin(lora_repo):
     row = run(adapters.pin("tinylm", "acme"))
     assert row["pinned"] and row["tier"] == "device" and adapters.store.get("tinylm", "acme")["pinned"]
     assert {"op": "sync"} in model.commands
-    with pytest.raises(CapacityExhausted, match="all device slots are already pinned"):
+    with pytest.raises(CapacityExhausted, match=r"slot\(s\) hold pinned adapters \(acme\)"):
         run(adapters.pin("tinylm", "globex"))
     manifest = read_manifest(model.adapter_dir)
     assert manifest.pinned == ("acme",) and not adapters.store.get("tinylm", "globex")["pinned"]
@@ -340,7 +368,7 @@ def test_pin_is_confirmed_by_the_model_and_undone_when_it_cannot_pin(lora_repo):
     run(adapters.list("tinylm"))
     assert manager.records["tinylm"].last_inference_ms > 0  # a status poll is not use
     run(adapters.load("tinylm", "globex"))
-    assert manager.ensured == ["tinylm"] and model.commands[-1] == {"op": "load", "adapter": "globex"}
+    assert manager.ensured == ["tinylm"] and model.commands[-1] == {"op": "load", "adapter": "globex", "evict": ["acme"]}  # its one slot, by the policy
     with pytest.raises(ModelNotFound, match="unknown adapter 'ghost'"):
         run(adapters.load("tinylm", "ghost"))
 

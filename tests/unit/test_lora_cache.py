@@ -11,6 +11,7 @@ from control_plane.demo.lora import LoraDemoSpec, write_demo_adapter
 from model_runtime.lora.errors import (
     AdapterCapacityExhausted,
     AdapterNotFound,
+    AdapterNotLoaded,
     AdapterRefused,
     InvalidRequest,
 )
@@ -384,3 +385,48 @@ def test_requests_after_close_are_answered_with_unavailable(make_server):
     server.close()
     [(_, error)] = serve(server, "a")
     assert error is not None and error.code == "unavailable"
+
+
+def managed(server, adapter_dir, **fields):
+    """The manifest hands the slots to the control plane (as `mmctl up` writes it)."""
+    write_manifest(adapter_dir, Manifest(generation=9, residency="control_plane", **fields))
+    for future in server.sync():
+        future.result(timeout=30)
+
+
+def test_where_the_control_plane_decides_a_request_never_loads_or_evicts_an_adapter(make_server, adapter_dir):
+    server, reader = make_server(slots=2)
+    serve(server, "a")  # loaded on demand before the control plane took over: it stays
+    managed(server, adapter_dir)
+    assert server.cache.status()["residency"] == "control_plane"
+    [(_, error)] = serve(server, "b")
+    assert isinstance(error, AdapterNotLoaded) and error.message.startswith("Request for unknown model")
+    [(_, unknown)] = serve(server, "zzz")
+    assert isinstance(unknown, AdapterNotFound) and not isinstance(unknown, AdapterNotLoaded)
+    assert reader.calls == ["a"] and server.cache.resident() == ["a"]
+    [(scores, error)] = serve(server, "a")
+    assert error is None and scores.shape == (2, 1)
+
+
+def test_a_load_takes_the_slots_the_control_plane_names_and_no_other(make_server, adapter_dir):
+    server, _ = make_server(slots=2)
+    managed(server, adapter_dir, pinned=("a",))
+    expected = {}
+    for name in ("b", "c"):
+        status, error = control(server, {"op": "load", "adapter": name})
+        if name == "b":
+            assert error is None
+            expected["b"] = reference_scores(server, "b")
+        else:  # both slots hold adapters and none was named: refused, nothing evicted
+            assert isinstance(error, AdapterCapacityExhausted) and "named none" in error.message
+    assert sorted(server.cache.resident()) == ["a", "b"]
+    status, error = control(server, {"op": "load", "adapter": "c", "evict": ["a", "b"]})
+    assert error is None  # the pinned one is kept whatever the victims say
+    assert sorted(server.cache.resident()) == ["a", "c"]
+    tiers = {x["name"]: x["tier"] for x in status["adapters"]}
+    assert tiers["b"] == "host" and tiers["c"] == "device"
+    status, error = control(server, {"op": "load", "adapter": "b", "evict": ["c"]})
+    assert error is None and sorted(server.cache.resident()) == ["a", "b"]
+    np.testing.assert_array_equal(reference_scores(server, "b"), expected["b"])  # its own weights
+    _, error = control(server, {"op": "load", "adapter": "c", "evict": "b"})
+    assert isinstance(error, InvalidRequest) and "'evict' is a list" in error.message

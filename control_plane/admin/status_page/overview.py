@@ -199,6 +199,14 @@ class Overview:
                          t.p99_ms if t else None, m["failure"],
                          # The servers of its extra copies (mmctl scale) that are ready.
                          [c["server"] for c in m.get("copies", ())[1:] if c["state"] == "ready"]])
+        adapters = getattr(self.sources.manager, "adapters", None)
+        for m in adapters.rows() if adapters is not None else ():  # LoRA adapters: BASE:ADAPTER
+            t = traffic.get(m["model"])
+            rows.append([m["model"], m["tier"], m["state"], m["pinned"], m["server"], m["last_used"],
+                         m["load_time_s"], m["memory_bytes"], 0,
+                         t.requests if t else None, t.errors if t else None,
+                         t.hit_ratio if t else None, t.p50_ms if t else None,
+                         t.p99_ms if t else None, m["failure"], []])
         return rows
 
     @staticmethod
