@@ -13,6 +13,7 @@ Each benchmark is its own module and can run alone with its own options:
     python bench/lora_bench.py       LoRA: 1 vs 100 adapters per batch, swap-in, memory
     python -m bench.family_swap      model families vs separate models: miss vs memcpy, hits
     python -m bench.mixed_traffic    hits and misses at once: req/s, p50 and p99 (--baseline REV)
+    python -m bench.adapter_traffic  LoRA adapter hits and misses through the router (--baseline REV)
     python -m bench.thrash           failed requests and latency under thrash (models, family)
     python -m bench.scale            50, 1,000 and 10,000 models: idle CPU, bytes per change, status, hits
     python -m bench.abuse            CPU and memory of one hostile HTTP body vs a normal one, same size
@@ -64,6 +65,7 @@ QUICK = {
              "--duration", "30"],
     "slot_fill": ["-m", "bench.slot_fill", "--size-mb", "50", "--repeats", "5"],
     "mixed_traffic": ["-m", "bench.mixed_traffic", "--size-mb", "20", "--duration", "20"],
+    "adapter_traffic": ["-m", "bench.adapter_traffic", "--requests", "100"],
     "http_parse_offloop": ["-m", "bench.http_parse_offloop", "--mib", "4", "1", "--bodies", "3"],
     "capacity": ["-m", "bench.capacity", "--rounds", "1", "--phase-s", "10", "--auto-s", "30"],
     "fair_share": ["-m", "bench.fair_share", "--rounds", "1", "--phase-s", "10"],
@@ -85,6 +87,7 @@ FULL = {
     "soak": ["-m", "bench.soak"],
     "slot_fill": ["-m", "bench.slot_fill"],
     "mixed_traffic": ["-m", "bench.mixed_traffic"],
+    "adapter_traffic": ["-m", "bench.adapter_traffic"],
     "http_parse_offloop": ["-m", "bench.http_parse_offloop"],
     "capacity": ["-m", "bench.capacity"],
     "fair_share": ["-m", "bench.fair_share"],
@@ -244,6 +247,14 @@ def summary_rows() -> list[tuple[str, str, str]]:
             rows.append((label, "end to end",
                          (f"{r['req_per_s']:.0f} req/s, p50 {r['p50_ms']:.0f}ms p99 {r['p99_ms']:.0f}ms "
                           f"({r['p99_over_p50']:.2f}x), {r['errors']} errors")))
+    adapters = load("adapter_traffic.json")
+    if adapters:
+        c = adapters["conditions"]
+        for side, s in adapters["summary"].items():
+            rows.append(((f"LoRA adapters through the router: {c['adapters']} adapters, "
+                         f"{c['slots']} slots ({side})"), "end to end",
+                         (f"hit p50 {s['hit']['p50_ms']:.2f}ms, miss p50 {s['miss']['p50_ms']:.2f}ms, "
+                          f"no adapter p50 {s['base']['p50_ms']:.2f}ms")))
     capacity = load("capacity.json")
     if capacity:
         c, h, b, d = (capacity["conditions"], capacity["hot_per_s"], capacity["background_p95_ms"],

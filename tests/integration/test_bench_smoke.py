@@ -191,6 +191,13 @@ SMOKES: dict[str, Smoke] = {
          r"current: every distinct answer against its variant's weights file: ok"],
         "mixed_traffic.json",
         lambda r: assert_(r["sides"]["current"][0]["misses"] > 0 and not r["sides"]["current"][0]["wrong"], r)),
+    "adapter_traffic": Smoke(
+        ["-m", "bench.adapter_traffic", "--smoke", "--out", "{out}/adapter_traffic.json"],
+        [(rf"^\s+current\s+{NUMBER} / {NUMBER}\s+{NUMBER} / {NUMBER}\s+{NUMBER} / {NUMBER}\s+{NUMBER}"
+         rf"\s+\d+\s+0\s+0")],
+        "adapter_traffic.json",
+        lambda r: assert_(r["sides"]["current"][0]["misses_counted"] >= 10
+                          and r["sides"]["current"][0]["kinds"]["miss"]["ok"] == 20, r)),
     "scale": Smoke(["-m", "bench.scale", "--smoke", "--out", "{out}/scale.json"],
                    [rf"^\s+20\s+{NUMBER}\s+{NUMBER}\s+\d+\s+\d+"], "scale.json", check_scale),
     "thrash": Smoke(["-m", "bench.thrash", "--smoke", "--out", "{out}/thrash.json"],

@@ -386,6 +386,24 @@ def test_remove_disables_while_deleting_and_keeps_the_cold_copy(lora_repo):
         run(adapters.remove("tinylm", "acme"))
 
 
+def test_the_first_start_hands_every_bases_slots_to_the_control_plane_keeping_its_manifest(lora_repo):
+    """A manifest written before adapters were the manager's entries (no residency): its model
+    decided.  The first start rewrites it for every LoRA base, pins and disabled kept."""
+    adapter_dir = lora_repo.repo / "tinylm" / "adapters"
+    write_demo_adapter(adapter_dir, "tinylm", "acme", rank=4, spec=SPEC)
+    (adapter_dir / "manifest.json").write_text(
+        '{"generation": 4, "pinned": ["acme"], "preload": [], "disabled": ["gone"]}')
+    (lora_repo.repo / "identity").mkdir()  # a model that is no LoRA base is left alone
+    (lora_repo.repo / "identity" / "config.pbtxt").write_text('name: "identity"\nbackend: "python"\n')
+    assert read_manifest(adapter_dir).residency == "model"
+    run(AdapterManager(FakeManager(), lora_repo.repo, stores=ColdStores([lora_repo.cold])).recover())
+    tinylm = read_manifest(adapter_dir)
+    assert (tinylm.residency, tinylm.pinned, tinylm.disabled, tinylm.generation) == (
+        "control_plane", ("acme",), ("gone",), 5)
+    assert read_manifest(lora_repo.repo / "recommender_lora" / "adapters").residency == "control_plane"
+    assert not (lora_repo.repo / "identity" / "adapters").exists()
+
+
 def test_recover_restores_a_wiped_adapter_folder_and_its_pin(lora_repo):
     manager = FakeManager()
     adapters = AdapterManager(manager, lora_repo.repo, stores=ColdStores([lora_repo.cold]))
