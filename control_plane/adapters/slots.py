@@ -230,7 +230,7 @@ class AdapterSlots:
                     victims = self._victims(slots, adapter)
                 try:
                     status = await server.admin.adapter_control(
-                        base, {"op": "load", "adapter": adapter, "evict": victims})
+                        base, {"op": "load", "adapter": adapter, "evict": victims, "answer": "slots"})
                 except CapacityExhausted:
                     if attempt:
                         raise
@@ -280,7 +280,8 @@ class AdapterSlots:
     def observe(self, base: str, server: str, status: dict) -> None:
         """The model's answer about its adapters (a control request or a status poll): the
         slots' residents become what it reports in a slot."""
-        self.on_status(base, status)
+        if not status.get("partial"):  # the slots alone say nothing of the other adapters
+            self.on_status(base, status)
         slots = self.slots.get((base, server))
         if slots is None:
             if server not in self.manager.copy_servers_of(base):
@@ -288,7 +289,18 @@ class AdapterSlots:
             capacity = Capacity(max_slots=max(1, int(status.get("max_device_adapters") or 1)))
             slots = self.slots[(base, server)] = BaseSlots(
                 base, server, CachePlanner(make_policy(self.policy), capacity))
-        slots.status = status
+        if status.get("partial"):  # the listing keeps the other adapters' last known rows
+            known = {a["name"]: a for a in slots.status.get("adapters", [])}
+            for a in known.values():
+                if a.get("tier") == DEVICE_TIER:
+                    known[a["name"]] = {**a, "tier": "host", "slot": None}  # left its slot
+            for a in status.get("adapters", []):
+                known[a["name"]] = {**known.get(a["name"], {}), **a}
+            slots.status = {**slots.status, **{k: v for k, v in status.items() if k != "adapters"},
+                            "adapters": sorted(known.values(), key=lambda a: a["name"]),
+                            "partial": False}
+        else:
+            slots.status = status
         planner, now = slots.planner, self.clock()
         in_slots = {a["name"]: bool(a.get("pinned")) for a in status.get("adapters", [])
                     if a.get("tier") == DEVICE_TIER}

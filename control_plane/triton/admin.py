@@ -401,6 +401,7 @@ class TritonAdmin:
                                   f"{(exc.message() or str(exc)).strip()}; {advice}") from exc
         return (time.perf_counter() - start) * 1000
 
+    @traced("triton.adapter_control")
     async def adapter_control(self, model: str, command: dict, timeout_s: float | None = None) -> dict:
         """Send one LoRA control command (``{"op": "status" | "sync" | "load" | "unload", ...}``)
         as an inference carrying only ADAPTER_CONTROL; return the model's JSON answer.

@@ -355,6 +355,22 @@ class AdapterCache(CacheControl):
         with self.lock:
             return list(self.device_tier)
 
+    def slot_status(self) -> dict:
+        """The device slots alone (``partial``): what the control plane needs after a fill, in
+        time that does not grow with the adapters on disk."""
+        with self.lock:
+            return {
+                "base": self.base_name,
+                "partial": True,
+                "device": str(self.bank.device),
+                "max_device_adapters": self.bank.num_slots,
+                "device_slots_used": len(self._slot_of),
+                "residency": "control_plane" if self.managed else "model",
+                "adapters": [{"name": name, "tier": "device", "slot": slot,
+                              "pinned": name in self._pinned}
+                             for name, slot in sorted(self._slot_of.items())],
+            }
+
     def status(self) -> dict:
         """Everything ``mmctl adapter list`` shows, as plain JSON-able data."""
         with self.lock:

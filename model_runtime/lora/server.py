@@ -162,7 +162,7 @@ class BatchServer:
     def control(self, command: object, reply: Reply) -> None:
         """``{"op": "status"}``, ``{"op": "sync"}`` (re-read the manifest now, answer once its
         pins/preloads are done), ``{"op": "load", "adapter": n, "evict": [...]}`` (into a device slot now, taking the
-        slots of ``evict`` if need be),
+        slots of ``evict`` if need be; ``"answer": "slots"``: answered with the slots alone),
         ``{"op": "unload", "adapter": n}`` (out of device and host memory).  Answers with
         ``status()`` or an error; slow work finishes on background threads."""
         try:
@@ -192,7 +192,8 @@ class BatchServer:
         except LoraError as exc:
             reply(None, exc)
             return
-        self._reply_when_done(futures, reply, fail_on_error=(op == "load"))
+        self._reply_when_done(futures, reply, fail_on_error=(op == "load"),
+                              slots_only=command.get("answer") == "slots")
 
     def sync(self) -> list[Future]:
         """Re-read the manifest now; the Futures of the pins and preloads it started."""
@@ -200,7 +201,9 @@ class BatchServer:
             raise InvalidRequest("this model has no adapter manifest to sync")
         return list(self.watcher.sync() or [])
 
-    def _reply_when_done(self, futures: list[Future], reply: Reply, fail_on_error: bool) -> None:
+    def _reply_when_done(self, futures: list[Future], reply: Reply, fail_on_error: bool,
+                         slots_only: bool = False) -> None:
+        status = self.cache.slot_status if slots_only else self.cache.status
         remaining = [len(futures)]
         lock = threading.Lock()
 
@@ -215,10 +218,10 @@ class BatchServer:
                 error = errors[0]
                 reply(None, error if isinstance(error, LoraError) else LoraError(str(error)))
             else:  # sync answers with the status, which names each failed pin/preload
-                reply(self.cache.status(), None)
+                reply(status(), None)
 
         if not futures:
-            reply(self.cache.status(), None)
+            reply(status(), None)
             return
         for future in futures:
             future.add_done_callback(one_done)

@@ -149,7 +149,7 @@ def test_the_policy_of_the_manager_picks_which_adapter_leaves_a_full_base(stack,
 
     asyncio.run(scenario())
     assert sorted(stack.model.cache.resident()) == ["a", "c"]
-    assert stack.admin.commands[-1] == {"op": "load", "adapter": "c", "evict": ["b"]}
+    assert stack.admin.commands[-1] == {"op": "load", "adapter": "c", "evict": ["b"], "answer": "slots"}
     assert stack.slots.servers_holding(f"{BASE}:c") == ["triton0"]
     assert stack.slots.ready_server_of(f"{BASE}:b") is None
     assert {f"{BASE}:b", f"{BASE}:c"} <= set(stack.manager.moved)  # published as placements

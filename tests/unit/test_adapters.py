@@ -368,7 +368,7 @@ def test_pin_is_confirmed_by_the_model_and_undone_when_it_cannot_pin(lora_repo):
     run(adapters.list("tinylm"))
     assert manager.records["tinylm"].last_inference_ms > 0  # a status poll is not use
     run(adapters.load("tinylm", "globex"))
-    assert manager.ensured == ["tinylm"] and model.commands[-1] == {"op": "load", "adapter": "globex", "evict": ["acme"]}  # its one slot, by the policy
+    assert manager.ensured == ["tinylm"] and model.commands[-1] == {"op": "load", "adapter": "globex", "evict": ["acme"], "answer": "slots"}  # its one slot, by the policy
     with pytest.raises(ModelNotFound, match="unknown adapter 'ghost'"):
         run(adapters.load("tinylm", "ghost"))
 

@@ -425,8 +425,10 @@ def test_a_load_takes_the_slots_the_control_plane_names_and_no_other(make_server
     assert sorted(server.cache.resident()) == ["a", "c"]
     tiers = {x["name"]: x["tier"] for x in status["adapters"]}
     assert tiers["b"] == "host" and tiers["c"] == "device"
-    status, error = control(server, {"op": "load", "adapter": "b", "evict": ["c"]})
+    status, error = control(server, {"op": "load", "adapter": "b", "evict": ["c"], "answer": "slots"})
     assert error is None and sorted(server.cache.resident()) == ["a", "b"]
+    assert status["partial"] and [(x["name"], x["pinned"]) for x in status["adapters"]] == [
+        ("a", True), ("b", False)]  # the slots alone, not every adapter on disk
     np.testing.assert_array_equal(reference_scores(server, "b"), expected["b"])  # its own weights
     _, error = control(server, {"op": "load", "adapter": "c", "evict": "b"})
     assert isinstance(error, InvalidRequest) and "'evict' is a list" in error.message
