@@ -291,6 +291,12 @@ def test_the_control_plane_decides_which_adapters_hold_the_slots(product):
         assert all(all(r) for r in results), results
     finally:
         assert p.mmctl("adapter", "unpin", "tinylm", "acme").returncode == 0
+    # The base unloaded takes its adapters with it; the next request loads both again.
+    out = p.mmctl("unload", "tinylm")
+    assert out.returncode == 0, out.stderr
+    assert not [r for r in adapter_rows(p).values() if r["state"] == "ready"]
+    assert texts(generate(router, "tinylm:initech")) == own["initech"]
+    assert adapter_rows(p)["tinylm:initech"]["state"] == "ready"
     metrics = requests.get(p.url + "/metrics", timeout=10).text
     assert 'mms_adapter_cache_misses_total{adapter="initech",base="tinylm"}' in metrics
     evicted = [line for line in metrics.splitlines() if line.startswith('mms_adapter_evictions_total{base="tinylm"}')]
