@@ -27,10 +27,7 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +37,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.mixed_traffic import baseline_checkout, cpu_busy
+from bench.mixed_traffic import cpu_busy, run_sides
 from bench.seed_scenario import metric_sum
 from control_plane.demo.lora import RECOMMENDER, LoraDemoSpec, generate_adapters, write_lora_model
 from tests.product import Product
@@ -176,21 +173,7 @@ def main(argv=None) -> dict:
     if args.adapters <= args.slots:
         ap.error("--adapters must be more than --slots, or no request misses")
 
-    work = Path(tempfile.mkdtemp(prefix="bench-adapters-"))
-    sides: dict[str, list[dict]] = {}
-    baseline = None
-    try:
-        if args.baseline:
-            baseline = baseline_checkout(args.baseline, work)
-        for r in range(args.rounds):
-            if baseline is not None:
-                sides.setdefault("baseline", []).append(run_side(f"baseline-{r}", args, work, baseline))
-            sides.setdefault("current", []).append(run_side(f"current-{r}", args, work, None))
-    finally:
-        if baseline is not None:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)],
-                           check=False, capture_output=True)
-        shutil.rmtree(work, ignore_errors=True)
+    sides = run_sides(args, run_side, "bench-adapters-")
 
     summary = {side: {kind: {"p50_ms": median([r["kinds"][kind]["p50_ms"] for r in runs]),
                              "p99_ms": median([r["kinds"][kind]["p99_ms"] for r in runs])}

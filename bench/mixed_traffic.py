@@ -148,6 +148,28 @@ def baseline_checkout(rev: str, work: Path) -> Path:
     return where
 
 
+def run_sides(args, run_side, prefix: str) -> dict[str, list[dict]]:
+    """``run_side(label, args, work, code_dir)`` ``args.rounds`` times for the current code and,
+    with ``args.baseline``, interleaved with a worktree of that revision; the results per side.
+    The worktree and the work folder are removed afterwards."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    sides: dict[str, list[dict]] = {}
+    baseline = None
+    try:
+        if args.baseline:
+            baseline = baseline_checkout(args.baseline, work)
+        for r in range(args.rounds):
+            if baseline is not None:
+                sides.setdefault("baseline", []).append(run_side(f"baseline-{r}", args, work, baseline))
+            sides.setdefault("current", []).append(run_side(f"current-{r}", args, work, None))
+    finally:
+        if baseline is not None:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)],
+                           check=False, capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return sides
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", type=int, default=20)
@@ -165,21 +187,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "mixed_traffic.json")
     args = ap.parse_args([*SMOKE, *(argv or sys.argv[1:])] if "--smoke" in (argv or sys.argv[1:]) else argv)
 
-    work = Path(tempfile.mkdtemp(prefix="bench-mixed-"))
-    sides: dict[str, list[dict]] = {}
-    baseline = None
-    try:
-        if args.baseline:
-            baseline = baseline_checkout(args.baseline, work)
-        for r in range(args.rounds):
-            if baseline is not None:
-                sides.setdefault("baseline", []).append(run_side(f"baseline-{r}", args, work, baseline))
-            sides.setdefault("current", []).append(run_side(f"current-{r}", args, work, None))
-    finally:
-        if baseline is not None:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)],
-                           check=False, capture_output=True)
-        shutil.rmtree(work, ignore_errors=True)
+    sides = run_sides(args, run_side, "bench-mixed-")
 
     result = {"benchmark": "mixed_traffic", "conditions": {
         "machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
