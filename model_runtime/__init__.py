@@ -8,3 +8,18 @@ package as ``<version>/_mms_family`` (``control_plane.families.folders`` writes 
 Triton model folder stays self-contained; this package therefore imports nothing from the
 control plane or the router.
 """
+
+import shutil
+from pathlib import Path
+
+# Modules of this folder that a runtime imports beside its own (``control_socket``): a copy
+# of the runtime in a model folder carries them inside the package.
+SHARED_MODULES = (Path(__file__).resolve().parent / "control_socket.py",)
+
+
+def copy_runtime(package: Path, destination: Path) -> None:
+    """Copy the runtime ``package`` (``model_runtime/family`` or ``model_runtime/lora``) to
+    ``destination`` in a model folder, with the shared modules it imports beside its own."""
+    shutil.copytree(package, destination, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for module in SHARED_MODULES:
+        shutil.copy2(module, destination / module.name)

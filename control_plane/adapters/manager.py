@@ -104,7 +104,7 @@ class AdapterManager:
         server = self.manager.ready_server_of(base)
         if server is None:
             return None
-        status = await server.admin.adapter_control(base, command)
+        status = await server.admin.adapter_control(base, command, key=self.slots.key)
         if quiet:
             self.manager.not_use(base, int(time.time() * 1000))
         self.slots.observe(base, server.name, status)  # metrics and recency too (_absorb)

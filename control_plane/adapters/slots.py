@@ -30,9 +30,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from control_plane.adapters.base import describe_base
 from control_plane.eviction import CachePlanner, Capacity, Resident, make_policy
+from control_plane.families.family_catalog import control_key
 from domain.errors import CapacityExhausted, ControlPlaneError, ModelLoadFailed, ModelNotFound
 from domain.routes import ADAPTER_SEPARATOR, split_adapter
 
@@ -96,6 +98,8 @@ class AdapterSlots:
         self.capacity_wait_s = getattr(manager.config, "capacity_wait_s", 120.0)
         self._freed = asyncio.Event()  # set (and replaced) whenever an adapter's holds end
         self.on_status: Callable[[str, dict], None] = lambda _base, _status: None
+        # The key of the models' control sockets (commands beside their batches).
+        self.key = control_key(Path(repository))
         manager.on_state_change(self._model_moved)
 
     # ------------------------------------------------------------------ where
@@ -230,13 +234,15 @@ class AdapterSlots:
                     victims = self._victims(slots, adapter)
                 try:
                     status = await server.admin.adapter_control(
-                        base, {"op": "load", "adapter": adapter, "evict": victims, "answer": "slots"})
+                        base, {"op": "load", "adapter": adapter, "evict": victims, "answer": "slots"},
+                        key=self.key)
                 except CapacityExhausted:
                     if attempt:
                         raise
                     # What this control plane knew of the slots was stale (the base was loaded
                     # again, a pin arrived): read them, plan again.
-                    self.observe(base, server.name, await server.admin.adapter_control(base, {"op": "status"}))
+                    self.observe(base, server.name, await server.admin.adapter_control(
+                        base, {"op": "status"}, key=self.key))
                     continue
                 if victims:
                     self.evictions[base] = self.evictions.get(base, 0) + len(victims)
@@ -270,7 +276,8 @@ class AdapterSlots:
         key = (base, server.name)
         slots = self.slots.get(key)
         if slots is None:
-            self.observe(base, server.name, await server.admin.adapter_control(base, {"op": "status"}))
+            self.observe(base, server.name, await server.admin.adapter_control(
+                base, {"op": "status"}, key=self.key))
             slots = self.slots.get(key)
             if slots is None:
                 raise ModelLoadFailed(f"{base} left {server.name} before its adapter slots could be "
@@ -328,6 +335,10 @@ class AdapterSlots:
         for (base, where) in [k for k in self.slots if k[0] == name]:
             if where not in self.manager.copy_servers_of(name):
                 slots = self.slots.pop((base, where))
+                server = self.manager.servers.get(where)
+                forget = getattr(getattr(server, "admin", None), "forget_adapter_socket", None)
+                if forget is not None:  # its process goes: nothing more over its socket
+                    asyncio.get_running_loop().create_task(forget(base))
                 for adapter in slots.planner.residents:
                     self.manager.announce_moved(entry_name(base, adapter))
 

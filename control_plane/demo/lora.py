@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from control_plane.demo.fleet import FEATURES_INPUT, FleetSpec, base_weights, default_instance_kind
 from domain import model_config
 from domain.names import validate_model_name
+from model_runtime import copy_runtime
 from model_runtime.lora.models import (
     RecommenderMLP,
     TinyLM,
@@ -114,9 +115,7 @@ def write_lora_model(
     version = tmp / "1"
     version.mkdir(parents=True)
     shutil.copy2(REPO_MODELS / base / "1" / "model.py", version / "model.py")
-    shutil.copytree(
-        LORA_PACKAGE, version / RUNTIME_DIR, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
-    )
+    copy_runtime(LORA_PACKAGE, version / RUNTIME_DIR)
     if base == TINYLM:
         save_tinylm(version / WEIGHTS_FILE, tinylm_base_weights(spec.tinylm), spec.tinylm)
     elif base == RECOMMENDER:

@@ -22,6 +22,7 @@ from control_plane.families.family_catalog import VARIANT_FILE, WEIGHTS_FILE, Fa
 from domain import model_config
 from domain.errors import InvalidInput
 from domain.names import validate_model_name
+from model_runtime import copy_runtime
 from model_runtime.family.layout import Layout, LayoutError, read_layout
 from model_runtime.family.protocol import LAYOUT_FILE, STATUS_OUTPUT
 
@@ -98,7 +99,7 @@ def write_family(repository: Path, name: str, *, config_text: str, version_files
     text = family_config(config_text, name)
     tmp = _fresh(repository / f".{name}.tmp")
     shutil.copytree(version_files, tmp / "1", ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"))
-    shutil.copytree(RUNTIME_DIR, tmp / "1" / RUNTIME_PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    copy_runtime(RUNTIME_DIR, tmp / "1" / RUNTIME_PACKAGE)
     (tmp / "config.pbtxt").write_text(text)
     (tmp / LAYOUT_FILE).write_text(json.dumps(layout.to_json(), indent=1))
     folder = _replace_folder(tmp, repository / name)

@@ -37,13 +37,10 @@ sends the request again.
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import json
 import logging
 import os
-import socket
-import struct
 import threading
 import time
 import uuid
@@ -54,7 +51,6 @@ import torch
 
 from .layout import Layout, LayoutError
 from .protocol import (
-    CONTROL_KEY_FILE,
     CONTROL_PARAMETER,
     LAYOUT_FILE,
     SLOTS_PARAMETER,
@@ -64,14 +60,14 @@ from .protocol import (
 )
 from .slots import SlotBank, SlotError
 
+try:  # the copy in a model folder carries the control socket beside this package's modules
+    from .control_socket import MAX_COMMAND_BYTES, ControlSocketServer, read_control_key
+except ImportError:  # the source tree
+    from ..control_socket import MAX_COMMAND_BYTES, ControlSocketServer, read_control_key
+
 log = logging.getLogger(__name__)
 
-# A control command on the socket is one JSON line of at most this many bytes (a fill names a
-# variant, a path and the variants it evicts): the work a caller causes is bounded.
-MAX_COMMAND_BYTES = 64 * 1024
-# Connections served at once, and how long an idle one is kept.
-MAX_CONNECTIONS = 4
-IDLE_S = 300.0
+__all__ = ["MAX_COMMAND_BYTES", "FamilyInputError", "FamilyModel"]
 
 
 class ControlRefused(Exception):
@@ -98,19 +94,6 @@ def _error(message: str, code: str | None = None):
     error = (pb_utils.TritonError(message, error_code) if error_code is not None
              else pb_utils.TritonError(message))
     return pb_utils.InferenceResponse(error=error)
-
-
-def _read_key(repository: str) -> str | None:
-    """The control key, or None (every control command refused) when the file is missing
-    or other users may read it: a key anyone can read opens the slots to anyone."""
-    try:
-        fd = os.open(os.path.join(repository, CONTROL_KEY_FILE), os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    with os.fdopen(fd) as f:
-        if os.fstat(fd).st_mode & 0o077:
-            return None
-        return f.read().strip() or None
 
 
 def _describe(command: dict) -> str:
@@ -168,7 +151,7 @@ class FamilyModel:
         # Only the control plane may change the slots: control commands carry the key it
         # wrote beside the families in Triton's repository (clients that reach Triton's
         # inference port cannot read it).
-        self.control_key = _read_key(os.path.dirname(os.path.abspath(model_dir)))
+        self.control_key = read_control_key(os.path.dirname(os.path.abspath(model_dir)))
         # variant -> [inferences, last inference in ms since the epoch], for the control
         # plane's recency and auto-pinning (Triton counts the family model as one).
         self.usage: dict[str, list[int]] = {}
@@ -178,7 +161,9 @@ class FamilyModel:
         self.readers = [0] * slots
         self.filling: set[int] = set()
         self.commands = threading.Lock()
-        self.control_socket = self._open_control_socket()
+        self._control_server = ControlSocketServer(f"mms-family-{self.family}-{self.instance}",
+                                                   self._socket_command, what=f"family {self.family}")
+        self.control_socket = self._control_server.name
 
     def execute(self, requests: list) -> list:
         responses: list = [None] * len(requests)
@@ -350,81 +335,17 @@ class FamilyModel:
                 "seconds": seconds}
 
     # ------------------------------------------------------------------ the control socket
-    def _open_control_socket(self) -> str | None:
-        """Listen on an abstract Unix socket named after this process's instance; its name, or
-        None where none can be opened (commands then come as requests only)."""
-        name = f"mms-family-{self.family}-{self.instance}"
+    def _socket_command(self, line: str) -> dict:
+        """A command from the control socket (model_runtime.control_socket): its answer."""
         try:
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind("\0" + name)
-            listener.listen(MAX_CONNECTIONS)
-        except OSError as exc:
-            log.warning("family %s: no control socket (%s); control commands come as requests",
-                        self.family, exc)
-            return None
-        self._listener = listener
-        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._open: set[socket.socket] = set()  # shut by finalize: no command after it
-        self._acceptor = threading.Thread(target=self._accept, name=f"{self.family}-control",
-                                          daemon=True)
-        self._acceptor.start()
-        return name
-
-    def _accept(self) -> None:
-        listener = self._listener
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return  # closed by finalize
-            # Only processes of this process's own user: an abstract socket has no file
-            # permissions, so the peer's credentials stand in for them (and the key is needed).
-            _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-            if uid != os.getuid() or not self._connections.acquire(blocking=False):
-                conn.close()
-                continue
-            with self.guard:
-                self._open.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(IDLE_S)
-            with conn, conn.makefile("rwb") as stream:
-                while True:
-                    line = stream.readline(MAX_COMMAND_BYTES + 1)
-                    if not line:
-                        return
-                    if len(line) > MAX_COMMAND_BYTES or not line.endswith(b"\n"):
-                        stream.write(json.dumps({"error": "control command too long", "code":
-                                                 "INVALID_ARG"}).encode() + b"\n")
-                        stream.flush()
-                        return
-                    try:
-                        answer = self.command(line.decode("utf-8", "replace"))
-                    except ControlRefused as exc:
-                        answer = {"error": str(exc), "code": exc.code}
-                    stream.write(json.dumps(answer).encode() + b"\n")
-                    stream.flush()
-        except OSError:
-            return  # the caller went away or stayed idle
-        finally:
-            with self.guard:
-                self._open.discard(conn)
-            self._connections.release()
+            return self.command(line)
+        except ControlRefused as exc:
+            return {"error": str(exc), "code": exc.code}
 
     def finalize(self) -> None:
-        listener = getattr(self, "_listener", None)
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)
-            listener.close()
-            self._acceptor.join(5)  # the name is free once it stopped accepting
-            with self.guard:
-                for conn in self._open:
-                    with contextlib.suppress(OSError):
-                        conn.shutdown(socket.SHUT_RDWR)
+        server = getattr(self, "_control_server", None)
+        if server is not None:
+            server.close()
         with self.commands:  # a command running now ends before the slots go
             self.modules = []
             if self.bank is not None:

@@ -11,13 +11,20 @@ Requests:
     adapter       request parameter (or input ADAPTER, the same on every row); none = base
     ADAPTER_CONTROL  input, one JSON string: {"op": "status" | "sync" | "load" | "unload",
                   "adapter": ...}; answered in output ADAPTER_STATUS (JSON)
+
+The same commands come over the model's control socket (``control_socket`` in its status;
+``model_runtime.control_socket``), with the control plane's key, and run beside the batches
+Triton executes instead of queueing behind them.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
+import threading
+import uuid
 from functools import partial
 
 import numpy as np
@@ -28,7 +35,15 @@ from .errors import InvalidRequest, LoraError
 from .runtime import LoraSettings, adapter_from, build_server
 from .server import Job
 
+try:  # the copy in a model folder carries the control socket beside this package's modules
+    from .control_socket import ControlSocketServer, read_control_key
+except ImportError:  # the source tree
+    from ..control_socket import ControlSocketServer, read_control_key
+
 log = logging.getLogger(__name__)
+
+# How long a command on the control socket waits for its answer (a cold load from disk).
+SOCKET_COMMAND_S = 120.0
 
 
 def triton_error(error: LoraError):
@@ -72,6 +87,13 @@ class LoraTritonModel:
         self.server = build_server(
             model, runner, self.settings, base_name=args["model_name"], device=self.device
         )
+        # The control plane's commands also come over a socket of this process, beside the
+        # batches Triton runs: keyed with the key it keeps in Triton's repository.
+        self.control_key = read_control_key(os.path.dirname(os.path.abspath(model_dir)))
+        self._control_server = ControlSocketServer(
+            f"mms-lora-{args['model_name']}-{uuid.uuid4().hex[:12]}", self._socket_command,
+            what=f"LoRA model {args['model_name']}")
+        self.control_socket = self._control_server.name
         log.info(
             "%s ready on %s: %d device slots, %d host adapters, max rank %d, adapters in %s",
             args["model_name"], self.device, self.settings.max_device_adapters,
@@ -110,6 +132,30 @@ class LoraTritonModel:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InvalidRequest(f"ADAPTER_CONTROL is not valid JSON: {exc}") from None
 
+    def _socket_command(self, line: str) -> dict:
+        """A command from the control socket: run as one that came as a request, with the key
+        checked first; its answer (the status), or the refusal with its Triton code."""
+        try:
+            command = json.loads(line)
+        except json.JSONDecodeError as exc:
+            return {"error": f"ADAPTER_CONTROL is not valid JSON: {exc}", "code": "INVALID_ARG"}
+        if not isinstance(command, dict) or self.control_key is None or not hmac.compare_digest(
+                str(command.pop("key", "")), self.control_key):
+            return {"error": "adapter control refused: wrong or missing key", "code": "INVALID_ARG"}
+        done, box = threading.Event(), {}
+
+        def reply(status, error) -> None:
+            box["status"], box["error"] = status, error
+            done.set()
+
+        self.server.control(command, reply)
+        if not done.wait(SOCKET_COMMAND_S):
+            return {"error": f"{command.get('op')!r} did not finish within {SOCKET_COMMAND_S:.0f}s",
+                    "code": "INTERNAL"}
+        if box["error"] is not None:
+            return {"error": box["error"].message, "code": box["error"].triton_code}
+        return {**box["status"], "control_socket": self.control_socket}
+
     def _send(self, sender, result, error: LoraError | None) -> None:
         if error is not None:
             response = pb_utils.InferenceResponse(error=triton_error(error))
@@ -121,12 +167,15 @@ class LoraTritonModel:
         if error is not None:
             response = pb_utils.InferenceResponse(error=triton_error(error))
         else:
-            text = json.dumps(status, sort_keys=True).encode()
+            text = json.dumps({**status, "control_socket": self.control_socket}, sort_keys=True).encode()
             out = pb_utils.Tensor("ADAPTER_STATUS", np.array([[text]], dtype=object))
             response = pb_utils.InferenceResponse(output_tensors=[out])
         sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):
+        control = getattr(self, "_control_server", None)
+        if control is not None:
+            control.close()
         server = getattr(self, "server", None)
         if server is not None:
             server.close()

@@ -50,7 +50,7 @@ class InProcessAdmin:
         self.model = model
         self.commands = []
 
-    async def adapter_control(self, base, command):
+    async def adapter_control(self, base, command, key=None):
         self.commands.append(command)
         result, error = await asyncio.to_thread(answer, lambda reply: self.model.control(command, reply))
         if isinstance(error, AdapterCapacityExhausted):
@@ -221,3 +221,43 @@ def test_a_base_that_leaves_its_server_takes_its_adapters_with_it(stack):
         listener(BASE)
     assert stack.slots.ready_server_of(f"{BASE}:a") is None
     assert stack.manager.moved == [f"{BASE}:a"] and stack.slots.rows() == []
+
+
+def test_the_models_control_socket_takes_keyed_commands_only(stack, tmp_path, monkeypatch):
+    """The LoRA model's control socket (model_runtime.control_socket) runs a command that
+    carries the control plane's key, refuses one that does not, and never echoes the key."""
+    import json
+    import socket
+    import sys
+    import uuid
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", SimpleNamespace())
+    from model_runtime.control_socket import ControlSocketServer
+    from model_runtime.lora.triton_glue import LoraTritonModel
+
+    glue = LoraTritonModel()  # what initialize sets up, around the in-process model
+    glue.server, glue.control_key = stack.model, "k" * 32
+    server = ControlSocketServer(f"mms-test-{uuid.uuid4().hex[:8]}", glue._socket_command)
+    glue.control_socket = server.name
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(30)
+        conn.connect("\0" + server.name)
+        stream = conn.makefile("rwb")
+
+        def ask(command):
+            stream.write(json.dumps(command).encode() + b"\n")
+            stream.flush()
+            return json.loads(stream.readline())
+
+        refused = ask({"op": "load", "adapter": "a", "key": "guess"})
+        assert refused["code"] == "INVALID_ARG" and "key" in refused["error"]
+        assert stack.model.cache.resident() == []
+        answer = ask({"op": "load", "adapter": "a", "evict": [], "answer": "slots", "key": "k" * 32})
+        assert [x["name"] for x in answer["adapters"]] == ["a"] and answer["control_socket"] == server.name
+        assert "k" * 32 not in json.dumps(answer)
+        missing = ask({"op": "load", "adapter": "zzz", "key": "k" * 32})
+        assert missing["code"] == "NOT_FOUND"
+        conn.close()
+    finally:
+        server.close()

@@ -232,7 +232,7 @@ class FakeModel:
         self.commands = []
         self.loaded = set()  # loaded by a load command, beside the pins
 
-    async def adapter_control(self, model, command):
+    async def adapter_control(self, model, command, key=None):
         self.commands.append(command)
         manifest = read_manifest(self.adapter_dir)
         names = sorted(p.name for p in self.adapter_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
