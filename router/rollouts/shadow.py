@@ -65,6 +65,10 @@ class ShadowItem:
     # that returns Outputs (an HTTP answer, converted in the analysis thread).
     primary: object
     primary_latency_ms: float
+    # What the control plane places for the mirror when it is not the shadow model itself:
+    # ``SHADOW:ADAPTER`` for a request that named a LoRA adapter (the adapter in a slot of the
+    # shadow, loaded for the mirror as for a request).
+    placed: str | None = None
 
 
 def outputs_of(response) -> Outputs:
@@ -261,7 +265,7 @@ class ShadowMirror:
         try:
             request = item.request() if callable(item.request) else item.request
             async with asyncio.timeout(self.timeout_s):
-                response = await self.send(item.shadow_model, request, self.timeout_s)
+                response = await self.send(item.placed or item.shadow_model, request, self.timeout_s)
         except TimeoutError:
             outcome = _Outcome(item, "timeout", at=at)
         except Exception as exc:  # noqa: BLE001 - any shadow failure is its outcome

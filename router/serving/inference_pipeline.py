@@ -23,7 +23,7 @@ from typing import Protocol
 
 from domain import tracing
 from domain.router_errors import InvalidRequest, PermissionDenied, RouterError, parse_version
-from domain.routes import Decision
+from domain.routes import ADAPTER_SEPARATOR, Decision
 from model_runtime.family.protocol import CONTROL_PARAMETER, VARIANT_PARAMETER
 from router.rollouts.routing_decisions import Decider
 from router.rollouts.shadow import ShadowItem, ShadowMirror
@@ -171,9 +171,11 @@ class InferencePipeline:
             if shadow is not None and primary is not None:
                 request = exchange.shadow_request(call, self.target(shadow, "", decision.adapter))
                 if request is not None:
-                    self.shadow.offer(ShadowItem(decision.logical.split(":", 1)[0], shadow,
-                                                 request, primary,
-                                                 (time.perf_counter() - call.start) * 1000))
+                    self.shadow.offer(ShadowItem(
+                        decision.logical.split(":", 1)[0], shadow, request, primary,
+                        (time.perf_counter() - call.start) * 1000,
+                        placed=None if decision.adapter is None
+                        else f"{shadow}{ADAPTER_SEPARATOR}{decision.adapter}"))
             return result
 
     # ------------------------------------------------------------------ addressing

@@ -38,6 +38,9 @@ def product(fleet_template, tmp_path_factory):
     write_lora_model(repo, "tinylm", SPEC)
     write_lora_model(repo, "recommender_lora", SPEC)
     write_demo_adapter(repo / "tinylm" / "adapters", "tinylm", "cust001", rank=4, spec=SPEC)
+    # A twin of tinylm (the same base weights) with the same acme: a shadow that must agree.
+    write_lora_model(repo, "tinylm", SPEC, name="tinylm2")
+    write_demo_adapter(repo / "tinylm2" / "adapters", "tinylm", "acme", rank=8, spec=SPEC)
     src = root / "uploads"
     for name in ("acme", "globex"):
         write_demo_adapter(src, "tinylm", name, rank=8, spec=SPEC)
@@ -187,6 +190,32 @@ def test_list_pin_load_unload_and_metrics(product):
     assert 'mms_adapter_requests_total{adapter="acme",base="tinylm"}' in metrics
     assert 'mms_adapter_cache_misses_total{adapter="acme",base="tinylm"}' in metrics
     assert 'mms_adapter_load_seconds{adapter="acme",base="tinylm"}' in metrics
+
+
+def test_a_shadow_of_adapter_requests_has_the_adapter_loaded_on_the_shadow(product):
+    """Requests for tinylm:acme mirrored to tinylm2 need acme in a slot of tinylm2: the mirror
+    has it placed there as a request would, and its answers agree with the primary's."""
+    p = product
+    router = router_client(p)
+    generate(router, "tinylm:acme")
+    assert p.mmctl("shadow", "start", "tinylm", "--model", "tinylm2", "--percent", "100").returncode == 0
+    try:
+        before = p.json("shadow", "report", "tinylm")
+        for _ in range(4):
+            generate(router, "tinylm:acme")
+        deadline = time.monotonic() + 30
+        while True:
+            report = p.json("shadow", "report", "tinylm")
+            c = {k: report[k] - before.get(k, 0) for k in ("mirrored", "compared", "diverged", "errors")}
+            if c["compared"] + c["errors"] >= max(1, c["mirrored"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert c["mirrored"] > 0 and c["errors"] == 0 and c["compared"] == c["mirrored"], report
+        assert c["diverged"] == 0, report  # the twin's acme answers as tinylm's
+    finally:
+        assert p.mmctl("shadow", "stop", "tinylm").returncode == 0
+    rows = {r["model"]: r for r in p.json("status", "--all", "tinylm2:*")}
+    assert rows["tinylm2:acme"]["state"] == "ready"
 
 
 def test_rate_limit_per_adapter(product):

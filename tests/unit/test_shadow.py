@@ -187,3 +187,25 @@ def test_shadow_start_with_an_unknown_model_is_refused(monkeypatch):
     assert status == 400
     status, body = _post_shadow(monkeypatch, router, "cust001", {"model": "cust002", "percent": 10})
     assert status == 200 and body["shadow"] == {"model": "cust002", "percent": 10.0}
+
+
+def test_a_mirror_of_an_adapter_request_has_the_adapter_placed_on_the_shadow():
+    """A request that named a LoRA adapter is mirrored to the shadow with that adapter: what
+    the mirror needs loaded is SHADOW:ADAPTER (the adapter in a slot of the shadow), not the
+    shadow alone, whose slots may not hold it."""
+    asked = []
+
+    async def go():
+        async def send(model, request, timeout_s):
+            asked.append(model)
+            return response([0.5])
+
+        mirror = ShadowMirror(send, None)
+        assert mirror.offer(ShadowItem("tinylm", "tinylm-v2", b"", outputs([0.5]), 1.0,
+                                       placed="tinylm-v2:acme"))
+        assert mirror.offer(ShadowItem("cust001", "cust001-v2", b"", outputs([0.5]), 1.0))
+        await eventually(lambda: len(asked) == 2)
+        await mirror.stop()
+
+    run(go())
+    assert asked == ["tinylm-v2:acme", "cust001-v2"]
