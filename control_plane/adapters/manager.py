@@ -37,6 +37,7 @@ from domain.errors import (
     ModelNotFound,
 )
 from domain.periodic import guarded_step, run_periodically
+from domain.routes import split_adapter
 
 log = logging.getLogger(__name__)
 
@@ -286,6 +287,20 @@ class AdapterManager:
                                f"(mmctl adapter unpin {base.name} {name})")
         status = await self._control(base.name, {"op": "unload", "adapter": name})
         return await self.describe(base.name, name, status)
+
+    # ------------------------------------------------------------------ as a manager entry
+    async def entry_action(self, action: str, entry: str) -> dict:
+        """``load``, ``unload``, ``pin`` or ``unpin`` of the entry ``BASE:ADAPTER`` (what
+        ``mmctl load/unload/pin/unpin`` send for it); its ``mmctl status`` row."""
+        base, name = split_adapter(entry)
+        op = {"load": self.load, "unload": self.unload, "pin": self.pin, "unpin": self.unpin}[action]
+        row = await op(base, name)
+        for listed in self.slots.rows():
+            if listed["model"] == entry and (listed["state"] == "ready" or action == "unload"):
+                return listed
+        return {"model": entry, "kind": "adapter", "base": base,
+                "state": "ready" if row["tier"] in ("device", "gpu") else "warm", "server": None,
+                "pinned": row["pinned"], "tier": row["tier"]}
 
     # ------------------------------------------------------------------ remove
     async def remove(self, base_name: str, ref: str) -> dict:

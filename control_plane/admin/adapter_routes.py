@@ -8,6 +8,9 @@ the app's error middleware like every other admin route):
     POST   /v1/adapters/{base}/{name}/pin|unpin|load|unload
     DELETE /v1/adapters/{base}/{name}
 
+and the model routes' load, unload, pin and unpin of ``BASE:ADAPTER`` (``mmctl pin
+tinylm:acme``): the same operations, answered with the entry's status row.
+
 Handlers only convert JSON to calls on the ``AdapterManager`` and back.  The manager's
 refresh loop (restore at start, then periodic status for metrics) runs for the app's life.
 """
@@ -20,6 +23,7 @@ import contextlib
 from aiohttp import web
 
 from control_plane.adapters import AdapterManager
+from control_plane.admin.api import ADAPTER_ENTRIES_KEY
 from control_plane.admin.api import json_body as _json
 
 ADAPTERS_KEY = web.AppKey("adapters", AdapterManager)
@@ -57,6 +61,7 @@ async def remove(request: web.Request) -> web.Response:
 
 def add_adapter_routes(app: web.Application, adapters: AdapterManager) -> None:
     app[ADAPTERS_KEY] = adapters
+    app[ADAPTER_ENTRIES_KEY] = adapters.entry_action  # mmctl load/unload/pin/unpin BASE:ADAPTER
 
     async def refresh_loop(_app: web.Application):
         task = asyncio.get_running_loop().create_task(adapters.run_forever(adapters.manager.metrics.loop_failures))

@@ -39,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from control_plane.admin.access import SAFE_METHODS, AdminAccess, Unauthorized, access_middleware
 from control_plane.manager import ModelManager, ModelState
 from domain.errors import ControlPlaneError, InvalidInput
+from domain.routes import ADAPTER_SEPARATOR
 
 log = logging.getLogger(__name__)
 
@@ -189,22 +190,45 @@ async def scale(request: web.Request) -> web.Response:
     return web.json_response(manager.status_row(rec))
 
 
+# ``(action, "BASE:ADAPTER") -> its status row``: load, unload, pin and unpin of a LoRA
+# adapter, an entry of the manager like a model (set by the adapter routes).
+ADAPTER_ENTRIES_KEY = web.AppKey("adapter_entries", object)
+
+
+async def _adapter_entry(request: web.Request, action: str) -> web.Response | None:
+    """The answer to ``action`` on ``BASE:ADAPTER`` (the adapter manager's), or None for a
+    model."""
+    name = request.match_info["model"]
+    entries = request.app.get(ADAPTER_ENTRIES_KEY)
+    if ADAPTER_SEPARATOR not in name or entries is None:
+        return None
+    return web.json_response(await entries(action, name))
+
+
 async def load(request: web.Request) -> web.Response:
+    if (entry := await _adapter_entry(request, "load")) is not None:
+        return entry
     rec = await _manager(request).ensure(_model(request), retry_failed=True)
     return web.json_response(rec.to_dict())
 
 
 async def unload(request: web.Request) -> web.Response:
+    if (entry := await _adapter_entry(request, "unload")) is not None:
+        return entry
     force = request.query.get("force", "") in ("1", "true", "yes")
     rec = await _manager(request).unload(_model(request), force=force)
     return web.json_response(rec.to_dict())
 
 
 async def pin(request: web.Request) -> web.Response:
+    if (entry := await _adapter_entry(request, "pin")) is not None:
+        return entry
     return web.json_response((await _manager(request).pin(_model(request))).to_dict())
 
 
 async def unpin(request: web.Request) -> web.Response:
+    if (entry := await _adapter_entry(request, "unpin")) is not None:
+        return entry
     return web.json_response((await _manager(request).unpin(_model(request))).to_dict())
 
 

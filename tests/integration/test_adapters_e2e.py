@@ -295,8 +295,10 @@ def test_the_control_plane_decides_which_adapters_hold_the_slots(product):
     assert "tinylm:acme" not in out.stdout and "more warm models" in out.stdout
     out = p.mmctl("status", "tinylm:*")
     assert out.returncode == 0 and "tinylm:acme" in out.stdout and "tinylm:globex" not in out.stdout
-    # A pin keeps its slot whatever the traffic; the other slot turns over.
-    assert p.json("adapter", "pin", "tinylm", "acme")["pinned"]
+    # A pin keeps its slot whatever the traffic; the other slot turns over.  The commands of
+    # a model work on the entry as `mmctl adapter ...` does.
+    out = p.mmctl("pin", "tinylm:acme")
+    assert out.returncode == 0 and out.stdout.startswith("tinylm:acme: ready on ") and "pinned" in out.stdout
     try:
         for name in ["cust001", "initech", "umbrella", "cust001"]:
             assert texts(generate(router, f"tinylm:{name}")) == own[name]
@@ -319,7 +321,13 @@ def test_the_control_plane_decides_which_adapters_hold_the_slots(product):
             results = list(pool.map(client, names * 2))
         assert all(all(r) for r in results), results
     finally:
-        assert p.mmctl("adapter", "unpin", "tinylm", "acme").returncode == 0
+        out = p.mmctl("unpin", "tinylm:acme")
+        assert out.returncode == 0 and "pinned" not in out.stdout, out.stdout
+    out = p.mmctl("unload", "tinylm:cust001")
+    assert out.returncode == 0 and out.stdout.strip() == "tinylm:cust001: warm", out.stdout
+    out = p.mmctl("load", "tinylm:cust001")
+    assert out.returncode == 0 and out.stdout.startswith("tinylm:cust001: ready on "), out.stdout
+    assert p.mmctl("pin", "tinylm:ghost").returncode == 4  # unknown adapter: not found
     # The base unloaded takes its adapters with it; the next request loads both again.
     out = p.mmctl("unload", "tinylm")
     assert out.returncode == 0, out.stderr
