@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -27,11 +26,13 @@ from tritonclient.grpc import (
 )
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
+from control_plane.triton.adapter_control import (
+    ADAPTER_CONTROL_INPUT,
+    AdapterControl,
+)
 from control_plane.triton.control_socket import ControlSocket
 from domain.errors import (
-    CapacityExhausted,
     ControlPlaneError,
-    InvalidInput,
     ModelLoadFailed,
     ModelNotFound,
     OperationTimeout,
@@ -44,20 +45,6 @@ log = logging.getLogger(__name__)
 # Inputs of the LoRA models (model_repository/tinylm) that select or control adapters rather
 # than carry data: a warm-up leaves them out and so runs the base model.
 ADAPTER_INPUT = "ADAPTER"
-ADAPTER_CONTROL_INPUT = "ADAPTER_CONTROL"
-ADAPTER_STATUS_OUTPUT = "ADAPTER_STATUS"
-
-
-def _adapter_refusal(model: str, command: dict, code: str, msg: str) -> ControlPlaneError:
-    """A LoRA model's refusal of a control command (its Triton error code and message), from
-    a request's error or a control socket's answer."""
-    if "NOT_FOUND" in code:
-        return ModelNotFound(msg)
-    if "INVALID_ARG" in code:
-        return InvalidInput(msg)
-    if "UNAVAILABLE" in code and "slot" in msg:
-        return CapacityExhausted(msg)
-    return ModelLoadFailed(f"{model} failed {command.get('op')!r}: {msg}")
 
 
 class TritonModelState(str, enum.Enum):
@@ -166,7 +153,7 @@ def admin_key_headers(key: str | None) -> dict[str, str] | None:
     return {f"triton-grpc-protocol-{ADMIN_KEY_HEADER}": key} if key else None
 
 
-class TritonAdmin:
+class TritonAdmin(AdapterControl):
     """Model control for one Triton server, addressed by its gRPC URL.
 
     ``headers``: sent with every model-repository call; a Triton started with
@@ -418,84 +405,3 @@ class TritonAdmin:
             raise ModelLoadFailed(f"synthetic warm-up inference of {model} failed: "
                                   f"{(exc.message() or str(exc)).strip()}; {advice}") from exc
         return (time.perf_counter() - start) * 1000
-
-    @traced("triton.adapter_control")
-    async def adapter_control(self, model: str, command: dict, timeout_s: float | None = None,
-                              key: str | None = None) -> dict:
-        """Send one LoRA control command (``{"op": "status" | "sync" | "load" | "unload", ...}``)
-        and return the model's JSON answer: over the control socket its process named in an
-        earlier answer when ``key`` (the control plane's, ``model_runtime.control_socket``) is
-        given, so the command runs beside the batches Triton executes; else, or when that
-        socket is gone, as an inference carrying only ADAPTER_CONTROL.
-
-        The model's error codes map to control-plane errors: NOT_FOUND -> ModelNotFound (an
-        unknown adapter, or the model is not loaded), INVALID_ARG -> InvalidInput (bad name, a
-        refused adapter, a pinned one), UNAVAILABLE with a slot message -> CapacityExhausted
-        (every device slot pinned); an unreachable server -> TritonUnavailable."""
-        timeout_s = self.timeouts.load_s if timeout_s is None else timeout_s
-        channel = self.adapter_sockets.get(model) if key is not None else None
-        if channel is not None:
-            try:
-                answer = await channel.send({**command, "key": key}, timeout_s)
-            except TimeoutError:
-                await self.forget_adapter_socket(model)
-                raise OperationTimeout(
-                    f"{model} did not answer {command.get('op')!r} within {timeout_s:.0f}s") from None
-            except (OSError, EOFError, ValueError) as exc:
-                # Its process is gone or was replaced: the request path reaches the one Triton
-                # serves now, whose answer names its socket.
-                log.info("%s on %s: control socket %s: %s; sending as a request", model,
-                         self.grpc_url, channel.name, exc)
-                await self.forget_adapter_socket(model)
-            else:
-                if "error" in answer:
-                    raise _adapter_refusal(model, command, str(answer.get("code", "")),
-                                           str(answer["error"]))
-                self._learn_adapter_socket(model, answer)
-                return answer
-        answer = await self._adapter_control_request(model, command, timeout_s)
-        if key is not None:
-            self._learn_adapter_socket(model, answer)
-        return answer
-
-    def _learn_adapter_socket(self, model: str, answer: dict) -> None:
-        name = answer.get("control_socket")
-        current = self.adapter_sockets.get(model)
-        if not name or (current is not None and current.name == name) or name in self._gone_sockets:
-            return
-        if current is not None:
-            asyncio.get_running_loop().create_task(current.close())
-        self.adapter_sockets[model] = ControlSocket(name)
-
-    async def forget_adapter_socket(self, model: str) -> None:
-        """Send ``model``'s commands through Triton until an answer names a socket again (its
-        process is gone or being replaced: nothing more over the socket it had)."""
-        channel = self.adapter_sockets.pop(model, None)
-        if channel is not None:
-            if len(self._gone_sockets) >= 1024:  # names of processes long gone
-                self._gone_sockets.clear()
-            self._gone_sockets.add(channel.name)
-            await channel.close()
-
-    async def _adapter_control_request(self, model: str, command: dict, timeout_s: float) -> dict:
-        control = InferInput(ADAPTER_CONTROL_INPUT, [1, 1], "BYTES")
-        control.set_data_from_numpy(np.array([[json.dumps(command).encode()]], dtype=np.object_))
-        try:
-            result = await self.client.infer(model, [control], client_timeout=timeout_s)
-        except InferenceServerException as exc:
-            status = str(exc.status() or "")
-            msg = (exc.message() or str(exc)).strip()
-            if "DEADLINE" in status:
-                raise OperationTimeout(
-                    f"{model} did not answer {command.get('op')!r} within {timeout_s:.0f}s") from exc
-            if _is_unavailable(exc) and not ("UNAVAILABLE" in status and "slot" in msg):
-                raise self._unavailable(exc) from exc
-            raise _adapter_refusal(model, command, status, msg) from exc
-        raw = result.as_numpy(ADAPTER_STATUS_OUTPUT)
-        if raw is None or raw.size != 1:
-            raise ModelLoadFailed(f"{model} did not answer with one {ADAPTER_STATUS_OUTPUT} string")
-        value = raw.reshape(-1)[0]
-        try:
-            return json.loads(value.decode() if isinstance(value, bytes) else value)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelLoadFailed(f"{model} answered {ADAPTER_STATUS_OUTPUT} that is not JSON: {exc}") from exc
