@@ -20,7 +20,7 @@ import enum
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +37,7 @@ from domain.router_errors import (
 )
 from domain.routes import ADAPTER_SEPARATOR, Decision
 from router.rollouts.routing_decisions import Decider
+from router.serving.down_watch import DownWatch, ServerDown
 from router.serving.fair_shares import ShareGate
 from router.serving.metrics import Recording, RouterMetrics
 from router.serving.miss_budget import MissBudget
@@ -59,8 +60,6 @@ RATE_WINDOW_S = 2.0
 RATE_MIN_ANSWERS = 5
 RATE_MAX_ANSWERS = 4096
 QUEUE_MARGIN = 0.8  # a request is sent when its expected wait and turn fit 80% of its time left
-# How often requests waiting on a server look whether the control plane declared it down.
-DOWN_CHECK_S = 0.1
 _NO_GATE = contextlib.nullcontext()  # a server without a concurrency: no fair-share turn
 
 
@@ -69,59 +68,6 @@ class Resend(enum.Enum):
 
     UNLOADED = "unloaded"  # Triton no longer holds the model: loaded again, sent again
     UNREACHABLE = "unreachable"  # its server could not be reached, or was declared down
-
-
-class ServerDown(BackendUnavailable):
-    """The control plane declared down the server a request was waiting on."""
-
-    def __init__(self, server: ServerAddress):
-        super().__init__(f"Triton {server.name} at {server.grpc_url} stopped answering and is "
-                         "down; retry shortly")
-
-
-class DownWatch:
-    """Requests waiting on a server, cut short when ``servers()`` (the control plane's
-    published view) reports that server down: they are sent where their model is placed
-    now, within their deadline, instead of waiting on a server that may never answer.
-
-    Looks every ``interval_s`` while any request waits; nothing runs when none does."""
-
-    def __init__(self, servers: Callable[[], Iterable[ServerAddress]], interval_s: float = DOWN_CHECK_S):
-        self._servers = servers
-        self.interval_s = interval_s
-        self._waiting: dict[asyncio.Timeout, str] = {}  # a request's cut -> its server's name
-        self._task: asyncio.Task | None = None
-
-    async def wait(self, server: ServerAddress, answer: Awaitable):
-        """``await answer``; raises ServerDown when ``server`` is declared down first."""
-        cut = asyncio.timeout(None)  # expired by _watch: the request's wait ends, its send is cancelled
-        try:
-            async with cut:
-                self._waiting[cut] = server.name
-                if self._task is None:
-                    self._task = asyncio.get_running_loop().create_task(self._watch())
-                try:
-                    return await answer
-                finally:
-                    del self._waiting[cut]
-        except TimeoutError:
-            if cut.expired():
-                raise ServerDown(server) from None
-            raise  # the transport's own timeout
-
-    async def _watch(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while self._waiting:
-                await asyncio.sleep(self.interval_s)
-                down = {s.name for s in self._servers() if not s.up}
-                if not down:
-                    continue
-                for cut, name in list(self._waiting.items()):
-                    if name in down and cut.when() is None:
-                        cut.reschedule(loop.time())
-        finally:
-            self._task = None
 
 
 def placed_name(decision: Decision) -> str:

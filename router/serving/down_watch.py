@@ -1,0 +1,67 @@
+"""Requests waiting on a server that the control plane declared down: cut short, so that
+they are sent where their model is placed now instead of waiting out their deadline on a
+server that may never answer (a frozen Triton neither answers nor refuses)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+
+from domain.router_errors import BackendUnavailable
+from router.serving.serving_state import ServerAddress
+
+# How often requests waiting on a server look whether the control plane declared it down.
+DOWN_CHECK_S = 0.1
+
+
+class ServerDown(BackendUnavailable):
+    """The control plane declared down the server a request was waiting on."""
+
+    def __init__(self, server: ServerAddress):
+        super().__init__(f"Triton {server.name} at {server.grpc_url} stopped answering and is "
+                         "down; retry shortly")
+
+
+class DownWatch:
+    """Requests waiting on a server, cut short when ``servers()`` (the control plane's
+    published view) reports that server down: they are sent where their model is placed
+    now, within their deadline, instead of waiting on a server that may never answer.
+
+    Looks every ``interval_s`` while any request waits; nothing runs when none does."""
+
+    def __init__(self, servers: Callable[[], Iterable[ServerAddress]], interval_s: float = DOWN_CHECK_S):
+        self._servers = servers
+        self.interval_s = interval_s
+        self._waiting: dict[asyncio.Timeout, str] = {}  # a request's cut -> its server's name
+        self._task: asyncio.Task | None = None
+
+    async def wait(self, server: ServerAddress, answer: Awaitable):
+        """``await answer``; raises ServerDown when ``server`` is declared down first."""
+        cut = asyncio.timeout(None)  # expired by _watch: the request's wait ends, its send is cancelled
+        try:
+            async with cut:
+                self._waiting[cut] = server.name
+                if self._task is None:
+                    self._task = asyncio.get_running_loop().create_task(self._watch())
+                try:
+                    return await answer
+                finally:
+                    del self._waiting[cut]
+        except TimeoutError:
+            if cut.expired():
+                raise ServerDown(server) from None
+            raise  # the transport's own timeout
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._waiting:
+                await asyncio.sleep(self.interval_s)
+                down = {s.name for s in self._servers() if not s.up}
+                if not down:
+                    continue
+                for cut, name in list(self._waiting.items()):
+                    if name in down and cut.when() is None:
+                        cut.reschedule(loop.time())
+        finally:
+            self._task = None
