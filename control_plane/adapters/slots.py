@@ -58,6 +58,9 @@ def is_entry(name: str) -> bool:
 
 # How often a load waiting for a busy slot looks again anyway (a hold that expired).
 BUSY_RECHECK_S = 0.5
+# Ensures of the base for one adapter miss: once more when the base left its server under
+# the fill.
+ENSURE_ATTEMPTS = 2
 
 
 class SlotsBusy(CapacityExhausted):
@@ -147,15 +150,24 @@ class AdapterSlots:
         ``on_its_way_s``)."""
         base, adapter = self.base_of(name)
         self._hold(name)
-        server = None
         try:
-            server = await self.manager.ensure_for_request(base, unreachable=unreachable)
-            await self.place(server, base, adapter)
-            return server
+            for attempt in range(ENSURE_ATTEMPTS):
+                server = await self.manager.ensure_for_request(base, unreachable=unreachable)
+                try:
+                    await self.place(server, base, adapter)
+                    return server
+                except ModelNotFound:
+                    self.manager.requests_answered(base, 1)  # this attempt's hold of the base
+                    if attempt + 1 == ENSURE_ATTEMPTS or server.name in self.manager.copy_servers_of(base):
+                        raise
+                    # The base left its server under the fill (an unload): it is ensured
+                    # again, as a request that meets its model unloaded is sent again.
+                except BaseException:
+                    self.manager.requests_answered(base, 1)
+                    raise
+            raise AssertionError("unreachable")
         except BaseException:
             self._release(name)
-            if server is not None:  # the base's hold ends with the request
-                self.manager.requests_answered(base, 1)
             raise
 
     def requests_answered(self, name: str, count: int = 1) -> int:

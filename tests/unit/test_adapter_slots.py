@@ -261,3 +261,32 @@ def test_the_models_control_socket_takes_keyed_commands_only(stack, tmp_path, mo
         conn.close()
     finally:
         server.close()
+
+
+def test_a_base_unloaded_under_the_fill_is_ensured_again_not_reported_unknown(stack):
+    """An explicit unload of the base between its ensure and the adapter's fill: the fill
+    meets no model (NOT_FOUND), and the miss ensures the base again instead of telling the
+    client the adapter is unknown."""
+    real = stack.admin.adapter_control
+    unloaded = []
+
+    async def unloaded_once(base, command, key=None):
+        if command["op"] == "load" and not unloaded:
+            unloaded.append(command["adapter"])
+            stack.manager.base_ready = False
+            for listener in stack.manager.listeners:
+                listener(BASE)  # the manager saw it go
+            raise ModelNotFound("Request for unknown model: 'recommender_lora' is not found")
+        return await real(base, command, key)
+
+    ensure_base = stack.manager.ensure_for_request
+
+    async def loaded_again(name, unreachable=None):
+        stack.manager.base_ready = True  # the next ensure loads it again
+        return await ensure_base(name, unreachable)
+
+    stack.admin.adapter_control = unloaded_once
+    stack.manager.ensure_for_request = loaded_again
+    assert ensure(stack, "a").name == "triton0"
+    assert unloaded == ["a"] and stack.model.cache.resident() == ["a"]
+    assert stack.manager.answered == [(BASE, 1)]  # the first attempt's hold of the base ended
