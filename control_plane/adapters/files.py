@@ -64,6 +64,37 @@ def install(base: LoraBase, name: str, staged: Path) -> None:
         os.rename(staged, final)
 
 
+RUNTIME_FOLDER = "_lora"  # the LoRA runtime's copy in a base's version folder
+
+
+def refresh_runtime(base: LoraBase) -> bool:
+    """Replace the base's copy of the LoRA runtime (``<version>/_lora``) with this product's
+    when they differ, so that a base written by an earlier version follows what the control
+    plane writes (its manifest's fields, the control socket) from its next load; True when it
+    was replaced.  A base without such a copy (its own code) is left alone."""
+    import model_runtime.lora
+    from model_runtime import SHARED_MODULES, copy_runtime
+
+    version = base.weights.parent
+    current = version / RUNTIME_FOLDER
+    if not (current / "__init__.py").is_file():
+        return False
+    package = Path(model_runtime.lora.__file__).parent
+    wanted = {f.name: f for f in package.glob("*.py")} | {m.name: m for m in SHARED_MODULES}
+    if all((current / name).is_file() and (current / name).read_bytes() == source.read_bytes()
+           for name, source in wanted.items()):
+        return False
+    fresh, old = version / f".{RUNTIME_FOLDER}.new", version / f".{RUNTIME_FOLDER}.old"
+    for leftover in (fresh, old):
+        if leftover.exists():
+            remove_tree(leftover)
+    copy_runtime(package, fresh)
+    os.rename(current, old)
+    os.rename(fresh, current)
+    remove_tree(old)
+    return True
+
+
 def read_base_manifest(base: LoraBase):
     """The manifest in the base's adapter directory; InvalidInput when it is malformed."""
     from model_runtime.lora import LoraError, read_manifest

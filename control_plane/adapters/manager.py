@@ -22,6 +22,7 @@ from control_plane.adapters.files import (
     AdapterFiles,
     install,
     read_base_manifest,
+    refresh_runtime,
     remove_tree,
     write_base_manifest,
 )
@@ -384,7 +385,8 @@ class AdapterManager:
 
     def _hand_slots_to_control_plane(self) -> None:
         """Every LoRA base's manifest says the control plane decides which adapters hold its
-        slots (a manifest written before that said nothing, and its model decided)."""
+        slots (a manifest written before that said nothing, and its model decided), and its
+        copy of the LoRA runtime is this version's (an earlier one refuses that manifest)."""
         from model_runtime.lora import RESIDENCY_CONTROL_PLANE
 
         if not self.repository.is_dir():
@@ -394,6 +396,9 @@ class AdapterManager:
                 continue
             base = self.base(folder.name)
             try:
+                if refresh_runtime(base):  # one written by an earlier version
+                    log.info("%s: its copy of the LoRA runtime is this version's now (from its "
+                             "next load)", base.name)
                 manifest = read_base_manifest(base)
                 if manifest.residency != RESIDENCY_CONTROL_PLANE:
                     write_base_manifest(base, pinned=manifest.pinned, preload=manifest.preload,

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from tritonclient.grpc import service_pb2
 
+import model_runtime.lora
 from control_plane.adapters import (
     AdapterManager,
     AdapterMetrics,
@@ -396,7 +398,19 @@ def test_the_first_start_hands_every_bases_slots_to_the_control_plane_keeping_it
     (lora_repo.repo / "identity").mkdir()  # a model that is no LoRA base is left alone
     (lora_repo.repo / "identity" / "config.pbtxt").write_text('name: "identity"\nbackend: "python"\n')
     assert read_manifest(adapter_dir).residency == "model"
+    # tinylm's copy of the runtime is an earlier version's (whose manifest knew no residency);
+    # recommender_lora's is this version's and is not touched.
+    old_runtime = lora_repo.repo / "tinylm" / "1" / "_lora"
+    (old_runtime / "manifest.py").write_text("# an earlier version\n")
+    (old_runtime / "control_socket.py").unlink()
+    current = lora_repo.repo / "recommender_lora" / "1" / "_lora"
+    untouched = current.stat().st_ino
     run(AdapterManager(FakeManager(), lora_repo.repo, stores=ColdStores([lora_repo.cold])).recover())
+    source = Path(model_runtime.lora.__file__).parent
+    assert (old_runtime / "manifest.py").read_bytes() == (source / "manifest.py").read_bytes()
+    assert (old_runtime / "control_socket.py").is_file()
+    assert current.stat().st_ino == untouched
+    assert not [p.name for p in old_runtime.parent.iterdir() if p.name.startswith(".")]
     tinylm = read_manifest(adapter_dir)
     assert (tinylm.residency, tinylm.pinned, tinylm.disabled, tinylm.generation) == (
         "control_plane", ("acme",), ("gone",), 5)
