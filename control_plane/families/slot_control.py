@@ -100,10 +100,9 @@ class FamilyAdmin(TritonAdmin):
         self.families = families
         self.slots_for = slots_for
         self.instances: dict[str, FamilyInstance] = {}  # family -> its model on this server
-        # family -> the control socket its process named (commands beside inference), and
-        # the sockets this control plane cannot reach (another host: requests only).
+        # family -> the control socket its process named (commands beside inference); the
+        # sockets this control plane cannot reach are TritonAdmin's (``_never_again``).
         self.sockets: dict[str, ControlSocket] = {}
-        self.unreachable_sockets: set[str] = set()
 
     def instance(self, family: str) -> FamilyInstance:
         """What this server's control plane knows of ``family``'s model (ABSENT at first)."""
@@ -354,14 +353,8 @@ class FamilyAdmin(TritonAdmin):
         if current is not None:
             self.sockets.pop(family.name)
             asyncio.get_running_loop().create_task(current.close())
-        if name and name not in self.unreachable_sockets:
+        if name and name not in self._gone_sockets:
             self.sockets[family.name] = ControlSocket(name)
-
-    def _never_again(self, name: str) -> None:
-        """Send nothing more over socket ``name`` (its process is gone or being replaced)."""
-        if len(self.unreachable_sockets) >= 1024:  # names of processes long gone
-            self.unreachable_sockets.clear()
-        self.unreachable_sockets.add(name)
 
     async def _drop_socket(self, family: str) -> None:
         channel = self.sockets.pop(family, None)

@@ -102,10 +102,15 @@ class AdapterControl:
         process is gone or being replaced: nothing more over the socket it had)."""
         channel = self.adapter_sockets.pop(model, None)
         if channel is not None:
-            if len(self._gone_sockets) >= 1024:  # names of processes long gone
-                self._gone_sockets.clear()
-            self._gone_sockets.add(channel.name)
+            self._never_again(channel.name)
             await channel.close()
+
+    def _never_again(self, name: str) -> None:
+        """Send nothing more over socket ``name`` (its process is gone or being replaced); a
+        family's sockets (``FamilyAdmin``) and a LoRA model's share the set."""
+        if len(self._gone_sockets) >= 1024:  # names of processes long gone
+            self._gone_sockets.clear()
+        self._gone_sockets.add(name)
 
     async def _adapter_control_request(self, model: str, command: dict, timeout_s: float) -> dict:
         control = InferInput(ADAPTER_CONTROL_INPUT, [1, 1], "BYTES")
