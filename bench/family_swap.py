@@ -24,7 +24,12 @@ variant's own first and last layer) into a repository in /dev/shm that ``mmctl u
 instead of its demo fleet (a full random draw per variant, and the demo's extra models):
 the same sizes and files for a miss, written in a fraction of the time (850 MB variants).
 
+``--baseline REV``: the family layout of the current code and of git revision REV (a
+worktree of this repository, whose code the product's processes run), ``--repeats`` runs
+each, interleaved; prints each run and the medians of both sides.
+
     .venv/bin/python -m bench.family_swap [--variants 20] [--size-mb 100] [--slots 4]
+        [--baseline REV --repeats 3]
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -199,25 +205,29 @@ def miss_traces(spans: list[dict]) -> dict:
                             for name, d in sorted(durations.items())}}
 
 
-def run_layout(layout: str, args, work: Path, traced: bool = False, misses_only: int = 0) -> dict:
+def run_layout(layout: str, args, work: Path, traced: bool = False, misses_only: int = 0,
+               code_dir: Path | None = None, label: str | None = None) -> dict:
     """One ``mmctl up`` of ``layout``, timed.  ``traced``: with the product's spans on, written
     to a file and read back once it stopped (``traces``: the round trips of each miss).
     ``misses_only``: just that many misses after the first request (a run that counts; its
-    timings would include the tracing)."""
+    timings would include the tracing).  ``code_dir``: the checkout whose code runs the
+    product (default this one); ``label``: the run's name (its state folder)."""
     repo = light_repository(args) if args.light_fleet and layout == "family" else None
     spans_file = work / f"{layout}-spans.jsonl"
+    label = label or layout + ("-traced" if traced else "")
     started = time.perf_counter()
     try:
-        product = Product(work / (layout + ("-traced" if traced else "")), repo,
+        product = Product(work / label, repo,
                           "--fleet-size", str(args.variants), "--model-size-mb",
                           str(args.size_mb), "--max-loaded", str(args.slots), "--fleet-layout", layout,
                           "--policy", "lru", "--router-workers", "1",
-                          *(["--trace-exporter", f"file={spans_file}"] if traced else [])).start()
+                          *(["--trace-exporter", f"file={spans_file}"] if traced else []),
+                          code_dir=code_dir).start()
     except BaseException:
         if repo is not None:
             shutil.rmtree(repo.parent, ignore_errors=True)
         raise
-    print(f"{layout}: mmctl up ready in {time.perf_counter() - started:.1f}s"
+    print(f"{label}: mmctl up ready in {time.perf_counter() - started:.1f}s"
           + (" (traced)" if traced else ""), flush=True)
     try:
         out = measure(product, layout, args, misses_only)
@@ -260,7 +270,7 @@ def measure(product: Product, layout: str, args, misses_only: int) -> dict:
     out = {"layout": layout, "first_request_s": round(first_s, 3), "hit": percentiles(hits),
            "empty_ensure": percentiles(ensures), "miss": percentiles(misses)}
     out["miss_minus_hit_p50_ms"] = round(out["miss"]["p50_ms"] - out["hit"]["p50_ms"], 3)
-    if layout == "family":
+    if layout == "family" and args.cycles:
         rss_before, gpu_before = family_rss_bytes(), gpu_used_mib()
         t0 = time.perf_counter()
         cycles = [timed(names[i % len(names)]) for i in range(args.cycles)]
@@ -268,6 +278,7 @@ def measure(product: Product, layout: str, args, misses_only: int) -> dict:
                          "latency": percentiles(cycles), "rss_before_bytes": rss_before,
                          "rss_after_bytes": family_rss_bytes(), "gpu_used_before_mib": gpu_before,
                          "gpu_used_after_mib": gpu_used_mib()}
+    if layout == "family":
         families = product.json("family", "list")
         out["slot_bytes"] = families[0]["slot_bytes"]
         out["slots"] = next(iter(families[0]["servers"].values()))["slots"]
@@ -298,8 +309,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--trace-timed", action="store_true",
                     help="count the round trips in the timed run itself (one product start; its "
                          "timings then include the tracing)")
+    ap.add_argument("--baseline", default=None,
+                    help="git revision whose family layout runs side by side with this one's")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="with --baseline: runs per side, interleaved")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "family_swap.json")
     args = ap.parse_args(argv)
+    if args.baseline:
+        return compare_sides(args)
 
     work = Path(tempfile.mkdtemp(prefix="bench-family-"))
     try:
@@ -374,6 +391,51 @@ def main(argv=None) -> dict:
         print(f"  {layout}: answers of {checked['models']} variants against their weights files: "
               + ("ok" if not checked["wrong"] else f"WRONG {checked['wrong'][:3]}"))
     print(f"wrote {args.out}")
+    return result
+
+
+def compare_sides(args) -> dict:
+    """``--baseline``: the family layout of both checkouts, interleaved; each run's hit and miss
+    p50s, miss - hit and the empty ensure round trip, then each side's medians."""
+    from bench.mixed_traffic import run_sides
+
+    def side(label: str, args, work: Path, code_dir: Path | None) -> dict:
+        return run_layout("family", args, work, code_dir=code_dir, label=label)
+
+    sides = run_sides(args, side, "bench-family-sides-", repeats=args.repeats)
+    memcpy = memcpy_baseline(int(args.size_mb * 1e6))
+    print(f"family_swap: {args.variants} variants of {args.size_mb:g} MB, room for {args.slots}, "
+          f"{os.cpu_count()} CPUs, current code against {args.baseline}, {args.repeats} interleaved "
+          f"run(s) each; plain memcpy of the same bytes: {memcpy['numpy_copyto']['p50_ms']:.2f} ms")
+    print(f"  {'side':<10} {'hit p50':>9} {'miss p50':>9} {'miss p99':>9} {'miss-hit':>9} "
+          f"{'ensure':>8} {'answers':>8}")
+    summary = {}
+    for name, runs in sides.items():
+        for r in runs:
+            print(f"  {name:<10} {r['hit']['p50_ms']:>7.2f}ms {r['miss']['p50_ms']:>7.2f}ms "
+                  f"{r['miss']['p99_ms']:>7.2f}ms {r['miss_minus_hit_p50_ms']:>7.2f}ms "
+                  f"{r['empty_ensure']['p50_ms']:>6.2f}ms "
+                  f"{'ok' if not r['answers']['wrong'] else 'WRONG':>8}")
+        summary[name] = {key: round(statistics.median(pick(r) for r in runs), 3) for key, pick in (
+            ("hit_p50_ms", lambda r: r["hit"]["p50_ms"]), ("miss_p50_ms", lambda r: r["miss"]["p50_ms"]),
+            ("miss_minus_hit_p50_ms", lambda r: r["miss_minus_hit_p50_ms"]),
+            ("empty_ensure_p50_ms", lambda r: r["empty_ensure"]["p50_ms"]))}
+    for name, m in summary.items():
+        print(f"  median {name}: hit {m['hit_p50_ms']:.2f} ms, miss {m['miss_p50_ms']:.2f} ms, "
+              f"miss - hit {m['miss_minus_hit_p50_ms']:.2f} ms "
+              f"({m['miss_minus_hit_p50_ms'] / m['empty_ensure_p50_ms']:.1f}x an empty ensure of "
+              f"{m['empty_ensure_p50_ms']:.2f} ms)")
+    result = {"benchmark": "family_swap", "baseline": args.baseline, "conditions": {
+        "machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "variants": args.variants, "size_mb": args.size_mb, "slots": args.slots,
+        "repeats": args.repeats, "loadavg": os.getloadavg(),
+        "client": "tritonclient gRPC through the router (1 worker), batch 1, sequential"},
+        "memcpy": memcpy, "sides": sides, "summary": summary}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    wrong = [r for runs in sides.values() for r in runs if r["answers"]["wrong"]]
+    result["family"] = {"answers": {"wrong": [w["answers"]["wrong"] for w in wrong]}}
     return result
 
 

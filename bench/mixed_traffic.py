@@ -148,17 +148,17 @@ def baseline_checkout(rev: str, work: Path) -> Path:
     return where
 
 
-def run_sides(args, run_side, prefix: str) -> dict[str, list[dict]]:
-    """``run_side(label, args, work, code_dir)`` ``args.rounds`` times for the current code and,
-    with ``args.baseline``, interleaved with a worktree of that revision; the results per side.
-    The worktree and the work folder are removed afterwards."""
+def run_sides(args, run_side, prefix: str, repeats: int | None = None) -> dict[str, list[dict]]:
+    """``run_side(label, args, work, code_dir)`` ``repeats`` (default ``args.rounds``) times for
+    the current code and, with ``args.baseline``, interleaved with a worktree of that revision;
+    the results per side.  The worktree and the work folder are removed afterwards."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     sides: dict[str, list[dict]] = {}
     baseline = None
     try:
         if args.baseline:
             baseline = baseline_checkout(args.baseline, work)
-        for r in range(args.rounds):
+        for r in range(args.rounds if repeats is None else repeats):
             if baseline is not None:
                 sides.setdefault("baseline", []).append(run_side(f"baseline-{r}", args, work, baseline))
             sides.setdefault("current", []).append(run_side(f"current-{r}", args, work, None))

@@ -209,7 +209,8 @@ class Publisher:
             repository = manager.repository
             changes.append(("meta", "repository", str(repository) if repository is not None else None))
         names, table = self.rollouts.names, self.rollouts.table
-        changes += [("meta", "workers", self.workers()),
+        # An ensure call may carry the holds it ends ("answered", admin.dataplane.ensure).
+        changes += [("meta", "workers", self.workers()), ("meta", "answered_with_ensure", True),
                     ("meta", "expose_concrete", names.expose_concrete)]
         if table.version != self._generation["table"] or self._routes_judged:
             self._routes_judged = False

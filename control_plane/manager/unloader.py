@@ -146,7 +146,8 @@ class Unloader:
                                  return_exceptions=True)
             raise
         for rec in recs:
-            await self._unloaded(server, rec, "evicted", start)
+            # The load's own line ("loaded X in place of Y") says it: one line per swap.
+            await self._unloaded(server, rec, "evicted", start, logged=False)
 
     async def _drain(self, recs: list[ModelRecord]) -> None:
         """Requests holding a lease on these models finish first (bounded by
@@ -171,7 +172,8 @@ class Unloader:
         rec.move(ModelState.UNLOAD_FAILED)
         log.error("unload of %s on %s failed: %s", rec.name, server.name, exc.message)
 
-    async def _unloaded(self, server: TritonServer, rec: ModelRecord, reason: str, start: float) -> None:
+    async def _unloaded(self, server: TritonServer, rec: ModelRecord, reason: str, start: float,
+                        logged: bool = True) -> None:
         """Triton confirmed ``rec`` gone from ``server``: its room is free once the memory is
         back (NVML on a GPU; what is not back stays counted), and it is warm."""
         name = rec.name
@@ -185,7 +187,8 @@ class Unloader:
         if triton_name == name:  # a family's slots, an extra copy: no tier mark or history row
             self.keeping.release_warm(name)
             self.keeping.save_row(name, server=None)
-        log.info("unloaded %s from %s (%s); memory free after %.2fs", name, server.name, reason, freed_s)
+        (log.info if logged else log.debug)("unloaded %s from %s (%s); memory free after %.2fs",
+                                            name, server.name, reason, freed_s)
 
     async def retry_unload(self, server: TritonServer, name: str) -> None:
         with contextlib.suppress(ControlPlaneError):

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 
@@ -28,6 +29,11 @@ from domain.names import MAX_NAME_LENGTH, validate_model_name
 
 log = logging.getLogger(__name__)
 
+# Concrete names whose versions ``by_name`` keeps in memory (each miss asks several times:
+# its warm tier's check, its eviction priority, its placement facts).
+MAX_REMEMBERED_NAMES = 10_000
+
+
 class Registry:
     """Versions and rollout stages in the state store.  ``clock`` is injectable for tests."""
 
@@ -41,10 +47,28 @@ class Registry:
         # The event loop the listeners belong to (they change what it serves from): a
         # change written in the state store's thread (Database.off_loop) is announced there.
         self._listeners_loop: asyncio.AbstractEventLoop | None = None
+        # ``by_name`` answers from memory: every write goes through this object (one active
+        # control plane writes the store, see runtime.leadership), and each write forgets
+        # them all.  ``_generation`` counts the writes, so that an answer read from the
+        # database while a write ran (in the state store's thread) is not remembered.
+        self._named: dict[str, ModelVersion | None] = {}
+        self._generation = 0
+        self._named_lock = threading.Lock()
 
-    def _transaction(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def _transaction(self):
         """All-or-nothing (and, on a leader, fenced)."""
-        return self.db.transaction()
+        self._forget_names()
+        try:
+            with self.db.transaction():
+                yield
+        finally:
+            self._forget_names()
+
+    def _forget_names(self) -> None:
+        with self._named_lock:
+            self._generation += 1
+            self._named = {}
 
     def on_stage_change(self, listener: Callable[[str, str], None]) -> None:
         """``listener(concrete name, new stage)`` after each committed change, on the event
@@ -90,8 +114,18 @@ class Registry:
 
     def by_name(self, name: str) -> ModelVersion | None:
         """The version deployed under a concrete Triton name, or None."""
+        named = self._named
+        if name in named:
+            return named[name]
+        generation = self._generation
         rows = self._rows("WHERE triton_name = ?", (name,))
-        return rows[0] if rows else None
+        found = rows[0] if rows else None
+        with self._named_lock:
+            if generation == self._generation:
+                if len(self._named) >= MAX_REMEMBERED_NAMES:
+                    self._named = {}
+                self._named[name] = found
+        return found
 
     def production(self, model: str) -> ModelVersion | None:
         rows = self._rows("WHERE model = ? AND stage = 'production'", (model,))
@@ -270,21 +304,22 @@ class Registry:
     def warmup_enabled(self, name: str) -> bool:
         """Whether the control plane may send ``name`` (a concrete name) a synthetic warm-up
         after a load; models the registry does not know get one."""
-        row = self.db.execute("SELECT synthetic_warmup FROM registry_versions WHERE triton_name = ?",
-                              (name,)).fetchone()
-        return row is None or bool(row[0])
+        mv = self.by_name(name)
+        return mv is None or mv.synthetic_warmup
 
     def set_synthetic_warmup(self, model: str, version: int, enabled: bool) -> ModelVersion:
         mv = self.get(model, version)
-        self.db.execute("UPDATE registry_versions SET synthetic_warmup = ? WHERE model = ? AND version = ?",
-                        (int(bool(enabled)), model, int(version)))
+        with self._transaction():
+            self.db.execute("UPDATE registry_versions SET synthetic_warmup = ? WHERE model = ? "
+                            "AND version = ?", (int(bool(enabled)), model, int(version)))
         log.info("registry: %s v%d synthetic warm-up %s", model, int(version), "on" if enabled else "off")
         return self.get(mv.model, mv.version)
 
     def record_memory(self, name: str, memory_bytes: int) -> None:
         """Store a measured footprint for a concrete name (ignored for unregistered names)."""
-        self.db.execute("UPDATE registry_versions SET memory_bytes = ? WHERE triton_name = ?",
-                        (int(memory_bytes), name))
+        with self._transaction():
+            self.db.execute("UPDATE registry_versions SET memory_bytes = ? WHERE triton_name = ?",
+                            (int(memory_bytes), name))
 
     def _notify(self, name: str, stage: str) -> None:
         loop = self._listeners_loop

@@ -34,7 +34,7 @@ def parse_concrete(name: str) -> tuple[str, int] | None:
     return m.group("model"), int(m.group("version"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelVersion:
     model: str
     version: int

@@ -39,6 +39,11 @@ RETRY_MIN_S, RETRY_MAX_S = 0.1, 2.0
 # Longest pause between asks for a miss while the control plane is away: a restarted one
 # answers within a second or two of being up.
 ENSURE_RETRY_MAX_S = 1.0
+# Holds whose requests have their answers are told to the control plane with the next
+# ensure call, or on their own after this long when no ensure goes (a stream of misses
+# then costs one call per miss, not two).  Meanwhile the model is no eviction victim.
+ANSWERED_DELAY_S = 0.01
+MAX_ANSWERED_WITH_ENSURE = 256  # models per ensure call (the control plane's bound)
 
 
 class ControlPlaneAway(Exception):
@@ -113,6 +118,9 @@ class RemoteState:
         # (``requests_answered``).  Concurrent misses share one ensure, so one hold.
         self._ensured_holds: collections.Counter[str] = collections.Counter()
         self._awaiting_answer: collections.Counter[str] = collections.Counter()
+        # Holds to end, not yet told (ANSWERED_DELAY_S), and the call that tells them.
+        self._answered_due: collections.Counter[str] = collections.Counter()
+        self._answered_timer: asyncio.TimerHandle | None = None
         self._notices: set[asyncio.Task] = set()
         # The router's mmr_loop_failures_total (router.worker sets it): a failing
         # watch or report pass is counted, and the loop goes on.
@@ -147,6 +155,9 @@ class RemoteState:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self._tell_answered_now()
+        if self._notices:
+            await asyncio.wait(set(self._notices), timeout=2.0)
         try:
             await asyncio.wait_for(self._send_report(), 2.0)
         except (ControlPlaneAway, TimeoutError):
@@ -288,7 +299,35 @@ class RemoteState:
             return
         del self._awaiting_answer[model]
         holds = self._ensured_holds.pop(model, 0)
-        if holds:
+        if not holds:
+            return
+        if not self.sections.get("meta", {}).get("answered_with_ensure"):
+            # A control plane of an earlier version reads no "answered" in an ensure.
+            self._spawn(self._tell_answered(model, holds))
+            return
+        self._answer_later({model: holds})
+
+    def _answer_later(self, holds: dict[str, int]) -> None:
+        self._answered_due.update(holds)
+        if self._answered_timer is None:
+            self._answered_timer = asyncio.get_running_loop().call_later(
+                ANSWERED_DELAY_S, self._tell_answered_now)
+
+    def _take_answered(self) -> dict[str, int]:
+        """The holds due to end, for an ensure call to carry (at most
+        ``MAX_ANSWERED_WITH_ENSURE`` models; the rest wait for the next call or the timer)."""
+        taken = dict(self._answered_due.most_common(MAX_ANSWERED_WITH_ENSURE))
+        for model in taken:
+            del self._answered_due[model]
+        if not self._answered_due and self._answered_timer is not None:
+            self._answered_timer.cancel()
+            self._answered_timer = None
+        return taken
+
+    def _tell_answered_now(self) -> None:
+        self._answered_timer = None
+        due, self._answered_due = self._answered_due, collections.Counter()
+        for model, holds in due.items():
             self._spawn(self._tell_answered(model, holds))
 
     def _spawn(self, call) -> None:
@@ -311,12 +350,16 @@ class RemoteState:
         deadline = time.monotonic() + self.request_timeout_s
         delay = RETRY_MIN_S
         while True:
+            body = {"model": model} if unreachable is None else {"model": model, "unreachable": unreachable}
+            answered = self._take_answered()
+            if answered:
+                body["answered"] = answered  # ended before this ensure is served
             try:
-                body = {"model": model} if unreachable is None else {"model": model, "unreachable": unreachable}
                 data = await self._call("POST", "/v1/dataplane/ensure", body,
                                         timeout_s=max(1.0, deadline - time.monotonic()))
                 break
             except ControlPlaneAway as exc:
+                self._answer_later(answered)  # not heard: told with the next call
                 if time.monotonic() + delay >= deadline:
                     raise BackendUnavailable(
                         f"'{model}' is not loaded and the control plane has not answered for "

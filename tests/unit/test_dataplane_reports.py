@@ -125,7 +125,7 @@ async def serving_hub(tmp_path, monkeypatch, workers: int = 1):
     monkeypatch.setattr(state_client, "REPORT_INTERVAL_S", 3600.0)
     store = StateStore(tmp_path / "state.db")
     h = DataPlaneHub(NoModels(), Registry(store.db), store)
-    app = web.Application()
+    app = web.Application(middlewares=[error_middleware])  # as the admin API's
     dataplane.add_dataplane_routes(app, h)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()

@@ -394,3 +394,55 @@ def test_a_state_file_from_before_the_warmup_switch_is_migrated(tmp_path):
     reg = Registry(store.db)
     assert reg.get("cust017", 3).synthetic_warmup is True and reg.warmup_enabled("cust017.v3")
     store.close()
+
+
+def test_by_name_answers_from_memory_and_every_change_is_seen(reg):
+    """A miss asks for its version several times (warm tier, eviction priority, placement):
+    from memory after the first, and never stale after a change, failed ones included."""
+    add(reg, version=1)
+    add(reg, version=2)
+    real, reads = reg.db, []
+
+    class Counting:
+        def execute(self, sql, *args):
+            if sql.startswith("SELECT") and "triton_name = ?" in sql:
+                reads.append(args)
+            return real.execute(sql, *args)
+
+        def transaction(self):
+            return real.transaction()
+
+    reg.db = Counting()
+    for _ in range(5):
+        assert reg.by_name("cust017.v2").stage == "registered"
+        assert reg.stage_priority("cust017.v2") == STAGE_PRIORITY["registered"]
+        assert reg.by_name("unregistered") is None
+    assert len(reads) == 2  # once for each name
+    reg.promote("cust017", 2, "production", who="a")
+    assert reg.by_name("cust017.v2").stage == "production"
+    assert reg.stage_priority("cust017.v2") == STAGE_PRIORITY["production"]
+    reg.set_synthetic_warmup("cust017", 2, False)
+    assert reg.warmup_enabled("cust017.v2") is False and reg.warmup_enabled("cust017.v1") is True
+    add(reg, model="unregistered", version=1, triton_name="unregistered")
+    assert reg.by_name("unregistered").model == "unregistered"
+    reg.db = real
+
+
+def test_a_read_that_raced_a_write_is_not_remembered(reg):
+    add(reg, version=1)
+    real = reg.db
+
+    class WriteDuringRead:  # the state store's thread commits a change while this reads
+        def execute(self, sql, *args):
+            rows = real.execute(sql, *args)
+            if sql.startswith("SELECT") and "triton_name = ?" in sql:
+                reg.db = real
+                reg.promote("cust017", 1, "canary", who="a")
+            return rows
+
+        def transaction(self):
+            return real.transaction()
+
+    reg.db = WriteDuringRead()
+    assert reg.by_name("cust017.v1").stage == "registered"  # read before the change
+    assert reg.by_name("cust017.v1").stage == "canary"  # not the answer read before it

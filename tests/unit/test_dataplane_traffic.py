@@ -1,0 +1,129 @@
+"""What a stream of misses costs the control plane besides the misses: a burst of published
+changes reaches a worker in one long-poll answer, and the holds a worker's answered requests
+end travel with its next ensure call instead of a call each."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import aiohttp
+
+from control_plane.admin import dataplane
+from router.serving import state_client
+from tests.unit.test_dataplane_reports import NoModels, serving_hub
+
+
+class Ensures(NoModels):
+    """The manager as the hub's ensure and answered calls use it: every model loads on s0."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []
+        self.server = SimpleNamespace(name="s0", up=True, spec=SimpleNamespace(
+            grpc_url="127.0.0.1:1", http_url="http://127.0.0.1:2"))
+
+    async def ensure_for_request(self, model, unreachable=None):
+        self.calls.append(("ensure", model))
+        return self.server
+
+    def requests_answered(self, model, count=1):
+        self.calls.append(("answered", model, count))
+        return count
+
+
+async def hub_with(tmp_path, monkeypatch, manager):
+    h, server, (w0,) = await serving_hub(tmp_path, monkeypatch)
+    h.manager = manager
+    h.publisher.manager = manager
+    h.publish()
+    assert await h.settle(timeout_s=5)
+    return h, server, w0
+
+
+async def close(h, server, w0):
+    await w0.stop()
+    await h.release_watchers()
+    await server.close()
+
+
+def test_a_burst_of_changes_reaches_a_worker_in_a_few_answers(tmp_path, monkeypatch):
+    async def go():
+        h, server, (w0,) = await serving_hub(tmp_path, monkeypatch)
+        try:
+            assert await h.settle(timeout_s=5)
+            answers = []
+            applied = w0.apply
+            w0.apply = lambda published: (answers.append(published["version"]), applied(published))
+            for i in range(10):  # ten changes 5 ms apart, as a stream of misses makes them
+                h.table.set_limit(f"m{i}", 5.0, 5.0)
+                h.publish()
+                await asyncio.sleep(0.005)
+            assert await h.settle(timeout_s=5)
+            # Every change is served...
+            assert set(w0.table.limits) == {f"m{i}" for i in range(10)}
+            # ... in a few answers (one per CHANGES_COALESCE_S), not one per change.
+            assert 1 <= len(answers) <= 5, answers
+        finally:
+            await close(h, server, w0)
+
+    asyncio.run(go())
+
+
+def test_answered_holds_travel_with_the_next_ensure(tmp_path, monkeypatch):
+    async def go():
+        manager = Ensures()
+        h, server, w0 = await hub_with(tmp_path, monkeypatch, manager)
+        try:
+            assert w0.sections["meta"]["answered_with_ensure"]
+            await w0.ensure("a")
+            w0.requests_answered("a", 1)
+            await w0.ensure("b")  # within ANSWERED_DELAY_S: carries a's hold
+            assert manager.calls == [("ensure", "a"), ("answered", "a", 1), ("ensure", "b")]
+            # No ensure follows: the hold is told on its own, once.
+            w0.requests_answered("b", 1)
+            await asyncio.sleep(state_client.ANSWERED_DELAY_S + 0.3)
+            assert manager.calls[3:] == [("answered", "b", 1)]
+        finally:
+            await close(h, server, w0)
+
+    asyncio.run(go())
+
+
+def test_a_control_plane_that_does_not_say_it_takes_them_is_told_at_once(tmp_path, monkeypatch):
+    async def go():
+        manager = Ensures()
+        h, server, w0 = await hub_with(tmp_path, monkeypatch, manager)
+        try:
+            w0.sections["meta"].pop("answered_with_ensure")  # as an earlier version publishes
+            await w0.ensure("a")
+            w0.requests_answered("a", 1)
+            for _ in range(100):
+                if len(manager.calls) == 2:
+                    break
+                await asyncio.sleep(0.001)  # far below ANSWERED_DELAY_S... on a quiet machine
+            await w0.ensure("b")
+            assert manager.calls == [("ensure", "a"), ("answered", "a", 1), ("ensure", "b")]
+        finally:
+            await close(h, server, w0)
+
+    asyncio.run(go())
+
+
+def test_a_malformed_answered_is_refused_and_ends_nothing(tmp_path, monkeypatch):
+    async def go():
+        manager = Ensures()
+        h, server, w0 = await hub_with(tmp_path, monkeypatch, manager)
+        try:
+            url = str(server.make_url("/v1/dataplane/ensure"))
+            too_many = {f"m{i}": 1 for i in range(dataplane.MAX_ANSWERED_WITH_ENSURE + 1)}
+            async with aiohttp.ClientSession() as session:
+                for bad in (["a"], {"a": 0}, {"a": "1"}, {"": 1}, {"a": 1.5}, too_many):
+                    async with session.post(url, json={"model": "x", "answered": bad}) as resp:
+                        body = await resp.json()
+                    assert resp.status == 400 and "answered" in body["message"], (bad, body)
+            assert manager.calls == []
+        finally:
+            await close(h, server, w0)
+
+    asyncio.run(go())
