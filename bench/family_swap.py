@@ -13,7 +13,8 @@ Unmodified tritonclient gRPC through the router measures:
 * memcpy: a plain copy of the same bytes in this process (numpy ``copyto`` and torch
   ``copy_`` between preallocated buffers), p50 of 20;
 * swap cycles (family): ``--cycles`` more misses; the family process's resident memory
-  (VmRSS) after the first round and after the cycles, against one slot's bytes.
+  (its own pages, RssAnon: the warm tier's files it keeps mapped are shared memory, counted
+  apart) after the first round and after the cycles, against one slot's bytes.
 
 Every distinct answer a variant gave is checked against the reference MLP over its own
 weights file (outside the timed calls); a wrong one makes the command exit 1.
@@ -106,7 +107,7 @@ def family_rss_bytes() -> int | None:
     for pid in pids:
         try:
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+                if line.startswith("RssAnon:"):  # not RssShmem: its mapped warm-tier files
                     total += int(line.split()[1]) * 1024
         except OSError:
             continue
@@ -141,6 +142,21 @@ def light_repository(args) -> Path:
     print(f"wrote {args.variants} variants of {args.size_mb:g} MB into {repo} in "
           f"{time.perf_counter() - started:.1f}s", flush=True)
     return repo
+
+
+def side_runtime(repository: Path, code_dir: Path) -> None:
+    """Give the family folders of ``repository`` the family runtime of the checkout at
+    ``code_dir`` (its ``model_runtime/family`` and the modules beside it that runtimes carry),
+    as that version writes them: the bench wrote them with this checkout's."""
+    from control_plane.families.folders import RUNTIME_PACKAGE
+
+    package = code_dir / "model_runtime" / "family"
+    for copy in repository.glob(f"*/*/{RUNTIME_PACKAGE}"):
+        shutil.rmtree(copy)
+        shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        for shared in (code_dir / "model_runtime").glob("*.py"):
+            if shared.name != "__init__.py":
+                shutil.copy2(shared, copy / shared.name)
 
 
 def empty_ensure_seconds(product: Product, model: str, count: int) -> list[float]:
@@ -213,6 +229,8 @@ def run_layout(layout: str, args, work: Path, traced: bool = False, misses_only:
     timings would include the tracing).  ``code_dir``: the checkout whose code runs the
     product (default this one); ``label``: the run's name (its state folder)."""
     repo = light_repository(args) if args.light_fleet and layout == "family" else None
+    if repo is not None and code_dir is not None:
+        side_runtime(repo, code_dir)
     spans_file = work / f"{layout}-spans.jsonl"
     label = label or layout + ("-traced" if traced else "")
     started = time.perf_counter()
@@ -380,7 +398,7 @@ def main(argv=None) -> dict:
     if cycles and cycles["rss_before_bytes"] and cycles["rss_after_bytes"]:
         growth = cycles["rss_after_bytes"] - cycles["rss_before_bytes"]
         print(f"  {cycles['count']} swap cycles in {cycles['seconds']}s (p50 {cycles['latency']['p50_ms']:.1f} ms): "
-              f"family process RSS {cycles['rss_before_bytes'] / 1e6:.0f} MB -> "
+              f"family process's own memory (RssAnon) {cycles['rss_before_bytes'] / 1e6:.0f} MB -> "
               f"{cycles['rss_after_bytes'] / 1e6:.0f} MB ({growth / 1e6:+.1f} MB; one slot is "
               f"{slot_bytes / 1e6:.1f} MB)")
         if cycles.get("gpu_used_before_mib") is not None:

@@ -1,7 +1,9 @@
 """A family slot's swap-in alone, side by side in one run: ``SlotBank.fill`` of one variant
-from the host-DRAM warm tier (tmpfs) with 1, 2, 4, 8 and 16 reading threads, on a GPU with
-and without each part's copy to the device overlapping the reads after it, against a plain
-read of the same file into host memory and a pinned host-to-device copy of the same bytes.
+from the host-DRAM warm tier (tmpfs) with 1, 2, 4, 8 and 16 threads, copying out of the
+file's kept mapping (the default) and reading it with preadv, on a GPU with and without each
+part's copy to the device overlapping the reads after it, against a plain read of the same
+file into host memory, a memcpy of the same bytes and a pinned host-to-device copy of them;
+and the first fill out of a new mapping (its page faults).
 
     .venv/bin/python -m bench.slot_fill [--size-mb 200] [--repeats 15] [--device cuda]
 """
@@ -24,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from model_runtime.family.layout import read_layout
+from model_runtime.family.mapped_files import MappedFiles
 from model_runtime.family.slots import SlotBank
 
 
@@ -65,6 +68,9 @@ def main(argv=None) -> dict:
                 f.seek(offset)
                 f.readinto(memoryview(host.numpy()))
             rows.append({"what": "plain read into host memory (1 thread)", "p50_ms": p50_ms(timed(plain_read, args.repeats))})
+        source = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+        rows.append({"what": "memcpy of the same bytes (1 thread)",
+                     "p50_ms": p50_ms(timed(lambda: host.copy_(source), args.repeats))})
         if device.type == "cuda":
             pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -75,9 +81,11 @@ def main(argv=None) -> dict:
             rows.append({"what": "pinned host-to-device copy", "p50_ms": p50_ms(timed(h2d, args.repeats))})
         overlaps = (False, True) if device.type == "cuda" else (False,)
         expected = weights["w"].view(torch.uint8).reshape(-1)
-        for threads in (int(t) for t in args.threads.split(",")):
+        for mapped in (True, False):
+          for threads in (int(t) for t in args.threads.split(",")):
             for overlap in overlaps:
-                bank = SlotBank(layout, 1, device, read_threads=threads, overlap_copies=overlap)
+                bank = SlotBank(layout, 1, device, read_threads=threads, overlap_copies=overlap,
+                                map_files=mapped)
 
                 def fill(bank=bank):
                     bank.release("v")
@@ -85,7 +93,7 @@ def main(argv=None) -> dict:
                 samples = timed(fill, args.repeats)
                 assert torch.equal(bank.buffers[0].cpu(), expected), "the slot does not hold the file's bytes"
                 bank.close()
-                label = f"SlotBank.fill, {threads} threads" + (
+                label = f"SlotBank.fill, {'kept mapping' if mapped else 'preadv'}, {threads} threads" + (
                     (", copies overlap the reads" if overlap else ", one copy after the read")
                     if device.type == "cuda" else "")
                 rows.append({"what": label, "threads": threads, "overlap": overlap,
@@ -93,6 +101,17 @@ def main(argv=None) -> dict:
                 del bank
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+        bank = SlotBank(layout, 1, device, map_files=False)
+        bank.fill("v", path)  # the slot's pages committed
+
+        def first_fill(bank=bank):
+            bank.release("v")
+            bank.files = MappedFiles(sweep_s=None)  # a new mapping: its pages fault in
+            bank.fill("v", path)
+        samples = timed(first_fill, args.repeats)
+        rows.append({"what": f"SlotBank.fill, first out of a new mapping, {bank.read_threads} threads",
+                     "p50_ms": p50_ms(samples), "gb_per_s": round(nbytes / (p50_ms(samples) / 1000) / 1e9, 2)})
+        bank.close()
     finally:
         path.unlink(missing_ok=True)
         work.rmdir()

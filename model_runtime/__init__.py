@@ -9,6 +9,7 @@ Triton model folder stays self-contained; this package therefore imports nothing
 control plane or the router.
 """
 
+import os
 import shutil
 from pathlib import Path
 
@@ -23,3 +24,27 @@ def copy_runtime(package: Path, destination: Path) -> None:
     shutil.copytree(package, destination, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for module in SHARED_MODULES:
         shutil.copy2(module, destination / module.name)
+
+
+def refresh_runtime(package: Path, copy: Path) -> bool:
+    """Replace ``copy``, a model folder's copy of the runtime ``package``, with this version's
+    when their modules differ (a folder written by an earlier version follows this one's
+    control plane from its next load); True when it was replaced.  A folder without such a
+    copy (a model with its own code) is left alone.  The copy is swapped by renames: a load
+    reading the folder meanwhile finds the old copy or the new one."""
+    if not (copy / "__init__.py").is_file():
+        return False
+    wanted = {f.name: f for f in package.glob("*.py")} | {m.name: m for m in SHARED_MODULES}
+    present = {f.name for f in copy.glob("*.py")}
+    if present == set(wanted) and all(
+            (copy / name).read_bytes() == source.read_bytes() for name, source in wanted.items()):
+        return False
+    fresh, old = copy.with_name(f".{copy.name}.new"), copy.with_name(f".{copy.name}.old")
+    for leftover in (fresh, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    copy_runtime(package, fresh)
+    os.rename(copy, old)
+    os.rename(fresh, copy)
+    shutil.rmtree(old)
+    return True

@@ -73,26 +73,9 @@ def refresh_runtime(base: LoraBase) -> bool:
     plane writes (its manifest's fields, the control socket) from its next load; True when it
     was replaced.  A base without such a copy (its own code) is left alone."""
     import model_runtime.lora
-    from model_runtime import SHARED_MODULES, copy_runtime
+    from model_runtime import refresh_runtime as refresh
 
-    version = base.weights.parent
-    current = version / RUNTIME_FOLDER
-    if not (current / "__init__.py").is_file():
-        return False
-    package = Path(model_runtime.lora.__file__).parent
-    wanted = {f.name: f for f in package.glob("*.py")} | {m.name: m for m in SHARED_MODULES}
-    if all((current / name).is_file() and (current / name).read_bytes() == source.read_bytes()
-           for name, source in wanted.items()):
-        return False
-    fresh, old = version / f".{RUNTIME_FOLDER}.new", version / f".{RUNTIME_FOLDER}.old"
-    for leftover in (fresh, old):
-        if leftover.exists():
-            remove_tree(leftover)
-    copy_runtime(package, fresh)
-    os.rename(current, old)
-    os.rename(fresh, current)
-    remove_tree(old)
-    return True
+    return refresh(Path(model_runtime.lora.__file__).parent, base.weights.parent / RUNTIME_FOLDER)
 
 
 def read_base_manifest(base: LoraBase):

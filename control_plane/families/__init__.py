@@ -25,9 +25,10 @@ from control_plane.families.folders import (
     VARIANT_FILE,
     WEIGHTS_FILE,
     check_variant_weights,
+    refresh_family_runtime,
     write_family,
     write_variant,
 )
 
 __all__ = ["VARIANT_FILE", "WEIGHTS_FILE", "Family", "FamilyCatalog", "check_variant_weights",
-           "family_slots", "write_family", "write_variant"]
+           "family_slots", "refresh_family_runtime", "write_family", "write_variant"]

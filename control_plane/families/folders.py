@@ -22,7 +22,7 @@ from control_plane.families.family_catalog import VARIANT_FILE, WEIGHTS_FILE, Fa
 from domain import model_config
 from domain.errors import InvalidInput
 from domain.names import validate_model_name
-from model_runtime import copy_runtime
+from model_runtime import copy_runtime, refresh_runtime
 from model_runtime.family.layout import Layout, LayoutError, read_layout
 from model_runtime.family.protocol import LAYOUT_FILE, STATUS_OUTPUT
 
@@ -30,7 +30,7 @@ RUNTIME_DIR = Path(__file__).resolve().parents[2] / "model_runtime" / "family"
 RUNTIME_PACKAGE = "_mms_family"
 
 __all__ = ["VARIANT_FILE", "WEIGHTS_FILE", "check_variant_weights", "layout_of",
-           "write_family", "write_variant"]
+           "refresh_family_runtime", "write_family", "write_variant"]
 
 
 def layout_of(weights: Path) -> Layout:
@@ -104,6 +104,18 @@ def write_family(repository: Path, name: str, *, config_text: str, version_files
     (tmp / LAYOUT_FILE).write_text(json.dumps(layout.to_json(), indent=1))
     folder = _replace_folder(tmp, repository / name)
     return Family(name, layout, folder)
+
+
+def refresh_family_runtime(family: Family) -> bool:
+    """Replace each version folder's copy of the family runtime (``<version>/_mms_family``)
+    with this product's where they differ: a family written by an earlier version runs this
+    version's fills (and talks the control plane's protocol) from its next load.  True when
+    one was replaced."""
+    replaced = False
+    for version in family.folder.iterdir():
+        if version.is_dir() and version.name.isdigit():
+            replaced = refresh_runtime(RUNTIME_DIR, version / RUNTIME_PACKAGE) or replaced
+    return replaced
 
 
 def write_variant(parent: Path, name: str, family: str, weights: Mapping | Path) -> Path:

@@ -151,6 +151,20 @@ class Service:
             return cfg.leader_election
         return self.open_state().dialect == "postgresql"
 
+    def refresh_family_runtimes(self) -> None:
+        """Families written by an earlier version run this version's runtime from their next
+        load (``families.refresh_family_runtime``); one that cannot be refreshed keeps its."""
+        from control_plane.families import refresh_family_runtime
+
+        for family in self.families.families.values():
+            try:
+                if refresh_family_runtime(family):
+                    log.info("family %s: its copy of the family runtime is now this version's "
+                             "(used from its next load)", family.name)
+            except OSError as exc:
+                log.error("family %s: could not refresh its copy of the family runtime (%s); "
+                          "it runs the one it has", family.name, exc)
+
     async def become_leader(self, stop: asyncio.Event) -> bool:
         """With leader election: standby until this control plane leads (False: stopped
         first).  Without: at once."""
@@ -200,6 +214,7 @@ class Service:
         self.families = FamilyCatalog(
             self.repository, lambda: ((v.name, v.family) for v in registry.versions() if v.family))
         registry.on_stage_change(self.families.refresh)  # a variant registered, or retired
+        await asyncio.to_thread(self.refresh_family_runtimes)
         # Popen runs on the loop thread: PR_SET_PDEATHSIG fires when the *thread* that
         # forked exits, and executor threads can exit while Triton should live on.
         # Triton's restricted APIs (model control first) take this key, given or kept in the

@@ -19,9 +19,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .layout import Layout, LayoutError, read_layout
+from .mapped_files import MappedFiles
 
 TORCH_DTYPES = {"F64": torch.float64, "I64": torch.int64, "F32": torch.float32,
                 "I32": torch.int32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -31,11 +33,11 @@ for _name, _dtype in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
         TORCH_DTYPES[_name] = getattr(torch, _dtype)
 
 
-# A swap-in reads its file in parts of PART_BYTES, READ_THREADS at once (preadv releases the
-# GIL): one thread's copy out of the page cache is well short of a memcpy's speed, several in
-# parallel come close to it.  On a GPU each part's copy to the device starts as soon as the
-# part is read, so the copies overlap the reads of the parts after them
-# (python -m bench.slot_fill compares thread counts and the overlap in one run).
+# A swap-in copies its file in parts of PART_BYTES, READ_THREADS at once (the copies release
+# the GIL), out of the file's mapping (mapped_files.py: a memcpy once the mapping is kept),
+# or with preadv where a file cannot be mapped.  On a GPU each part's copy to the device
+# starts as soon as the part is in host memory, so the device copies overlap the parts
+# after them (python -m bench.slot_fill compares the two reads, thread counts and the overlap).
 READ_THREADS = max(1, min(16, os.cpu_count() or 1))
 PART_BYTES = 16 << 20
 
@@ -53,7 +55,8 @@ class SwapIn:
 
 class SlotBank:
     def __init__(self, layout: Layout, count: int, device: torch.device,
-                 read_threads: int = READ_THREADS, overlap_copies: bool = True):
+                 read_threads: int = READ_THREADS, overlap_copies: bool = True,
+                 files: MappedFiles | None = None, map_files: bool = True):
         if count < 1:
             raise SlotError(f"a family needs at least one slot (got {count})")
         missing = sorted({t.dtype for t in layout.tensors} - set(TORCH_DTYPES))
@@ -72,6 +75,8 @@ class SlotBank:
         self.read_threads = max(1, read_threads)
         self.overlap_copies = overlap_copies
         self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="slot-read")
+        # The variants' files, kept mapped between fills (None: every fill reads with preadv).
+        self.files = files if files is not None else MappedFiles() if map_files else None
 
     @property
     def count(self) -> int:
@@ -125,11 +130,11 @@ class SlotBank:
         """Copy the file's data section (from ``offset``) into ``slot``; its seconds.  The
         caller makes sure nothing reads the slot meanwhile and that it holds no variant.
 
-        On CPU the file is read straight into the slot (``preadv`` into the slot's memory, in
-        parallel parts): from a host-DRAM warm tier (tmpfs) that is the only pass over the
-        bytes.  On a GPU it is read into a pinned staging buffer (allocated once) and copied
-        to the device on a stream of its own, so a fill overlaps the forward passes of the
-        other slots; it returns once the copy is complete on the device."""
+        On CPU the file is copied straight into the slot (out of its mapping, in parallel
+        parts): from a host-DRAM warm tier (tmpfs) that is the only pass over the bytes.  On
+        a GPU it is copied into a pinned staging buffer (allocated once) and from there to the
+        device on a stream of its own, so a fill overlaps the forward passes of the other
+        slots; it returns once the copy is complete on the device."""
         started = time.perf_counter()
         if self.device.type == "cpu":
             self._read_into(path, offset, self.buffers[slot])
@@ -158,11 +163,30 @@ class SlotBank:
 
     def _read_into(self, path: str | os.PathLike, offset: int, target: torch.Tensor,
                    after_part=None) -> None:
-        """Read ``target.numel()`` bytes of the file from ``offset`` into ``target`` (host
+        """Copy ``target.numel()`` bytes of the file from ``offset`` into ``target`` (host
         memory), in parts of ``PART_BYTES``, ``read_threads`` at once; ``after_part(start,
         end)`` is called as each part is in."""
+        size = target.numel()
+        source = None
+        if self.files is not None:
+            try:
+                source = self.files.view(path)
+            except (OSError, ValueError):  # a file system without mappings: read it
+                source = None
+        if source is not None:
+            if len(source) < offset + size:
+                raise SlotError(f"{path} ended at byte {len(source)}; copy it again")
+            destination = target.numpy()
+
+            def part(start: int) -> None:
+                end = min(size, start + PART_BYTES)
+                np.copyto(destination[start:end], source[offset + start:offset + end])
+                if after_part is not None:
+                    after_part(start, end)
+
+            self._in_parts(size, part)
+            return
         view = memoryview(target.numpy())
-        size = len(view)
         fd = os.open(path, os.O_RDONLY)
         try:
             def read(start: int) -> None:
@@ -175,19 +199,25 @@ class SlotBank:
                 if after_part is not None:
                     after_part(start, end)
 
-            if size <= PART_BYTES or self.read_threads == 1:
-                for start in range(0, size, PART_BYTES):
-                    read(start)
-            else:
-                futures = [self._readers.submit(read, start) for start in range(0, size, PART_BYTES)]
-                wait(futures)  # every part, even after a failure: none may read a closed fd
-                for future in futures:
-                    future.result()
+            self._in_parts(size, read)
         finally:
             os.close(fd)
 
+    def _in_parts(self, size: int, part) -> None:
+        """``part(start)`` for each PART_BYTES of ``size``, ``read_threads`` at once."""
+        if size <= PART_BYTES or self.read_threads == 1:
+            for start in range(0, size, PART_BYTES):
+                part(start)
+            return
+        futures = [self._readers.submit(part, start) for start in range(0, size, PART_BYTES)]
+        wait(futures)  # every part, even after a failure: none may use a closed file
+        for future in futures:
+            future.result()
+
     def close(self) -> None:
         self._readers.shutdown(wait=False)
+        if self.files is not None:
+            self.files.close()
 
     def release(self, variant: str) -> int | None:
         """Free the slot ``variant`` holds (its bytes stay until the next fill); None if it

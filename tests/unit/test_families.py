@@ -23,6 +23,7 @@ from domain.errors import InvalidInput
 from model_runtime.family import Layout, LayoutError, SlotBank, SlotError, read_layout
 
 SCALER = Path(__file__).resolve().parents[1] / "fixtures" / "families" / "scaler"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def scaler_weights(scale: float, shift: float) -> dict[str, torch.Tensor]:
@@ -105,14 +106,15 @@ def test_weights_of_another_shape_are_refused_and_leave_the_slot_as_it_was(tmp_p
 
 
 @pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("mapped", [True, False], ids=["kept-mapping", "preadv"])
 def test_a_swap_in_read_in_many_parts_has_every_byte_and_a_cut_file_leaves_the_slot_free(
-        tmp_path, monkeypatch, threads):
+        tmp_path, monkeypatch, threads, mapped):
     from model_runtime.family import slots
 
     monkeypatch.setattr(slots, "PART_BYTES", 4096)  # 100 KB of weights: 25 parts
     weights = {"scale": torch.arange(25_000, dtype=torch.float32), "shift": torch.ones(4)}
     layout = read_layout(weights_file(tmp_path, "base", weights))[0]
-    bank = SlotBank(layout, 1, torch.device("cpu"), read_threads=threads)
+    bank = SlotBank(layout, 1, torch.device("cpu"), read_threads=threads, map_files=mapped)
     bank.fill("a", weights_file(tmp_path, "a", weights))
     assert torch.equal(bank.views(0)["scale"], weights["scale"])
     bank.release("a")
@@ -163,6 +165,7 @@ def test_a_family_folder_is_a_servable_triton_model_and_variants_find_it(tmp_pat
     config = (repo / "scaler" / "config.pbtxt").read_text()
     assert "MMS_FAMILY_STATUS" in config and "count: 1" in config
     assert (repo / "scaler" / "1" / "_mms_family" / "triton_model.py").is_file()
+    assert (repo / "scaler" / "1" / "_mms_family" / "mapped_files.py").is_file()
     catalog = FamilyCatalog(repo, lambda: [("cold-only", "scaler")])
     assert set(catalog.families) == {"scaler"}
     assert catalog.carrier_of("acme") == "scaler" and catalog.carrier_of("cold-only") == "scaler"
@@ -180,3 +183,26 @@ def test_variant_weights_that_are_not_the_familys_are_refused_before_anything_is
     truncated.write_bytes(wrong.read_bytes()[:-2])
     with pytest.raises(InvalidInput, match="truncated"):
         check_variant_weights(family, truncated, "acme")
+
+
+def test_a_family_written_by_an_earlier_version_gets_this_versions_runtime(tmp_path):
+    from control_plane.families import refresh_family_runtime
+
+    base = weights_file(tmp_path, "base", scaler_weights(1, 0))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    family = write_family(repo, "scaler", config_text=(SCALER / "config.pbtxt").read_text(),
+                          version_files=SCALER / "1", base_weights=base)
+    runtime = repo / "scaler" / "1" / "_mms_family"
+    assert not refresh_family_runtime(family)  # this version's already: nothing to do
+    # An earlier version's copy: a module that differs, one this version lacks.
+    (runtime / "slots.py").write_text("# an earlier version's fills\n")
+    (runtime / "mapped_files.py").unlink()
+    assert refresh_family_runtime(family)
+    assert (runtime / "slots.py").read_bytes() == (ROOT / "model_runtime/family/slots.py").read_bytes()
+    assert (runtime / "mapped_files.py").is_file() and (runtime / "control_socket.py").is_file()
+    assert sorted(p.name for p in (repo / "scaler" / "1").iterdir()) == ["_mms_family", "model.py"]
+    # A family whose version folder has its own code and no copy of the runtime: left alone.
+    import shutil
+    shutil.rmtree(runtime)
+    assert not refresh_family_runtime(family) and not runtime.exists()
