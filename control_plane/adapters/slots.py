@@ -61,6 +61,7 @@ BUSY_RECHECK_S = 0.5
 # Ensures of the base for one adapter miss: once more when the base left its server under
 # the fill.
 ENSURE_ATTEMPTS = 2
+MAX_DESCRIBED_BASES = 1024  # bases whose description is kept between misses
 
 
 class SlotsBusy(CapacityExhausted):
@@ -103,6 +104,9 @@ class AdapterSlots:
         self.on_status: Callable[[str, dict], None] = lambda _base, _status: None
         # The key of the models' control sockets (commands beside their batches).
         self.key = control_key(Path(repository))
+        # base -> (its config's and folder's stamps, describe_base of it): a miss reads two
+        # stamps instead of parsing the config and listing the folder.
+        self._described: dict[str, tuple[tuple, object]] = {}
         manager.on_state_change(self._model_moved)
 
     # ------------------------------------------------------------------ where
@@ -134,13 +138,31 @@ class AdapterSlots:
         if adapter is None:
             raise ModelNotFound(f"{name} names no adapter (BASE:ADAPTER)")
         try:
-            described = describe_base(self.repository, base)
+            described = self._describe(base)
         except ControlPlaneError as exc:
             raise ModelNotFound(f"unknown model {name!r}: {exc.message}") from None
         if not (described.adapter_dir / adapter).is_dir():
             raise ModelNotFound(f"unknown adapter {adapter!r} for {base}; `mmctl adapter list {base}` "
                                 "shows them, `mmctl adapter add` adds one")
         return base, adapter
+
+    def _describe(self, base: str):
+        """``describe_base``, kept while the base's config.pbtxt and folder are unchanged."""
+        folder = Path(self.repository) / base  # base: a valid model name (split_adapter)
+        try:
+            stamps = tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in (
+                (folder / "config.pbtxt").stat(), folder.stat()))
+        except OSError:
+            stamps = None
+        kept = self._described.get(base)
+        if stamps is not None and kept is not None and kept[0] == stamps:
+            return kept[1]
+        described = describe_base(self.repository, base)
+        if stamps is not None:
+            if len(self._described) >= MAX_DESCRIBED_BASES:
+                self._described.clear()
+            self._described[base] = (stamps, described)
+        return described
 
     # ------------------------------------------------------------------ requests
     async def ensure_for_request(self, name: str, unreachable: str | None = None):

@@ -305,10 +305,7 @@ class RemoteState:
             # A control plane of an earlier version reads no "answered" in an ensure.
             self._spawn(self._tell_answered(model, holds))
             return
-        self._answer_later({model: holds})
-
-    def _answer_later(self, holds: dict[str, int]) -> None:
-        self._answered_due.update(holds)
+        self._answered_due[model] += holds
         if self._answered_timer is None:
             self._answered_timer = asyncio.get_running_loop().call_later(
                 ANSWERED_DELAY_S, self._tell_answered_now)
@@ -353,13 +350,15 @@ class RemoteState:
             body = {"model": model} if unreachable is None else {"model": model, "unreachable": unreachable}
             answered = self._take_answered()
             if answered:
-                body["answered"] = answered  # ended before this ensure is served
+                # Ended before this ensure is served.  Not sent again should the call fail:
+                # the control plane may have ended them, and a second time would end holds
+                # of later ensures; unheard, they end on their own (on_its_way_s).
+                body["answered"] = answered
             try:
                 data = await self._call("POST", "/v1/dataplane/ensure", body,
                                         timeout_s=max(1.0, deadline - time.monotonic()))
                 break
             except ControlPlaneAway as exc:
-                self._answer_later(answered)  # not heard: told with the next call
                 if time.monotonic() + delay >= deadline:
                     raise BackendUnavailable(
                         f"'{model}' is not loaded and the control plane has not answered for "

@@ -290,3 +290,24 @@ def test_a_base_unloaded_under_the_fill_is_ensured_again_not_reported_unknown(st
     assert ensure(stack, "a").name == "triton0"
     assert unloaded == ["a"] and stack.model.cache.resident() == ["a"]
     assert stack.manager.answered == [(BASE, 1)]  # the first attempt's hold of the base ended
+
+
+def test_a_base_is_described_once_until_its_config_or_folder_changes(stack, monkeypatch):
+    """A miss reads the base's description from memory (it parsed config.pbtxt and listed the
+    folder on every miss); a changed config or a new version folder is read again."""
+    from control_plane.adapters import slots as slots_module
+
+    described = []
+    real = slots_module.describe_base
+    monkeypatch.setattr(slots_module, "describe_base",
+                        lambda repo, base: described.append(base) or real(repo, base))
+    for _ in range(3):
+        assert stack.slots.base_of(f"{BASE}:a") == (BASE, "a")
+    assert described == [BASE]
+    (stack.repo / BASE / "2").mkdir()  # a new version: the folder changed
+    (stack.repo / BASE / "2" / "weights.safetensors").write_bytes(b"")
+    assert stack.slots.base_of(f"{BASE}:b") == (BASE, "b") and len(described) == 2
+    config = stack.repo / BASE / "config.pbtxt"
+    config.write_text(config.read_text().replace("ADAPTER_CONTROL", "SOMETHING_ELSE"))
+    with pytest.raises(ModelNotFound, match="is not a LoRA base model"):
+        stack.slots.base_of(f"{BASE}:a")
