@@ -323,7 +323,8 @@ def summary_rows() -> list[tuple[str, str, str]]:
         best = min(fill["rows"], key=lambda r: r["p50_ms"] if "threads" in r else float("inf"))
         rows.append(((f"family slot fill ({fill['conditions']['bytes'] / 1e6:.0f} MB, "
                      f"{fill['conditions']['device']})"), "family runtime",
-                     f"p50 {best['p50_ms']:.1f}ms with {best['threads']} threads"))
+                     f"p50 {best['p50_ms']:.1f}ms with {best['threads']} threads"
+                     + (f" ({best['read']})" if "read" in best else "")))
     lora = load("lora.json")
     if lora:
         for size, ratios in lora["throughput_ratio_many_vs_one"].items():

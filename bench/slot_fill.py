@@ -97,6 +97,7 @@ def main(argv=None) -> dict:
                     (", copies overlap the reads" if overlap else ", one copy after the read")
                     if device.type == "cuda" else "")
                 rows.append({"what": label, "threads": threads, "overlap": overlap,
+                             "read": "kept mapping" if mapped else "preadv",
                              "p50_ms": p50_ms(samples), "gb_per_s": round(nbytes / (p50_ms(samples) / 1000) / 1e9, 2)})
                 del bank
                 if device.type == "cuda":

@@ -41,12 +41,6 @@ from domain.periodic import run_periodically
 PUBLISH_INTERVAL_S = 0.1
 SETTLE_TIMEOUT_S = 2.0  # an admin change waits this long at most for workers to have it
 MAX_WAIT_S = 30.0
-# A worker's long-poll is answered with changes at most this often: a miss moves its model
-# and its victim in a few steps within milliseconds, and a stream of misses would otherwise
-# cost a snapshot round trip (on both sides) per step.  The first change after a quiet
-# spell is answered at once; the worker that asked for a load has its answer from the
-# ensure call, not from here.
-CHANGES_COALESCE_S = 0.02
 MAX_ANSWERED_WITH_ENSURE = 256  # models whose holds one ensure call may end
 
 
@@ -217,14 +211,9 @@ class DataPlaneHub:
         if current and wait_s > 0 and not self.reports.asked_since(reported):
             await self.registry.watch(seen, lambda: self.version > since or self.closing
                                       or self.reports.asked_since(reported), wait_s)
-            # Changes that came soon after the last ones wait for the rest of the burst.
-            pause_s = seen.changes_sent_at + CHANGES_COALESCE_S - time.monotonic()
-            if pause_s > 0 and not self.closing and not self.reports.asked_since(reported):
-                await asyncio.sleep(pause_s)
         if epoch == self.epoch and since >= self.version:
             return web.json_response({"version": self.version, "epoch": self.epoch,
                                       "unchanged": True, "report_call": self.report_call})
-        seen.changes_sent_at = time.monotonic()
         return web.Response(body=self.published.answer(since, epoch),
                             content_type="application/json")
 

@@ -30,7 +30,6 @@ class WorkerSeen:
     watching: int = 0  # its snapshot long-polls waiting here now
     report_call: int = 0  # the latest ask for reports it answered (ReportGathering.gather)
     outstanding: dict = field(default_factory=dict)  # model -> its requests on Triton, as reported
-    changes_sent_at: float = -1e9  # monotonic: when its long-poll was last answered with changes
 
     def live(self, now: float) -> bool:
         return now - self.last_seen < WORKER_LIVE_S

@@ -182,9 +182,19 @@ SMOKES: dict[str, Smoke] = {
          "--out", "{out}/family_swap.json"],
         [rf"family\s+{NUMBER}ms\s+{NUMBER}ms",
          r"round trips before the inference: max 2 \(ensure \+ family.load\)",
-         rf"3 swap cycles .* family process RSS {NUMBER} MB",
+         rf"3 swap cycles .* family process's own memory \(RssAnon\) {NUMBER} MB",
          r"family: answers of 3 variants against their weights files: ok"], "family_swap.json",
         check_family_swap),
+    "family_swap_baseline": Smoke(
+        ["-m", "bench.family_swap", "--variants", "3", "--size-mb", "1", "--slots", "2", "--hits", "3",
+         "--rounds", "1", "--cycles", "0", "--traced-misses", "0", "--light-fleet",
+         "--baseline", "HEAD", "--out", "{out}/family_swap_sides.json"],
+        [rf"^\s+baseline\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+ok",
+         rf"^\s+current\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+{NUMBER}ms\s+ok",
+         rf"median current: hit {NUMBER} ms, miss {NUMBER} ms, miss - hit -?{NUMBER} ms"],
+        "family_swap_sides.json",
+        lambda r: assert_(set(r["sides"]) == {"baseline", "current"}
+                          and r["summary"]["current"]["miss_p50_ms"] > 0, r["summary"])),
     "mixed_traffic": Smoke(
         ["-m", "bench.mixed_traffic", "--smoke", "--out", "{out}/mixed_traffic.json"],
         [rf"^\s+current\s+\d+\s+0\s+{NUMBER}\s+{NUMBER}ms",
@@ -229,7 +239,9 @@ SMOKES: dict[str, Smoke] = {
         ["-m", "bench.slot_fill", "--size-mb", "4", "--repeats", "1", "--threads", "1,2",
          "--out", "{out}/slot_fill.json"],
         ([] if has_gpu() else [r"skipped for lack of a GPU"])
-        + [rf"SlotBank.fill, 2 threads.*{NUMBER} ms\s+{NUMBER} GB/s"], "slot_fill.json",
+        + [rf"SlotBank.fill, kept mapping, 2 threads.*{NUMBER} ms\s+{NUMBER} GB/s",
+           rf"SlotBank.fill, preadv, 2 threads.*{NUMBER} ms\s+{NUMBER} GB/s",
+           rf"SlotBank.fill, first out of a new mapping.*{NUMBER} ms"], "slot_fill.json",
         lambda r: assert_(all(positive(row["p50_ms"]) for row in r["rows"]), r)),
     # Without a GPU it refuses, naming what it skipped (exit 2): it must never pass silently.
     "policy_replay": Smoke(
