@@ -52,7 +52,7 @@ from control_plane.adapters.base import (
     parse_model_config,
 )
 from control_plane.adapters.files import AdapterFiles, StagedAdapter
-from control_plane.adapters.manager import AdapterManager
+from control_plane.adapters.manager import AdapterManager, hand_slots_to_control_plane
 from control_plane.adapters.metrics import AdapterMetrics
 from control_plane.adapters.rows import _peft_summary, merge_rows, public_tier
 
@@ -74,6 +74,7 @@ __all__ = [
     "_peft_summary",
     "adapter_name",
     "describe_base",
+    "hand_slots_to_control_plane",
     "merge_rows",
     "parse_adapter_ref",
     "parse_model_config",

@@ -341,7 +341,7 @@ class AdapterManager:
         repository) from their cold copy, drop staging leftovers, and rewrite the manifest's
         pins from the registry.  Failures are logged and reported, never raised."""
         report: dict = {"restored": [], "failed": {}}
-        await self._blocking(self._hand_slots_to_control_plane)
+        await self._blocking(hand_slots_to_control_plane, self.repository)
         by_base: dict[str, list[dict]] = {}
         for row in self.store.rows():
             by_base.setdefault(row["base"], []).append(row)
@@ -383,31 +383,6 @@ class AdapterManager:
             write_base_manifest(base, pinned=pinned, preload=manifest.preload,
                                  disabled=[d for d in manifest.disabled if d not in pinned])
 
-    def _hand_slots_to_control_plane(self) -> None:
-        """Every LoRA base's manifest says the control plane decides which adapters hold its
-        slots (a manifest written before that said nothing, and its model decided), and its
-        copy of the LoRA runtime is this version's (an earlier one refuses that manifest)."""
-        from model_runtime.lora import RESIDENCY_CONTROL_PLANE
-
-        if not self.repository.is_dir():
-            return
-        for folder in sorted(self.repository.iterdir()):
-            if not (folder / "config.pbtxt").is_file() or not self._is_base(folder.name):
-                continue
-            base = self.base(folder.name)
-            try:
-                if refresh_runtime(base):  # one written by an earlier version
-                    log.info("%s: its copy of the LoRA runtime is this version's now (from its "
-                             "next load)", base.name)
-                manifest = read_base_manifest(base)
-                if manifest.residency != RESIDENCY_CONTROL_PLANE:
-                    write_base_manifest(base, pinned=manifest.pinned, preload=manifest.preload,
-                                         disabled=manifest.disabled)
-                    log.info("%s: the control plane decides which adapters hold its slots now",
-                             base.name)
-            except (ControlPlaneError, OSError) as exc:
-                log.error("adapters of %s: could not write its manifest: %s", base.name, exc)
-
     def _is_base(self, name: str) -> bool:
         known = self._bases.get(name)
         if known is None:
@@ -435,6 +410,37 @@ class AdapterManager:
         and counted in ``failures``; the next one runs)."""
         await guarded_step("adapter-recovery", self.recover, failures)
         await run_periodically("adapter-refresh", self.step, lambda: self.refresh_interval_s, failures)
+
+
+def hand_slots_to_control_plane(repository: Path) -> None:
+    """Every LoRA base's manifest says the control plane decides which adapters hold its
+    slots (a manifest written before that said nothing, and its model decided), and its
+    copy of the LoRA runtime is this version's (an earlier one refuses that manifest).
+    The control plane's start runs it before Triton can load a base (a base loaded first
+    would decide on its own until its next load), and ``recover`` again."""
+    from model_runtime.lora import RESIDENCY_CONTROL_PLANE
+
+    if not repository.is_dir():
+        return
+    for folder in sorted(repository.iterdir()):
+        if not (folder / "config.pbtxt").is_file():
+            continue
+        try:
+            base = describe_base(repository, folder.name)
+        except ControlPlaneError:
+            continue  # not a LoRA base
+        try:
+            if refresh_runtime(base):  # one written by an earlier version
+                log.info("%s: its copy of the LoRA runtime is this version's now (from its "
+                         "next load)", base.name)
+            manifest = read_base_manifest(base)
+            if manifest.residency != RESIDENCY_CONTROL_PLANE:
+                write_base_manifest(base, pinned=manifest.pinned, preload=manifest.preload,
+                                    disabled=manifest.disabled)
+                log.info("%s: the control plane decides which adapters hold its slots now",
+                         base.name)
+        except (ControlPlaneError, OSError) as exc:
+            log.error("adapters of %s: could not write its manifest: %s", base.name, exc)
 
 
 def _log_failed_touch(done: asyncio.Future) -> None:

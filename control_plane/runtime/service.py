@@ -215,6 +215,10 @@ class Service:
             self.repository, lambda: ((v.name, v.family) for v in registry.versions() if v.family))
         registry.on_stage_change(self.families.refresh)  # a variant registered, or retired
         await asyncio.to_thread(self.refresh_family_runtimes)
+        from control_plane.adapters import hand_slots_to_control_plane
+
+        # Before Triton can load a LoRA base: one loaded first would decide on its own.
+        await asyncio.to_thread(hand_slots_to_control_plane, self.repository)
         # Popen runs on the loop thread: PR_SET_PDEATHSIG fires when the *thread* that
         # forked exits, and executor threads can exit while Triton should live on.
         # Triton's restricted APIs (model control first) take this key, given or kept in the

@@ -338,3 +338,31 @@ def test_the_control_plane_decides_which_adapters_hold_the_slots(product):
     assert 'mms_adapter_cache_misses_total{adapter="initech",base="tinylm"}' in metrics
     evicted = [line for line in metrics.splitlines() if line.startswith('mms_adapter_evictions_total{base="tinylm"}')]
     assert evicted and float(evicted[0].split()[-1]) >= 2  # the LRU turns above
+
+
+def test_a_base_left_by_an_earlier_version_is_handed_over_before_its_first_load(tmp_path):
+    """The manifest of a base written before the control plane held the slots says nothing
+    of residency: the start writes it before Triton can load the base, so the first load
+    already leaves the slots to the control plane.  (Written by the adapter recovery, it
+    could come after a first request had loaded the base, whose model then decided on its
+    own until it read the manifest again: here it never does, manifest_poll_s is 0.)"""
+    from model_runtime.lora.manifest import Manifest, read_manifest, write_manifest
+
+    repo = tmp_path / "repository"
+    spec = LoraDemoSpec(tinylm=SPEC.tinylm,
+                        parameters={"max_device_adapters": "2", "manifest_poll_s": "0"})
+    write_lora_model(repo, "tinylm", spec)
+    adapter_dir = repo / "tinylm" / "adapters"
+    for name in ("acme", "globex"):
+        write_demo_adapter(adapter_dir, "tinylm", name, rank=4, spec=spec)
+    write_manifest(adapter_dir, Manifest(generation=1))  # as an earlier version left it
+    assert read_manifest(adapter_dir).residency == "model"
+    p = Product(tmp_path / "state", repo, "--router-workers", "1").start()
+    try:
+        p.endpoints = p.json("endpoints")
+        assert texts(generate(router_client(p), "tinylm:acme"))  # the base's first load
+        with pytest.raises(InferenceServerException) as info:  # globex is in no slot
+            generate(triton_client(p), "tinylm", adapter="globex")
+        assert info.value.status() == "StatusCode.NOT_FOUND" and "not in a device slot" in info.value.message()
+    finally:
+        p.stop()
