@@ -2,7 +2,7 @@
 mapped from one fill to the next.
 
 A fill copies a variant's bytes out of the host-DRAM warm tier (tmpfs).  Read with
-``preadv``, the kernel copies them page by page at about a third of a memcpy's speed on the
+``preadv``, the kernel copies them page by page at well under half a memcpy's speed on the
 CPU machines (``python -m bench.slot_fill``); out of a mapping whose pages are mapped
 already, the copy is a memcpy, and parts of it run in parallel threads.  The first copy out
 of a new mapping pays its page faults (about what a read costs), so each mapping is kept for
