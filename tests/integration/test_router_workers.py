@@ -20,11 +20,16 @@ import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from control_plane.demo.fleet import FleetSpec, base_weights, customer_weights, write_model
 from tests.integration.answers import Answers, features
 from tests.product import Product
 
 pytestmark = pytest.mark.integration
 
+# Models whose load takes at least 1.5 s (their initialize sleeps): a miss longer than a
+# short deadline on any machine, however fast.
+SLOW_LOAD = FleetSpec(count=1, hidden_dim=32, hidden_layers=1, extra_parameters=(("load_delay_s", "1.5"),))
+SLOW_LOADS = ("slowload1", "slowload2")
 BODY = {"inputs": [{"name": "FEATURES", "shape": [1, 64], "datatype": "FP32", "data": [1.0] * 64}]}
 
 
@@ -33,6 +38,8 @@ def product(fleet_template, tmp_path_factory):
     root = tmp_path_factory.mktemp("workers")
     repo = root / "repository"
     shutil.copytree(fleet_template, repo)
+    for name in SLOW_LOADS:
+        write_model(repo, name, SLOW_LOAD, customer_weights(SLOW_LOAD, name, base_weights(SLOW_LOAD)))
     p = Product(root / "state", repo, "--max-loaded", "8", "--router-workers", "2").start()
     p.endpoints = p.json("endpoints")
     p.answers = Answers(repo)
@@ -312,22 +319,24 @@ def model_state(p: Product, model: str) -> str:
 
 
 def test_a_request_whose_deadline_is_shorter_than_its_models_load_is_refused_at_once(product):
-    """A model whose load takes about a second: with its load time known, a request with a
+    """A model whose load takes at least 1.5 s: with its load time known, a request with a
     400 ms deadline (gRPC's own deadline; HTTP's X-Request-Timeout-Ms) is refused at once,
     RESOURCE_EXHAUSTED / 429 saying why, and its load starts; the retry is answered, with the
     model's own scores, within the same deadline.  (400 ms, not less: on a busy CI machine a
     refusal at once took more than 150 ms to reach the client.)"""
     x = features(2, seed=6)
     client = grpcclient.InferenceServerClient(product.endpoints["router_grpc"])
-    for model in ("cust006", "cust007"):  # the first loads: the control plane learns their time
-        assert wrong_answer(product, model, x, infer_grpc(client, model, x)) is None
+    for model in SLOW_LOADS:  # the first loads: the control plane learns their time
+        assert wrong_answer(product, model, x, infer_grpc(client, model, x, timeout_s=60)) is None
         assert product.mmctl("unload", model).returncode == 0
         wait_for(lambda m=model: model_state(product, m) == "warm", 30, f"{model} unloaded")
+    known = {m["model"]: m["load_time_s"] for m in product.json("status", "--all") if m["model"] in SLOW_LOADS}
+    assert all(s >= 1.5 for s in known.values()), known
     time.sleep(0.5)  # the workers have the placement without them
 
     started = time.monotonic()
     with pytest.raises(InferenceServerException) as refused:
-        infer_grpc(client, "cust006", x, timeout_s=0.4)
+        infer_grpc(client, "slowload1", x, timeout_s=0.4)
     took_s = time.monotonic() - started
     assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED", refused.value
     assert "longer than the" in refused.value.message() and "deadline" in refused.value.message()
@@ -335,15 +344,15 @@ def test_a_request_whose_deadline_is_shorter_than_its_models_load_is_refused_at_
 
     body = {"inputs": [{"name": "FEATURES", "shape": list(x.shape), "datatype": "FP32",
                         "data": x.ravel().tolist()}]}
-    url = f"http://{product.endpoints['router_http']}/v2/models/cust007/infer"
+    url = f"http://{product.endpoints['router_http']}/v2/models/slowload2/infer"
     resp = requests.post(url, json=body, headers={"X-Request-Timeout-Ms": "400"}, timeout=10)
     assert resp.status_code == 429, resp.text
     assert "deadline" in resp.json()["error"] and int(resp.headers["Retry-After"]) >= 1
 
-    for model in ("cust006", "cust007"):  # loading since the refusal
+    for model in SLOW_LOADS:  # loading since the refusal
         wait_for(lambda m=model: model_state(product, m) == "ready", 30, f"{model} loaded")
     time.sleep(0.5)
-    assert wrong_answer(product, "cust006", x, infer_grpc(client, "cust006", x, timeout_s=0.4)) is None
+    assert wrong_answer(product, "slowload1", x, infer_grpc(client, "slowload1", x, timeout_s=0.4)) is None
     resp = requests.post(url, json=body, headers={"X-Request-Timeout-Ms": "400"}, timeout=10)
     assert resp.status_code == 200, resp.text
-    assert wrong_answer(product, "cust007", x, http_scores(resp)) is None
+    assert wrong_answer(product, "slowload2", x, http_scores(resp)) is None

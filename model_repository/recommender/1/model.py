@@ -53,8 +53,13 @@ class TritonPythonModel:
         self.model = RecommenderMLP(weights).to(self.device).eval()
         params = self.model_config.get("parameters", {})
         # Fault injection for rollout drills: an artificial per-execute delay (in-flight and
-        # slow-shadow behaviour) and a fraction of requests answered with an error (a bad
-        # canary).  Both default to off.
+        # slow-shadow behaviour), a fraction of requests answered with an error (a bad
+        # canary) and a slow load (deadline drills).  All default to off.
+        load_delay_s = float(params.get("load_delay_s", {}).get("string_value", "0") or 0)
+        if load_delay_s:
+            import time
+
+            time.sleep(load_delay_s)
         self.delay_s = float(params.get("execute_delay_s", {}).get("string_value", "0") or 0)
         self.fail_fraction = float(params.get("fail_fraction", {}).get("string_value", "0") or 0)
         self.requests_seen = 0
