@@ -183,12 +183,17 @@ def p95(values: list[float]) -> float | None:
 
 
 def summarize(results: list[tuple], since: float, until: float, model_filter) -> dict:
+    """The requests sent in ``[since, until)`` (their latencies, refusals, timeouts) and the
+    throughput: answers that came in that window per second.  Counted by when they came,
+    not by when they were sent: under overload the requests sent in a short window may all
+    wait past their timeout while the copy keeps answering the ones before them."""
     chosen = [r for r in results if model_filter(r[0]) and since <= r[1] < until]
     ok = [r for r in chosen if r[3] == "ok"]
     latencies = [(r[2] - r[1]) * 1000 for r in ok]
     refused = [(r[2] - r[1]) * 1000 for r in chosen if r[3] == "refused"]
     window = max(1e-9, until - since)
-    return {"sent": len(chosen), "ok": len(ok), "per_s": round(len(ok) / window, 2),
+    answered = sum(1 for r in results if r[3] == "ok" and model_filter(r[0]) and since <= r[2] < until)
+    return {"sent": len(chosen), "ok": len(ok), "per_s": round(answered / window, 2),
             "refused": len(refused),
             "refused_p50_ms": round(float(np.percentile(refused, 50)), 1) if refused else None,
             "refused_p99_ms": round(float(np.percentile(refused, 99)), 1) if refused else None,
