@@ -195,6 +195,10 @@ class ManagerState:
         self.room = room
         self.keeping = Bookkeeping(metrics, store, stager, memory)
         # Each server's planner, derived from the records (residency.py): never set by hand.
-        self.residency = Residency(servers, clock, priority_of, self.keeping.update_gauges)
+        self.residency = Residency(servers, clock, priority_of, self._room_changed)
         self.book = ModelBook(self.residency, metrics)
         self.tasks = TaskBoard()
+
+    def _room_changed(self, server: TritonServer) -> None:
+        self.keeping.update_gauges(server)
+        self.room.changed()

@@ -166,7 +166,7 @@ class Loader:
                     if not busy or time.monotonic() >= deadline:
                         self.keeping.release_warm(name)
                         raise
-                    waiting = self._busy_tasks()
+                    waiting = {*self._busy_tasks(), self.room.next_change()}
                 else:
                     for v in victims:
                         self.book.lookup(v).move(ModelState.UNLOADING)
@@ -180,12 +180,10 @@ class Loader:
                     self.room.queue(server, name, room_bytes, room_slots)
                     self.unloader.maintain_headroom(server)  # the next miss finds room again
                     break
-            # Room comes back when a load/unload task ends or a request releases a model.
-            timeout_s = min(0.05, max(0.0, deadline - time.monotonic()))
-            if waiting:
-                await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-            else:
-                await asyncio.sleep(timeout_s)
+            # Room comes back when a load/unload task ends or a request releases a model
+            # (``RoomLedger.changed``); the poll is a floor for what neither tells.
+            timeout_s = min(ROOM_POLL_S, max(0.0, deadline - time.monotonic()))
+            await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         # A variant's swap takes milliseconds: its one INFO line is "loaded" (below); a
         # model's load, seconds: this line says what it waits for.
         in_one = replacing_possible(server, name, victims)

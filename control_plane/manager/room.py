@@ -8,6 +8,7 @@ budget) and ``fits_measured`` (the overlap rule).  ``host_available_bytes`` is t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -63,6 +64,24 @@ class RoomLedger:
         self.queued_slots: dict[str, dict[str, int]] = {}  # server -> model -> slots reserved
         self.sent: dict[str, tuple[str, int]] = {}
         self._probe_failed: set[str] = set()  # servers whose probe raised (logged once)
+        self._change: asyncio.Future | None = None  # what loads waiting for room wait on
+
+    def changed(self) -> None:
+        """What some server holds changed (a planner's view: a hold ended, a model left):
+        the loads waiting for room try again now, oldest first, instead of at their next
+        poll (``loader.ROOM_POLL_S``, 50 ms).  Under thrash a slot turns over as soon as its
+        request is answered; with the poll alone a miss waited up to 50 ms more for each slot
+        it lost to another."""
+        change, self._change = self._change, None
+        if change is not None and not change.done():
+            change.set_result(None)
+
+    def next_change(self) -> asyncio.Future:
+        """A future done at the next ``changed``: shared by every load waiting for room, so
+        they wake in the order they started waiting."""
+        if self._change is None or self._change.done():
+            self._change = asyncio.get_running_loop().create_future()
+        return self._change
 
     def queue(self, server: TritonServer, name: str, size_bytes: int, slots: int = 1) -> None:
         """``name`` is reserved on ``server`` (``size_bytes`` and ``slots`` of its room: a

@@ -11,6 +11,7 @@ import pytest
 
 from control_plane.eviction import STAGE_PRIORITY
 from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
+from control_plane.manager import loader as loader_module
 from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import IndexEntry, TritonModelState
 from domain.errors import (
@@ -716,6 +717,29 @@ def test_a_hold_ends_as_soon_as_its_request_is_answered(tmp_path):
         await asyncio.wait_for(other, 5)  # long before on_its_way_s
         assert mgr.records["m1"].state != ModelState.READY
         assert mgr.requests_answered("m1") == 0 and mgr.leases.request_holds == {}
+
+    run(go())
+
+
+def test_a_load_waiting_for_room_held_by_requests_starts_when_a_hold_ends(tmp_path, monkeypatch):
+    """Room held by requests comes back when one is answered: the waiting load is told at
+    once, not at its next poll (50 ms; made longer here, so that only being told starts it)."""
+    monkeypatch.setattr(loader_module, "ROOM_POLL_S", 10.0)
+
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=1, on_its_way_s=30, capacity_wait_s=30)
+        await mgr.start()
+        await mgr.ensure_for_request("m1")
+        waiting = asyncio.create_task(mgr.ensure("m2"))
+        await asyncio.sleep(0.125)  # between two of the old 50 ms polls
+        assert not waiting.done() and "m2" not in admin.load_calls  # m1's request holds the room
+        assert mgr.requests_answered("m1", 1) == 1
+        for _ in range(20):  # a few turns of the event loop, no time for a timer to fire
+            await asyncio.sleep(0)
+        assert mgr.records["m2"].state == ModelState.LOADING  # placed, m1 its victim
+        assert mgr.records["m1"].state == ModelState.UNLOADING
+        await asyncio.wait_for(waiting, 5)
+        assert mgr.records["m2"].state == ModelState.READY and mgr.records["m1"].state != ModelState.READY
 
     run(go())
 
