@@ -341,7 +341,6 @@ class AdapterManager:
         repository) from their cold copy, drop staging leftovers, and rewrite the manifest's
         pins from the registry.  Failures are logged and reported, never raised."""
         report: dict = {"restored": [], "failed": {}}
-        await self._blocking(hand_slots_to_control_plane, self.repository)
         by_base: dict[str, list[dict]] = {}
         for row in self.store.rows():
             by_base.setdefault(row["base"], []).append(row)
@@ -417,7 +416,7 @@ def hand_slots_to_control_plane(repository: Path) -> None:
     slots (a manifest written before that said nothing, and its model decided), and its
     copy of the LoRA runtime is this version's (an earlier one refuses that manifest).
     The control plane's start runs it before Triton can load a base (a base loaded first
-    would decide on its own until its next load), and ``recover`` again."""
+    would decide on its own until its next load)."""
     from model_runtime.lora import RESIDENCY_CONTROL_PLANE
 
     if not repository.is_dir():

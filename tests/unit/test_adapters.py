@@ -18,6 +18,7 @@ from control_plane.adapters import (
     AdapterMetrics,
     AdapterStore,
     describe_base,
+    hand_slots_to_control_plane,
     merge_rows,
     parse_adapter_ref,
     parse_model_config,
@@ -405,7 +406,7 @@ def test_the_first_start_hands_every_bases_slots_to_the_control_plane_keeping_it
     (old_runtime / "control_socket.py").unlink()
     current = lora_repo.repo / "recommender_lora" / "1" / "_lora"
     untouched = current.stat().st_ino
-    run(AdapterManager(FakeManager(), lora_repo.repo, stores=ColdStores([lora_repo.cold])).recover())
+    hand_slots_to_control_plane(lora_repo.repo)  # what the control plane's start runs
     source = Path(model_runtime.lora.__file__).parent
     assert (old_runtime / "manifest.py").read_bytes() == (source / "manifest.py").read_bytes()
     assert (old_runtime / "control_socket.py").is_file()
