@@ -152,38 +152,45 @@ class Loader:
         # Recency is what requests reported (this one included) and what the last reconcile
         # pass read from Triton's statistics: a miss asks Triton nothing before it places.
         deadline = time.monotonic() + self.config.capacity_wait_s
-        while True:
-            async with self.tasks.lock:
-                # Re-check after the lock: someone may have loaded it meanwhile.
-                if rec.state == ModelState.READY:
-                    return rec
-                try:
-                    server, victims = self.place(name, size_bytes)
-                except CapacityExhausted:
-                    # Room held only by loads/unloads in progress frees up in seconds: wait
-                    # for one of them instead of failing; room held by pins is final.
-                    busy = self._room_is_busy(name)
-                    if not busy or time.monotonic() >= deadline:
-                        self.keeping.release_warm(name)
-                        raise
-                    waiting = {*self._busy_tasks(), self.room.next_change()}
-                else:
-                    for v in victims:
-                        self.book.lookup(v).move(ModelState.UNLOADING)
-                    previous_state = rec.state
-                    rec.failure = None
-                    # A family's variant takes a slot: the room reserved is its family's
-                    # slots when this load loads the family (or grows it), else none.
-                    pool, undo_pool, room_bytes, room_slots = self.reserve_pool(
-                        server, name, size_bytes)
-                    rec.move(ModelState.LOADING, server=server.name, memory_bytes=size_bytes)
-                    self.room.queue(server, name, room_bytes, room_slots)
-                    self.unloader.maintain_headroom(server)  # the next miss finds room again
-                    break
-            # Room comes back when a load/unload task ends or a request releases a model
-            # (``RoomLedger.changed``); the poll is a floor for what neither tells.
-            timeout_s = min(ROOM_POLL_S, max(0.0, deadline - time.monotonic()))
-            await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        ticket, turn = None, None  # its place among the loads waiting for room (room.py)
+        try:
+            while True:
+                async with self.tasks.lock:
+                    # Re-check after the lock: someone may have loaded it meanwhile.
+                    if rec.state == ModelState.READY:
+                        return rec
+                    try:
+                        server, victims = self.place(name, size_bytes)
+                    except CapacityExhausted:
+                        # Room held only by loads/unloads in progress frees up in seconds: wait
+                        # for one of them instead of failing; room held by pins is final.
+                        busy = self._room_is_busy(name)
+                        if not busy or time.monotonic() >= deadline:
+                            self.keeping.release_warm(name)
+                            raise
+                        ticket = self.room.ticket() if ticket is None else ticket
+                        turn = self.room.wait_turn(ticket, turn)
+                        waiting = {*self._busy_tasks(), turn}
+                    else:
+                        for v in victims:
+                            self.book.lookup(v).move(ModelState.UNLOADING)
+                        previous_state = rec.state
+                        rec.failure = None
+                        # A family's variant takes a slot: the room reserved is its family's
+                        # slots when this load loads the family (or grows it), else none.
+                        pool, undo_pool, room_bytes, room_slots = self.reserve_pool(
+                            server, name, size_bytes)
+                        rec.move(ModelState.LOADING, server=server.name, memory_bytes=size_bytes)
+                        self.room.queue(server, name, room_bytes, room_slots)
+                        self.unloader.maintain_headroom(server)  # the next miss finds room again
+                        break
+                # Room comes back when a load/unload task ends or a request releases a model
+                # (``RoomLedger.changed``); the poll is a floor for what neither tells.
+                timeout_s = min(ROOM_POLL_S, max(0.0, deadline - time.monotonic()))
+                await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if turn is not None:  # its place in the queue, if it still has one
+                turn.cancel()
         # A variant's swap takes milliseconds: its one INFO line is "loaded" (below); a
         # model's load, seconds: this line says what it waits for.
         in_one = replacing_possible(server, name, victims)

@@ -9,6 +9,8 @@ budget) and ``fits_measured`` (the overlap rule).  ``host_available_bytes`` is t
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 from collections.abc import Callable
 
@@ -64,24 +66,37 @@ class RoomLedger:
         self.queued_slots: dict[str, dict[str, int]] = {}  # server -> model -> slots reserved
         self.sent: dict[str, tuple[str, int]] = {}
         self._probe_failed: set[str] = set()  # servers whose probe raised (logged once)
-        self._change: asyncio.Future | None = None  # what loads waiting for room wait on
+        # Loads waiting for room, by the order they started waiting: (ticket, its wake-up).
+        self._turns: list[tuple[int, asyncio.Future]] = []
+        self._tickets = itertools.count()
+
+    def ticket(self) -> int:
+        """A load's place among those waiting for room, kept over its retries."""
+        return next(self._tickets)
+
+    def wait_turn(self, ticket: int, turn: asyncio.Future | None) -> asyncio.Future:
+        """The future that ``changed`` completes when it is the turn of the load holding
+        ``ticket`` to try again: ``turn`` (the one it waited on before) while it was not
+        used, else a new one in the ticket's place."""
+        if turn is not None and not turn.done():
+            return turn
+        turn = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._turns, (ticket, turn))
+        return turn
 
     def changed(self) -> None:
         """What some server holds changed (a planner's view: a hold ended, a model left):
-        the loads waiting for room try again now, oldest first, instead of at their next
-        poll (``loader.ROOM_POLL_S``, 50 ms).  Under thrash a slot turns over as soon as its
-        request is answered; with the poll alone a miss waited up to 50 ms more for each slot
-        it lost to another."""
-        change, self._change = self._change, None
-        if change is not None and not change.done():
-            change.set_result(None)
-
-    def next_change(self) -> asyncio.Future:
-        """A future done at the next ``changed``: shared by every load waiting for room, so
-        they wake in the order they started waiting."""
-        if self._change is None or self._change.done():
-            self._change = asyncio.get_running_loop().create_future()
-        return self._change
+        the load that has waited longest for room tries again now, not at its next poll
+        (``loader.ROOM_POLL_S``, 50 ms).  Under thrash a slot turns over as soon as its
+        request is answered; with the poll alone a miss waited up to 50 ms more for each
+        slot it lost to another, and the order was chance.  One load per change: a change
+        that makes room for one wakes one, whatever the number waiting; the load it wakes
+        makes the next change if it takes the room."""
+        while self._turns:
+            _ticket, turn = heapq.heappop(self._turns)
+            if not turn.done():  # a load that stopped waiting cancelled its own
+                turn.set_result(None)
+                return
 
     def queue(self, server: TritonServer, name: str, size_bytes: int, slots: int = 1) -> None:
         """``name`` is reserved on ``server`` (``size_bytes`` and ``slots`` of its room: a

@@ -744,6 +744,47 @@ def test_a_load_waiting_for_room_held_by_requests_starts_when_a_hold_ends(tmp_pa
     run(go())
 
 
+def test_when_a_hold_ends_the_load_that_waited_longest_tries_first_and_alone(tmp_path, monkeypatch):
+    """Many loads waiting for one slot: the one that started waiting first gets it, and a
+    change of room wakes one waiting load, not all of them (each would place again: work
+    the size of the queue for every request answered)."""
+    monkeypatch.setattr(loader_module, "ROOM_POLL_S", 10.0)
+    models = [f"m{i}" for i in range(1, 21)]
+
+    async def go():
+        admin = FakeAdmin(models)
+        server = ModelManager.make_server(ServerSpec("s0", "fake:1", "fake:2", max_loaded=1), "lru",
+                                          admin=admin)
+        mgr = ModelManager([server], StateStore(tmp_path / "s.db"),
+                           config=ManagerConfig(policy="lru", unload_timeout_s=0.3, on_its_way_s=30,
+                                                capacity_wait_s=30))
+        await mgr.start()
+        await mgr.ensure_for_request("m1")
+        waiting = []
+        for name in models[1:]:  # m2 first, m20 last
+            waiting.append(asyncio.create_task(mgr.ensure_for_request(name)))
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.05)
+        places = []
+        place = mgr.loader.place
+        monkeypatch.setattr(mgr.loader, "place", lambda *a, **k: places.append(a[0]) or place(*a, **k))
+        assert mgr.requests_answered("m1", 1) == 1
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert mgr.records["m2"].state == ModelState.LOADING
+        assert all(mgr.records[m].state != ModelState.LOADING for m in models[2:])
+        assert len(places) < 8, places  # not one per waiting load (19)
+        await asyncio.wait_for(waiting[0], 5)
+        assert mgr.requests_answered("m2", 1) == 1
+        await asyncio.wait_for(waiting[1], 5)  # then m3, the next oldest
+        assert all(not t.done() for t in waiting[2:])
+        for task in waiting[2:]:
+            task.cancel()
+        await asyncio.gather(*waiting[2:], return_exceptions=True)
+
+    run(go())
+
+
 class NodeAdmin(FakeAdmin):
     """A Triton on another node, which can die (``down``): it answers nothing then."""
 
