@@ -120,7 +120,15 @@ def traffic(product: Product, args, names: list[str]) -> dict:
     ok_ms = np.array([d for d, _, e in records if e is None]) * 1000
     errors = Counter(e for _, _, e in records if e is not None)
     pct = (lambda q: round(float(np.percentile(ok_ms, q)), 2)) if len(ok_ms) else (lambda q: None)
-    return {"requests": len(records), "errors": sum(errors.values()),
+
+    def latencies(chosen) -> dict:  # the busiest variant (mostly hits) against the others
+        ms = np.array([d for d, m, e in records if e is None and chosen(m)]) * 1000
+        return {"requests": len(ms), **{f"p{q}_ms": round(float(np.percentile(ms, q)), 2) if len(ms) else None
+                                        for q in (50, 99)}}
+
+    return {"busiest": {"model": names[0], **latencies(names[0].__eq__)},
+            "others": latencies(lambda m: m != names[0]),
+            "requests": len(records), "errors": sum(errors.values()),
             "error_messages": dict(errors.most_common(5)), "wrong": wrong,
             "req_per_s": round(len(records) / elapsed, 1), "p50_ms": pct(50), "p95_ms": pct(95),
             "p99_ms": pct(99), "p99_over_p50": round(pct(99) / pct(50), 2) if len(ok_ms) else None,
@@ -212,6 +220,10 @@ def main(argv=None) -> dict:
                   f"{r['p50_ms']:>6.1f}ms {r['p95_ms']:>6.1f}ms {r['p99_ms']:>6.1f}ms "
                   f"{r['p99_over_p50']:>7.2f} {r['misses']:>7.0f} {r['cpu_busy']:>5.0%}"
                   + ("  (CPU-bound: measures the machine)" if r["cpu_busy"] > 0.9 else ""))
+            busiest, others = r["busiest"], r["others"]
+            print(f"      {busiest['model']} (the busiest variant): p50 {busiest['p50_ms']}ms, p99 "
+                  f"{busiest['p99_ms']}ms; the {args.variants - 1} others: p50 {others['p50_ms']}ms, "
+                  f"p99 {others['p99_ms']}ms")
             for message, count in r["error_messages"].items():
                 print(f"      {count} x {message[:160]}")
     for label, runs in sides.items():
