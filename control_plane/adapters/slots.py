@@ -25,7 +25,6 @@ are seen as they are.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from pathlib import Path
 from control_plane.adapters.base import describe_base
 from control_plane.eviction import CachePlanner, Capacity, Resident, make_policy
 from control_plane.families.family_catalog import control_key
+from control_plane.manager.room import Turns
 from domain.errors import CapacityExhausted, ControlPlaneError, ModelLoadFailed, ModelNotFound
 from domain.routes import ADAPTER_SEPARATOR, split_adapter
 
@@ -100,7 +100,9 @@ class AdapterSlots:
         self.holds: dict[str, list[asyncio.TimerHandle]] = {}  # entry -> requests on their way
         self.evictions: dict[str, int] = {}  # base -> adapters evicted for others (metrics)
         self.capacity_wait_s = getattr(manager.config, "capacity_wait_s", 120.0)
-        self._freed = asyncio.Event()  # set (and replaced) whenever an adapter's holds end
+        # (base, server) -> the adapter loads waiting for a slot there, oldest first: when an
+        # adapter's holds end, the oldest tries again at once (one per slot freed).
+        self._turns: dict[tuple[str, str], Turns] = {}
         self.on_status: Callable[[str, dict], None] = lambda _base, _status: None
         # The key of the models' control sockets (commands beside their batches).
         self.key = control_key(Path(repository))
@@ -230,8 +232,10 @@ class AdapterSlots:
         if not holds:
             del self.holds[name]
             self._set_evictable(name, True)
-            self._freed.set()  # loads waiting for a slot look again
-            self._freed = asyncio.Event()
+            base, _adapter = split_adapter(name)
+            for (held_base, _server), turns in self._turns.items():
+                if held_base == base:
+                    turns.wake_oldest()
 
     def _set_evictable(self, name: str, evictable: bool) -> None:
         base, adapter = split_adapter(name)
@@ -248,16 +252,26 @@ class AdapterSlots:
         them to be answered (at most the manager's ``capacity_wait_s``), as a model's load
         waits for room; when they are all pinned it is refused at once."""
         deadline = time.monotonic() + self.capacity_wait_s
-        while True:
-            freed = self._freed
-            try:
-                return await self._place_once(server, base, adapter)
-            except SlotsBusy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(freed.wait(), min(left, BUSY_RECHECK_S))
+        turns = self._turns.setdefault((base, server.name), Turns())
+        ticket, turn = None, None  # its place among the loads waiting for these slots
+        try:
+            while True:
+                try:
+                    return await self._place_once(server, base, adapter)
+                except SlotsBusy:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise
+                    if turn is not None and turn.done():
+                        # Woken for a slot that another load took first: the next in line
+                        # may fit where this one did not.
+                        turns.wake_oldest()
+                    ticket = turns.ticket() if ticket is None else ticket
+                    turn = turns.wait_turn(ticket, turn)
+                    await asyncio.wait({turn}, timeout=min(left, BUSY_RECHECK_S))
+        finally:
+            if turn is not None:
+                turn.cancel()
 
     async def _place_once(self, server, base: str, adapter: str) -> dict:
         slots = await self._slots(server, base)

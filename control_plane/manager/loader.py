@@ -168,8 +168,8 @@ class Loader:
                         if not busy or time.monotonic() >= deadline:
                             self.keeping.release_warm(name)
                             raise
-                        ticket = self.room.ticket() if ticket is None else ticket
-                        turn = self.room.wait_turn(ticket, turn)
+                        ticket = self.room.turns.ticket() if ticket is None else ticket
+                        turn = self.room.turns.wait_turn(ticket, turn)
                         waiting = {*self._busy_tasks(), turn}
                     else:
                         for v in victims:

@@ -49,6 +49,38 @@ def host_available_bytes(meminfo: str | None = None, cgroup_max: str | None = No
     return available
 
 
+class Turns:
+    """Waiters for room in the order they started waiting: each takes a ticket once and
+    waits on its turn (a future) between tries; ``wake_oldest`` completes the turn of the
+    oldest still waiting.  A waiter keeps its ticket, so its place, over its retries."""
+
+    def __init__(self):
+        self._turns: list[tuple[int, asyncio.Future]] = []  # (ticket, turn): a heap
+        self._tickets = itertools.count()
+
+    def ticket(self) -> int:
+        return next(self._tickets)
+
+    def wait_turn(self, ticket: int, turn: asyncio.Future | None) -> asyncio.Future:
+        """The future that ``wake_oldest`` completes when it is ``ticket``'s turn to try
+        again: ``turn`` (the one waited on before) while it was not used, else a new one in
+        the ticket's place.  A waiter that stops waiting cancels its turn."""
+        if turn is not None and not turn.done():
+            return turn
+        turn = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._turns, (ticket, turn))
+        return turn
+
+    def wake_oldest(self) -> bool:
+        """Complete the oldest waiter's turn; False when none waits."""
+        while self._turns:
+            _ticket, turn = heapq.heappop(self._turns)
+            if not turn.done():  # a waiter that stopped waiting cancelled its own
+                turn.set_result(None)
+                return True
+        return False
+
+
 class RoomLedger:
     """Loads reserved and not sent to Triton yet (server -> model -> bytes), and loads sent
     and not finished (model -> (device, bytes)): held room and the overlap rule.
@@ -66,23 +98,7 @@ class RoomLedger:
         self.queued_slots: dict[str, dict[str, int]] = {}  # server -> model -> slots reserved
         self.sent: dict[str, tuple[str, int]] = {}
         self._probe_failed: set[str] = set()  # servers whose probe raised (logged once)
-        # Loads waiting for room, by the order they started waiting: (ticket, its wake-up).
-        self._turns: list[tuple[int, asyncio.Future]] = []
-        self._tickets = itertools.count()
-
-    def ticket(self) -> int:
-        """A load's place among those waiting for room, kept over its retries."""
-        return next(self._tickets)
-
-    def wait_turn(self, ticket: int, turn: asyncio.Future | None) -> asyncio.Future:
-        """The future that ``changed`` completes when it is the turn of the load holding
-        ``ticket`` to try again: ``turn`` (the one it waited on before) while it was not
-        used, else a new one in the ticket's place."""
-        if turn is not None and not turn.done():
-            return turn
-        turn = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._turns, (ticket, turn))
-        return turn
+        self.turns = Turns()  # loads waiting for room, oldest first
 
     def changed(self) -> None:
         """What some server holds changed (a planner's view: a hold ended, a model left):
@@ -92,11 +108,7 @@ class RoomLedger:
         slot it lost to another, and the order was chance.  One load per change: a change
         that makes room for one wakes one, whatever the number waiting; the load it wakes
         makes the next change if it takes the room."""
-        while self._turns:
-            _ticket, turn = heapq.heappop(self._turns)
-            if not turn.done():  # a load that stopped waiting cancelled its own
-                turn.set_result(None)
-                return
+        self.turns.wake_oldest()
 
     def queue(self, server: TritonServer, name: str, size_bytes: int, slots: int = 1) -> None:
         """``name`` is reserved on ``server`` (``size_bytes`` and ``slots`` of its room: a

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from control_plane.adapters import slots as slots_module
 from control_plane.adapters.slots import AdapterSlots
 from control_plane.demo.fleet import FleetSpec, base_weights
 from control_plane.demo.lora import LoraDemoSpec, write_demo_adapter, write_lora_model
@@ -176,6 +177,36 @@ def test_an_adapter_a_request_is_on_its_way_to_is_no_victim(stack):
 
     asyncio.run(scenario())
     assert sorted(stack.model.cache.resident()) == ["b", "c"]
+
+
+def test_a_slot_freed_goes_to_the_adapter_load_that_waited_longest_and_wakes_no_other(stack, monkeypatch):
+    """Two loads wait for the base's two busy slots: the end of a's hold gives its slot to
+    the older (c) at once, and wakes no other load (each would plan again under the base's
+    lock: work the size of the queue for every request answered); the end of b's gives d."""
+    monkeypatch.setattr(slots_module, "BUSY_RECHECK_S", 10.0)  # only being told wakes a load
+
+    async def scenario():
+        await stack.slots.ensure_for_request(f"{BASE}:a")
+        await stack.slots.ensure_for_request(f"{BASE}:b")
+        stack.slots.capacity_wait_s = 30.0
+        older = asyncio.create_task(stack.slots.ensure_for_request(f"{BASE}:c"))
+        await asyncio.sleep(0.1)
+        younger = asyncio.create_task(stack.slots.ensure_for_request(f"{BASE}:d"))
+        await asyncio.sleep(0.1)
+        tries = []
+        place_once = stack.slots._place_once
+        monkeypatch.setattr(stack.slots, "_place_once",
+                            lambda server, base, adapter: tries.append(adapter) or place_once(server, base, adapter))
+        stack.slots.requests_answered(f"{BASE}:a")
+        await asyncio.wait_for(older, 5)
+        await asyncio.sleep(0.05)
+        assert tries == ["c"] and not younger.done()
+        stack.slots.requests_answered(f"{BASE}:b")
+        await asyncio.wait_for(younger, 5)
+        assert tries == ["c", "d"]
+
+    asyncio.run(scenario())
+    assert sorted(stack.model.cache.resident()) == ["c", "d"]
 
 
 def test_a_pinned_adapter_keeps_its_slot_and_a_stale_view_is_read_again(stack):
