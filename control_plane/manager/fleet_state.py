@@ -199,6 +199,7 @@ class ManagerState:
         self.book = ModelBook(self.residency, metrics)
         self.tasks = TaskBoard()
 
-    def _room_changed(self, server: TritonServer) -> None:
+    def _room_changed(self, server: TritonServer, freed: bool) -> None:
         self.keeping.update_gauges(server)
-        self.room.changed()
+        if freed:
+            self.room.changed()

@@ -73,11 +73,13 @@ class Residency:
 
     def __init__(self, servers: dict[str, TritonServer], clock: Callable[[], float],
                  priority_of: Callable[[str], int],
-                 on_room_changed: Callable[[TritonServer], None]):
+                 on_room_changed: Callable[[TritonServer, bool], None]):
         self.servers = servers
         self.clock = clock
         self.priority_of = priority_of
-        self.on_room_changed = on_room_changed  # the gauges of a server's used room
+        # (server, whether room may have come back there): the gauges of a server's used
+        # room, and the loads waiting for room (RoomLedger.changed).
+        self.on_room_changed = on_room_changed
         self.placed: dict[str, set[str]] = {}  # model -> the servers whose planners count it
 
     def sync(self, rec: ModelRecord) -> None:
@@ -87,7 +89,7 @@ class Residency:
             old = self.servers.get(where)
             if old is not None:
                 old.planner.remove(rec.name)
-                self.on_room_changed(old)
+                self.on_room_changed(old, True)
         for where, copy in rec.copies.items():
             server = self.servers.get(where)
             if server is not None:
@@ -110,15 +112,21 @@ class Residency:
                          holds=rec.slots),
                 self.clock(), load_cost_s=rec.load_time_s or 1.0)
             placed.add(server.name)
+            freed = False  # a newcomer takes room
         elif (current.pinned, current.evictable, current.leaving, current.size_bytes,
               current.holds) != (view.pinned, view.evictable, view.leaving, rec.memory_bytes,
                                  rec.slots):
+            # Room may have come back: a victim again (its requests answered, its pin gone),
+            # on its way out, or smaller.
+            freed = ((view.evictable and not current.evictable) or (view.leaving and not current.leaving)
+                     or (current.pinned and not view.pinned) or rec.memory_bytes < current.size_bytes
+                     or rec.slots < current.holds)
             server.planner.update(rec.name, pinned=view.pinned, evictable=view.evictable,
                                   leaving=view.leaving, size_bytes=rec.memory_bytes,
                                   holds=rec.slots)
         else:
             return
-        self.on_room_changed(server)
+        self.on_room_changed(server, freed)
 
     def set_priority(self, name: str, priority: int) -> None:
         """A model's rollout stage changed: its eviction priority with it, on every server

@@ -101,8 +101,8 @@ class RoomLedger:
         self.turns = Turns()  # loads waiting for room, oldest first
 
     def changed(self) -> None:
-        """What some server holds changed (a planner's view: a hold ended, a model left):
-        the load that has waited longest for room tries again now, not at its next poll
+        """Room may have come back on some server (a planner's view: a hold ended, a model
+        left): the load that has waited longest for room tries again now, not at its next poll
         (``loader.ROOM_POLL_S``, 50 ms).  Under thrash a slot turns over as soon as its
         request is answered; with the poll alone a miss waited up to 50 ms more for each
         slot it lost to another, and the order was chance.  One load per change: a change
