@@ -785,6 +785,25 @@ def test_when_a_hold_ends_the_load_that_waited_longest_tries_first_and_alone(tmp
     run(go())
 
 
+def test_only_a_change_that_may_give_room_back_wakes_a_waiting_load(tmp_path):
+    """A request's hold starting takes room, never gives it: no waiting load is woken for
+    it (it would place again for nothing).  The hold ending makes the model a victim again:
+    that wakes one."""
+    async def go():
+        mgr, _admin = make(tmp_path, max_loaded=2, on_its_way_s=30)
+        await mgr.start()
+        await mgr.ensure("m1")  # loaded, no request holds it: a victim
+        room = mgr.loader.room
+        told = []
+        room.changed = lambda: told.append("changed")
+        await mgr.ensure_for_request("m1")  # a request holds it now: no victim
+        assert told == []
+        assert mgr.requests_answered("m1", 1) == 1
+        assert told == ["changed"]
+
+    run(go())
+
+
 class NodeAdmin(FakeAdmin):
     """A Triton on another node, which can die (``down``): it answers nothing then."""
 
