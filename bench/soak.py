@@ -10,9 +10,10 @@ variant drawn from a Zipf law (``--zipf``, cust001 the busiest) with random feat
 each answer is checked against the reference MLP over that variant's own weights file in the
 repository Triton serves from (``control_plane.demo.reference``).  Meanwhile a thread runs
 the real ``mmctl status`` every ``--status-every`` seconds, as an operator watching the
-fleet would, and another samples the resident memory (VmRSS) of every process of the
-product: the ``mmctl up`` supervisor, the control plane, each router worker, each
-tritonserver and each python-backend stub.
+fleet would, and another samples the resident memory of every process of the product: the
+``mmctl up`` supervisor, the control plane, each router worker, each tritonserver and each
+python-backend stub; VmRSS, and apart its own pages (RssAnon), since VmRSS also counts the
+shared memory a process maps (a family keeps its variants' warm-tier files mapped).
 
 It prints the requests, the failures grouped by their exact message with counts, wrong
 answers, req/s, p50/p99 per minute and the memory per process kind at the start and end;
@@ -79,8 +80,8 @@ def process_kind(pid: int, root_pid: int, cmdline: str) -> str:
     return "other: " + (cmdline.split(" ", 1)[0].rsplit("/", 1)[-1] or "?")
 
 
-def product_processes(root_pid: int) -> list[tuple[int, str, int]]:
-    """(pid, kind, RSS bytes) of ``root_pid`` and all its descendants, read from /proc."""
+def product_processes(root_pid: int) -> list[tuple[int, str, int, int]]:
+    """(pid, kind, VmRSS bytes, RssAnon bytes) of ``root_pid`` and all its descendants, from /proc."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -106,18 +107,20 @@ def product_processes(root_pid: int) -> list[tuple[int, str, int]]:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue  # exited between the listing and the read
-        rss = next((int(line.split()[1]) * 1024 for line in status.splitlines()
-                    if line.startswith("VmRSS:")), 0)
-        out.append((pid, process_kind(pid, root_pid, cmdline), rss))
+        fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in status.splitlines()
+                  if line.startswith(("VmRSS:", "RssAnon:"))}
+        out.append((pid, process_kind(pid, root_pid, cmdline), fields.get("VmRSS", 0),
+                    fields.get("RssAnon", 0)))
     return out
 
 
 def rss_by_kind(root_pid: int) -> dict[str, dict]:
     kinds: dict[str, dict] = {}
-    for _, kind, rss in product_processes(root_pid):
-        k = kinds.setdefault(kind, {"processes": 0, "rss_mb": 0.0})
+    for _, kind, rss, own in product_processes(root_pid):
+        k = kinds.setdefault(kind, {"processes": 0, "rss_mb": 0.0, "own_mb": 0.0})
         k["processes"] += 1
         k["rss_mb"] = round(k["rss_mb"] + rss / 1e6, 1)
+        k["own_mb"] = round(k["own_mb"] + own / 1e6, 1)
     return kinds
 
 
@@ -318,6 +321,10 @@ def main(argv=None) -> dict:
     memory = {k: {"start_mb": rss[0]["kinds"].get(k, {}).get("rss_mb"),
                   "end_mb": rss[-1]["kinds"].get(k, {}).get("rss_mb"),
                   "max_mb": max(s["kinds"].get(k, {}).get("rss_mb", 0.0) for s in rss),
+                  # The process's own pages (RssAnon): VmRSS also counts the shared memory it
+                  # maps, a family's kept mappings of its variants' files in the warm tier.
+                  "own_start_mb": rss[0]["kinds"].get(k, {}).get("own_mb"),
+                  "own_end_mb": rss[-1]["kinds"].get(k, {}).get("own_mb"),
                   "processes_start": rss[0]["kinds"].get(k, {}).get("processes", 0),
                   "processes_end": rss[-1]["kinds"].get(k, {}).get("processes", 0)}
               for k in kinds}
@@ -379,11 +386,16 @@ def report(r: dict) -> None:
         print(f"  {m['minute']:>6} {m['requests']:>8} {m['failed']:>6} {m['wrong']:>5} {m['req_per_s']:>7} "
               f"{m['p50_ms'] if m['p50_ms'] is not None else '-':>8} "
               f"{m['p99_ms'] if m['p99_ms'] is not None else '-':>8}")
-    print(f"  {'process kind':<24} {'count':>9} {'RSS start MB':>13} {'end MB':>9} {'max MB':>9}")
+    print(f"  {'process kind':<24} {'count':>9} {'RSS start MB':>13} {'end MB':>9} {'max MB':>9} "
+          f"{'own start MB':>13} {'own end MB':>11}")
     for kind, m in r["memory"].items():
         print(f"  {kind:<24} {m['processes_start']:>4} -> {m['processes_end']:<2} "
               f"{m['start_mb'] if m['start_mb'] is not None else '-':>13} "
-              f"{m['end_mb'] if m['end_mb'] is not None else '-':>9} {m['max_mb']:>9}")
+              f"{m['end_mb'] if m['end_mb'] is not None else '-':>9} {m['max_mb']:>9} "
+              f"{m['own_start_mb'] if m['own_start_mb'] is not None else '-':>13} "
+              f"{m['own_end_mb'] if m['own_end_mb'] is not None else '-':>11}")
+    print("  (RSS: VmRSS, shared mappings included, a family's warm-tier files among them; own: "
+          "RssAnon, the process's own pages, what a leak grows)")
     s = r["status_polls"]
     print(f"  mmctl status: {s['count']} polls, {s['failed']} failed, p50 {s['p50_s']} s")
     for f in s["failures"]:
