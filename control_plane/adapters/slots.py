@@ -253,7 +253,7 @@ class AdapterSlots:
         waits for room; when they are all pinned it is refused at once."""
         deadline = time.monotonic() + self.capacity_wait_s
         turns = self._turns.setdefault((base, server.name), Turns())
-        ticket, turn = None, None  # its place among the loads waiting for these slots
+        place = turns.place()  # among the loads waiting for these slots
         try:
             while True:
                 try:
@@ -262,16 +262,13 @@ class AdapterSlots:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise
-                    if turn is not None and turn.done():
+                    if place.woken:
                         # Woken for a slot that another load took first: the next in line
                         # may fit where this one did not.
                         turns.wake_oldest()
-                    ticket = turns.ticket() if ticket is None else ticket
-                    turn = turns.wait_turn(ticket, turn)
-                    await asyncio.wait({turn}, timeout=min(left, BUSY_RECHECK_S))
+                    await asyncio.wait({place.turn()}, timeout=min(left, BUSY_RECHECK_S))
         finally:
-            if turn is not None:
-                turn.cancel()
+            place.leave()
 
     async def _place_once(self, server, base: str, adapter: str) -> dict:
         slots = await self._slots(server, base)

@@ -152,7 +152,7 @@ class Loader:
         # Recency is what requests reported (this one included) and what the last reconcile
         # pass read from Triton's statistics: a miss asks Triton nothing before it places.
         deadline = time.monotonic() + self.config.capacity_wait_s
-        ticket, turn = None, None  # its place among the loads waiting for room (room.py)
+        place = self.room.turns.place()  # among the loads waiting for room (room.py)
         try:
             while True:
                 async with self.tasks.lock:
@@ -168,9 +168,7 @@ class Loader:
                         if not busy or time.monotonic() >= deadline:
                             self.keeping.release_warm(name)
                             raise
-                        ticket = self.room.turns.ticket() if ticket is None else ticket
-                        turn = self.room.turns.wait_turn(ticket, turn)
-                        waiting = {*self._busy_tasks(), turn}
+                        waiting = {*self._busy_tasks(), place.turn()}
                     else:
                         for v in victims:
                             self.book.lookup(v).move(ModelState.UNLOADING)
@@ -189,8 +187,7 @@ class Loader:
                 timeout_s = min(ROOM_POLL_S, max(0.0, deadline - time.monotonic()))
                 await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if turn is not None:  # its place in the queue, if it still has one
-                turn.cancel()
+            place.leave()
         # A variant's swap takes milliseconds: its one INFO line is "loaded" (below); a
         # model's load, seconds: this line says what it waits for.
         in_one = replacing_possible(server, name, victims)

@@ -50,35 +50,58 @@ def host_available_bytes(meminfo: str | None = None, cgroup_max: str | None = No
 
 
 class Turns:
-    """Waiters for room in the order they started waiting: each takes a ticket once and
-    waits on its turn (a future) between tries; ``wake_oldest`` completes the turn of the
-    oldest still waiting.  A waiter keeps its ticket, so its place, over its retries."""
+    """Waiters for room in the order they started waiting: each holds a ``Place`` (a ticket
+    taken at its first wait, kept over its retries) and waits on its turn between tries;
+    ``wake_oldest`` completes the turn of the oldest still waiting."""
 
     def __init__(self):
         self._turns: list[tuple[int, asyncio.Future]] = []  # (ticket, turn): a heap
         self._tickets = itertools.count()
 
-    def ticket(self) -> int:
-        return next(self._tickets)
-
-    def wait_turn(self, ticket: int, turn: asyncio.Future | None) -> asyncio.Future:
-        """The future that ``wake_oldest`` completes when it is ``ticket``'s turn to try
-        again: ``turn`` (the one waited on before) while it was not used, else a new one in
-        the ticket's place.  A waiter that stops waiting cancels its turn."""
-        if turn is not None and not turn.done():
-            return turn
-        turn = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._turns, (ticket, turn))
-        return turn
+    def place(self) -> Place:
+        return Place(self)
 
     def wake_oldest(self) -> bool:
         """Complete the oldest waiter's turn; False when none waits."""
         while self._turns:
             _ticket, turn = heapq.heappop(self._turns)
-            if not turn.done():  # a waiter that stopped waiting cancelled its own
+            if not turn.done():  # a waiter that left cancelled its own
                 turn.set_result(None)
                 return True
         return False
+
+    def _queue(self, ticket: int) -> asyncio.Future:
+        turn = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._turns, (ticket, turn))
+        return turn
+
+
+class Place:
+    """One waiter's place in ``Turns``."""
+
+    def __init__(self, turns: Turns):
+        self._turns = turns
+        self._ticket: int | None = None
+        self._turn: asyncio.Future | None = None
+
+    @property
+    def woken(self) -> bool:
+        """Its last turn came (``wake_oldest`` chose it)."""
+        return self._turn is not None and self._turn.done()
+
+    def turn(self) -> asyncio.Future:
+        """The future done when it is this waiter's turn to try again: the one waited on
+        before while it did not come, else a new one in the ticket's place."""
+        if self._ticket is None:
+            self._ticket = next(self._turns._tickets)
+        if self._turn is None or self._turn.done():
+            self._turn = self._turns._queue(self._ticket)
+        return self._turn
+
+    def leave(self) -> None:
+        """Stop waiting: its turn, if still queued, goes to nobody."""
+        if self._turn is not None:
+            self._turn.cancel()
 
 
 class RoomLedger:
