@@ -331,7 +331,7 @@ def test_a_request_whose_deadline_is_shorter_than_its_models_load_is_refused_at_
         assert product.mmctl("unload", model).returncode == 0
         wait_for(lambda m=model: model_state(product, m) == "warm", 30, f"{model} unloaded")
     known = {m["model"]: m["load_time_s"] for m in product.json("status", "--all") if m["model"] in SLOW_LOADS}
-    assert all(s >= 1.5 for s in known.values()), known
+    assert set(known) == set(SLOW_LOADS) and all(s >= 1.5 for s in known.values()), known
     time.sleep(0.5)  # the workers have the placement without them
 
     started = time.monotonic()
