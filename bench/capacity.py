@@ -389,6 +389,8 @@ def report_of(rounds: list[dict], args, one_copy_per_s: float, hot_rate: float) 
                               "untold": med([r["deadline"]["untold"]["per_s"] for r in rounds])},
             "refused": sum(r["deadline"]["told"]["refused"] for r in rounds),
             "refused_p99_ms": med([r["deadline"]["told"]["refused_p99_ms"] for r in rounds]),
+            "timeouts": {key: sum(r["deadline"][key]["timeouts"] for r in rounds)
+                         for key in ("told", "untold")},
             "target_ratio": 1.5, "target_refusal_ms": 10},
         "refused": {"one_copy": sum(r["one_copy"]["hot"]["refused"] for r in rounds),
                     "auto_ramp": sum(r["auto"]["hot_ramp"]["refused"] for r in rounds),
@@ -456,7 +458,8 @@ def print_report(report: dict) -> None:
           f"not = {d['ratio'] if d['ratio'] is not None else 'unbounded'}"
           f"{'x' if d['ratio'] is not None else ' (none untold was answered in time)'} "
           f"(target >= {d['target_ratio']}x); {d['refused']} refused, p99 "
-          f"{d['refused_p99_ms']} ms to the refusal (target <= {d['target_refusal_ms']} ms)")
+          f"{d['refused_p99_ms']} ms to the refusal (target <= {d['target_refusal_ms']} ms); timed out: "
+          f"{d['timeouts']['told']} told, {d['timeouts']['untold']} not")
     e, r = report["errors"], report["refused"]
     print(f"refused at once (deadline): one copy {r['one_copy']}, auto ramp {r['auto_ramp']}, auto "
           f"steady {r['auto_steady']}")

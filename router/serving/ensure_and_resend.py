@@ -60,6 +60,11 @@ RATE_WINDOW_S = 2.0
 RATE_MIN_ANSWERS = 5
 RATE_MAX_ANSWERS = 4096
 QUEUE_MARGIN = 0.8  # a request is sent when its expected wait and turn fit 80% of its time left
+# A request whose deadline passes while Triton has it is still run there (Triton does not drop
+# a queued request whose client stopped waiting): its send is kept open until Triton answers
+# it (at most the router's request_timeout_s), so that it counts in its copy's queue and its
+# answer in the copy's rate, at most this many at a time per router process.
+MAX_KEPT_PAST_DEADLINE = 1024
 _NO_GATE = contextlib.nullcontext()  # a server without a concurrency: no fair-share turn
 
 
@@ -107,13 +112,15 @@ class Sender:
         self.miss_budget = MissBudget(config.miss_budget_per_s,
                                       on_refused=metrics.miss_budget_refused.inc)
         self._prefetching: set[asyncio.Task] = set()  # loads started for refused requests
-        # Requests this process has sent to each server and not had answered: a model with
-        # copies on several servers is sent where the fewest wait (``least_loaded``).
+        # Requests this process has sent to each server and not had answered (those whose
+        # client stopped waiting included, while Triton still has them): a model with copies
+        # on several servers is sent where the fewest wait (``least_loaded``).
         self.outstanding: collections.Counter[str] = collections.Counter()
         # Per (server, model): the requests outstanding there and when the last ones were
         # answered: the wait a new request would have there (``expected_wait_s``).
         self.queued: collections.Counter[tuple[str, str]] = collections.Counter()
         self.answered_at: dict[tuple[str, str], collections.deque[float]] = {}
+        self.kept_past_deadline = 0  # sends kept open after their client's deadline passed
         # Turns on servers with a concurrency, by fair share (router.serving.fair_shares).
         self.shares = ShareGate(
             lambda server: self.state.concurrency(server),
@@ -364,27 +371,21 @@ class Sender:
         resends = 0
         while True:
             try:
-                model = call.decision.model
-                pair = (server.name, model)
-                self.outstanding[server.name] += 1
-                self.queued[pair] += 1  # waiting for its turn too: expected_wait_s counts it
-                try:
-                    gate = (_NO_GATE if self.state.concurrency(server.name) is None
-                            else self.shares.turn(server.name, model, deadline, call.decision.logical))
-                    async with gate:
-                        with tracing.span("triton.infer", tracing.SpanKind.CLIENT,
-                                          server=server.name, resend=resends or None):
-                            outcome = await self.down_watch.wait(
-                                server, attempt(server, max(0.001, deadline - time.monotonic())))
-                    answered = self.answered_at.get(pair)
-                    if answered is None:
-                        answered = self.answered_at[pair] = collections.deque(maxlen=RATE_MAX_ANSWERS)
-                    answered.append(time.monotonic())
-                finally:
-                    self.outstanding[server.name] -= 1
-                    self.queued[pair] -= 1
-                    if not self.queued[pair]:
-                        del self.queued[pair]
+                left_s = max(0.001, deadline - time.monotonic())
+                pair = (server.name, call.decision.model)
+                self._count_in(pair)  # at once: the deadline check of the next request sees it
+                if timeout_s is None or self.kept_past_deadline >= MAX_KEPT_PAST_DEADLINE:
+                    try:
+                        outcome = await self._send_once(call, server, attempt, deadline, left_s, resends)
+                    finally:
+                        self._count_out(pair)
+                else:  # the client's deadline ends the wait, not the send (``_within_deadline``)
+                    sending = asyncio.ensure_future(self._send_once(
+                        call, server, attempt, deadline, max(left_s, self.config.request_timeout_s),
+                        resends))
+                    sending.add_done_callback(lambda _task, pair=pair: self._count_out(pair))
+                    outcome = await self._within_deadline(sending, left_s, timeout_s,
+                                                          call.decision.logical)
                 why = resend_for(outcome)
             except ServerDown as exc:
                 outcome, why = exc, Resend.UNREACHABLE
@@ -405,6 +406,68 @@ class Sender:
                 server = await self.resend_after_unavailable(call, server)
             except BackendUnavailable:
                 return _last(outcome)  # nowhere else to serve it
+
+    def _count_in(self, pair: tuple[str, str]) -> None:
+        """A request sent (or waiting for its turn) on ``pair``'s server for its model."""
+        self.outstanding[pair[0]] += 1
+        self.queued[pair] += 1  # waiting for its turn too: expected_wait_s counts it
+
+    def _count_out(self, pair: tuple[str, str]) -> None:
+        self.outstanding[pair[0]] -= 1
+        self.queued[pair] -= 1
+        if not self.queued[pair]:
+            del self.queued[pair]
+
+    async def _send_once(self, call: Call, server: ServerAddress,
+                         attempt: Callable[[ServerAddress, float], Awaitable], deadline: float,
+                         upstream_s: float, resends: int):
+        """One send of ``call`` to ``server`` (after its fair-share turn there, which ends
+        with the client's ``deadline``), given ``upstream_s`` to answer; an answer counts in
+        the rate the server answers the model at."""
+        model = call.decision.model
+        gate = (_NO_GATE if self.state.concurrency(server.name) is None
+                else self.shares.turn(server.name, model, deadline, call.decision.logical))
+        async with gate:
+            with tracing.span("triton.infer", tracing.SpanKind.CLIENT,
+                              server=server.name, resend=resends or None):
+                outcome = await self.down_watch.wait(server, attempt(server, upstream_s))
+        pair = (server.name, model)
+        answered = self.answered_at.get(pair)
+        if answered is None:
+            answered = self.answered_at[pair] = collections.deque(maxlen=RATE_MAX_ANSWERS)
+        answered.append(time.monotonic())
+        return outcome
+
+    async def _within_deadline(self, sending: asyncio.Task, left_s: float, timeout_s: float,
+                               asked: str):
+        """``sending``'s outcome if it comes within ``left_s`` (of the client's ``timeout_s``).  When the client's deadline
+        passes first (or the client goes away), the send goes on without it: Triton runs
+        the request all the same, and until it does, the request takes a place in its copy's
+        queue that the deadline check of the requests after it must see.  Forgotten at the
+        deadline, a copy that fell behind looked idle to the router (every request timed out,
+        none was answered to learn a rate from): it refused nothing and sent every request
+        to wait past its deadline, for as long as the flood lasted."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(sending), left_s)
+        except TimeoutError:
+            self._keep(sending)
+            raise RequestTimeout(f"'{asked}' was not answered within the request's deadline of "
+                                 f"{timeout_s * 1000:.0f} ms") from None
+        except asyncio.CancelledError:
+            self._keep(sending)
+            raise
+
+    def _keep(self, task: asyncio.Task) -> None:
+        """``task`` (a send whose client stopped waiting) runs until Triton answers it."""
+        if task.done():
+            return
+        self.kept_past_deadline += 1
+
+        def done(task: asyncio.Task) -> None:
+            self.kept_past_deadline -= 1
+            if not task.cancelled():
+                task.exception()  # retrieved: nobody waits for this answer any more
+        task.add_done_callback(done)
 
     async def resend_after_unload(self, call: Call) -> ServerAddress:
         """Triton no longer holds the model the request was sent to (evicted in between):

@@ -20,6 +20,7 @@ import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from bench.capacity import write_repository
 from control_plane.demo.fleet import FleetSpec, base_weights, customer_weights, write_model
 from tests.integration.answers import Answers, features
 from tests.product import Product
@@ -30,6 +31,9 @@ pytestmark = pytest.mark.integration
 # short deadline on any machine, however fast.
 SLOW_LOAD = FleetSpec(count=1, hidden_dim=32, hidden_layers=1, extra_parameters=(("load_delay_s", "1.5"),))
 SLOW_LOADS = ("slowload1", "slowload2")
+# One instance answering one request per 25 ms (40 requests/s), no batching: a copy a
+# flood can put behind (bench.capacity's model, its answer X times 3).
+PACED, PACED_FACTOR, PACED_SERVICE_MS = "paced", 3.0, 25.0
 BODY = {"inputs": [{"name": "FEATURES", "shape": [1, 64], "datatype": "FP32", "data": [1.0] * 64}]}
 
 
@@ -40,6 +44,7 @@ def product(fleet_template, tmp_path_factory):
     shutil.copytree(fleet_template, repo)
     for name in SLOW_LOADS:
         write_model(repo, name, SLOW_LOAD, customer_weights(SLOW_LOAD, name, base_weights(SLOW_LOAD)))
+    write_repository(repo, {PACED: PACED_FACTOR}, PACED_SERVICE_MS)
     p = Product(root / "state", repo, "--max-loaded", "8", "--router-workers", "2").start()
     p.endpoints = p.json("endpoints")
     p.answers = Answers(repo)
@@ -356,3 +361,53 @@ def test_a_request_whose_deadline_is_shorter_than_its_models_load_is_refused_at_
     resp = requests.post(url, json=body, headers={"X-Request-Timeout-Ms": "400"}, timeout=10)
     assert resp.status_code == 200, resp.text
     assert wrong_answer(product, "slowload2", x, http_scores(resp)) is None
+
+
+def test_a_copy_behind_on_its_deadlines_is_not_sent_every_request_after(product):
+    """40 requests with 100 ms to live, sent at once to a model that answers 40 a second,
+    nearly all time out, and Triton still runs each of them (a second of work).  The router
+    counts them in the copy's queue until Triton answers them: of the 80 requests a second
+    with 100 ms to live sent after the burst, within a second those that can start in time
+    are answered (each answer the model's own) and the others refused at once.  (When the
+    router forgot a request at its deadline, it had no answer to learn the copy's rate from
+    and saw its queue empty: it sent every request, and each timed out behind the burst for
+    as long as the flood lasted.)"""
+    import asyncio
+
+    import tritonclient.grpc.aio as aioclient
+
+    assert product.mmctl("load", PACED).returncode == 0
+    x = np.arange(1, 5, dtype=np.float32)
+
+    async def go() -> list[tuple[float, str]]:
+        client = aioclient.InferenceServerClient(product.endpoints["router_grpc"])  # one worker
+        outcomes: list[tuple[float, str]] = []
+
+        async def one(started: float) -> None:
+            inputs = [aioclient.InferInput("X", [4], "FP32")]
+            inputs[0].set_data_from_numpy(x)
+            sent = time.monotonic()
+            try:
+                y = (await client.infer(PACED, inputs, client_timeout=0.1)).as_numpy("Y")
+                kind = "answered" if np.allclose(y, x * PACED_FACTOR) else f"wrong: {y}"
+            except InferenceServerException as exc:
+                kind = {"StatusCode.RESOURCE_EXHAUSTED": "refused",
+                        "StatusCode.DEADLINE_EXCEEDED": "timeout"}.get(exc.status(), str(exc))
+            outcomes.append((sent - started, kind))
+
+        try:
+            started = time.monotonic()
+            sending = [asyncio.ensure_future(one(started)) for _ in range(40)]
+            for n in range(160):  # then 80 a second for 2 s
+                await asyncio.sleep(max(0.0, started + 0.05 + n / 80 - time.monotonic()))
+                sending.append(asyncio.ensure_future(one(started)))
+            await asyncio.gather(*sending)
+        finally:
+            await client.close()
+        return outcomes
+
+    outcomes = asyncio.run(go())
+    assert all(kind in ("answered", "refused", "timeout") for _, kind in outcomes), outcomes
+    last = [kind for sent, kind in outcomes if sent >= 1.05]  # the flood's last second
+    assert last.count("answered") >= 10, outcomes  # about 40 fit in it
+    assert last.count("refused") >= 10, outcomes

@@ -365,3 +365,92 @@ def test_a_request_that_cannot_start_within_its_deadline_is_refused_at_once():
         assert router.metrics.deadline_refused.labels("queue")._value.get() == len(refused)
 
     run(go())
+
+
+class QueuingTriton:
+    """One instance answering one request per ``service_s``, first come first served, as
+    Triton does: a request it accepted takes its turn even when its caller stopped waiting
+    (Triton does not drop a queued gRPC request whose deadline passed).  ``running``
+    cleared: the instance is stalled (a busy machine, a long batch)."""
+
+    def __init__(self, service_s: float):
+        import asyncio
+
+        self.service_s = service_s
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.running = asyncio.Event()
+        self.running.set()
+        self.executed = 0
+        self.worker = asyncio.ensure_future(self._work())
+
+    async def _work(self):
+        import asyncio
+
+        while True:
+            answer = await self.queue.get()
+            await self.running.wait()
+            await asyncio.sleep(self.service_s)
+            self.executed += 1
+            if not answer.done():
+                answer.set_result(b"")
+
+    def rpc(self, server: ServerAddress):
+        import asyncio
+
+        async def model_infer(message, timeout=None):
+            answer = asyncio.get_running_loop().create_future()
+            self.queue.put_nowait(answer)
+            try:  # the gRPC client's own deadline: the caller hears it, Triton's queue does not
+                return await asyncio.wait_for(asyncio.shield(answer), timeout)
+            except TimeoutError:
+                raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        return model_infer
+
+
+def test_requests_whose_deadline_passed_at_triton_still_count_in_its_queue():
+    """A copy stalled for 0.4 s while requests with 100 ms to live come at twice what it
+    serves: they all time out, and Triton still runs each of them after the stall.  The
+    router keeps counting them as queued until Triton answers them, so it learns the copy's
+    rate and real queue from them and refuses what cannot start in time: within a second of
+    the stall's end, requests are answered in time or refused at once again.  (Forgetting
+    them at their deadline left the router with no answer to learn a rate from and a queue
+    it thought empty: it sent every request, and each waited past its deadline behind the
+    ones before, for as long as the flood went on.)"""
+    import asyncio
+    import time
+
+    from domain.router_errors import DeadlineTooShort, RouterError
+
+    async def go():
+        triton = QueuingTriton(0.025)  # 40 requests/s
+        router, _state = raw_router(triton)  # type: ignore[arg-type]
+        outcomes: list[tuple[float, str]] = []
+
+        async def one():
+            sent = time.monotonic()
+            try:
+                await router.forwarder.infer_raw(raw_request(), lambda: None, 0.1)
+                kind = "answered"
+            except DeadlineTooShort:
+                kind = "refused"
+            except RouterError as exc:  # Triton's DEADLINE_EXCEEDED, or the router's own
+                kind = "timeout" if exc.grpc_code == grpc.StatusCode.DEADLINE_EXCEEDED else repr(exc)
+            outcomes.append((sent - start, kind))
+
+        start = time.monotonic()
+        triton.running.clear()
+        tasks = []
+        for n in range(160):  # 80 requests/s for 2 s; the copy stalls for the first 0.4 s
+            due = start + n / 80
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            if due - start >= 0.4:
+                triton.running.set()
+            tasks.append(asyncio.ensure_future(one()))
+        await asyncio.gather(*tasks)
+        late = [kind for sent, kind in outcomes if sent >= 1.4]  # the last 0.6 s
+        assert late.count("answered") >= 8, outcomes  # about 40/s of it fit
+        assert late.count("refused") >= 8, outcomes  # and the rest heard at once
+        assert late.count("timeout") <= 4, outcomes
+        triton.worker.cancel()
+
+    run(go())

@@ -25,7 +25,7 @@ from control_plane.manager.health import Health
 from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import TritonModelState
 from control_plane.triton.process import TritonProcess
-from domain.router_errors import UpstreamError
+from domain.router_errors import RequestTimeout, UpstreamError
 from domain.routes import RouteTable
 from router.assembly import Router, RouterConfig
 from router.frontends.http_frontend import make_http_app
@@ -368,7 +368,35 @@ def test_a_grpc_request_waiting_on_a_server_declared_down_is_sent_where_the_mode
         assert time.monotonic() - started < 5.0
         assert [name for name, _ in sent] == ["triton0", "triton1"]
         assert state.unreachable == ["triton0"]
-        assert sent[1][1] < 30.0 - 0.3  # the resend has what is left of the one deadline
+
+    run(go())
+
+
+def test_a_grpc_request_sent_again_has_what_is_left_of_its_one_deadline():
+    """Declared down after 0.8 s, its server's request goes to the other server, which does
+    not answer either: the client hears DEADLINE_EXCEEDED at its deadline of 2 s, not 2 s
+    after the second send."""
+    async def go():
+        state = PublishedState()
+        router = Router(state, RouteTable())
+        sent = []
+
+        def rpc(server):
+            async def model_infer(message, timeout=None):
+                sent.append(server.name)
+                await asyncio.Event().wait()  # neither answers
+            return model_infer
+
+        router.channels.raw_infer = rpc
+        started = time.monotonic()
+        task = asyncio.get_running_loop().create_task(
+            router.forwarder.infer_raw(b"\n\x01m", lambda: None, timeout_s=2.0))
+        await asyncio.sleep(0.8)
+        state.down = True
+        with pytest.raises(RequestTimeout, match="deadline of 2000 ms"):
+            await asyncio.wait_for(task, 10.0)
+        assert sent == ["triton0", "triton1"]
+        assert 1.9 <= time.monotonic() - started < 2.6  # a fresh deadline would end at 2.8 s
 
     run(go())
 
