@@ -63,8 +63,9 @@ QUEUE_MARGIN = 0.8  # a request is sent when its expected wait and turn fit 80% 
 # A request whose deadline passes while Triton has it is still run there (Triton does not drop
 # a queued request whose client stopped waiting): its send is kept open until Triton answers
 # it (at most the router's request_timeout_s), so that it counts in its copy's queue and its
-# answer in the copy's rate, at most this many at a time per router process.
-MAX_KEPT_PAST_DEADLINE = 1024
+# answer in the copy's rate, at most this many at a time per router process: half the HTTP
+# frontend's pool of connections to Triton (256), so kept sends never hold all of it.
+MAX_KEPT_PAST_DEADLINE = 128
 _NO_GATE = contextlib.nullcontext()  # a server without a concurrency: no fair-share turn
 
 

@@ -408,11 +408,11 @@ class QueuingTriton:
 
 
 def test_requests_whose_deadline_passed_at_triton_still_count_in_its_queue():
-    """A copy stalled for 0.4 s while requests with 100 ms to live come at twice what it
+    """A copy stalled for 0.3 s while requests with 100 ms to live come at twice what it
     serves: they all time out, and Triton still runs each of them after the stall.  The
     router keeps counting them as queued until Triton answers them, so it learns the copy's
-    rate and real queue from them and refuses what cannot start in time: within a second of
-    the stall's end, requests are answered in time or refused at once again.  (Forgetting
+    rate and real queue from them and refuses what cannot start in time: in the flood's
+    last second, requests are answered in time or refused at once again.  (Forgetting
     them at their deadline left the router with no answer to learn a rate from and a queue
     it thought empty: it sent every request, and each waited past its deadline behind the
     ones before, for as long as the flood went on.)"""
@@ -440,17 +440,64 @@ def test_requests_whose_deadline_passed_at_triton_still_count_in_its_queue():
         start = time.monotonic()
         triton.running.clear()
         tasks = []
-        for n in range(160):  # 80 requests/s for 2 s; the copy stalls for the first 0.4 s
+        for n in range(240):  # 80 requests/s for 3 s; the copy stalls for the first 0.3 s
             due = start + n / 80
             await asyncio.sleep(max(0.0, due - time.monotonic()))
-            if due - start >= 0.4:
+            if due - start >= 0.3:
                 triton.running.set()
             tasks.append(asyncio.ensure_future(one()))
         await asyncio.gather(*tasks)
-        late = [kind for sent, kind in outcomes if sent >= 1.4]  # the last 0.6 s
-        assert late.count("answered") >= 8, outcomes  # about 40/s of it fit
+        # The last second: the stall's backlog (about a second of work) is long gone, even
+        # on a busy machine whose timers run late.  Forgotten, it never goes: 0 answered.
+        late = [kind for sent, kind in outcomes if sent >= 2.0]
+        assert late.count("answered") >= 8, outcomes  # about 40 of the 80 fit
         assert late.count("refused") >= 8, outcomes  # and the rest heard at once
-        assert late.count("timeout") <= 4, outcomes
+        assert late.count("timeout") <= 8, outcomes
         triton.worker.cancel()
+
+    run(go())
+
+
+def test_a_send_kept_past_its_deadline_ends_when_triton_answers_and_their_number_is_bounded():
+    """The client hears DEADLINE_EXCEEDED at its deadline while the send stays open (Triton
+    still runs the request) until Triton answers; it counts in the copy's queue until then.
+    Past MAX_KEPT_PAST_DEADLINE such sends, a send is cut at the client's deadline as before."""
+    import asyncio
+
+    from domain.router_errors import RequestTimeout
+    from router.serving.ensure_and_resend import MAX_KEPT_PAST_DEADLINE
+
+    async def go():
+        release = asyncio.Event()
+        given: list[float] = []
+
+        def rpc(server):
+            async def model_infer(message, timeout=None):
+                given.append(timeout)
+                try:
+                    await asyncio.wait_for(release.wait(), timeout)
+                except TimeoutError:  # the gRPC client's own deadline
+                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                return b""
+            return model_infer
+
+        router, _state = raw_router(Triton())
+        router.channels.raw_infer = rpc
+        sender = router.sender
+        with pytest.raises(RequestTimeout, match="deadline of 50 ms"):
+            await router.forwarder.infer_raw(raw_request(), lambda: None, 0.05)
+        assert given[-1] >= router.config.request_timeout_s  # the send outlives the deadline
+        assert sender.kept_past_deadline == 1 and sender.queued == {("triton0", "m"): 1}
+        release.set()  # Triton answers it
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert sender.kept_past_deadline == 0 and sender.queued == {}
+        assert len(sender.answered_at[("triton0", "m")]) == 1  # its answer counts in the rate
+
+        release.clear()
+        sender.kept_past_deadline = MAX_KEPT_PAST_DEADLINE  # as many kept as allowed
+        with pytest.raises(UpstreamError):  # cut by its own deadline, Triton's DEADLINE_EXCEEDED
+            await router.forwarder.infer_raw(raw_request(), lambda: None, 0.05)
+        assert given[-1] <= 0.05 and sender.queued == {}
 
     run(go())
