@@ -265,7 +265,7 @@ class AdapterSlots:
                     if place.woken:
                         # Woken for a slot that another load took first: the next in line
                         # may fit where this one did not.
-                        turns.wake_oldest()
+                        place.pass_on()
                     await asyncio.wait({place.turn()}, timeout=min(left, BUSY_RECHECK_S))
         finally:
             place.leave()

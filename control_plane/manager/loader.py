@@ -162,6 +162,8 @@ class Loader:
                     try:
                         server, victims = self.place(name, size_bytes)
                     except CapacityExhausted:
+                        if place.woken:  # for room it cannot use: the next waiter may
+                            place.pass_on()
                         # Room held only by loads/unloads in progress frees up in seconds: wait
                         # for one of them instead of failing; room held by pins is final.
                         busy = self._room_is_busy(name)
@@ -170,15 +172,17 @@ class Loader:
                             raise
                         waiting = {*self._busy_tasks(), place.turn()}
                     else:
-                        for v in victims:
-                            self.book.lookup(v).move(ModelState.UNLOADING)
-                        previous_state = rec.state
-                        rec.failure = None
-                        # A family's variant takes a slot: the room reserved is its family's
-                        # slots when this load loads the family (or grows it), else none.
-                        pool, undo_pool, room_bytes, room_slots = self.reserve_pool(
-                            server, name, size_bytes)
-                        rec.move(ModelState.LOADING, server=server.name, memory_bytes=size_bytes)
+                        with self.room.placing():
+                            for v in victims:
+                                self.book.lookup(v).move(ModelState.UNLOADING)
+                            previous_state = rec.state
+                            rec.failure = None
+                            # A family's variant takes a slot: the room reserved is its
+                            # family's slots when this load loads the family (or grows it),
+                            # else none.
+                            pool, undo_pool, room_bytes, room_slots = self.reserve_pool(
+                                server, name, size_bytes)
+                            rec.move(ModelState.LOADING, server=server.name, memory_bytes=size_bytes)
                         self.room.queue(server, name, room_bytes, room_slots)
                         self.unloader.maintain_headroom(server)  # the next miss finds room again
                         break

@@ -88,8 +88,12 @@ class Residency:
             placed.discard(where)
             old = self.servers.get(where)
             if old is not None:
+                gone = old.planner.residents.get(rec.name)
                 old.planner.remove(rec.name)
-                self.on_room_changed(old, True)
+                # A model or variant on its way out gave its room to placement when it started
+                # leaving (the planner counts it free from then): its end gives nothing more.
+                # A family's slots do: a variant of a family being unloaded waits for them.
+                self.on_room_changed(old, gone is None or not gone.leaving or bool(gone.holds))
         for where, copy in rec.copies.items():
             server = self.servers.get(where)
             if server is not None:

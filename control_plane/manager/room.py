@@ -9,10 +9,11 @@ budget) and ``fits_measured`` (the overlap rule).  ``host_available_bytes`` is t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from control_plane.manager.records import ManagerConfig, TritonServer
 
@@ -70,6 +71,15 @@ class Turns:
                 return True
         return False
 
+    def wake_next_after(self, ticket: int) -> bool:
+        """Complete the turn of the oldest waiter younger than ``ticket``; False when none
+        waits.  A turn passed on goes one way, so passing it on ends at the youngest."""
+        younger = [(t, turn) for t, turn in self._turns if t > ticket and not turn.done()]
+        if not younger:
+            return False
+        min(younger, key=lambda entry: entry[0])[1].set_result(None)  # popped as done later
+        return True
+
     def _queue(self, ticket: int) -> asyncio.Future:
         turn = asyncio.get_running_loop().create_future()
         heapq.heappush(self._turns, (ticket, turn))
@@ -98,6 +108,12 @@ class Place:
             self._turn = self._turns._queue(self._ticket)
         return self._turn
 
+    def pass_on(self) -> bool:
+        """Woken for room it could not use: wake the next waiter after it (one that may fit
+        where this one did not).  Never the waiters before it, which already had this turn:
+        passed back, two waiters that cannot use the room would wake each other without end."""
+        return self._ticket is not None and self._turns.wake_next_after(self._ticket)
+
     def leave(self) -> None:
         """Stop waiting: its turn, if still queued, goes to nobody."""
         if self._turn is not None:
@@ -122,6 +138,18 @@ class RoomLedger:
         self.sent: dict[str, tuple[str, int]] = {}
         self._probe_failed: set[str] = set()  # servers whose probe raised (logged once)
         self.turns = Turns()  # loads waiting for room, oldest first
+        self._placing = False  # a placement is taking the room its victims give (``placing``)
+
+    @contextlib.contextmanager
+    def placing(self) -> Iterator[None]:
+        """A placement under way: its victims leaving give their room to its newcomer, not
+        to the loads waiting, so their changes wake none (a load woken for it would find
+        the room taken, and pass its turn on down the whole queue for nothing)."""
+        self._placing = True
+        try:
+            yield
+        finally:
+            self._placing = False
 
     def changed(self) -> None:
         """Room may have come back on some server (a planner's view: a hold ended, a model
@@ -131,7 +159,8 @@ class RoomLedger:
         slot it lost to another, and the order was chance.  One load per change: a change
         that makes room for one wakes one, whatever the number waiting; the load it wakes
         makes the next change if it takes the room."""
-        self.turns.wake_oldest()
+        if not self._placing:
+            self.turns.wake_oldest()
 
     def queue(self, server: TritonServer, name: str, size_bytes: int, slots: int = 1) -> None:
         """``name`` is reserved on ``server`` (``size_bytes`` and ``slots`` of its room: a

@@ -209,6 +209,37 @@ def test_a_slot_freed_goes_to_the_adapter_load_that_waited_longest_and_wakes_no_
     assert sorted(stack.model.cache.resident()) == ["c", "d"]
 
 
+def test_loads_woken_for_a_slot_another_took_pass_the_turn_on_once_each(stack, monkeypatch):
+    """A slot's hold ends and the oldest waiting load is woken, but a load that did not wait
+    took the slot first: the woken load passes its turn to the next younger one, which tries
+    once and passes it on to nobody.  (Passing it to the oldest waiter sent it back to the
+    first: the two loads tried in turn, without end, for as long as the slots stayed busy.)"""
+    monkeypatch.setattr(slots_module, "BUSY_RECHECK_S", 10.0)  # only being told wakes a load
+
+    async def scenario():
+        await stack.slots.ensure_for_request(f"{BASE}:a")
+        await stack.slots.ensure_for_request(f"{BASE}:b")
+        stack.slots.capacity_wait_s = 30.0
+        older = asyncio.create_task(stack.slots.ensure_for_request(f"{BASE}:c"))
+        await asyncio.sleep(0.1)
+        younger = asyncio.create_task(stack.slots.ensure_for_request(f"{BASE}:d"))
+        await asyncio.sleep(0.1)
+        tries = []
+
+        async def taken_first(server, base, adapter):
+            tries.append(adapter)
+            raise slots_module.SlotsBusy("every slot is held by a request on its way")
+        monkeypatch.setattr(stack.slots, "_place_once", taken_first)
+        stack.slots.requests_answered(f"{BASE}:a")
+        await asyncio.sleep(0.3)
+        assert tries == ["c", "d"]
+        for task in (older, younger):
+            task.cancel()
+        await asyncio.gather(older, younger, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
 def test_a_pinned_adapter_keeps_its_slot_and_a_stale_view_is_read_again(stack):
     write_manifest(stack.adapter_dir, Manifest(generation=2, pinned=("d",), residency="control_plane"))
     for future in stack.model.sync():

@@ -785,6 +785,40 @@ def test_when_a_hold_ends_the_load_that_waited_longest_tries_first_and_alone(tmp
     run(go())
 
 
+def test_a_load_woken_for_room_it_cannot_use_passes_the_turn_to_the_next(tmp_path, monkeypatch):
+    """The oldest waiting load cannot use the room a hold's end gave back (here it does not
+    fit, whatever frees) and goes on waiting (another request's hold may free room it can
+    use): the next waiting load places at once, not at its next poll (made 10 s here)."""
+    monkeypatch.setattr(loader_module, "ROOM_POLL_S", 10.0)
+
+    async def go():
+        mgr, _admin = make(tmp_path, max_loaded=2, on_its_way_s=30, capacity_wait_s=30)
+        await mgr.start()
+        await mgr.ensure_for_request("m1")
+        await mgr.ensure_for_request("m4")
+        place = mgr.loader.place
+
+        def oldest_never_fits(name, size_bytes):
+            if name == "m2":
+                raise CapacityExhausted("m2 fits nowhere")
+            return place(name, size_bytes)
+        monkeypatch.setattr(mgr.loader, "place", oldest_never_fits)
+        oldest = asyncio.create_task(mgr.ensure_for_request("m2"))
+        await asyncio.sleep(0.05)
+        younger = asyncio.create_task(mgr.ensure_for_request("m3"))
+        await asyncio.sleep(0.05)
+        assert mgr.requests_answered("m1", 1) == 1
+        for _ in range(20):  # a few turns of the event loop, no time for a timer to fire
+            await asyncio.sleep(0)
+        assert mgr.records["m3"].state == ModelState.LOADING  # placed, m1 its victim
+        await asyncio.wait_for(younger, 5)
+        assert not oldest.done()  # m4's request still holds its room
+        oldest.cancel()
+        await asyncio.gather(oldest, return_exceptions=True)
+
+    run(go())
+
+
 def test_only_a_change_that_may_give_room_back_wakes_a_waiting_load(tmp_path):
     """A request's hold starting takes room, never gives it: no waiting load is woken for
     it (it would place again for nothing).  The hold ending makes the model a victim again:
