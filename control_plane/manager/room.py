@@ -56,8 +56,11 @@ class Turns:
     ``wake_oldest`` completes the turn of the oldest still waiting."""
 
     def __init__(self):
-        self._turns: list[tuple[int, asyncio.Future]] = []  # (ticket, turn): a heap
+        # (ticket, entry, turn): a heap.  A ticket may be there twice (a turn passed on is
+        # left in place, done, beside its waiter's next one): the entry number breaks the tie.
+        self._turns: list[tuple[int, int, asyncio.Future]] = []
         self._tickets = itertools.count()
+        self._entries = itertools.count()
 
     def place(self) -> Place:
         return Place(self)
@@ -65,7 +68,7 @@ class Turns:
     def wake_oldest(self) -> bool:
         """Complete the oldest waiter's turn; False when none waits."""
         while self._turns:
-            _ticket, turn = heapq.heappop(self._turns)
+            _ticket, _entry, turn = heapq.heappop(self._turns)
             if not turn.done():  # a waiter that left cancelled its own
                 turn.set_result(None)
                 return True
@@ -74,15 +77,15 @@ class Turns:
     def wake_next_after(self, ticket: int) -> bool:
         """Complete the turn of the oldest waiter younger than ``ticket``; False when none
         waits.  A turn passed on goes one way, so passing it on ends at the youngest."""
-        younger = [(t, turn) for t, turn in self._turns if t > ticket and not turn.done()]
+        younger = [entry for entry in self._turns if entry[0] > ticket and not entry[2].done()]
         if not younger:
             return False
-        min(younger, key=lambda entry: entry[0])[1].set_result(None)  # popped as done later
+        min(younger)[2].set_result(None)  # popped as done later
         return True
 
     def _queue(self, ticket: int) -> asyncio.Future:
         turn = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._turns, (ticket, turn))
+        heapq.heappush(self._turns, (ticket, next(self._entries), turn))
         return turn
 
 

@@ -989,3 +989,30 @@ def test_a_failed_replacing_request_unloads_the_victim_alone_and_fails_the_load(
         assert mgr.get("m4").state == ModelState.READY
 
     run(go())
+
+
+def test_turns_go_oldest_first_and_a_turn_passed_on_only_to_younger_waiters():
+    """Six waiters: the oldest is woken, cannot use the room and passes it on, and so does
+    each after it, each waiting again (its ticket twice in the queue, its done turn beside
+    its new one); the pass ends at the youngest; the next wake goes to the oldest again."""
+    from control_plane.manager.room import Turns
+
+    async def go():
+        turns = Turns()
+        places = [turns.place() for _ in range(6)]
+        for place in places:
+            place.turn()
+        assert turns.wake_oldest() and places[0].woken
+        for n, place in enumerate(places):
+            passed = place.pass_on()
+            assert passed == (n < 5)
+            if passed:
+                assert places[n + 1].woken
+            place.turn()  # waits again, its ticket unchanged
+        assert not any(place.woken for place in places)
+        for n in range(6):
+            assert turns.wake_oldest() and places[n].woken
+            assert not any(p.woken for p in places[n + 1:])
+        assert not turns.wake_oldest()
+
+    run(go())
