@@ -170,7 +170,7 @@ class Loader:
                         if not busy or time.monotonic() >= deadline:
                             self.keeping.release_warm(name)
                             raise
-                        waiting = {*self._busy_tasks(), place.turn()}
+                        turn = place.turn()
                     else:
                         with self.room.placing():
                             for v in victims:
@@ -186,10 +186,11 @@ class Loader:
                         self.room.queue(server, name, room_bytes, room_slots)
                         self.unloader.maintain_headroom(server)  # the next miss finds room again
                         break
-                # Room comes back when a load/unload task ends or a request releases a model
-                # (``RoomLedger.changed``); the poll is a floor for what neither tells.
+                # Room comes back when the planner's view gives it back (a hold ends, a
+                # model starts leaving, a load fails): ``RoomLedger.changed`` wakes the load
+                # that waited longest.  The poll is a floor for what nothing tells.
                 timeout_s = min(ROOM_POLL_S, max(0.0, deadline - time.monotonic()))
-                await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({turn}, timeout=timeout_s)
         finally:
             place.leave()
         # A variant's swap takes milliseconds: its one INFO line is "loaded" (below); a
@@ -386,10 +387,6 @@ class Loader:
                 if limit is None or rec.state == ModelState.UNLOADING or r.priority <= limit:
                     return True
         return False
-
-    def _busy_tasks(self) -> set[asyncio.Task]:
-        me = asyncio.current_task()
-        return {t for t in (*self.tasks.loads.values(), *self.tasks.unloads.values()) if t is not me and not t.done()}
 
     async def warm_up(self, server: TritonServer, name: str) -> dict:
         """Warm ``name`` up as the model says (warmup.warm_up); the result is what
