@@ -41,6 +41,10 @@ from domain.periodic import run_periodically
 PUBLISH_INTERVAL_S = 0.1
 SETTLE_TIMEOUT_S = 2.0  # an admin change waits this long at most for workers to have it
 MAX_WAIT_S = 30.0
+# A worker's long-poll woken by a new version answers this much later, with what came
+# meanwhile: a miss publishes twice within a millisecond or two (its victim leaving, then
+# the newcomer ready), and each answer is an HTTP round trip for the worker and this process.
+SNAPSHOT_LINGER_S = 0.003
 MAX_ANSWERED_WITH_ENSURE = 256  # models whose holds one ensure call may end
 
 
@@ -80,6 +84,7 @@ class DataPlaneHub:
         self.rollouts.on_judged(self.publisher.routes_judged)
         self._tasks: list[asyncio.Task] = []
         self.closing = False  # set on stop: long-polls answer at once instead of holding it up
+        self._settling = 0  # admin changes waiting for every worker to have their version
 
     # A hub assembled from its collaborators alone (``workers``, ``stats``, ``manager``; a
     # report handler tested by itself) builds these two from them on first use.
@@ -154,7 +159,11 @@ class DataPlaneHub:
             return all(w.version >= version and w.epoch == self.epoch
                        for w in self.registry.in_touch())
 
-        return await self.registry.wait_until(current, time.monotonic() + timeout_s)
+        self._settling += 1  # waited for: the workers' long-polls answer without lingering
+        try:
+            return await self.registry.wait_until(current, time.monotonic() + timeout_s)
+        finally:
+            self._settling -= 1
 
     async def gather_reports(self, timeout_s: float = GATHER_TIMEOUT_S) -> bool:
         """Every worker's report now (``ReportGathering.gather``)."""
@@ -211,6 +220,8 @@ class DataPlaneHub:
         if current and wait_s > 0 and not self.reports.asked_since(reported):
             await self.registry.watch(seen, lambda: self.version > since or self.closing
                                       or self.reports.asked_since(reported), wait_s)
+            if self.version > since and not self.closing and not self._settling:
+                await asyncio.sleep(SNAPSHOT_LINGER_S)
         if epoch == self.epoch and since >= self.version:
             return web.json_response({"version": self.version, "epoch": self.epoch,
                                       "unchanged": True, "report_call": self.report_call})

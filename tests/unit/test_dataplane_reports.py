@@ -232,3 +232,46 @@ def test_a_judged_canary_pass_is_published_at_once_and_the_listing_says_who_has_
             await server.close()
 
     asyncio.run(go())
+
+
+def test_versions_published_close_together_reach_a_worker_in_one_answer(tmp_path, monkeypatch):
+    """A worker's long-poll woken by a version waits SNAPSHOT_LINGER_S (made 0.5 s here) and
+    answers with what came meanwhile: two versions 50 ms apart, as a miss publishes its
+    victim leaving and then its newcomer ready, are one answer (one HTTP round trip), not
+    two.  An admin change waiting for the workers to have it is answered without the wait."""
+    monkeypatch.setattr(dataplane, "SNAPSHOT_LINGER_S", 0.5)
+    answers = []
+    snapshot = DataPlaneHub.snapshot
+
+    async def counted(self, request):
+        response = await snapshot(self, request)
+        answers.append(request.query.get("since"))
+        return response
+    monkeypatch.setattr(DataPlaneHub, "snapshot", counted)
+
+    async def go():
+        h, server, (w0,) = await serving_hub(tmp_path, monkeypatch)
+        try:
+            answered = len(answers)
+            h.table.set_limit("m1", 5.0, 5.0)
+            h.publish()
+            await asyncio.sleep(0.05)
+            h.table.set_limit("m2", 6.0, 6.0)
+            h.publish()
+            for _ in range(300):
+                if len(w0.table.limits) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert w0.table.limits == {"m1": {"qps": 5.0, "burst": 5.0}, "m2": {"qps": 6.0, "burst": 6.0}}
+            assert len(answers) == answered + 1  # both in one answer
+            started = time.monotonic()
+            h.table.set_limit("m3", 7.0, 7.0)
+            assert await h.settle(timeout_s=5)
+            assert time.monotonic() - started < 0.4  # not after the linger
+            assert w0.table.limits["m3"] == {"qps": 7.0, "burst": 7.0}
+        finally:
+            await w0.stop()
+            await h.release_watchers()
+            await server.close()
+
+    asyncio.run(go())
