@@ -441,13 +441,13 @@ class Sender:
 
     async def _within_deadline(self, sending: asyncio.Task, left_s: float, timeout_s: float,
                                asked: str):
-        """``sending``'s outcome if it comes within ``left_s`` (of the client's ``timeout_s``).  When the client's deadline
-        passes first (or the client goes away), the send goes on without it: Triton runs
-        the request all the same, and until it does, the request takes a place in its copy's
-        queue that the deadline check of the requests after it must see.  Forgotten at the
-        deadline, a copy that fell behind looked idle to the router (every request timed out,
-        none was answered to learn a rate from): it refused nothing and sent every request
-        to wait past its deadline, for as long as the flood lasted."""
+        """``sending``'s outcome if it comes within ``left_s`` (of the client's ``timeout_s``).
+        When the client's deadline passes first (or the client goes away), the send goes on
+        without it: Triton runs the request all the same, and until it does, the request
+        takes a place in its copy's queue that the deadline check of the requests after it
+        must see.  Forgotten at the deadline, a copy that fell behind looked idle to the
+        router (every request timed out, none was answered to learn a rate from): it refused
+        nothing and sent every request to wait past its deadline, as long as the flood lasted."""
         try:
             return await asyncio.wait_for(asyncio.shield(sending), left_s)
         except TimeoutError:

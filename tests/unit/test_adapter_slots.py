@@ -179,6 +179,18 @@ def test_an_adapter_a_request_is_on_its_way_to_is_no_victim(stack):
     assert sorted(stack.model.cache.resident()) == ["b", "c"]
 
 
+async def two_loads_waiting_for_busy_slots(stack):
+    """Both slots held by requests on their way (a, b); c waits, then d: (c's task, d's)."""
+    await stack.slots.ensure_for_request(f"{BASE}:a")
+    await stack.slots.ensure_for_request(f"{BASE}:b")
+    stack.slots.capacity_wait_s = 30.0
+    older = asyncio.create_task(stack.slots.ensure_for_request(f"{BASE}:c"))
+    await asyncio.sleep(0.1)
+    younger = asyncio.create_task(stack.slots.ensure_for_request(f"{BASE}:d"))
+    await asyncio.sleep(0.1)
+    return older, younger
+
+
 def test_a_slot_freed_goes_to_the_adapter_load_that_waited_longest_and_wakes_no_other(stack, monkeypatch):
     """Two loads wait for the base's two busy slots: the end of a's hold gives its slot to
     the older (c) at once, and wakes no other load (each would plan again under the base's
@@ -186,13 +198,7 @@ def test_a_slot_freed_goes_to_the_adapter_load_that_waited_longest_and_wakes_no_
     monkeypatch.setattr(slots_module, "BUSY_RECHECK_S", 10.0)  # only being told wakes a load
 
     async def scenario():
-        await stack.slots.ensure_for_request(f"{BASE}:a")
-        await stack.slots.ensure_for_request(f"{BASE}:b")
-        stack.slots.capacity_wait_s = 30.0
-        older = asyncio.create_task(stack.slots.ensure_for_request(f"{BASE}:c"))
-        await asyncio.sleep(0.1)
-        younger = asyncio.create_task(stack.slots.ensure_for_request(f"{BASE}:d"))
-        await asyncio.sleep(0.1)
+        older, younger = await two_loads_waiting_for_busy_slots(stack)
         tries = []
         place_once = stack.slots._place_once
         monkeypatch.setattr(stack.slots, "_place_once",
@@ -217,13 +223,7 @@ def test_loads_woken_for_a_slot_another_took_pass_the_turn_on_once_each(stack, m
     monkeypatch.setattr(slots_module, "BUSY_RECHECK_S", 10.0)  # only being told wakes a load
 
     async def scenario():
-        await stack.slots.ensure_for_request(f"{BASE}:a")
-        await stack.slots.ensure_for_request(f"{BASE}:b")
-        stack.slots.capacity_wait_s = 30.0
-        older = asyncio.create_task(stack.slots.ensure_for_request(f"{BASE}:c"))
-        await asyncio.sleep(0.1)
-        younger = asyncio.create_task(stack.slots.ensure_for_request(f"{BASE}:d"))
-        await asyncio.sleep(0.1)
+        older, younger = await two_loads_waiting_for_busy_slots(stack)
         tries = []
 
         async def taken_first(server, base, adapter):

@@ -341,21 +341,28 @@ class PublishedState:
         return [self._first(), self.second]
 
 
+def router_on_frozen_tritons(frozen: set[str]) -> tuple[PublishedState, Router, list[str]]:
+    """A router whose Tritons named in ``frozen`` neither answer nor refuse (the others
+    answer at once), and the servers its requests were sent to, in order."""
+    state = PublishedState()
+    router = Router(state, RouteTable())
+    sent: list[str] = []
+
+    def rpc(server):
+        async def model_infer(message, timeout=None):
+            sent.append(server.name)
+            if server.name in frozen:
+                await asyncio.Event().wait()
+            return b""
+        return model_infer
+
+    router.channels.raw_infer = rpc
+    return state, router, sent
+
+
 def test_a_grpc_request_waiting_on_a_server_declared_down_is_sent_where_the_model_is_now():
     async def go():
-        state = PublishedState()
-        router = Router(state, RouteTable())
-        sent = []
-
-        def rpc(server):
-            async def model_infer(message, timeout=None):
-                sent.append((server.name, timeout))
-                if server.name == FIRST.name:
-                    await asyncio.Event().wait()  # frozen: neither answers nor refuses
-                return b""
-            return model_infer
-
-        router.channels.raw_infer = rpc
+        state, router, sent = router_on_frozen_tritons({FIRST.name})
         request = router.forwarder.infer_raw(b"\n\x01m", lambda: None, timeout_s=30.0)
         task = asyncio.get_running_loop().create_task(request)
         await asyncio.sleep(0.3)
@@ -366,7 +373,7 @@ def test_a_grpc_request_waiting_on_a_server_declared_down_is_sent_where_the_mode
         # bound of a few seconds tells apart even on a busy machine.
         await asyncio.wait_for(task, 10.0)
         assert time.monotonic() - started < 5.0
-        assert [name for name, _ in sent] == ["triton0", "triton1"]
+        assert sent == ["triton0", "triton1"]
         assert state.unreachable == ["triton0"]
 
     run(go())
@@ -377,17 +384,7 @@ def test_a_grpc_request_sent_again_has_what_is_left_of_its_one_deadline():
     not answer either: the client hears DEADLINE_EXCEEDED at its deadline of 2 s, not 2 s
     after the second send."""
     async def go():
-        state = PublishedState()
-        router = Router(state, RouteTable())
-        sent = []
-
-        def rpc(server):
-            async def model_infer(message, timeout=None):
-                sent.append(server.name)
-                await asyncio.Event().wait()  # neither answers
-            return model_infer
-
-        router.channels.raw_infer = rpc
+        state, router, sent = router_on_frozen_tritons({"triton0", "triton1"})
         started = time.monotonic()
         task = asyncio.get_running_loop().create_task(
             router.forwarder.infer_raw(b"\n\x01m", lambda: None, timeout_s=2.0))
