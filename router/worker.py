@@ -75,7 +75,7 @@ async def serve(args: WorkerConfig) -> None:
         router.table, router.names = state.table, state.names
 
     state.on_snapshot = refreshed
-    state.outstanding = lambda: router.sender.outstanding_by_model()
+    state.outstanding = lambda: router.sender.queues.outstanding_by_model()
     state.shadow_counts = lambda: {
         route: {k: v for k, v in asdict(report).items() if k != "last"}
         for route, report in router.shadow.reports.items()}

@@ -14,11 +14,9 @@ deadline)."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import enum
 import logging
-import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -37,6 +35,7 @@ from domain.router_errors import (
 )
 from domain.routes import ADAPTER_SEPARATOR, Decision
 from router.rollouts.routing_decisions import Decider
+from router.serving.copy_queues import CopyQueues
 from router.serving.down_watch import DownWatch, ServerDown
 from router.serving.fair_shares import ShareGate
 from router.serving.metrics import Recording, RouterMetrics
@@ -53,19 +52,7 @@ log = logging.getLogger(__name__)
 # load held for it keeps the model for its next send, so more than one resend means an
 # explicit unload or a restart in between.
 MAX_RESENDS = 3
-# The rate a copy answers a model, from the answers of the last RATE_WINDOW_S seconds (at
-# least RATE_MIN_ANSWERS of them, at most RATE_MAX_ANSWERS kept): the wait a new request would
-# have there, which a deadline is checked against.
-RATE_WINDOW_S = 2.0
-RATE_MIN_ANSWERS = 5
-RATE_MAX_ANSWERS = 4096
 QUEUE_MARGIN = 0.8  # a request is sent when its expected wait and turn fit 80% of its time left
-# A request whose deadline passes while Triton has it is still run there (Triton does not drop
-# a queued request whose client stopped waiting): its send is kept open until Triton answers
-# it (at most the router's request_timeout_s), so that it counts in its copy's queue and its
-# answer in the copy's rate, at most this many at a time per router process: half the HTTP
-# frontend's pool of connections to Triton (256), so kept sends never hold all of it.
-MAX_KEPT_PAST_DEADLINE = 128
 _NO_GATE = contextlib.nullcontext()  # a server without a concurrency: no fair-share turn
 
 
@@ -113,15 +100,7 @@ class Sender:
         self.miss_budget = MissBudget(config.miss_budget_per_s,
                                       on_refused=metrics.miss_budget_refused.inc)
         self._prefetching: set[asyncio.Task] = set()  # loads started for refused requests
-        # Requests this process has sent to each server and not had answered (those whose
-        # client stopped waiting included, while Triton still has them): a model with copies
-        # on several servers is sent where the fewest wait (``least_loaded``).
-        self.outstanding: collections.Counter[str] = collections.Counter()
-        # Per (server, model): the requests outstanding there and when the last ones were
-        # answered: the wait a new request would have there (``expected_wait_s``).
-        self.queued: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.answered_at: dict[tuple[str, str], collections.deque[float]] = {}
-        self.kept_past_deadline = 0  # sends kept open after their client's deadline passed
+        self.queues = CopyQueues()  # the requests on each copy, and its rate
         # Turns on servers with a concurrency, by fair share (router.serving.fair_shares).
         self.shares = ShareGate(
             lambda server: self.state.concurrency(server),
@@ -145,7 +124,7 @@ class Sender:
             if server.up:
                 copies = self.state.copy_servers(model)
                 if copies:
-                    server = self.least_loaded([server, *copies])
+                    server = self.queues.least_loaded([server, *copies])
                 if call is not None and call.deadline is not None and not fresh:
                     self._refuse_queued_past_deadline(server, model, asked or model, call.deadline)
                 return server
@@ -182,50 +161,13 @@ class Sender:
                 self.metrics.cold_wait_seconds.labels(series_model).observe(time.perf_counter() - start)
         return server
 
-    def least_loaded(self, servers: list[ServerAddress]) -> ServerAddress:
-        """Of a model's copies, the one with fewer requests outstanding from this process of
-        two chosen at random (a tie goes to the first drawn, so idle copies share evenly):
-        two random choices spread the load nearly as well as looking at all of them, and
-        workers that each count only their own requests do not all rush the same copy."""
-        up = [s for s in servers if s.up]
-        if len(up) < 2:
-            return up[0] if up else servers[0]
-        first, second = random.sample(up, 2)
-        return second if self.outstanding[second.name] < self.outstanding[first.name] else first
-
-    def outstanding_by_model(self) -> dict[str, int]:
-        """Requests sent to Triton and not answered, per model: what the control plane scales
-        copies by (mmctl scale --replicas auto).  Read with each report, not per request."""
-        by_model: collections.Counter[str] = collections.Counter()
-        for (_server, model), n in self.queued.items():
-            by_model[model] += n
-        return dict(by_model)
-
-    def expected_wait_s(self, server: str, model: str) -> tuple[float, int, float] | None:
-        """(seconds a request sent now would wait before ``server`` starts it, requests
-        queued there, the rate it answers them) for ``model``, from this process's own
-        requests (its share of the queue over its share of the answers: the same ratio over
-        all workers); None when it has answered too few lately to tell.  Little's law: the
-        requests before it over the rate they leave."""
-        queued = self.queued[(server, model)]
-        if queued == 0:
-            return 0.0, 0, 0.0
-        answered = self.answered_at.get((server, model))
-        now = time.monotonic()
-        while answered and answered[0] < now - RATE_WINDOW_S:
-            answered.popleft()
-        if not answered or len(answered) < RATE_MIN_ANSWERS:
-            return None
-        rate = len(answered) / max(now - answered[0], RATE_WINDOW_S / 4)
-        return queued / rate, queued, rate
-
     def _refuse_queued_past_deadline(self, server: ServerAddress, model: str, asked: str,
                                      deadline: float) -> None:
         """A request that could not even start before its deadline (the requests queued
         before it on its copy take longer to answer than the time it has left) is refused
         now: sent, it would only take a turn from requests that can still be answered in
         time, and its client would hear of it only at the deadline."""
-        expected = self.expected_wait_s(server.name, model)
+        expected = self.queues.expected_wait_s(server.name, model)
         left_s = deadline - time.monotonic()
         if expected is None or expected[0] == 0.0:
             return
@@ -374,17 +316,17 @@ class Sender:
             try:
                 left_s = max(0.001, deadline - time.monotonic())
                 pair = (server.name, call.decision.model)
-                self._count_in(pair)  # at once: the deadline check of the next request sees it
-                if timeout_s is None or self.kept_past_deadline >= MAX_KEPT_PAST_DEADLINE:
+                self.queues.count_in(pair)  # at once: the deadline check of the next request sees it
+                if timeout_s is None or not self.queues.may_keep():
                     try:
                         outcome = await self._send_once(call, server, attempt, deadline, left_s, resends)
                     finally:
-                        self._count_out(pair)
+                        self.queues.count_out(pair)
                 else:  # the client's deadline ends the wait, not the send (``_within_deadline``)
                     sending = asyncio.ensure_future(self._send_once(
                         call, server, attempt, deadline, max(left_s, self.config.request_timeout_s),
                         resends))
-                    sending.add_done_callback(lambda _task, pair=pair: self._count_out(pair))
+                    sending.add_done_callback(lambda _task, pair=pair: self.queues.count_out(pair))
                     outcome = await self._within_deadline(sending, left_s, timeout_s,
                                                           call.decision.logical)
                 why = resend_for(outcome)
@@ -408,17 +350,6 @@ class Sender:
             except BackendUnavailable:
                 return _last(outcome)  # nowhere else to serve it
 
-    def _count_in(self, pair: tuple[str, str]) -> None:
-        """A request sent (or waiting for its turn) on ``pair``'s server for its model."""
-        self.outstanding[pair[0]] += 1
-        self.queued[pair] += 1  # waiting for its turn too: expected_wait_s counts it
-
-    def _count_out(self, pair: tuple[str, str]) -> None:
-        self.outstanding[pair[0]] -= 1
-        self.queued[pair] -= 1
-        if not self.queued[pair]:
-            del self.queued[pair]
-
     async def _send_once(self, call: Call, server: ServerAddress,
                          attempt: Callable[[ServerAddress, float], Awaitable], deadline: float,
                          upstream_s: float, resends: int):
@@ -432,11 +363,7 @@ class Sender:
             with tracing.span("triton.infer", tracing.SpanKind.CLIENT,
                               server=server.name, resend=resends or None):
                 outcome = await self.down_watch.wait(server, attempt(server, upstream_s))
-        pair = (server.name, model)
-        answered = self.answered_at.get(pair)
-        if answered is None:
-            answered = self.answered_at[pair] = collections.deque(maxlen=RATE_MAX_ANSWERS)
-        answered.append(time.monotonic())
+        self.queues.answered((server.name, model))
         return outcome
 
     async def _within_deadline(self, sending: asyncio.Task, left_s: float, timeout_s: float,
@@ -451,24 +378,12 @@ class Sender:
         try:
             return await asyncio.wait_for(asyncio.shield(sending), left_s)
         except TimeoutError:
-            self._keep(sending)
+            self.queues.keep(sending)
             raise RequestTimeout(f"'{asked}' was not answered within the request's deadline of "
                                  f"{timeout_s * 1000:.0f} ms") from None
         except asyncio.CancelledError:
-            self._keep(sending)
+            self.queues.keep(sending)
             raise
-
-    def _keep(self, task: asyncio.Task) -> None:
-        """``task`` (a send whose client stopped waiting) runs until Triton answers it."""
-        if task.done():
-            return
-        self.kept_past_deadline += 1
-
-        def done(task: asyncio.Task) -> None:
-            self.kept_past_deadline -= 1
-            if not task.cancelled():
-                task.exception()  # retrieved: nobody waits for this answer any more
-        task.add_done_callback(done)
 
     async def resend_after_unload(self, call: Call) -> ServerAddress:
         """Triton no longer holds the model the request was sent to (evicted in between):

