@@ -11,6 +11,7 @@ import asyncio
 import collections
 import random
 import time
+from collections.abc import Callable
 
 from router.serving.serving_state import ServerAddress
 
@@ -31,7 +32,10 @@ Pair = tuple[str, str]  # (server name, model)
 
 
 class CopyQueues:
-    def __init__(self):
+    """``on_kept(n)``: told the number of sends kept past their deadline when it changes."""
+
+    def __init__(self, on_kept: Callable[[int], None] = lambda n: None):
+        self.on_kept = on_kept
         # Requests on each server: a model with copies on several is sent where the fewest wait.
         self.outstanding: collections.Counter[str] = collections.Counter()
         self.queued: collections.Counter[Pair] = collections.Counter()
@@ -102,9 +106,11 @@ class CopyQueues:
         if task.done():
             return
         self.kept_past_deadline += 1
+        self.on_kept(self.kept_past_deadline)
 
         def done(task: asyncio.Task) -> None:
             self.kept_past_deadline -= 1
+            self.on_kept(self.kept_past_deadline)
             if not task.cancelled():
                 task.exception()  # retrieved: nobody waits for this answer any more
         task.add_done_callback(done)

@@ -100,7 +100,7 @@ class Sender:
         self.miss_budget = MissBudget(config.miss_budget_per_s,
                                       on_refused=metrics.miss_budget_refused.inc)
         self._prefetching: set[asyncio.Task] = set()  # loads started for refused requests
-        self.queues = CopyQueues()  # the requests on each copy, and its rate
+        self.queues = CopyQueues(on_kept=metrics.past_deadline.set)  # requests on each copy, its rate
         # Turns on servers with a concurrency, by fair share (router.serving.fair_shares).
         self.shares = ShareGate(
             lambda server: self.state.concurrency(server),

@@ -52,6 +52,11 @@ class RouterMetrics:
                                ["api"], registry=r)
         self.inflight = Gauge("mmr_inflight_requests", "Requests in flight", registry=r,
                               multiprocess_mode="livesum")  # summed over live router workers
+        self.past_deadline = Gauge(
+            "mmr_requests_past_deadline",
+            "Requests whose client's deadline passed while Triton still had them (their sends "
+            "stay open until Triton answers: a copy that fell behind)",
+            registry=r, multiprocess_mode="livesum")
         self.loop_failures = loop_failures_counter("mmr", r)
         # Route and model labels for at most MODEL_SERIES_CAP names each; the rest share one
         # series labelled "_other" (domain.series): sums stay exact.

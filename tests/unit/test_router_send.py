@@ -488,10 +488,13 @@ def test_a_send_kept_past_its_deadline_ends_when_triton_answers_and_their_number
             await router.forwarder.infer_raw(raw_request(), lambda: None, 0.05)
         assert given[-1] >= router.config.request_timeout_s  # the send outlives the deadline
         assert queues.kept_past_deadline == 1 and queues.queued == {("triton0", "m"): 1}
+        past_deadline = router.metrics.past_deadline
+        assert past_deadline._value.get() == 1  # mmr_requests_past_deadline
         release.set()  # Triton answers it
         for _ in range(5):
             await asyncio.sleep(0)
         assert queues.kept_past_deadline == 0 and queues.queued == {}
+        assert past_deadline._value.get() == 0
         assert len(queues.answered_at[("triton0", "m")]) == 1  # its answer counts in the rate
 
         release.clear()
