@@ -262,10 +262,9 @@ class AdapterSlots:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise
-                    if place.woken:
-                        # Woken for a slot that another load took first: the next in line
-                        # may fit where this one did not.
-                        place.pass_on()
+                    # Woken for a slot that another load took first: the next in line may
+                    # fit where this one did not.
+                    place.pass_on()
                     await asyncio.wait({place.turn()}, timeout=min(left, BUSY_RECHECK_S))
         finally:
             place.leave()

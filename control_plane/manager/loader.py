@@ -162,8 +162,7 @@ class Loader:
                     try:
                         server, victims = self.place(name, size_bytes)
                     except CapacityExhausted:
-                        if place.woken:  # for room it cannot use: the next waiter may
-                            place.pass_on()
+                        place.pass_on()  # woken for room it cannot use: the next waiter may
                         # Room held only by loads/unloads in progress frees up in seconds: wait
                         # for one of them instead of failing; room held by pins is final.
                         busy = self._room_is_busy(name)

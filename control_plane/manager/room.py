@@ -99,7 +99,7 @@ class Place:
 
     @property
     def woken(self) -> bool:
-        """Its last turn came (``wake_oldest`` chose it)."""
+        """Its last turn came (``wake_oldest`` chose it, or an older waiter passed it on)."""
         return self._turn is not None and self._turn.done()
 
     def turn(self) -> asyncio.Future:
@@ -112,10 +112,11 @@ class Place:
         return self._turn
 
     def pass_on(self) -> bool:
-        """Woken for room it could not use: wake the next waiter after it (one that may fit
-        where this one did not).  Never the waiters before it, which already had this turn:
-        passed back, two waiters that cannot use the room would wake each other without end."""
-        return self._ticket is not None and self._turns.wake_next_after(self._ticket)
+        """After a try that failed: if it was woken for that try (for room it could not use),
+        wake the next waiter after it (one that may fit where this one did not).  Never the
+        waiters before it, which already had this turn: passed back, two waiters that cannot
+        use the room would wake each other without end.  Not woken: nothing to pass on."""
+        return self.woken and self._turns.wake_next_after(self._ticket)
 
     def leave(self) -> None:
         """Stop waiting: its turn, if still queued, goes to nobody."""
