@@ -321,8 +321,9 @@ def test_a_copy_with_requests_outstanding_gets_no_more_while_another_is_free():
 
 
 def test_a_request_that_cannot_start_within_its_deadline_is_refused_at_once():
-    """One copy answers one request per 25 ms: of 30 sent at once with 200 ms to live, those
-    that fit are answered within it and the others are refused at once, saying why."""
+    """One copy answers one request per 50 ms: of 30 sent at once with 400 ms to live, those
+    that fit are answered within it and the others are refused at once, saying why.  (The
+    times are long enough that a busy machine's scheduling jitter does not decide it.)"""
     import asyncio
     import time
 
@@ -336,7 +337,7 @@ def test_a_request_that_cannot_start_within_its_deadline_is_refused_at_once():
             async def model_infer(message, timeout=None):
                 sent.append(server.name)
                 async with busy:  # one instance: a request at a time
-                    await asyncio.sleep(0.025)
+                    await asyncio.sleep(0.05)
                 return b""
             return model_infer
 
@@ -348,7 +349,7 @@ def test_a_request_that_cannot_start_within_its_deadline_is_refused_at_once():
         async def timed():
             started = time.monotonic()
             try:
-                await router.forwarder.infer_raw(raw_request(), lambda: None, 0.2)
+                await router.forwarder.infer_raw(raw_request(), lambda: None, 0.4)
                 return "answered", time.monotonic() - started, None
             except DeadlineTooShort as exc:
                 return "refused", time.monotonic() - started, exc.message
@@ -357,8 +358,8 @@ def test_a_request_that_cannot_start_within_its_deadline_is_refused_at_once():
         answered = [s for kind, s, _ in outcomes if kind == "answered"]
         refused = [(s, why) for kind, s, why in outcomes if kind == "refused"]
         assert 3 <= len(answered) <= 8 and len(answered) + len(refused) == 30, outcomes
-        assert max(answered) < 0.2  # everything sent was answered in time
-        assert max(s for s, _ in refused) < 0.01  # and the rest heard at once
+        assert max(answered) < 0.4  # everything sent was answered in time
+        assert max(s for s, _ in refused) < 0.05  # and the rest heard at once, not at 0.4 s
         assert "cannot start within this request's deadline" in refused[0][1]
         assert "requests wait for it on triton0" in refused[0][1]
         assert len(sent) == 24 + len(answered)  # refused requests never reached Triton
