@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmarks in one command, for a lent GPU machine with no network (docs/benchmarks.md,
 # "On a GPU"):
+#   0. one 200 MB slot fill: one device copy out of the warm tier's mapping registered with
+#      CUDA against the pinned staging buffer (bench.slot_fill), and that path's GPU test;
 #   1. the seed scenario as one model family: 50 customers of 850 MB, the top 12 pinned, 15
 #      slots in device memory, open-loop traffic (the top 12 send 80%), the warm tier in
 #      /dev/shm;
@@ -155,7 +157,13 @@ if [ "$AVAIL_MB" -lt "$NEED_MB" ]; then
     if [ "$CUSTOMERS" -lt $((SLOTS + 5)) ]; then echo "too few customers fit ($CUSTOMERS)"; exit 1; fi
 fi
 
-RC_SEED=0 RC_FS=0
+RC_FILL=0 RC_SEED=0 RC_FS=0
+phase "0. one slot's fill: one device copy out of the registered mapping against the staging buffer (200 MB)"
+timeout -s INT -k 15 300 "$PY" -m pytest -q -p no:cacheprovider --noconftest \
+    tests/unit/test_pinned_mappings.py || RC_FILL=$?
+timeout -s INT -k 15 300 "$PY" -m bench.slot_fill --size-mb 200 --repeats 10 --threads 1,4,16 \
+    --out "$OUT/slot_fill.json" || RC_FILL=$?
+
 phase "1. seed scenario: $CUSTOMERS customers x $VARIANT_MB MB as one family, top 12 pinned, $SLOTS slots, $RATE req/s for ${MIXED_S}s"
 timeout -s INT -k 15 "$SEED_TIMEOUT_S" "$PY" -m bench.seed_scenario --layout family \
     --customers "$CUSTOMERS" --variant-mb "$VARIANT_MB" --slots "$SLOTS" --rate "$RATE" \
@@ -169,7 +177,7 @@ timeout -s INT -k 15 "$FS_TIMEOUT_S" "$PY" -m bench.family_swap --layouts family
     --hits "$FS_HITS" --cycles "$FS_CYCLES" --work-dir "$WORK" --out "$OUT/family_swap.json" || RC_FS=$?
 rm -rf "$WORK"
 
-phase "summary (seed scenario rc $RC_SEED, family swap rc $RC_FS)"
+phase "summary (slot fill rc $RC_FILL, seed scenario rc $RC_SEED, family swap rc $RC_FS)"
 "$PY" - "$OUT" <<'EOF' || true
 import json, sys
 from pathlib import Path
@@ -189,6 +197,12 @@ if seed.exists():
     print(f"  hit ratio {r['hit_ratio']:.3f}, loads/min {r['loads_per_minute']:.1f}, errors {r['errors']} "
           f"{r['error_messages'][:2]}, bare miss p50 {ms(bare * 1000 if bare else None)}, "
           f"answers ok {r['answers_ok']}, GPU MiB {r['gpu_used_mib']}")
+fill = out / "slot_fill.json"
+if fill.exists():
+    r = json.loads(fill.read_text())
+    print(f"slot fill of {r['conditions']['bytes'] / 1e6:.0f} MB on {r['conditions']['device']}:")
+    for row in r["rows"]:
+        print(f"  {row['what']:<66} {row['p50_ms']:>8.2f} ms")
 fs = out / "family_swap.json"
 if fs.exists():
     r = json.loads(fs.read_text())
@@ -207,7 +221,7 @@ done
 ls -la "$OUT"
 phase "done"
 STATUS=0
-[ "$RC_SEED" = 0 ] && [ "$RC_FS" = 0 ] || STATUS=1
+[ "$RC_FILL" = 0 ] && [ "$RC_SEED" = 0 ] && [ "$RC_FS" = 0 ] || STATUS=1
 exec >&- 2>&-  # the log is whole once tee has read to the end
 wait "$TEE_PID" || true
 exit "$STATUS"

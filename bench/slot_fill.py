@@ -1,9 +1,11 @@
 """A family slot's swap-in alone, side by side in one run: ``SlotBank.fill`` of one variant
 from the host-DRAM warm tier (tmpfs) with 1, 2, 4, 8 and 16 threads, copying out of the
-file's kept mapping (the default) and reading it with preadv, on a GPU with and without each
-part's copy to the device overlapping the reads after it, against a plain read of the same
-file into host memory, a memcpy of the same bytes and a pinned host-to-device copy of them;
-and the first fill out of a new mapping (its page faults).
+file's kept mapping (the default) and reading it with preadv; on a GPU, through a pinned
+staging buffer with and without each part's device copy overlapping the reads after it, and
+as one device copy straight out of the mapping registered with CUDA (the default there);
+against a plain read of the same file into host memory, a memcpy of the same bytes and a
+pinned host-to-device copy of them; and the first fill out of a new mapping (its page
+faults, and on a GPU its registration).
 
     .venv/bin/python -m bench.slot_fill [--size-mb 200] [--repeats 15] [--device cuda]
 """
@@ -85,7 +87,7 @@ def main(argv=None) -> dict:
           for threads in (int(t) for t in args.threads.split(",")):
             for overlap in overlaps:
                 bank = SlotBank(layout, 1, device, read_threads=threads, overlap_copies=overlap,
-                                map_files=mapped)
+                                map_files=mapped, direct_copies=False)
 
                 def fill(bank=bank):
                     bank.release("v")
@@ -102,17 +104,35 @@ def main(argv=None) -> dict:
                 del bank
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-        bank = SlotBank(layout, 1, device, map_files=False)
-        bank.fill("v", path)  # the slot's pages committed
+        if device.type == "cuda":  # the product's default on a GPU: no staging copy
+            bank = SlotBank(layout, 1, device)
 
-        def first_fill(bank=bank):
-            bank.release("v")
-            bank.files = MappedFiles(sweep_s=None)  # a new mapping: its pages fault in
-            bank.fill("v", path)
-        samples = timed(first_fill, args.repeats)
-        rows.append({"what": f"SlotBank.fill, first out of a new mapping, {bank.read_threads} threads",
-                     "p50_ms": p50_ms(samples), "gb_per_s": round(nbytes / (p50_ms(samples) / 1000) / 1e9, 2)})
-        bank.close()
+            def direct_fill(bank=bank):
+                bank.release("v")
+                bank.fill("v", path)
+            samples = timed(direct_fill, args.repeats)
+            assert torch.equal(bank.buffers[0].cpu(), expected), "the slot does not hold the file's bytes"
+            label = "SlotBank.fill, one device copy out of the registered mapping"
+            if bank.pinned.disabled:
+                label += f" (NOT registered: {bank.pinned.disabled[:60]}; staging)"
+            rows.append({"what": label, "direct": True, "registered": bank.pinned.disabled is None,
+                         "p50_ms": p50_ms(samples), "gb_per_s": round(nbytes / (p50_ms(samples) / 1000) / 1e9, 2)})
+            bank.close()
+        for direct in (False, True) if device.type == "cuda" else (False,):
+            bank = SlotBank(layout, 1, device, direct_copies=direct)
+            bank.fill("v", path)  # the slot's pages committed
+
+            def first_fill(bank=bank):
+                bank.release("v")
+                bank.files.close()  # a new mapping: its pages fault in (and are registered)
+                bank.files = MappedFiles(sweep_s=None, on_keep=bank.pinned and bank.pinned.keep,
+                                         on_forget=bank.pinned and bank.pinned.forget)
+                bank.fill("v", path)
+            samples = timed(first_fill, args.repeats)
+            how = ", registering it" if direct else ""
+            rows.append({"what": f"SlotBank.fill, first out of a new mapping{how}, {bank.read_threads} threads",
+                         "p50_ms": p50_ms(samples), "gb_per_s": round(nbytes / (p50_ms(samples) / 1000) / 1e9, 2)})
+            bank.close()
     finally:
         path.unlink(missing_ok=True)
         work.rmdir()
@@ -124,9 +144,11 @@ def main(argv=None) -> dict:
     print(f"slot_fill: one {nbytes / 1e6:.0f} MB variant from {warm} into a slot on {result['conditions']['device']}, "
           f"{os.cpu_count()} CPUs, p50 of {args.repeats}")
     if device.type != "cuda":
-        print("  skipped for lack of a GPU: the pinned host-to-device copy and the device copies "
-              "overlapping the reads (fills here copy into host memory)")
-        result["skipped"] = "no GPU: pinned host-to-device copy, device copies overlapping the reads"
+        print("  skipped for lack of a GPU: the pinned host-to-device copy, the device copies "
+              "overlapping the reads and the device copy out of the registered mapping (fills "
+              "here copy into host memory)")
+        result["skipped"] = ("no GPU: pinned host-to-device copy, device copies overlapping the reads, "
+                             "device copy out of the registered mapping")
     for row in rows:
         print(f"  {row['what']:<58} {row['p50_ms']:>8.2f} ms" + (f"  {row['gb_per_s']:>6.2f} GB/s" if "gb_per_s" in row else ""))
     args.out.parent.mkdir(parents=True, exist_ok=True)

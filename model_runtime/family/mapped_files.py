@@ -45,8 +45,14 @@ class _Mapping:
 class MappedFiles:
     """Read-only mappings of weights files by path.  Thread-safe."""
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, sweep_s: float | None = SWEEP_S):
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, sweep_s: float | None = SWEEP_S,
+                 on_keep=None, on_forget=None):
+        """``on_keep(array)`` / ``on_forget(array)``: told, under this object's lock, of each
+        mapping as it is kept and as it is forgotten (in that order for any one mapping); a
+        GPU slot bank registers its mappings with CUDA through them (pinned_mappings.py)."""
         self.max_bytes = max_bytes
+        self._on_keep = on_keep
+        self._on_forget = on_forget
         self._mappings: OrderedDict[str, _Mapping] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -89,6 +95,8 @@ class MappedFiles:
                     self._forget(next(iter(self._mappings)))
                 self._mappings[path] = _Mapping(identity, array)
                 self._bytes += size
+                if self._on_keep is not None:
+                    self._on_keep(array)
         return array
 
     def sweep(self) -> int:
@@ -115,6 +123,8 @@ class MappedFiles:
         # The mapping itself goes when the last array over it does (a copy may still read it).
         kept = self._mappings.pop(path)
         self._bytes -= kept.identity[2]
+        if self._on_forget is not None:
+            self._on_forget(kept.array)
 
     def _sweep_every(self, every_s: float) -> None:
         while not self._closed.wait(every_s):

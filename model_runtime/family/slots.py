@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ import torch
 
 from .layout import Layout, LayoutError, read_layout
 from .mapped_files import MappedFiles
+from .pinned_mappings import PinnedMappings
 
 TORCH_DTYPES = {"F64": torch.float64, "I64": torch.int64, "F32": torch.float32,
                 "I32": torch.int32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -56,7 +58,8 @@ class SwapIn:
 class SlotBank:
     def __init__(self, layout: Layout, count: int, device: torch.device,
                  read_threads: int = READ_THREADS, overlap_copies: bool = True,
-                 files: MappedFiles | None = None, map_files: bool = True):
+                 files: MappedFiles | None = None, map_files: bool = True,
+                 direct_copies: bool = True):
         if count < 1:
             raise SlotError(f"a family needs at least one slot (got {count})")
         missing = sorted({t.dtype for t in layout.tensors} - set(TORCH_DTYPES))
@@ -75,8 +78,14 @@ class SlotBank:
         self.read_threads = max(1, read_threads)
         self.overlap_copies = overlap_copies
         self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="slot-read")
+        # GPU: the kept mappings registered with CUDA, so a fill is one device copy straight
+        # out of the warm tier (pinned_mappings.py); None: fills go through the staging buffer.
+        self.pinned = (PinnedMappings() if device.type == "cuda" and direct_copies
+                       and files is None and map_files else None)
         # The variants' files, kept mapped between fills (None: every fill reads with preadv).
-        self.files = files if files is not None else MappedFiles() if map_files else None
+        self.files = files if files is not None else MappedFiles(
+            on_keep=self.pinned and self.pinned.keep,
+            on_forget=self.pinned and self.pinned.forget) if map_files else None
 
     @property
     def count(self) -> int:
@@ -132,17 +141,29 @@ class SlotBank:
 
         On CPU the file is copied straight into the slot (out of its mapping, in parallel
         parts): from a host-DRAM warm tier (tmpfs) that is the only pass over the bytes.  On
-        a GPU it is copied into a pinned staging buffer (allocated once) and from there to the
-        device on a stream of its own, so a fill overlaps the forward passes of the other
-        slots; it returns once the copy is complete on the device."""
+        a GPU the copy runs on a stream of its own, so a fill overlaps the forward passes of
+        the other slots, and it returns once the copy is complete on the device: one device
+        copy straight out of the file's mapping where that is registered with CUDA
+        (pinned_mappings.py), else through a pinned staging buffer (allocated once), each
+        part's device copy overlapping the host copies after it."""
         started = time.perf_counter()
         if self.device.type == "cpu":
             self._read_into(path, offset, self.buffers[slot])
             return time.perf_counter() - started
+        if self._copies is None:
+            self._copies = torch.cuda.Stream(self.device)
+        target, copies = self.buffers[slot], self._copies
+        source = self._registered_source(path, offset)
+        if source is not None:
+            try:
+                with torch.cuda.stream(copies):
+                    target.copy_(source, non_blocking=True)
+            finally:  # the mapping is not unregistered while a copy from it is queued
+                copies.synchronize()
+            return time.perf_counter() - started
         if self._staging is None:  # once: pinned host memory for the device copies
             self._staging = torch.empty(self.layout.data_bytes, dtype=torch.uint8, pin_memory=True)
-            self._copies = torch.cuda.Stream(self.device)
-        staging, target, copies = self._staging, self.buffers[slot], self._copies
+        staging = self._staging
 
         def copy_part(start: int, end: int) -> None:  # asynchronous from pinned memory
             with torch.cuda.stream(copies):
@@ -155,6 +176,25 @@ class SlotBank:
         finally:  # the staging buffer is not reused while a copy from it is queued
             copies.synchronize()
         return time.perf_counter() - started
+
+    def _registered_source(self, path: str | os.PathLike, offset: int) -> torch.Tensor | None:
+        """The file's data section as a host tensor over its mapping when that is registered
+        with CUDA (a device copy reads it in place), else None."""
+        if self.pinned is None:
+            return None
+        self.pinned.release_forgotten()  # between fills: no copy reads them
+        try:
+            mapping = self.files.view(path)
+        except (OSError, ValueError):  # a file system without mappings: the staging path reads it
+            return None
+        if not self.pinned.holds(mapping):
+            return None
+        size = self.layout.data_bytes
+        if len(mapping) < offset + size:
+            raise SlotError(f"{path} ended at byte {len(mapping)}; copy it again")
+        with warnings.catch_warnings():  # read-only memory, only ever copied from
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(mapping[offset:offset + size])
 
     def assign(self, slot: int, variant: str) -> None:
         """``slot`` holds ``variant`` from now on (its bytes are written)."""
@@ -218,6 +258,8 @@ class SlotBank:
         self._readers.shutdown(wait=False)
         if self.files is not None:
             self.files.close()
+        if self.pinned is not None:  # after the mappings are forgotten; no fill runs now
+            self.pinned.close()
 
     def release(self, variant: str) -> int | None:
         """Free the slot ``variant`` holds (its bytes stay until the next fill); None if it
