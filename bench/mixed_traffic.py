@@ -19,8 +19,13 @@ It prints requests, errors, req/s, p50/p95/p99 and p99/p50 per side, the misses 
 control plane's counter) and this machine's CPU use during the traffic; a run whose CPU use
 is above 90% measures the machine more than the product, and says so.
 
+``--traced`` turns the product's spans on and prints, per class of request (a hit; a miss
+that shared another's load; a miss that filled a slot), p50 / p99 of the request and of
+what it waited for: the control plane's ensure, the wait for room before the fill command,
+the fill and the inference.  Spans cost CPU: compare traced runs with traced runs.
+
     .venv/bin/python -m bench.mixed_traffic [--variants 20] [--size-mb 100] [--room 4]
-        [--clients 8] [--duration 60] [--baseline REV] [--rounds 1]
+        [--clients 8] [--duration 60] [--baseline REV] [--rounds 1] [--traced]
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.family_swap import read_spans
 from bench.seed_scenario import metric_sum
 from bench.soak import Client, error_text
 from control_plane.demo.reference import ReferenceAnswers
@@ -136,17 +142,62 @@ def traffic(product: Product, args, names: list[str]) -> dict:
             "cpu_busy": round((busy1 - busy0) / max(1.0, total1 - total0), 3)}
 
 
+def where_requests_wait(spans: list[dict]) -> dict:
+    """Per class of request, from the product's spans: p50 / p99 (ms) of the whole request
+    and of what it waited for.  A *hit* asked the control plane nothing; a *shared* miss
+    waited on a load another request started; a *miss* started the load that filled a slot:
+    ``room`` is its load's time before the fill command went (placement, and the wait for a
+    slot no request in flight holds), ``fill`` the command (the eviction and the copy)."""
+    by_trace: dict[str, list[dict]] = {}
+    for span in spans:
+        by_trace.setdefault(span["context"]["trace_id"], []).append(span)
+    parts: dict[str, dict[str, list[float]]] = {}
+
+    def duration(s: dict) -> float:
+        return (s["end_time"] - s["start_time"]) * 1000
+
+    for trace in by_trace.values():
+        root = next((s for s in trace if s["name"] == "infer" and s.get("parent_id") is None), None)
+        names = {s["name"] for s in trace}
+        if root is None or "triton.load" in names:  # the family model's own first load
+            continue
+        kind = "miss" if "load" in names else "shared" if "ensure" in names else "hit"
+        got = parts.setdefault(kind, {})
+        got.setdefault("request", []).append(duration(root))
+        got.setdefault("inference", []).append(sum(duration(s) for s in trace if s["name"] == "triton.infer"))
+        if kind == "hit":
+            continue
+        got.setdefault("ensure", []).append(sum(duration(s) for s in trace if s["name"] == "ensure"
+                                                and s["kind"] == "SpanKind.CLIENT"))
+        load = next((s for s in trace if s["name"] == "load"), None)
+        fill = next((s for s in trace if s["name"] == "family.load"), None)
+        if load is not None and fill is not None:
+            got.setdefault("room", []).append((fill["start_time"] - load["start_time"]) * 1000)
+            got.setdefault("fill", []).append(duration(fill))
+    total = sum(len(p["request"]) for p in parts.values())
+    return {kind: {"share": round(len(p["request"]) / max(1, total), 3),
+                   **{what: [round(float(np.percentile(v, q)), 1) for q in (50, 99)]
+                      for what, v in p.items()}}
+            for kind, p in sorted(parts.items())}
+
+
 def run_side(label: str, args, work: Path, code_dir: Path | None) -> dict:
     names = [f"cust{i:03d}" for i in range(1, args.variants + 1)]
+    spans_file = work / f"{label}-spans.jsonl"
     started = time.perf_counter()
     product = Product(work / label, None, "--fleet-size", str(args.variants), "--model-size-mb",
                       str(args.size_mb), "--max-loaded", str(args.room), "--fleet-layout", "family",
-                      "--policy", "lru", "--router-workers", "1", code_dir=code_dir).start()
+                      "--policy", "lru", "--router-workers", "1",
+                      *(["--trace-exporter", f"file={spans_file}"] if args.traced else []),
+                      code_dir=code_dir).start()
     print(f"{label}: mmctl up ready in {time.perf_counter() - started:.1f}s", flush=True)
     try:
-        return traffic(product, args, names)
+        result = traffic(product, args, names)
     finally:
-        product.stop()
+        product.stop()  # the processes flush their spans as they exit
+    if args.traced:
+        result["waits"] = where_requests_wait(read_spans(spans_file))
+    return result
 
 
 def baseline_checkout(rev: str, work: Path) -> Path:
@@ -191,6 +242,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--baseline", default=None, help="git revision to run side by side")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved runs per side")
+    ap.add_argument("--traced", action="store_true",
+                    help="the product's spans on: where each class of request waited (costs CPU: "
+                         "compare traced runs with traced runs only)")
     ap.add_argument("--smoke", action="store_true", help=" ".join(SMOKE))
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "mixed_traffic.json")
     args = ap.parse_args([*SMOKE, *(argv or sys.argv[1:])] if "--smoke" in (argv or sys.argv[1:]) else argv)
@@ -202,6 +256,7 @@ def main(argv=None) -> dict:
         "variants": args.variants, "size_mb": args.size_mb, "room": args.room,
         "clients": args.clients, "duration_s": args.duration, "zipf": args.zipf,
         "protocol": args.protocol, "baseline": args.baseline, "rounds": args.rounds,
+        "traced": args.traced,
         "client": f"tritonclient {args.protocol} through the router (1 worker), batch 1, "
                   "one request at a time per client, the same features per variant",
         "warm tier": "host DRAM (tmpfs), every variant staged before the traffic"},
@@ -226,6 +281,10 @@ def main(argv=None) -> dict:
                   f"p99 {others['p99_ms']}ms")
             for message, count in r["error_messages"].items():
                 print(f"      {count} x {message[:160]}")
+            for kind, waits in r.get("waits", {}).items():
+                print(f"      {kind:<6} {waits['share']:>6.1%} of requests, p50 / p99 ms: " + ", ".join(
+                    f"{what} {p50:g} / {p99:g}" for what, (p50, p99) in
+                    ((w, v) for w, v in waits.items() if w != "share")))
     for label, runs in sides.items():
         wrong = [w for r in runs for w in r["wrong"]]
         checked = "ok" if not wrong else f"WRONG {wrong[:3]}"

@@ -196,11 +196,14 @@ SMOKES: dict[str, Smoke] = {
         lambda r: assert_(set(r["sides"]) == {"baseline", "current"}
                           and r["summary"]["current"]["miss_p50_ms"] > 0, r["summary"])),
     "mixed_traffic": Smoke(
-        ["-m", "bench.mixed_traffic", "--smoke", "--out", "{out}/mixed_traffic.json"],
+        ["-m", "bench.mixed_traffic", "--smoke", "--traced", "--out", "{out}/mixed_traffic.json"],
         [rf"^\s+current\s+\d+\s+0\s+{NUMBER}\s+{NUMBER}ms",
+         (rf"^\s+miss\s+{NUMBER}% of requests, p50 / p99 ms: request {NUMBER} / {NUMBER}, .*"
+          rf"room {NUMBER} / {NUMBER}, fill {NUMBER} / {NUMBER}$"),
          r"current: every distinct answer against its variant's weights file: ok"],
         "mixed_traffic.json",
-        lambda r: assert_(r["sides"]["current"][0]["misses"] > 0 and not r["sides"]["current"][0]["wrong"], r)),
+        lambda r: assert_(r["sides"]["current"][0]["misses"] > 0 and not r["sides"]["current"][0]["wrong"]
+                          and r["sides"]["current"][0]["waits"]["miss"]["fill"][0] > 0, r)),
     "adapter_traffic": Smoke(
         ["-m", "bench.adapter_traffic", "--smoke", "--out", "{out}/adapter_traffic.json"],
         [(rf"^\s+current\s+{NUMBER} / {NUMBER}\s+{NUMBER} / {NUMBER}\s+{NUMBER} / {NUMBER}\s+{NUMBER}"
