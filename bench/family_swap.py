@@ -190,15 +190,20 @@ def read_spans(path: Path) -> list[dict]:
     return spans
 
 
+def by_trace(spans: list[dict]) -> list[list[dict]]:
+    """The spans of each trace (one request through the product), trace by trace."""
+    traces: dict[str, list[dict]] = {}
+    for span in spans:
+        traces.setdefault(span["context"]["trace_id"], []).append(span)
+    return list(traces.values())
+
+
 def miss_traces(spans: list[dict]) -> dict:
     """Per miss (a router request whose trace holds a load): the calls to another process that
     ended before the inference was sent (the round trips the client waited for), and the
     median duration of each span of a miss.  Counted from the product's own spans."""
-    by_trace: dict[str, list[dict]] = {}
-    for span in spans:
-        by_trace.setdefault(span["context"]["trace_id"], []).append(span)
     round_trips, durations, family_loads = [], {}, 0
-    for trace in by_trace.values():
+    for trace in by_trace(spans):
         names = {s["name"] for s in trace}
         if "infer" not in names or "load" not in names or "triton.infer" not in names:
             continue

@@ -49,7 +49,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.family_swap import read_spans
+from bench.family_swap import by_trace, read_spans
 from bench.seed_scenario import metric_sum
 from bench.soak import Client, error_text
 from control_plane.demo.reference import ReferenceAnswers
@@ -148,15 +148,12 @@ def where_requests_wait(spans: list[dict]) -> dict:
     waited on a load another request started; a *miss* started the load that filled a slot:
     ``room`` is its load's time before the fill command went (placement, and the wait for a
     slot no request in flight holds), ``fill`` the command (the eviction and the copy)."""
-    by_trace: dict[str, list[dict]] = {}
-    for span in spans:
-        by_trace.setdefault(span["context"]["trace_id"], []).append(span)
     parts: dict[str, dict[str, list[float]]] = {}
 
     def duration(s: dict) -> float:
         return (s["end_time"] - s["start_time"]) * 1000
 
-    for trace in by_trace.values():
+    for trace in by_trace(spans):
         root = next((s for s in trace if s["name"] == "infer" and s.get("parent_id") is None), None)
         names = {s["name"] for s in trace}
         if root is None or "triton.load" in names:  # the family model's own first load

@@ -28,7 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from model_runtime.family.layout import read_layout
-from model_runtime.family.mapped_files import MappedFiles
 from model_runtime.family.slots import SlotBank
 
 
@@ -125,8 +124,7 @@ def main(argv=None) -> dict:
             def first_fill(bank=bank):
                 bank.release("v")
                 bank.files.close()  # a new mapping: its pages fault in (and are registered)
-                bank.files = MappedFiles(sweep_s=None, on_keep=bank.pinned and bank.pinned.keep,
-                                         on_forget=bank.pinned and bank.pinned.forget)
+                bank.files = bank.new_mapped_files(sweep_s=None)
                 bank.fill("v", path)
             samples = timed(first_fill, args.repeats)
             how = ", registering it" if direct else ""

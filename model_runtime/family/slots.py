@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .layout import Layout, LayoutError, read_layout
-from .mapped_files import MappedFiles
+from .mapped_files import SWEEP_S, MappedFiles
 from .pinned_mappings import PinnedMappings
 
 TORCH_DTYPES = {"F64": torch.float64, "I64": torch.int64, "F32": torch.float32,
@@ -83,9 +83,14 @@ class SlotBank:
         self.pinned = (PinnedMappings() if device.type == "cuda" and direct_copies
                        and files is None and map_files else None)
         # The variants' files, kept mapped between fills (None: every fill reads with preadv).
-        self.files = files if files is not None else MappedFiles(
-            on_keep=self.pinned and self.pinned.keep,
-            on_forget=self.pinned and self.pinned.forget) if map_files else None
+        self.files = files if files is not None else self.new_mapped_files() if map_files else None
+
+    def new_mapped_files(self, sweep_s: float | None = SWEEP_S) -> MappedFiles:
+        """Mappings for this bank's fills; on a GPU each one kept is registered with CUDA
+        (``pinned``) and unregistered once forgotten."""
+        pinned = self.pinned
+        return MappedFiles(sweep_s=sweep_s, on_keep=pinned and pinned.keep,
+                           on_forget=pinned and pinned.forget)
 
     @property
     def count(self) -> int:
@@ -153,6 +158,8 @@ class SlotBank:
         if self._copies is None:
             self._copies = torch.cuda.Stream(self.device)
         target, copies = self.buffers[slot], self._copies
+        if self.pinned is not None:
+            self.pinned.release_forgotten()  # between fills: no copy reads them
         source = self._registered_source(path, offset)
         if source is not None:
             try:
@@ -180,18 +187,10 @@ class SlotBank:
     def _registered_source(self, path: str | os.PathLike, offset: int) -> torch.Tensor | None:
         """The file's data section as a host tensor over its mapping when that is registered
         with CUDA (a device copy reads it in place), else None."""
-        if self.pinned is None:
-            return None
-        self.pinned.release_forgotten()  # between fills: no copy reads them
-        try:
-            mapping = self.files.view(path)
-        except (OSError, ValueError):  # a file system without mappings: the staging path reads it
-            return None
-        if not self.pinned.holds(mapping):
-            return None
         size = self.layout.data_bytes
-        if len(mapping) < offset + size:
-            raise SlotError(f"{path} ended at byte {len(mapping)}; copy it again")
+        mapping = self._mapping(path, offset, size) if self.pinned is not None else None
+        if mapping is None or not self.pinned.holds(mapping):
+            return None
         with warnings.catch_warnings():  # read-only memory, only ever copied from
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(mapping[offset:offset + size])
@@ -207,15 +206,8 @@ class SlotBank:
         memory), in parts of ``PART_BYTES``, ``read_threads`` at once; ``after_part(start,
         end)`` is called as each part is in."""
         size = target.numel()
-        source = None
-        if self.files is not None:
-            try:
-                source = self.files.view(path)
-            except (OSError, ValueError):  # a file system without mappings: read it
-                source = None
+        source = self._mapping(path, offset, size)
         if source is not None:
-            if len(source) < offset + size:
-                raise SlotError(f"{path} ended at byte {len(source)}; copy it again")
             destination = target.numpy()
 
             def part(start: int) -> None:
@@ -242,6 +234,20 @@ class SlotBank:
             self._in_parts(size, read)
         finally:
             os.close(fd)
+
+    def _mapping(self, path: str | os.PathLike, offset: int, size: int) -> np.ndarray | None:
+        """The file's kept mapping (read-only bytes), or None where the bank maps no files or
+        the file system cannot map them (the file is read instead).  SlotError when the file
+        ends before ``offset + size``."""
+        if self.files is None:
+            return None
+        try:
+            mapping = self.files.view(path)
+        except (OSError, ValueError):  # a file system without mappings: read it
+            return None
+        if len(mapping) < offset + size:
+            raise SlotError(f"{path} ended at byte {len(mapping)}; copy it again")
+        return mapping
 
     def _in_parts(self, size: int, part) -> None:
         """``part(start)`` for each PART_BYTES of ``size``, ``read_threads`` at once."""
