@@ -28,15 +28,20 @@ up: setup
 
 # Debian's chromium and prometheus for the status-page and monitoring tests (installed with
 # apt-get when missing; without apt or root those tests fail and say what to install).
-# Without PYTEST_ARGS the unit tests (a minute of CPU) run beside the rest, which mostly
-# waits on Triton and the product's processes; each session gets a temporary folder of its
-# own (pytest removes the older folders of its default place as it rotates them).
+# Without PYTEST_ARGS the unit tests (a minute of CPU) run beside the rest, and the rest runs
+# in TEST_WORKERS pytest-xdist workers, one test file per worker at a time (a file's
+# module-scoped stacks stay in one process): the rest mostly waits on Triton and the
+# product's processes, one worker kept 2 cores under half busy.  Each session gets a
+# temporary folder of its own (pytest removes the older folders of its default place as it
+# rotates them).
+TEST_WORKERS ?= 2
 test: setup
 	-$(BIN)/python -m tests.system_packages
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@tmp=$$(mktemp -d /tmp/mms-tests.XXXXXX); \
 	$(BIN)/python -m pytest -q -p no:cacheprovider --basetemp=$$tmp/unit tests/unit > $$tmp/unit.log 2>&1 & unit=$$!; \
-	$(BIN)/python -m pytest -q --durations=40 --basetemp=$$tmp/rest --ignore=tests/unit; rest=$$?; \
+	$(BIN)/python -m pytest -q --durations=40 -n $(TEST_WORKERS) --dist loadfile \
+	    --basetemp=$$tmp/rest --ignore=tests/unit; rest=$$?; \
 	wait $$unit; units=$$?; echo "tests/unit:"; cat $$tmp/unit.log; rm -rf $$tmp; \
 	exit $$(( rest || units ))
 else

@@ -51,9 +51,11 @@ def repository(tmp_path) -> Path:
     return repo
 
 
-def pgrep(pattern: str) -> list[str]:
-    return subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True,
-                          check=False).stdout.split()
+def pgrep(triton, pattern: str) -> list[str]:
+    """Processes of ``triton``'s process group (its python stubs) whose command line matches:
+    another test's Triton, running beside this one, is never touched."""
+    return subprocess.run(["pgrep", "-g", str(triton.pid), "-f", pattern], capture_output=True,
+                          text=True, check=False).stdout.split()
 
 
 def make_manager(triton, repo, tmp_path, max_loaded):
@@ -214,7 +216,7 @@ def test_a_crashed_family_process_comes_back_and_its_variants_are_loaded_again(
         mgr = make_manager(triton, repository, tmp_path, max_loaded=2)
         await mgr.start()
         await mgr.ensure("acme")
-        stub = pgrep("triton_python_backend_stub.*scaler")
+        stub = pgrep(triton, "triton_python_backend_stub.*scaler")
         assert stub, "the family's stub process was not found"
         for pid in stub:
             os.kill(int(pid), signal.SIGKILL)

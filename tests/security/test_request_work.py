@@ -35,7 +35,9 @@ from router.frontends.http_request import MAX_GZIP_MEMBERS
 from router.frontends.http_request_checks import flat_row_major
 from tests.product import Product
 
-MAX_CPU_S = 2.0
+# The bound is relative to the normal body measured in the same run, never absolute: the same
+# normal body costs 1 s on one 2-core machine and 1.9 s on another, and a fixed 2 s once
+# failed a hostile body at 1.09x the normal one.  The bodies this closes cost 30 s to hours.
 CPU_RATIO = 2.0
 REPEATS = 3
 SIMPLE = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "simple"
@@ -71,7 +73,7 @@ def test_the_bodies_are_at_the_routers_request_limit():
 
 
 def _within_bounds(what: str, body: Body, normal_cpu_s: float) -> tuple[int, str]:
-    bound_s = min(MAX_CPU_S, CPU_RATIO * normal_cpu_s)
+    bound_s = CPU_RATIO * normal_cpu_s
     cpu_s, answer = thread_cpu_s(body, bound_s)
     assert cpu_s <= bound_s, (f"{what}: {cpu_s:.2f}s of CPU, over {bound_s:.2f}s (a normal body of "
                               f"the same size: {normal_cpu_s:.2f}s)")
