@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
           for threads in (int(t) for t in args.threads.split(",")):
             for overlap in overlaps:
                 bank = SlotBank(layout, 1, device, read_threads=threads, overlap_copies=overlap,
-                                map_files=mapped, direct_copies=False)
+                                map_files=mapped, direct_copies=False, in_place=False)
 
                 def fill(bank=bank):
                     bank.release("v")
@@ -117,8 +117,32 @@ def main(argv=None) -> dict:
             rows.append({"what": label, "direct": True, "registered": bank.pinned.disabled is None,
                          "p50_ms": p50_ms(samples), "gb_per_s": round(nbytes / (p50_ms(samples) / 1000) / 1e9, 2)})
             bank.close()
+        if device.type == "cpu":  # the product's default on CPU for a file in host RAM
+            bank = SlotBank(layout, 1, device)
+
+            def in_place_fill(bank=bank):
+                bank.release("v")
+                bank.fill("v", path)
+            samples = timed(in_place_fill, args.repeats)
+            in_place = bank.reads_in_place(0)
+            views = torch.cat([v.reshape(-1).view(torch.uint8) for v in bank.views(0).values()])
+            assert torch.equal(views, expected), "the slot does not read the file's bytes"
+            label = ("SlotBank.fill, read in place out of the kept mapping" if in_place
+                     else "SlotBank.fill, in place refused (not in host RAM): copied")
+            rows.append({"what": label, "in_place": in_place, "p50_ms": p50_ms(samples)})  # no bytes move
+
+            def settle(bank=bank):
+                bank.release("v")
+                bank.fill("v", path)
+                bank.settle(0)
+            samples = timed(settle, args.repeats)
+            assert torch.equal(bank.buffers[0], expected), "the settled slot does not hold the file's bytes"
+            rows.append({"what": "SlotBank.fill in place, then its copy afterwards (settle, 1 thread)",
+                         "p50_ms": p50_ms(samples),
+                         "gb_per_s": round(nbytes / (p50_ms(samples) / 1000) / 1e9, 2)})
+            bank.close()
         for direct in (False, True) if device.type == "cuda" else (False,):
-            bank = SlotBank(layout, 1, device, direct_copies=direct)
+            bank = SlotBank(layout, 1, device, direct_copies=direct, in_place=False)
             bank.fill("v", path)  # the slot's pages committed
 
             def first_fill(bank=bank):

@@ -431,9 +431,10 @@ class FamilyAdmin(TritonAdmin):
             except InvalidInput as exc:
                 raise ModelLoadFailed(f"{model} cannot go into a slot of family {family.name}: "
                                       f"{exc.message}") from exc
-        log.debug("%s: copied into slot %s of family %s in %.1f ms (%d bytes)%s", model,
-                 answer.get("slot"), family.name, 1000 * answer.get("seconds", 0.0),
-                 answer.get("bytes", 0), f", evicting {', '.join(evict)}" if evict else "")
+        log.debug("%s: %s slot %s of family %s in %.1f ms (%d bytes copied)%s", model,
+                  "read in place by" if answer.get("in_place") else "copied into",
+                  answer.get("slot"), family.name, 1000 * answer.get("seconds", 0.0),
+                  answer.get("bytes", 0), f", evicting {', '.join(evict)}" if evict else "")
 
     async def unload(self, model: str) -> None:
         family = self._changing(model)

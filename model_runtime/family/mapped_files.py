@@ -18,10 +18,14 @@ A mapping keeps the memory of a file removed meanwhile until it is unmapped, so 
 and a sweep every ``SWEEP_S``, unmaps those whose file is gone or was replaced.  A file
 truncated in place while a copy reads it faults the process (SIGBUS), as it would any
 reader of a mapped file: weights files are replaced by renaming a complete file over them.
+
+Each mapping records whether its file lives in host RAM (tmpfs or ramfs, the default warm
+tier): on CPU a slot then reads the mapping in place instead of copying it (slots.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
@@ -34,12 +38,15 @@ import numpy as np
 # most hosts, so every variant of a family usually stays mapped.
 DEFAULT_MAX_BYTES = 64 << 30
 SWEEP_S = 5.0
+# statfs f_type of the file systems whose files are host RAM (linux/magic.h).
+RAM_FILE_SYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
 
 
 @dataclass
-class _Mapping:
+class MappedFile:
     identity: tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
-    array: np.ndarray  # uint8 over the whole file; unmapped once no copy holds it
+    array: np.ndarray  # uint8 over the whole file; unmapped once nothing holds it
+    in_memory: bool  # the file is host RAM (tmpfs, ramfs), never read from a disk
 
 
 class MappedFiles:
@@ -53,7 +60,7 @@ class MappedFiles:
         self.max_bytes = max_bytes
         self._on_keep = on_keep
         self._on_forget = on_forget
-        self._mappings: OrderedDict[str, _Mapping] = OrderedDict()
+        self._mappings: OrderedDict[str, MappedFile] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -72,6 +79,10 @@ class MappedFiles:
         """The file at ``path`` as read-only bytes (uint8), from its kept mapping when the
         file is the one mapped.  Raises OSError when it cannot be opened or mapped (an empty
         file cannot be mapped: ``ValueError``)."""
+        return self.open(path).array
+
+    def open(self, path: str | os.PathLike) -> MappedFile:
+        """``view``, with what is known of the mapping."""
         path = os.fspath(path)
         identity = _identity(os.stat(path))
         with self._lock:
@@ -79,13 +90,14 @@ class MappedFiles:
             if kept is not None:
                 if kept.identity == identity:
                     self._mappings.move_to_end(path)
-                    return kept.array
+                    return kept
                 self._forget(path)
         fd = os.open(path, os.O_RDONLY)
         try:
             identity = _identity(os.fstat(fd))  # the file mapped, should the path move on
-            array = np.frombuffer(mmap.mmap(fd, identity[2], mmap.MAP_SHARED, mmap.PROT_READ),
-                                  dtype=np.uint8)
+            mapped = MappedFile(identity, np.frombuffer(
+                mmap.mmap(fd, identity[2], mmap.MAP_SHARED, mmap.PROT_READ), dtype=np.uint8),
+                file_system_of(fd) in RAM_FILE_SYSTEMS)
         finally:
             os.close(fd)
         size = identity[2]
@@ -93,11 +105,11 @@ class MappedFiles:
             if path not in self._mappings and size <= self.max_bytes:
                 while self._mappings and self._bytes + size > self.max_bytes:
                     self._forget(next(iter(self._mappings)))
-                self._mappings[path] = _Mapping(identity, array)
+                self._mappings[path] = mapped
                 self._bytes += size
                 if self._on_keep is not None:
-                    self._on_keep(array)
-        return array
+                    self._on_keep(mapped.array)
+        return mapped
 
     def sweep(self) -> int:
         """Unmap the files that are gone or were replaced; how many."""
@@ -133,3 +145,16 @@ class MappedFiles:
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def file_system_of(fd: int) -> int | None:
+    """The statfs ``f_type`` of the file system holding the open file ``fd`` (Linux; its first
+    field, a C long), or None where it cannot be read."""
+    fstatfs = getattr(_libc, "fstatfs", None)
+    buffer = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    if fstatfs is None or fstatfs(fd, buffer) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buffer).value

@@ -8,6 +8,18 @@ section into the slot's buffer: no allocation, no new module, no process start.
 The module built over a slot's views (``FamilyModel.build``) is built once per slot and
 reads whatever the slot holds, so a copy is all a swap-in takes.
 
+On CPU a variant's file that is host RAM already (tmpfs, ramfs: the default warm tier) is
+not copied before the miss is answered: the slot reads the file's kept mapping in place
+(``reads_in_place``), and the family builds that slot's module again over the mapping's
+views.  A fill out of a file mapped before is then no work on the bytes (a new mapping pays
+its page faults on first read, less than a copy).  The mapping's 4 KiB pages make a forward
+pass that reads all its weights about 7% slower than out of the slot's own memory (huge
+pages), so the family copies the slot's bytes into its buffer afterwards, off the miss's
+path (``settle``: in parts, given up as soon as the slot is wanted again), and its batches
+read the buffer from then on.  The mapping is read-only: a model that writes its weights
+faults its process instead of changing the warm tier.  A file on a disk is copied at once,
+so that a hit never waits on the disk.
+
 Not thread-safe on its own: the family model (triton_model.py) serializes its changes and
 writes a slot only while no batch reads it.
 """
@@ -24,7 +36,7 @@ import numpy as np
 import torch
 
 from .layout import Layout, LayoutError, read_layout
-from .mapped_files import SWEEP_S, MappedFiles
+from .mapped_files import SWEEP_S, MappedFile, MappedFiles
 from .pinned_mappings import PinnedMappings
 
 TORCH_DTYPES = {"F64": torch.float64, "I64": torch.int64, "F32": torch.float32,
@@ -42,6 +54,9 @@ for _name, _dtype in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
 # after them (python -m bench.slot_fill compares the two reads, thread counts and the overlap).
 READ_THREADS = max(1, min(16, os.cpu_count() or 1))
 PART_BYTES = 16 << 20
+# A slot reads a mapping in place only where every tensor starts aligned to its elements:
+# the data section (the mapping is page-aligned) at a multiple of the largest element size.
+IN_PLACE_ALIGNMENT = 8
 
 
 class SlotError(RuntimeError):
@@ -59,7 +74,7 @@ class SlotBank:
     def __init__(self, layout: Layout, count: int, device: torch.device,
                  read_threads: int = READ_THREADS, overlap_copies: bool = True,
                  files: MappedFiles | None = None, map_files: bool = True,
-                 direct_copies: bool = True):
+                 direct_copies: bool = True, in_place: bool = True):
         if count < 1:
             raise SlotError(f"a family needs at least one slot (got {count})")
         missing = sorted({t.dtype for t in layout.tensors} - set(TORCH_DTYPES))
@@ -73,6 +88,9 @@ class SlotBank:
                         for _ in range(count)]
         self.holder: list[str | None] = [None] * count
         self.slot_of: dict[str, int] = {}
+        # CPU: the mapping each slot reads in place instead of its buffer (None: its buffer).
+        self.in_place = in_place and device.type == "cpu" and map_files
+        self._read_in_place: list[np.ndarray | None] = [None] * count
         self._staging: torch.Tensor | None = None  # GPU: pinned host buffer of one slot
         self._copies = None  # GPU: the CUDA stream of the fills
         self.read_threads = max(1, read_threads)
@@ -101,10 +119,34 @@ class SlotBank:
         return self.layout.data_bytes * self.count
 
     def views(self, slot: int) -> dict[str, torch.Tensor]:
-        """One typed tensor per weight, viewing its byte range of the slot's buffer."""
-        buffer = self.buffers[slot]
+        """One typed tensor per weight, viewing its byte range of what the slot reads: its
+        buffer, or the mapping it reads in place."""
+        mapped = self._read_in_place[slot]
+        buffer = self.buffers[slot] if mapped is None else _read_only_tensor(mapped)
         return {t.name: buffer[t.begin:t.end].view(TORCH_DTYPES[t.dtype]).view(t.shape)
                 for t in self.layout.tensors}
+
+    def reads_in_place(self, slot: int) -> bool:
+        """Whether ``slot`` reads a file's mapping in place (its views are not its buffer's)."""
+        return self._read_in_place[slot] is not None
+
+    def settle(self, slot: int, given_up=lambda: False) -> bool:
+        """Copy the mapping ``slot`` reads in place into its buffer, one part at a time,
+        stopping as soon as ``given_up()``; True once the buffer holds the same bytes (then
+        the slot reads its buffer: build its module again).  Runs beside batches that read
+        the mapping; the caller makes sure no fill of the slot runs meanwhile."""
+        source = self._read_in_place[slot]
+        if source is None:
+            return False
+        target = self.buffers[slot].numpy()
+        for start in range(0, len(source), PART_BYTES):
+            if given_up():
+                return False
+            np.copyto(target[start:start + PART_BYTES], source[start:start + PART_BYTES])
+        if given_up():
+            return False
+        self._read_in_place[slot] = None
+        return True
 
     def free_slot(self) -> int | None:
         for i, holder in enumerate(self.holder):
@@ -144,23 +186,31 @@ class SlotBank:
         """Copy the file's data section (from ``offset``) into ``slot``; its seconds.  The
         caller makes sure nothing reads the slot meanwhile and that it holds no variant.
 
-        On CPU the file is copied straight into the slot (out of its mapping, in parallel
-        parts): from a host-DRAM warm tier (tmpfs) that is the only pass over the bytes.  On
-        a GPU the copy runs on a stream of its own, so a fill overlaps the forward passes of
+        On CPU a file in host RAM is read in place (the slot's views become the mapping's:
+        rebuild its module), and any other file is copied straight into the slot (out of its
+        mapping, in parallel parts).  On a GPU the copy runs on a stream of its own, so a fill overlaps the forward passes of
         the other slots, and it returns once the copy is complete on the device: one device
         copy straight out of the file's mapping where that is registered with CUDA
         (pinned_mappings.py), else through a pinned staging buffer (allocated once), each
         part's device copy overlapping the host copies after it."""
         started = time.perf_counter()
+        size = self.layout.data_bytes
         if self.device.type == "cpu":
-            self._read_into(path, offset, self.buffers[slot])
+            self._read_in_place[slot] = None
+            mapped = self._mapping(path, offset, size)
+            if (self.in_place and mapped is not None and mapped.in_memory
+                    and offset % IN_PLACE_ALIGNMENT == 0):
+                self._read_in_place[slot] = mapped.array[offset:offset + size]
+            else:
+                self._read_into(mapped, path, offset, self.buffers[slot])
             return time.perf_counter() - started
         if self._copies is None:
             self._copies = torch.cuda.Stream(self.device)
         target, copies = self.buffers[slot], self._copies
         if self.pinned is not None:
             self.pinned.release_forgotten()  # between fills: no copy reads them
-        source = self._registered_source(path, offset)
+        mapped = self._mapping(path, offset, size)
+        source = self._registered_source(mapped, offset)
         if source is not None:
             try:
                 with torch.cuda.stream(copies):
@@ -177,37 +227,35 @@ class SlotBank:
                 target[start:end].copy_(staging[start:end], non_blocking=True)
 
         try:
-            self._read_into(path, offset, staging, copy_part if self.overlap_copies else None)
+            self._read_into(mapped, path, offset, staging,
+                            copy_part if self.overlap_copies else None)
             if not self.overlap_copies:
                 copy_part(0, self.layout.data_bytes)
         finally:  # the staging buffer is not reused while a copy from it is queued
             copies.synchronize()
         return time.perf_counter() - started
 
-    def _registered_source(self, path: str | os.PathLike, offset: int) -> torch.Tensor | None:
+    def _registered_source(self, mapped: MappedFile | None, offset: int) -> torch.Tensor | None:
         """The file's data section as a host tensor over its mapping when that is registered
         with CUDA (a device copy reads it in place), else None."""
-        size = self.layout.data_bytes
-        mapping = self._mapping(path, offset, size) if self.pinned is not None else None
-        if mapping is None or not self.pinned.holds(mapping):
+        if mapped is None or self.pinned is None or not self.pinned.holds(mapped.array):
             return None
-        with warnings.catch_warnings():  # read-only memory, only ever copied from
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(mapping[offset:offset + size])
+        return _read_only_tensor(mapped.array[offset:offset + self.layout.data_bytes])
 
     def assign(self, slot: int, variant: str) -> None:
         """``slot`` holds ``variant`` from now on (its bytes are written)."""
         self.holder[slot] = variant
         self.slot_of[variant] = slot
 
-    def _read_into(self, path: str | os.PathLike, offset: int, target: torch.Tensor,
-                   after_part=None) -> None:
+    def _read_into(self, mapped: MappedFile | None, path: str | os.PathLike, offset: int,
+                   target: torch.Tensor, after_part=None) -> None:
         """Copy ``target.numel()`` bytes of the file from ``offset`` into ``target`` (host
-        memory), in parts of ``PART_BYTES``, ``read_threads`` at once; ``after_part(start,
-        end)`` is called as each part is in."""
+        memory), out of its mapping ``mapped`` or read with preadv where it has none, in
+        parts of ``PART_BYTES``, ``read_threads`` at once; ``after_part(start, end)`` is
+        called as each part is in."""
         size = target.numel()
-        source = self._mapping(path, offset, size)
-        if source is not None:
+        if mapped is not None:
+            source = mapped.array
             destination = target.numpy()
 
             def part(start: int) -> None:
@@ -235,19 +283,19 @@ class SlotBank:
         finally:
             os.close(fd)
 
-    def _mapping(self, path: str | os.PathLike, offset: int, size: int) -> np.ndarray | None:
-        """The file's kept mapping (read-only bytes), or None where the bank maps no files or
-        the file system cannot map them (the file is read instead).  SlotError when the file
-        ends before ``offset + size``."""
+    def _mapping(self, path: str | os.PathLike, offset: int, size: int) -> MappedFile | None:
+        """The file's kept mapping, or None where the bank maps no files or the file system
+        cannot map them (the file is read instead).  SlotError when the file ends before
+        ``offset + size``."""
         if self.files is None:
             return None
         try:
-            mapping = self.files.view(path)
+            mapped = self.files.open(path)
         except (OSError, ValueError):  # a file system without mappings: read it
             return None
-        if len(mapping) < offset + size:
-            raise SlotError(f"{path} ended at byte {len(mapping)}; copy it again")
-        return mapping
+        if len(mapped.array) < offset + size:
+            raise SlotError(f"{path} ended at byte {len(mapped.array)}; copy it again")
+        return mapped
 
     def _in_parts(self, size: int, part) -> None:
         """``part(start)`` for each PART_BYTES of ``size``, ``read_threads`` at once."""
@@ -268,9 +316,16 @@ class SlotBank:
             self.pinned.close()
 
     def release(self, variant: str) -> int | None:
-        """Free the slot ``variant`` holds (its bytes stay until the next fill); None if it
-        held none."""
+        """Free the slot ``variant`` holds (its bytes, or the mapping it reads, stay until
+        the next fill); None if it held none."""
         slot = self.slot_of.pop(variant, None)
         if slot is not None:
             self.holder[slot] = None
         return slot
+
+
+def _read_only_tensor(array: np.ndarray) -> torch.Tensor:
+    """A uint8 tensor over read-only memory (a mapping): read and copied from, never written."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)

@@ -6,7 +6,9 @@ it is specific to one architecture):
 
 * ``build(weights)`` -> a callable (usually a ``torch.nn.Module``) whose parameters *are*
   the given tensors (views of one slot: use ``load_state_dict(..., assign=True)`` on a
-  module made on the meta device; never copy them).  Called once per slot at load.
+  module made on the meta device; never copy them, never write them).  Called once per slot
+  at load, and on CPU again by each fill that reads a variant's file in host RAM in place
+  (slots.py): keep it as cheap as that.
 * ``parse(request)`` -> the request's input rows as one tensor; raise ``FamilyInputError``
   for bad input (that request alone gets the error).
 * ``outputs(rows)`` -> the ``pb_utils.Tensor`` list of one request's response, from its rows
@@ -30,6 +32,12 @@ only into a slot that holds no variant and that no batch reads (an evicted varia
 written once the batch reading it is done), and the variant is visible to batches only once
 its bytes are whole.
 
+On CPU a fill out of a file in host RAM reads it in place (slots.py), and a slot that goes
+on serving is copied into its own memory afterwards, where a forward pass is faster: once
+batches have read it in place ``SETTLE_AFTER_BATCHES`` times, by a thread of low priority
+(``settle``), which gives up as soon as a fill wants the slot; batches switch to the copy
+once it is whole.  A variant evicted before then is never copied.
+
 A variant that is not in a slot is answered NOT_FOUND "Request for unknown model", as
 Triton answers for a model it has unloaded: the router has the control plane load it and
 sends the request again.
@@ -41,6 +49,7 @@ import hmac
 import json
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
@@ -66,6 +75,12 @@ except ImportError:  # the source tree
     from ..control_socket import MAX_COMMAND_BYTES, ControlSocketServer, read_control_key
 
 log = logging.getLogger(__name__)
+
+# A batch out of a mapping in place costs about 7% more than out of the slot's own memory;
+# the copy that ends it costs about one pass over the weights, so about 14 such batches.  As
+# in renting against buying, the slot is copied once its batches have cost about that much
+# (never more than twice the best choice made knowing the future).
+SETTLE_AFTER_BATCHES = 16
 
 __all__ = ["MAX_COMMAND_BYTES", "FamilyInputError", "FamilyModel"]
 
@@ -161,6 +176,14 @@ class FamilyModel:
         self.readers = [0] * slots
         self.filling: set[int] = set()
         self.commands = threading.Lock()
+        # CPU: which slots' modules read a file's mapping in place, and the slots being
+        # copied into their own memory meanwhile (slot -> its give-up flag).
+        self.over_mapping = [False] * slots
+        self.batches_in_place = [0] * slots
+        self.settling: dict[int, threading.Event] = {}
+        self._to_settle: queue.SimpleQueue = queue.SimpleQueue()
+        if self.bank.in_place:
+            threading.Thread(target=self._settle_slots, name="slot-settle", daemon=True).start()
         self._control_server = ControlSocketServer(f"mms-family-{self.family}-{self.instance}",
                                                    self._socket_command, what=f"family {self.family}")
         self.control_socket = self._control_server.name
@@ -207,6 +230,10 @@ class FamilyModel:
             with self.guard:
                 for slot in groups:
                     self.readers[slot] -= 1
+                    if self.over_mapping[slot]:
+                        self.batches_in_place[slot] += 1
+                        if self.batches_in_place[slot] == SETTLE_AFTER_BATCHES:
+                            self._to_settle.put((slot, holders[slot]))
                 self.guard.notify_all()
         return responses
 
@@ -289,7 +316,7 @@ class FamilyModel:
                                              [str(v) for v in evict]))
                 elif op == "evict":
                     with self.guard:
-                        answer = {"slot": self.bank.release(str(command["variant"]))}
+                        answer = {"slot": self._release(str(command["variant"]))}
                 elif op != "status":
                     raise ControlRefused(f"unknown family control op {op!r}", "INVALID_ARG")
         except ControlRefused:
@@ -309,7 +336,7 @@ class FamilyModel:
         and that no batch reads, waiting for the batch reading an evicted slot when no other
         is free.  Batches on the other slots run meanwhile."""
         with self.guard:
-            freed = [slot for slot in map(self.bank.release, evict) if slot is not None]
+            freed = [slot for slot in map(self._release, evict) if slot is not None]
             if variant in self.bank.slot_of:
                 return {"evicted": freed, "slot": self.bank.slot_of[variant], "bytes": 0, "seconds": 0.0}
         offset = self.bank.check(variant, path)  # the file's header, before a slot is taken
@@ -319,20 +346,72 @@ class FamilyModel:
             if not free:
                 raise SlotError(f"all {self.bank.count} slots hold variants "
                                 f"({', '.join(self.bank.slot_of)}); evict one first")
-            slot = min(free, key=lambda i: self.readers[i] > 0)  # one no batch reads, if any
+            slot = min(free, key=lambda i: (self.readers[i] > 0, i in self.settling))
             self.filling.add(slot)
-            while self.readers[slot]:  # a batch still reads an evicted variant's weights
+            # A batch still reads an evicted variant's weights, or its copy is settling.
+            while self.readers[slot] or slot in self.settling:
                 self.guard.wait()
         try:
             seconds = self.bank.write(slot, path, offset)
+            in_place = self.bank.reads_in_place(slot)
+            if in_place or self.over_mapping[slot]:  # the slot's views moved: rebuild
+                self.modules[slot] = self._build(variant, slot)
+                self.over_mapping[slot] = in_place
+                self.batches_in_place[slot] = 0
         finally:
             with self.guard:
                 self.filling.discard(slot)
         with self.guard:
             self.bank.assign(slot, variant)
             self.swaps += 1
-        return {"evicted": freed, "slot": slot, "bytes": self.bank.layout.data_bytes,
-                "seconds": seconds}
+        return {"evicted": freed, "slot": slot, "in_place": in_place,
+                "bytes": 0 if in_place else self.bank.layout.data_bytes, "seconds": seconds}
+
+    def _release(self, variant: str) -> int | None:
+        """Free ``variant``'s slot (under ``guard``), giving up the copy settling it."""
+        slot = self.bank.release(variant)
+        if slot in self.settling:
+            self.settling[slot].set()
+        return slot
+
+    def _settle_slots(self) -> None:
+        """Copy each slot filled in place into its own memory, one at a time, and switch its
+        batches to the copy once it is whole (slots.py: ``settle``).  At low priority: on a
+        busy host the requests' threads go first."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
+        while (item := self._to_settle.get()) is not None:
+            slot, variant = item
+            with self.guard:
+                if (self.bank is None or self.bank.holder[slot] != variant
+                        or slot in self.filling or not self.bank.reads_in_place(slot)):
+                    continue
+                give_up = self.settling[slot] = threading.Event()
+            module = None
+            try:
+                if self.bank.settle(slot, give_up.is_set):
+                    module = self._build(variant, slot)
+            except Exception as exc:  # noqa: BLE001  (the slot keeps reading the mapping)
+                log.warning("family %s: copying %s into its slot failed; it goes on reading "
+                            "its file in place: %s", self.family, variant, exc)
+            finally:
+                with self.guard:
+                    if module is not None and not give_up.is_set():
+                        self.modules[slot] = module  # batches running keep the one they took
+                        self.over_mapping[slot] = False
+                    del self.settling[slot]
+                    self.guard.notify_all()
+
+    def _build(self, variant: str, slot: int):
+        """The module of ``slot`` over its views; a build that fails fails the fill alone
+        (the slot stays free)."""
+        try:
+            return self.build(self.bank.views(slot))
+        except Exception as exc:  # noqa: BLE001  (the family's own code)
+            raise RuntimeError(f"building {self.family}'s module over {variant}'s weights "
+                               f"failed: {type(exc).__name__}: {exc}") from None
 
     # ------------------------------------------------------------------ the control socket
     def _socket_command(self, line: str) -> dict:
@@ -346,7 +425,16 @@ class FamilyModel:
         server = getattr(self, "_control_server", None)
         if server is not None:
             server.close()
+        settling = getattr(self, "settling", None)
+        if settling is not None:
+            self._to_settle.put(None)
         with self.commands:  # a command running now ends before the slots go
+            if settling is not None:
+                with self.guard:  # and a slot being settled gives up first
+                    for give_up in settling.values():
+                        give_up.set()
+                    while settling:
+                        self.guard.wait()
             self.modules = []
             if self.bank is not None:
                 self.bank.close()

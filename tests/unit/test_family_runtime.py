@@ -60,7 +60,14 @@ def pb_utils(monkeypatch):
 
 @pytest.fixture
 def family(tmp_path, pb_utils, monkeypatch):
-    """The scaler family's own model.py, initialized as Triton would, with 1 slot."""
+    model, repo, catalog_key = scaler_family(tmp_path, monkeypatch)
+    yield model, repo, catalog_key
+    model.finalize()
+
+
+def scaler_family(tmp_path: Path, monkeypatch):
+    """The scaler family's own model.py, initialized as Triton would, with 1 slot, its
+    repository in ``tmp_path`` (needs ``pb_utils``); the caller finalizes it."""
     base = tmp_path / "base.safetensors"
     save_file({"scale": torch.ones(4), "shift": torch.zeros(4)}, str(base))
     repo = tmp_path / "repo"
@@ -81,8 +88,7 @@ def family(tmp_path, pb_utils, monkeypatch):
                              "mms_family_slots": {"string_value": "1"}}}
     model.initialize({"model_config": json.dumps(config), "model_repository": str(repo / "scaler"),
                       "model_version": "1", "model_instance_kind": "CPU"})
-    yield model, repo, catalog_key
-    model.finalize()
+    return model, repo, catalog_key
 
 
 def control(key, op, **fields):
