@@ -113,7 +113,11 @@ def check_fair_share(result: dict) -> None:
     for key in ("plain", "fair"):
         assert result[key]["wrong_answers"] == 0 and result[key]["errors"] == 0, result[key]
         assert positive(result[key]["background_alone"]["p95_ms"]), result[key]
-        assert positive(result[key]["flood"]["answered_per_s"]), result[key]
+        # The flood was served or refused at once with the reason.  Not its rate: on a CI
+        # machine whose cores the other tests starve, the router's queue-deadline check once
+        # refused a whole 3 s flood at once (227 requests) while the background was served.
+        flood = result[key]["flood"]
+        assert positive(flood["answered_per_s"]) or flood["refused_at_once"] > 0, result[key]
 
 
 def check_router_latency(result: dict) -> None:
