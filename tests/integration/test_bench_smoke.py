@@ -243,7 +243,8 @@ SMOKES: dict[str, Smoke] = {
                    lambda r: assert_(all(positive(row["cpu_s"]) or row["body"] == "gzip_empty_members"
                                          for row in r["rows"]), r["rows"])),
     "slot_fill": Smoke(
-        ["-m", "bench.slot_fill", "--size-mb", "4", "--repeats", "1", "--threads", "1,2",
+        # 20 MB: at least the 16 MiB a fill reads in place from (slots.IN_PLACE_MIN_BYTES).
+        ["-m", "bench.slot_fill", "--size-mb", "20", "--repeats", "1", "--threads", "1,2",
          "--out", "{out}/slot_fill.json"],
         ([] if has_gpu() else [r"skipped for lack of a GPU"])
         + [rf"SlotBank.fill, kept mapping, 2 threads.*{NUMBER} ms\s+{NUMBER} GB/s",

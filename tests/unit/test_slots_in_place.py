@@ -25,6 +25,14 @@ from tests.unit.test_family_runtime import control, infer, pb_utils, scaler_fami
 SHM = Path("/dev/shm")
 
 
+@pytest.fixture(autouse=True)
+def small_files_in_place(monkeypatch):
+    """The tests' files are bytes, not megabytes: read them in place all the same."""
+    from model_runtime.family import slots
+
+    monkeypatch.setattr(slots, "IN_PLACE_MIN_BYTES", 0)
+
+
 @pytest.fixture
 def ram_dir():
     """A folder in tmpfs (host RAM), as the default warm tier is."""
@@ -97,6 +105,18 @@ def unaligned_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
+def test_a_file_below_the_size_worth_reading_in_place_is_copied(ram_dir, monkeypatch):
+    from model_runtime.family import slots
+
+    monkeypatch.setattr(slots, "IN_PLACE_MIN_BYTES", 33)  # the scaler's data: 32 bytes
+    layout = read_layout(weights_file(ram_dir, "base", scaler_weights(0, 0)))[0]
+    bank = SlotBank(layout, 1, torch.device("cpu"))
+    bank.fill("small", weights_file(ram_dir, "small", scaler_weights(3, 4)))
+    assert not bank.reads_in_place(0)
+    assert values(bank, 0) == {"scale": [3.0] * 4, "shift": [4.0] * 4}
+    bank.close()
+
+
 def test_a_file_whose_data_is_not_aligned_is_copied(ram_dir):
     layout = read_layout(weights_file(ram_dir, "base", scaler_weights(0, 0)))[0]
     bank = SlotBank(layout, 1, torch.device("cpu"))
@@ -143,6 +163,8 @@ def ram_family(ram_dir, monkeypatch, request):
     """The scaler family of test_family_runtime, its repository in host RAM."""
     request.getfixturevalue("pb_utils")
     model, repo, key = scaler_family(ram_dir, monkeypatch)
+    # The family's own copy of the runtime (its _mms_family package): small files in place.
+    monkeypatch.setattr(sys.modules[type(model.bank).__module__], "IN_PLACE_MIN_BYTES", 0)
     yield model, repo, key
     model.finalize()
 
