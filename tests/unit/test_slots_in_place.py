@@ -105,25 +105,26 @@ def unaligned_file(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
-def test_a_file_below_the_size_worth_reading_in_place_is_copied(ram_dir, monkeypatch):
+def small_file(folder: Path, monkeypatch) -> Path:
     from model_runtime.family import slots
 
     monkeypatch.setattr(slots, "IN_PLACE_MIN_BYTES", 33)  # the scaler's data: 32 bytes
+    return weights_file(folder, "small", scaler_weights(3, 4))
+
+
+def odd_file(folder: Path, _monkeypatch) -> Path:
+    unaligned_file(folder / "odd.safetensors", scaler_weights(3, 4))
+    return folder / "odd.safetensors"
+
+
+@pytest.mark.parametrize("make", [small_file, odd_file],
+                         ids=["below the size worth reading in place", "data not aligned"])
+def test_such_a_file_in_ram_is_copied(ram_dir, monkeypatch, make):
     layout = read_layout(weights_file(ram_dir, "base", scaler_weights(0, 0)))[0]
     bank = SlotBank(layout, 1, torch.device("cpu"))
-    bank.fill("small", weights_file(ram_dir, "small", scaler_weights(3, 4)))
+    bank.fill("v", make(ram_dir, monkeypatch))
     assert not bank.reads_in_place(0)
     assert values(bank, 0) == {"scale": [3.0] * 4, "shift": [4.0] * 4}
-    bank.close()
-
-
-def test_a_file_whose_data_is_not_aligned_is_copied(ram_dir):
-    layout = read_layout(weights_file(ram_dir, "base", scaler_weights(0, 0)))[0]
-    bank = SlotBank(layout, 1, torch.device("cpu"))
-    unaligned_file(ram_dir / "odd.safetensors", scaler_weights(6, 7))
-    bank.fill("odd", ram_dir / "odd.safetensors")
-    assert not bank.reads_in_place(0)
-    assert values(bank, 0) == {"scale": [6.0] * 4, "shift": [7.0] * 4}
     bank.close()
 
 
