@@ -5,6 +5,9 @@ Modules:
     protocol      the parameter, output and file names the control plane and router share
     layout        the tensors of a family's weights and their byte ranges (safetensors header)
     slots         K preallocated slots; a swap-in is one copy of a weights file's data section
+                  (on CPU, a file in host RAM is read in place first and copied afterwards)
+    mapped_files  the variants' files kept mapped between fills, and whether each is host RAM
+    pinned_mappings  on a GPU, those mappings registered with CUDA for direct device copies
     triton_model  FamilyModel: the python model a family's model.py subclasses (the contract)
 
 ``slots`` and ``triton_model`` need torch and are imported on first use, so the router can
