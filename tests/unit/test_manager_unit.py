@@ -589,8 +589,11 @@ def test_artifact_size_walk_does_not_block_the_event_loop(tmp_path):
     async def go():
         mgr, admin = make(tmp_path, max_loaded=3)
 
-        def slow_walk(name):  # a large repository on a slow disk
-            time.sleep(0.3)
+        # A large repository on a slow disk.  A walk on the loop would stall it for the whole
+        # second; the bound leaves room for a busy machine's scheduling (a CI run beside two
+        # test workers once stalled this loop 0.30 s with the walk in its thread).
+        def slow_walk(name):
+            time.sleep(1.0)
             return 10
 
         mgr.catalog.artifact_bytes = slow_walk
@@ -610,7 +613,7 @@ def test_artifact_size_walk_does_not_block_the_event_loop(tmp_path):
         admin.states["m2"] = TritonModelState.READY  # adopted by the reconcile: sized too
         await mgr.step()
         ticks.cancel()
-        assert max(gaps) < 0.2, f"the loop stalled for {max(gaps):.2f}s"
+        assert max(gaps) < 0.6, f"the loop stalled for {max(gaps):.2f}s"
         assert mgr.get("m1").memory_bytes == mgr.get("m2").memory_bytes == 10
 
     run(go())
