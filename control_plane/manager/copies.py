@@ -109,6 +109,10 @@ class Copies:
         self._changed_at: dict[str, float] = {}  # auto model -> monotonic, its last change
         self._converging: dict[str, asyncio.Task] = {}  # model -> its converge in the background
         self._promoting = False  # a copy is becoming its model's own (``_promote``)
+        # Copies are added only after a whole reconcile pass: until every server's index was
+        # read, a copy a Triton already holds (a restart's) is not known yet, and one loaded
+        # meanwhile would load it again there or beside it.
+        self._reconciled = False
         self._counted: set[str] = set()  # models with a mms_model_copies series
         self._retry_at: dict[str, float] = {}  # model -> monotonic; after a failed copy load
         self.notes: dict[str, str] = {}  # model -> why it has fewer copies than its target
@@ -247,6 +251,7 @@ class Copies:
 
     def converge_all(self) -> None:
         """Start a converge for every model with a target or an extra copy (a reconcile pass)."""
+        self._reconciled = True
         self.autoscale()
         names = set(self.targets) | {c.copy_of for c in self.book.extra.values()
                                      if c.server is not None}
@@ -266,7 +271,7 @@ class Copies:
         self._counted = set(names)
 
     def _spawn_converge(self, name: str) -> None:
-        if name in self._converging:
+        if name in self._converging or not self._reconciled:
             return
 
         async def run() -> None:

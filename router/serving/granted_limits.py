@@ -44,13 +44,14 @@ class GrantedLimiter:
         if stock is None or stock.spec != spec:
             stock = self._stock[name] = _Stock(spec)
         batch = grant_batch(spec["qps"], self.state.workers)
-        if stock.tokens < 1:
+        while stock.tokens < 1:
+            # Refused only when the bucket said no: a grant that requests waiting beside this
+            # one took first is asked for again (a grant of one token while the control plane
+            # is away, or more waiters than a batch).
             now = time.monotonic()
             if now < stock.denied_until:
                 self._refuse(name, spec, stock.denied_until - now)
             await self._refill(name, stock, batch)
-            if stock.tokens < 1:
-                self._refuse(name, spec, max(stock.denied_until - time.monotonic(), 0.0))
         stock.tokens -= 1
         if stock.tokens < batch / 2 and stock.pending is None and stock.denied_until <= time.monotonic():
             # Ask ahead, so the next requests do not wait for the control plane.
@@ -75,8 +76,12 @@ class GrantedLimiter:
             workers = self.state.workers
             if stock.local is None:
                 stock.local = TokenBucket(stock.spec["qps"] / workers, max(1.0, stock.spec["burst"] / workers))
-            ok, retry_after_s = stock.local.try_acquire()
-            granted = 1 if ok else 0
+            granted = 0
+            while granted < batch:
+                ok, retry_after_s = stock.local.try_acquire()
+                if not ok:
+                    break
+                granted += 1
         finally:
             stock.pending = None
         stock.tokens += granted

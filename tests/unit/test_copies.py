@@ -189,18 +189,46 @@ def test_targets_and_copies_survive_a_restart(tmp_path):
         again, _ = fleet(tmp_path, admins=admins)
         await again.start()
         assert again.copies.target("m1") == 2
-        # Both copies adopted; on a busy machine the second may take another reconcile pass
-        # (a record that moved after a server's index was read waits for the next read).
-        for _ in range(5):
-            if sorted(again.copy_servers_of("m1")) == held:
-                break
-            await again.step()
         assert sorted(again.copy_servers_of("m1")) == held
         assert sum(again.servers[n].planner.used_slots for n in NAMES) == 2
         await again.step()
         await asyncio.sleep(0.05)
         assert {n: len(a.load_calls) for n, a in admins.items()} == loads
         assert loaded_on(admins, "m1") == held
+        await again.close()
+
+    run(go())
+
+
+class SlowIndexAdmin(FakeAdmin):
+    """A Triton whose repository index comes ``index_delay_s`` late (a busy machine's)."""
+
+    index_delay_s = 0.0
+
+    async def index(self, ready_only=False):
+        await asyncio.sleep(self.index_delay_s)
+        return await super().index(ready_only)
+
+
+def test_a_restart_adopts_a_copy_whose_server_answers_late_instead_of_loading_another(tmp_path):
+    async def go():
+        admins = {n: SlowIndexAdmin(MODELS) for n in NAMES}
+        mgr, _ = fleet(tmp_path, admins=admins)
+        await mgr.start()
+        await mgr.scale("m1", 2)
+        held = loaded_on(admins, "m1")
+        await mgr.close()
+        mgr.store.close()
+        loads = {n: len(a.load_calls) for n, a in admins.items()}
+        # After the restart the model's own copy is adopted first; the server holding the
+        # other copy reads its index late.  The copy it holds is adopted, none loaded again.
+        for name in held[1:]:
+            admins[name].index_delay_s = 0.2
+        again, _ = fleet(tmp_path, admins=admins)
+        await again.start()
+        await asyncio.sleep(0.3)  # what a copy load started by the first adoption would take
+        assert sorted(again.copy_servers_of("m1")) == held
+        assert {n: len(a.load_calls) for n, a in admins.items()} == loads
         await again.close()
 
     run(go())
