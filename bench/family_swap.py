@@ -100,18 +100,30 @@ def gpu_used_mib() -> float | None:
     return float(out.splitlines()[0]) if out.strip() else None
 
 
+FAMILY_STUB = "triton_python_backend_stub.*recommender"  # the family process's command line
+
+
 def family_rss_bytes() -> int | None:
-    pids = subprocess.run(["pgrep", "-f", "triton_python_backend_stub.*recommender"],
-                          capture_output=True, text=True, check=False).stdout.split()
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("RssAnon:"):  # not RssShmem: its mapped warm-tier files
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return total or None
+    return anon_rss_bytes(FAMILY_STUB)
+
+
+def anon_rss_bytes(pattern: str) -> int | None:
+    """The own pages (RssAnon) of the processes whose command line matches ``pattern``."""
+    pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True,
+                          check=False).stdout.split()
+    return sum(anon_rss_of(pid) for pid in pids) or None
+
+
+def anon_rss_of(pid: str) -> int:
+    """RssAnon of one process in bytes (0 once it is gone): not RssShmem, the warm tier's
+    files a family process keeps mapped."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def check_answers(repository: Path, layout: str, answers: dict[str, set[float]]) -> dict:

@@ -16,8 +16,14 @@ current code ``--rounds`` times, and prints both side by side: what a change did
 in one run on one machine.
 
 It prints requests, errors, req/s, p50/p95/p99 and p99/p50 per side, the misses (the
-control plane's counter) and this machine's CPU use during the traffic; a run whose CPU use
+control plane's counter), this machine's CPU use during the traffic and the own memory
+(RssAnon, MB) of the process holding the variants when the traffic started / at its peak; a run whose CPU use
 is above 90% measures the machine more than the product, and says so.
+
+``--peer ray`` runs the same traffic against Ray Serve's model multiplexing after each round
+(``bench.ray_peer``: one replica keeping ``--room`` variants, loading a missing one from a
+copy of the same weights files in tmpfs; JSON over HTTP): what a team would build with Ray
+Serve instead, on the same machine in the same run.  Its "misses" are the replica's loads.
 
 ``--traced`` turns the product's spans on and prints, per class of request (a hit; a miss
 that shared another's load; a miss that filled a slot), p50 / p99 of the request and of
@@ -25,7 +31,7 @@ what it waited for: the control plane's ensure, the wait for room before the fil
 the fill and the inference.  Spans cost CPU: compare traced runs with traced runs.
 
     .venv/bin/python -m bench.mixed_traffic [--variants 20] [--size-mb 100] [--room 4]
-        [--clients 8] [--duration 60] [--baseline REV] [--rounds 1] [--traced]
+        [--clients 8] [--duration 60] [--baseline REV] [--rounds 1] [--traced] [--peer ray]
 """
 
 from __future__ import annotations
@@ -49,9 +55,10 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.family_swap import by_trace, read_spans
+from bench.family_swap import FAMILY_STUB, anon_rss_of, by_trace, read_spans
 from bench.seed_scenario import metric_sum
 from bench.soak import Client, error_text
+from control_plane.demo.fleet import WEIGHTS_FILE
 from control_plane.demo.reference import ReferenceAnswers
 from tests.product import Product
 
@@ -76,25 +83,60 @@ def zipf_shares(count: int, exponent: float) -> np.ndarray:
     return weights / weights.sum()
 
 
-def traffic(product: Product, args, names: list[str]) -> dict:
-    endpoints = product.json("endpoints")
+class PeakMemory:
+    """The largest own memory (RssAnon) of the processes matching ``pattern`` (found once, at
+    ``start()``), read from /proc every 20 ms until ``stop()``: what holding the variants
+    cost at its worst."""
+
+    def __init__(self, pattern: str):
+        self.pattern = pattern
+        self.peak = 0
+        self.pids: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, sum(anon_rss_of(pid) for pid in self.pids))
+
+    def start(self) -> None:
+        self.pids = subprocess.run(["pgrep", "-f", self.pattern], capture_output=True, text=True,
+                                   check=False).stdout.split()
+        self.at_start = sum(anon_rss_of(pid) for pid in self.pids)
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def traffic(new_client, count_misses, repository: Path, args, names: list[str],
+            server_process: str) -> dict:
+    """``args.clients`` threads, each with a client of its own (``new_client()``), send
+    Zipf-drawn requests for ``args.duration`` seconds; every distinct answer is checked
+    against the variant's weights file in ``repository``; ``count_misses()``: the server's
+    own count of misses so far; ``server_process``: the command line (a pgrep pattern) of
+    the process that holds the variants, whose peak own memory is sampled."""
     shares = zipf_shares(len(names), args.zipf)
     features = np.ones((1, 64), np.float32)
     records: list[tuple[float, str, str | None]] = []
     answers: dict[str, set[float]] = {}
     lock = threading.Lock()
     # Each variant once, so every one is in the warm tier and the family model is loaded.
-    warm = Client(args.protocol, endpoints, args.timeout)
+    warm = new_client()
     for name in names:
         warm.infer(name, features)
     warm.close()
-    misses_before = misses_counted(endpoints)
+    misses_before = count_misses()
     deadline = time.monotonic() + args.duration
     busy0, total0 = cpu_busy()
+    memory = PeakMemory(server_process)
+    memory.start()
 
     def client_loop(index: int) -> None:
         rng = np.random.default_rng([args.seed, index])
-        client = Client(args.protocol, endpoints, args.timeout)
+        client = new_client()
         try:
             while time.monotonic() < deadline:
                 model = names[int(rng.choice(len(names), p=shares))]
@@ -118,8 +160,9 @@ def traffic(product: Product, args, names: list[str]) -> dict:
         t.join()
     elapsed = time.monotonic() - started
     busy1, total1 = cpu_busy()
-    misses = misses_counted(endpoints) - misses_before
-    reference = ReferenceAnswers(Path(endpoints["repository"]), names)
+    peak_bytes = memory.stop()
+    misses = count_misses() - misses_before
+    reference = ReferenceAnswers(repository, names)
     wrong = [{"model": m, "answer": a, "expected": float(reference.expected(m, features).ravel()[0])}
              for m, seen in sorted(answers.items()) for a in sorted(seen)
              if reference.check(m, features, np.array([[a]], np.float32)) is not None]
@@ -139,7 +182,8 @@ def traffic(product: Product, args, names: list[str]) -> dict:
             "req_per_s": round(len(records) / elapsed, 1), "p50_ms": pct(50), "p95_ms": pct(95),
             "p99_ms": pct(99), "p99_over_p50": round(pct(99) / pct(50), 2) if len(ok_ms) else None,
             "misses": misses, "miss_share": round(misses / max(1, len(records)), 3),
-            "cpu_busy": round((busy1 - busy0) / max(1.0, total1 - total0), 3)}
+            "cpu_busy": round((busy1 - busy0) / max(1.0, total1 - total0), 3),
+            "server_anon_mb": [round(memory.at_start / 1e6, 1), round(peak_bytes / 1e6, 1)]}
 
 
 def where_requests_wait(spans: list[dict]) -> dict:
@@ -189,12 +233,43 @@ def run_side(label: str, args, work: Path, code_dir: Path | None) -> dict:
                       code_dir=code_dir).start()
     print(f"{label}: mmctl up ready in {time.perf_counter() - started:.1f}s", flush=True)
     try:
-        result = traffic(product, args, names)
+        endpoints = product.json("endpoints")
+        repository = Path(endpoints["repository"])
+        if args.peer and not (work / PEER_WEIGHTS).is_dir():
+            keep_weights_for_peer(repository, names, work / PEER_WEIGHTS)
+        result = traffic(lambda: Client(args.protocol, endpoints, args.timeout),
+                         lambda: misses_counted(endpoints), repository, args, names, FAMILY_STUB)
     finally:
         product.stop()  # the processes flush their spans as they exit
     if args.traced:
         result["waits"] = where_requests_wait(read_spans(spans_file))
     return result
+
+
+PEER_WEIGHTS = "peer-weights"  # in the work folder: the variants' files the peer serves
+
+
+def keep_weights_for_peer(repository: Path, names: list[str], into: Path) -> None:
+    """The variants' weights files as the product serves them, copied beside (tmpfs when the
+    work folder is): the peer loads the same bytes from host memory."""
+    for name in names:
+        (into / name).mkdir(parents=True)
+        shutil.copyfile(repository / name / WEIGHTS_FILE, into / name / WEIGHTS_FILE)
+
+
+def run_peer_side(label: str, args, work: Path) -> dict:
+    """The same traffic against the Ray Serve peer (``bench.ray_peer``) over the same files."""
+    from bench.ray_peer import REPLICA_PROCESS, RayPeer
+
+    names = [f"cust{i:03d}" for i in range(1, args.variants + 1)]
+    started = time.perf_counter()
+    peer = RayPeer(work / PEER_WEIGHTS, WEIGHTS_FILE, args.room, work / f"{label}.log")
+    print(f"{label}: Ray Serve ready in {time.perf_counter() - started:.1f}s", flush=True)
+    try:
+        return traffic(lambda: peer.client(args.timeout), peer.loads, work / PEER_WEIGHTS, args, names,
+                       REPLICA_PROCESS)
+    finally:
+        peer.close()
 
 
 def baseline_checkout(rev: str, work: Path) -> Path:
@@ -218,6 +293,8 @@ def run_sides(args, run_side, prefix: str, repeats: int | None = None) -> dict[s
             if baseline is not None:
                 sides.setdefault("baseline", []).append(run_side(f"baseline-{r}", args, work, baseline))
             sides.setdefault("current", []).append(run_side(f"current-{r}", args, work, None))
+            if getattr(args, "peer", None) == "ray":
+                sides.setdefault("ray", []).append(run_peer_side(f"ray-{r}", args, work))
     finally:
         if baseline is not None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)],
@@ -242,6 +319,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--traced", action="store_true",
                     help="the product's spans on: where each class of request waited (costs CPU: "
                          "compare traced runs with traced runs only)")
+    ap.add_argument("--peer", choices=("ray",), default=None,
+                    help="ray: the same traffic against Ray Serve's model multiplexing over the "
+                         "same weights files, after each round (bench.ray_peer; its environment "
+                         "is made in .venv-peers/ray on first use)")
     ap.add_argument("--smoke", action="store_true", help=" ".join(SMOKE))
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "mixed_traffic.json")
     args = ap.parse_args([*SMOKE, *(argv or sys.argv[1:])] if "--smoke" in (argv or sys.argv[1:]) else argv)
@@ -253,9 +334,14 @@ def main(argv=None) -> dict:
         "variants": args.variants, "size_mb": args.size_mb, "room": args.room,
         "clients": args.clients, "duration_s": args.duration, "zipf": args.zipf,
         "protocol": args.protocol, "baseline": args.baseline, "rounds": args.rounds,
-        "traced": args.traced,
+        "traced": args.traced, "peer": args.peer,
         "client": f"tritonclient {args.protocol} through the router (1 worker), batch 1, "
                   "one request at a time per client, the same features per variant",
+        **({"peer_side": "Ray Serve (bench.ray_peer): one replica, @serve.multiplexed with room for "
+                         f"{args.room} variants (the least recently used leaves the cache at once; "
+                         "a request still computing on it keeps its tensors until it ends), a miss loads the variant's safetensors file from "
+                         "tmpfs; requests JSON over HTTP (requests.Session), one at a time per client"}
+           if args.peer else {}),
         "warm tier": "host DRAM (tmpfs), every variant staged before the traffic"},
         "sides": sides}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -265,12 +351,13 @@ def main(argv=None) -> dict:
           f"{args.clients} {args.protocol} clients, Zipf {args.zipf}, {args.duration:g}s per run, "
           f"{os.cpu_count()} CPUs")
     print(f"  {'side':<9} {'requests':>8} {'errors':>6} {'req/s':>7} {'p50':>8} {'p95':>8} {'p99':>8} "
-          f"{'p99/p50':>7} {'misses':>7} {'cpu':>5}")
+          f"{'p99/p50':>7} {'misses':>7} {'cpu':>5} {'memory MB':>11}")
     for label, runs in sides.items():
         for r in runs:
             print(f"  {label:<9} {r['requests']:>8} {r['errors']:>6} {r['req_per_s']:>7.1f} "
                   f"{r['p50_ms']:>6.1f}ms {r['p95_ms']:>6.1f}ms {r['p99_ms']:>6.1f}ms "
-                  f"{r['p99_over_p50']:>7.2f} {r['misses']:>7.0f} {r['cpu_busy']:>5.0%}"
+                  f"{r['p99_over_p50']:>7.2f} {r['misses']:>7.0f} {r['cpu_busy']:>5.0%} "
+                  f"{r['server_anon_mb'][0]:>5.0f}/{r['server_anon_mb'][1]:<5.0f}"
                   + ("  (CPU-bound: measures the machine)" if r["cpu_busy"] > 0.9 else ""))
             busiest, others = r["busiest"], r["others"]
             print(f"      {busiest['model']} (the busiest variant): p50 {busiest['p50_ms']}ms, p99 "
