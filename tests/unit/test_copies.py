@@ -175,31 +175,6 @@ def test_a_pinned_models_copies_are_pinned(tmp_path):
     run(go())
 
 
-def test_targets_and_copies_survive_a_restart(tmp_path):
-    async def go():
-        mgr, admins = fleet(tmp_path)
-        await mgr.start()
-        await mgr.scale("m1", 2)
-        held = loaded_on(admins, "m1")
-        await mgr.close()
-        mgr.store.close()
-        # A new control plane over the same Tritons: the target is read back, the two copies
-        # Triton holds are adopted (one its own, one extra), nothing is loaded again.
-        loads = {n: len(a.load_calls) for n, a in admins.items()}
-        again, _ = fleet(tmp_path, admins=admins)
-        await again.start()
-        assert again.copies.target("m1") == 2
-        assert sorted(again.copy_servers_of("m1")) == held
-        assert sum(again.servers[n].planner.used_slots for n in NAMES) == 2
-        await again.step()
-        await asyncio.sleep(0.05)
-        assert {n: len(a.load_calls) for n, a in admins.items()} == loads
-        assert loaded_on(admins, "m1") == held
-        await again.close()
-
-    run(go())
-
-
 class SlowIndexAdmin(FakeAdmin):
     """A Triton whose repository index comes ``index_delay_s`` late (a busy machine's)."""
 
@@ -210,7 +185,8 @@ class SlowIndexAdmin(FakeAdmin):
         return await super().index(ready_only)
 
 
-def test_a_restart_adopts_a_copy_whose_server_answers_late_instead_of_loading_another(tmp_path):
+@pytest.mark.parametrize("late_s", [0.0, 0.2], ids=["at-once", "extra-copy-server-late"])
+def test_targets_and_copies_survive_a_restart(tmp_path, late_s):
     async def go():
         admins = {n: SlowIndexAdmin(MODELS) for n in NAMES}
         mgr, _ = fleet(tmp_path, admins=admins)
@@ -219,16 +195,22 @@ def test_a_restart_adopts_a_copy_whose_server_answers_late_instead_of_loading_an
         held = loaded_on(admins, "m1")
         await mgr.close()
         mgr.store.close()
+        # A new control plane over the same Tritons: the target is read back, the two copies
+        # Triton holds are adopted (one its own, one extra), nothing is loaded again; also
+        # when the server holding the extra copy reads its index late, after the model's
+        # own copy was adopted (its converge once loaded the copy again meanwhile).
         loads = {n: len(a.load_calls) for n, a in admins.items()}
-        # After the restart the model's own copy is adopted first; the server holding the
-        # other copy reads its index late.  The copy it holds is adopted, none loaded again.
         for name in held[1:]:
-            admins[name].index_delay_s = 0.2
+            admins[name].index_delay_s = late_s
         again, _ = fleet(tmp_path, admins=admins)
         await again.start()
-        await asyncio.sleep(0.3)  # what a copy load started by the first adoption would take
+        assert again.copies.target("m1") == 2
         assert sorted(again.copy_servers_of("m1")) == held
+        assert sum(again.servers[n].planner.used_slots for n in NAMES) == 2
+        await again.step()
+        await asyncio.sleep(0.05)
         assert {n: len(a.load_calls) for n, a in admins.items()} == loads
+        assert loaded_on(admins, "m1") == held
         await again.close()
 
     run(go())
