@@ -238,6 +238,68 @@ def miss_traces(spans: list[dict]) -> dict:
                             for name, d in sorted(durations.items())}}
 
 
+def run_peer(args, work: Path) -> dict:
+    """The same hits and misses against Ray Serve's multiplexing (``bench.ray_peer``) over
+    variants of the same size written the way ``--light-fleet`` writes them."""
+    from bench.ray_peer import RayPeer
+    from control_plane.demo.fleet import WEIGHTS_FILE
+
+    repo = light_repository(args)
+    started = time.perf_counter()
+    try:
+        peer = RayPeer(repo, WEIGHTS_FILE, args.slots, work / "ray.log")
+        print(f"ray: Ray Serve ready in {time.perf_counter() - started:.1f}s", flush=True)
+        client = peer.client(300)
+        try:
+            names = [f"cust{i:03d}" for i in range(1, args.variants + 1)]
+            timed = Timed(lambda name: float(client.infer(name, np.ones((1, 64), np.float32))[0, 0]))
+            out = {"layout": "ray", "first_request_s": round(first_then_warm(timed, names), 3),
+                   **hits_then_misses(timed, names, args)}
+            out["answers"] = check_answers(repo, "family", timed.answers)
+            return out
+        finally:
+            client.close()
+            peer.close()
+    finally:
+        shutil.rmtree(repo.parent, ignore_errors=True)
+
+
+class Timed:
+    """``timed(name)``: one request's seconds; ``infer(name)`` gives its score, and every
+    distinct score of a variant is kept for the check against its weights file."""
+
+    def __init__(self, infer):
+        self.infer = infer
+        self.answers: dict[str, set[float]] = {}
+
+    def __call__(self, name: str) -> float:
+        t0 = time.perf_counter()
+        score = self.infer(name)
+        elapsed = time.perf_counter() - t0
+        self.answers.setdefault(name, set()).add(score)
+        return elapsed
+
+
+def first_then_warm(timed: Timed, names: list[str]) -> float:
+    """The first request's seconds (the family model's own load, or a load), then 20 more."""
+    first_s = timed(names[0])
+    for _ in range(20):
+        timed(names[0])
+    return first_s
+
+
+def hits_then_misses(timed: Timed, names: list[str], args) -> dict:
+    """``args.hits`` hits on the first variant, then ``args.rounds`` round-robin passes over
+    every variant (each a miss when they outnumber the room)."""
+    hits = [timed(names[0]) for _ in range(args.hits)]
+    misses = []
+    for _ in range(args.rounds):
+        misses += [timed(n) for n in names]
+    out = {"hit": percentiles(hits), "miss": percentiles(misses)}
+    out["miss_minus_hit_p50_ms"] = round(out["miss"]["p50_ms"] - out["hit"]["p50_ms"], 3)
+    return out
+
+
 def run_layout(layout: str, args, work: Path, traced: bool = False, misses_only: int = 0,
                code_dir: Path | None = None, label: str | None = None) -> dict:
     """One ``mmctl up`` of ``layout``, timed.  ``traced``: with the product's spans on, written
@@ -245,6 +307,8 @@ def run_layout(layout: str, args, work: Path, traced: bool = False, misses_only:
     ``misses_only``: just that many misses after the first request (a run that counts; its
     timings would include the tracing).  ``code_dir``: the checkout whose code runs the
     product (default this one); ``label``: the run's name (its state folder)."""
+    if layout == "ray":
+        return run_peer(args, work)
     repo = light_repository(args) if args.light_fleet and layout == "family" else None
     if repo is not None and code_dir is not None:
         side_runtime(repo, code_dir)
@@ -280,31 +344,18 @@ def measure(product: Product, layout: str, args, misses_only: int) -> dict:
     x = grpcclient.InferInput("FEATURES", [1, 64], "FP32")
     x.set_data_from_numpy(np.ones((1, 64), np.float32))
     names = [f"cust{i:03d}" for i in range(1, args.variants + 1)]
-    answers: dict[str, set[float]] = {}  # each variant's distinct answers, checked at the end
-
-    def timed(name: str) -> float:
-        t0 = time.perf_counter()
-        got = client.infer(name, [x], client_timeout=300)
-        elapsed = time.perf_counter() - t0
-        answers.setdefault(name, set()).add(float(got.as_numpy("SCORES")[0, 0]))
-        return elapsed
-
-    first_s = timed(names[0])  # the family model's own load (once per server), or a load
-    for _ in range(20):
-        timed(names[0])
+    # each variant's distinct answers, checked at the end
+    timed = Timed(lambda name: float(client.infer(name, [x], client_timeout=300)
+                                     .as_numpy("SCORES")[0, 0]))
+    answers = timed.answers
+    first_s = first_then_warm(timed, names)
     repository = Path(product.json("endpoints")["repository"])
     if misses_only:
         for i in range(misses_only):
             timed(names[i % len(names)])
         return {"layout": layout, "answers": check_answers(repository, layout, answers)}
-    hits = [timed(names[0]) for _ in range(args.hits)]
-    ensures = empty_ensure_seconds(product, names[0], args.hits)
-    misses = []
-    for _ in range(args.rounds):
-        misses += [timed(n) for n in names]
-    out = {"layout": layout, "first_request_s": round(first_s, 3), "hit": percentiles(hits),
-           "empty_ensure": percentiles(ensures), "miss": percentiles(misses)}
-    out["miss_minus_hit_p50_ms"] = round(out["miss"]["p50_ms"] - out["hit"]["p50_ms"], 3)
+    out = {"layout": layout, "first_request_s": round(first_s, 3), **hits_then_misses(timed, names, args),
+           "empty_ensure": percentiles(empty_ensure_seconds(product, names[0], args.hits))}
     if layout == "family" and args.cycles:
         rss_before, gpu_before = family_rss_bytes(), gpu_used_mib()
         t0 = time.perf_counter()
@@ -332,7 +383,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--hits", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=2, help="round-robin passes over the variants")
     ap.add_argument("--cycles", type=int, default=1000, help="family swap cycles for the memory check")
-    ap.add_argument("--layouts", default="family,models")
+    ap.add_argument("--layouts", default="family,models",
+                    help="of family, models and ray (the same requests against Ray Serve's "
+                         "multiplexing over variants of the same size: bench.ray_peer)")
     ap.add_argument("--light-fleet", action="store_true",
                     help="family layout: variants with shared hidden layers, written by the bench "
                          "into /dev/shm, instead of mmctl up's demo fleet (quick at 850 MB)")
