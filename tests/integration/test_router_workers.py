@@ -282,6 +282,34 @@ def test_a_rate_limit_holds_across_both_workers(product):
         assert p.mmctl("limit", "clear", "cust005").returncode == 0
 
 
+def test_a_burst_within_a_limit_is_served_whole_on_both_workers(product):
+    """Requests that arrive together wait for one grant of tokens from the control plane;
+    those the grant did not cover ask again while the bucket has tokens.  Before, each of
+    them was refused ("retry in 0.000s") though the burst was far from spent."""
+    p = product
+    # A grant is about 5% of a second's tokens over the workers: 5 here, for 60 requests.
+    assert p.mmctl("limit", "set", "cust005", "--qps", "200", "--burst", "200").returncode == 0
+    try:
+        assert post_new_connection(p, "cust005").status_code == 200  # loaded before the burst
+        time.sleep(1.5)  # the bucket full again
+        start = threading.Barrier(60)
+        statuses: list[str] = []
+
+        def one():
+            start.wait()
+            resp = post_new_connection(p, "cust005")
+            statuses.append("200" if resp.status_code == 200 else f"{resp.status_code}: {resp.text}")
+
+        threads = [threading.Thread(target=one) for _ in range(60)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert statuses == ["200"] * 60, [s for s in statuses if s != "200"][:3]
+    finally:
+        assert p.mmctl("limit", "clear", "cust005").returncode == 0
+
+
 def test_a_canary_is_judged_on_both_workers_samples(product):
     p = product
     assert post_new_connection(p, "cust006").status_code == 200
