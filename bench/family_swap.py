@@ -25,6 +25,11 @@ variant's own first and last layer) into a repository in /dev/shm that ``mmctl u
 instead of its demo fleet (a full random draw per variant, and the demo's extra models):
 the same sizes and files for a miss, written in a fraction of the time (850 MB variants).
 
+``--layouts family,ray`` (or any list with ``ray``): the same hits and misses against Ray
+Serve's model multiplexing (``bench.ray_peer``: one replica keeping ``--slots`` variants,
+loading a missing one from variants of the same size written as ``--light-fleet`` writes
+them; JSON over HTTP), checked the same way.
+
 ``--baseline REV``: the family layout of the current code and of git revision REV (a
 worktree of this repository, whose code the product's processes run), ``--repeats`` runs
 each, interleaved; prints each run and the medians of both sides.
