@@ -50,6 +50,11 @@ __all__ = ["TRITON_ENV_NAMES", "TRITON_ENV_PREFIXES", "_PDEATHSIG_EXEC", "Triton
 
 log = logging.getLogger(__name__)
 
+# Seconds a tritonserver that has unloaded every model gets to exit after SIGTERM (it takes
+# about one; a GPU's teardown a few); past that it waits for an instance whose
+# python-backend process died, which never unloads, and is ended.
+UNLOADED_EXIT_S = 5.0
+
 
 def end_leftovers(pid: int) -> None:
     """SIGKILL what is left of the process group of a tritonserver ``pid`` that died without
@@ -182,34 +187,46 @@ class TritonProcess(PreviousLife):
                 self._stop_adopted()
             return
         if proc.poll() is None:
-            self._unload_all()
+            unloaded = self._unload_all()
             proc.send_signal(signal.SIGTERM)
+            wait_s = min(UNLOADED_EXIT_S, self.cfg.stop_timeout_s) if unloaded else self.cfg.stop_timeout_s
             try:
-                proc.wait(timeout=self.cfg.stop_timeout_s)
+                proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
-                log.warning("tritonserver %s ignored SIGTERM for %ss; killing", proc.pid,
-                            self.cfg.stop_timeout_s)
-                proc.kill()
-                proc.wait(timeout=10)
+                if unloaded:
+                    # Every model it listed is unloaded: what it waits for is an instance
+                    # whose python-backend process died (Triton keeps it live and never
+                    # finishes unloading it, for its whole --exit-timeout-secs).
+                    log.info("tritonserver %s unloaded every model but had not exited %.0fs "
+                             "after SIGTERM (an instance whose process died); ending it",
+                             proc.pid, wait_s)
+                    self.kill_unanswering()
+                else:
+                    log.warning("tritonserver %s ignored SIGTERM for %ss; killing", proc.pid,
+                                self.cfg.stop_timeout_s)
+                    proc.kill()
+                    proc.wait(timeout=10)
         self._forget_pid(proc)
 
-    def _unload_all(self, timeout_s: float = 10.0) -> None:
+    def _unload_all(self, timeout_s: float = 10.0) -> bool:
         """Unload every loaded model, all at once, before the SIGTERM: on SIGTERM Triton
         unloads them too, but looks whether they are gone only once a second, so each stop
         took a second or two more than its models' unloads.  What fails here (a server that
         does not answer, model control restricted with a key this process was not given) is
-        left to Triton's own shutdown."""
+        left to Triton's own shutdown.  True when every model was seen unloaded."""
         from concurrent.futures import ThreadPoolExecutor
 
         base = f"http://{self.http_url}/v2/repository"
         headers = {RESTRICTED_KEY_HEADER: self.cfg.restricted_key} if self.cfg.restricted_key else {}
         try:
             resp = requests.post(f"{base}/index", json={"ready": True}, headers=headers, timeout=2)
-            names = [m["name"] for m in resp.json()] if resp.status_code == 200 else []
+            if resp.status_code != 200:
+                return False
+            names = [m["name"] for m in resp.json()]
         except (requests.RequestException, ValueError, KeyError, TypeError):
-            return
+            return False
         if not names:
-            return
+            return True
 
         def unload(name: str) -> None:
             with contextlib.suppress(requests.RequestException):
@@ -226,10 +243,11 @@ class TritonProcess(PreviousLife):
                 resp = requests.post(f"{base}/index", json={}, headers=headers, timeout=2)
                 states = {m.get("name"): m.get("state") for m in resp.json()}
             except (requests.RequestException, ValueError, AttributeError):
-                return
+                return False
             left = {n for n in left if states.get(n) in ("READY", "UNLOADING")}
             if left:
                 time.sleep(0.05)
+        return not left
 
     def kill_unanswering(self, wait_s: float = 10.0) -> None:
         """End a tritonserver that stopped answering (SIGSTOP, a hung GPU, a stuck backend):

@@ -24,7 +24,7 @@ from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
 from control_plane.state.state_store import StateStore
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 from domain.errors import ControlPlaneError
-from tests.conftest import run, triton_log_count
+from tests.conftest import pid_alive, run, triton_log_count
 
 pytestmark = pytest.mark.integration
 
@@ -54,8 +54,13 @@ def repository(tmp_path) -> Path:
 def pgrep(triton, pattern: str) -> list[str]:
     """Processes of ``triton``'s process group (its python stubs) whose command line matches:
     another test's Triton, running beside this one, is never touched."""
-    return subprocess.run(["pgrep", "-g", str(triton.pid), "-f", pattern], capture_output=True,
-                          text=True, check=False).stdout.split()
+    return pgrep_group(triton.pid, pattern)
+
+
+def pgrep_group(group: int, pattern: str | None = None) -> list[str]:
+    """Processes of the process group ``group`` (whose command line matches ``pattern``)."""
+    return subprocess.run(["pgrep", "-g", str(group), *(["-f", pattern] if pattern else [])],
+                          capture_output=True, text=True, check=False).stdout.split()
 
 
 def make_manager(triton, repo, tmp_path, max_loaded):
@@ -211,7 +216,7 @@ def test_a_fill_runs_beside_a_batch_and_never_rewrites_the_slot_it_reads(reposit
 
 
 def test_a_crashed_family_process_comes_back_and_its_variants_are_loaded_again(
-        triton, repository, tmp_path):
+        triton, repository, tmp_path, caplog):
     async def scenario():
         mgr = make_manager(triton, repository, tmp_path, max_loaded=2)
         await mgr.start()
@@ -237,6 +242,20 @@ def test_a_crashed_family_process_comes_back_and_its_variants_are_loaded_again(
         await mgr.close()
 
     run(scenario())
+    # Triton keeps the dead process's instance live and never finishes unloading it: a stop
+    # once waited out Triton's whole exit timeout (10 s) for it.  Every model unloaded, the
+    # stop ends Triton after a few seconds, its stubs with it.
+    server_pid = triton.pid
+    started = time.monotonic()
+    with caplog.at_level("INFO", logger="control_plane.triton.process"):
+        triton.stop()
+    took_s = time.monotonic() - started
+    assert not triton.alive()
+    assert "unloaded every model but had not exited" in caplog.text
+    assert took_s < 10.0, f"the stop took {took_s:.1f}s: it waited out Triton's exit timeout"
+    # (the stub the test killed stays a zombie: Triton never reaped it, nothing to end)
+    left = [pid for pid in pgrep_group(server_pid) if pid_alive(int(pid))]
+    assert left == [], f"processes of the stopped Triton left running: {left}"
 
 
 def test_a_family_grown_for_new_variants_answers_from_its_new_process(triton, repository, tmp_path):
