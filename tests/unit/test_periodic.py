@@ -168,6 +168,7 @@ def test_a_router_workers_watch_survives_a_bad_snapshot(monkeypatch):
 def test_a_shadow_worker_survives_a_failing_mirror():
     from router.rollouts.shadow import ShadowItem, ShadowMirror
     from router.serving.metrics import RouterMetrics
+    from tests.unit.test_shadow import NEVER_SHED
 
     async def go():
         metrics = RouterMetrics()
@@ -177,7 +178,7 @@ def test_a_shadow_worker_survives_a_failing_mirror():
             sent.append(model)
             return b""
 
-        mirror = ShadowMirror(send, None, metrics=metrics, workers=1)
+        mirror = ShadowMirror(send, None, metrics=metrics, workers=1, shed_lag_ms=NEVER_SHED)
         fails, real = FailsOnce(), mirror._mirror
 
         async def mirror_once(item):

@@ -16,6 +16,7 @@ from domain.routes import RouteTable, bucket
 from domain.token_bucket import TokenBucket
 from router.rollouts.shadow import ShadowItem, ShadowMirror, compare_outputs
 from tests.conftest import run
+from tests.unit.test_shadow import NEVER_SHED
 
 
 class Clock:
@@ -187,7 +188,7 @@ def test_shadow_queue_drops_when_full_and_never_blocks():
         async def slow_send(model, request, timeout_s):
             await gate.wait()
 
-        mirror = ShadowMirror(slow_send, None, queue_size=2, workers=1)
+        mirror = ShadowMirror(slow_send, None, queue_size=2, workers=1, shed_lag_ms=NEVER_SHED)
         mirror.start()
         item = ShadowItem("r", "s", object(), [], 1.0)
         results = [mirror.offer(item) for _ in range(10)]
