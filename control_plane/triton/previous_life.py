@@ -6,6 +6,7 @@ a pid reused by an unrelated process is never signalled.  Mixed into
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -148,20 +149,17 @@ class PreviousLife:
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.cfg.pid_file)
 
-    def _stop_adopted(self, sig: int = signal.SIGTERM) -> None:
-        """An adopted Triton is not our child: signal it by pid, wait for it by start time."""
+    def _kill_adopted(self) -> None:
+        """An adopted Triton is not our child: SIGKILL it by pid, wait for it by start time."""
         pid, start_ticks = self.adopted
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-        if not self._wait_gone(pid, start_ticks, self.cfg.stop_timeout_s if sig == signal.SIGTERM else 10.0):
-            log.warning("tritonserver %s ignored SIGTERM for %ss; killing", pid, self.cfg.stop_timeout_s)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self._wait_gone(pid, start_ticks, 10.0)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        if not self._wait_gone(pid, start_ticks, 10.0):
+            log.error("tritonserver %d did not exit 10s after SIGKILL", pid)
+        self._forget_adopted()
+
+    def _forget_adopted(self) -> None:
+        """The adopted Triton is gone: no pid file names it, nothing is adopted."""
         if self.cfg.pid_file is not None:
             self.cfg.pid_file.unlink(missing_ok=True)
         self.adopted = None

@@ -181,32 +181,56 @@ class TritonProcess(PreviousLife):
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
+        """Unload every model, SIGTERM, wait; a Triton launched here or adopted alike."""
         proc = self.proc
-        if proc is None:
-            if self.adopted is not None:
-                self._stop_adopted()
+        if proc is None and self.adopted is None:
             return
-        if proc.poll() is None:
+        if self.alive():
             unloaded = self._unload_all()
-            proc.send_signal(signal.SIGTERM)
             wait_s = min(UNLOADED_EXIT_S, self.cfg.stop_timeout_s) if unloaded else self.cfg.stop_timeout_s
-            try:
-                proc.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
+            if not self._terminate(wait_s):
                 if unloaded:
                     # Every model it listed is unloaded: what it waits for is an instance
                     # whose python-backend process died (Triton keeps it live and never
                     # finishes unloading it, for its whole --exit-timeout-secs).
                     log.info("tritonserver %s unloaded every model but had not exited %.0fs "
                              "after SIGTERM (an instance whose process died); ending it",
-                             proc.pid, wait_s)
+                             self.pid, wait_s)
                     self.kill_unanswering()
                 else:
-                    log.warning("tritonserver %s ignored SIGTERM for %ss; killing", proc.pid,
+                    log.warning("tritonserver %s ignored SIGTERM for %ss; killing", self.pid,
                                 self.cfg.stop_timeout_s)
-                    proc.kill()
-                    proc.wait(timeout=10)
-        self._forget_pid(proc)
+                    self._kill_now()
+        if proc is not None:
+            self._forget_pid(proc)
+        elif self.adopted is not None:  # gone before the stop
+            self._forget_adopted()
+
+    def _terminate(self, wait_s: float) -> bool:
+        """SIGTERM, then wait ``wait_s`` at most: True when it exited (an adopted Triton is
+        forgotten then)."""
+        proc = self.proc
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        pid, start_ticks = self.adopted
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        if not self._wait_gone(pid, start_ticks, wait_s):
+            return False
+        self._forget_adopted()
+        return True
+
+    def _kill_now(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        else:
+            self._kill_adopted()
 
     def _unload_all(self, timeout_s: float = 10.0) -> bool:
         """Unload every loaded model, all at once, before the SIGTERM: on SIGTERM Triton
@@ -268,7 +292,7 @@ class TritonProcess(PreviousLife):
                 log.error("tritonserver %d did not exit %.0fs after SIGKILL", pid, wait_s)
                 return
         else:
-            self._stop_adopted(signal.SIGKILL)
+            self._kill_adopted()
         end_leftovers(pid)
         for path in shm:
             Path(path).unlink(missing_ok=True)
@@ -276,7 +300,7 @@ class TritonProcess(PreviousLife):
     def kill(self) -> None:
         """Simulate a crash (tests)."""
         if self.proc is None and self.adopted is not None:
-            self._stop_adopted(signal.SIGKILL)
+            self._kill_adopted()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)

@@ -215,36 +215,37 @@ def test_a_fill_runs_beside_a_batch_and_never_rewrites_the_slot_it_reads(reposit
         proc.stop()
 
 
-def test_a_crashed_family_process_comes_back_and_its_variants_are_loaded_again(
-        triton, repository, tmp_path, caplog):
-    async def scenario():
-        mgr = make_manager(triton, repository, tmp_path, max_loaded=2)
-        await mgr.start()
-        await mgr.ensure("acme")
-        stub = pgrep(triton, "triton_python_backend_stub.*scaler")
-        assert stub, "the family's stub process was not found"
-        for pid in stub:
-            os.kill(int(pid), signal.SIGKILL)
-        # Requests in flight or sent now fail with an error, never another variant's answer.
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            await mgr.step()  # the reconcile reads the family's slots again
-            try:
-                await mgr.ensure("acme")
-                got = infer(triton.grpc_url, "acme")
-            except (ControlPlaneError, InferenceServerException):
-                await asyncio.sleep(0.5)
-                continue
-            np.testing.assert_allclose(got, expected("acme"))
-            break
-        else:
-            pytest.fail("acme was not served again within 60s of its family process crashing")
-        await mgr.close()
+async def crash_the_family_and_serve_again(triton, repository, tmp_path) -> None:
+    """Serve acme, SIGKILL the family's python stub, and serve acme again (its family loaded
+    anew by the reconcile)."""
+    mgr = make_manager(triton, repository, tmp_path, max_loaded=2)
+    await mgr.start()
+    await mgr.ensure("acme")
+    stub = pgrep(triton, "triton_python_backend_stub.*scaler")
+    assert stub, "the family's stub process was not found"
+    for pid in stub:
+        os.kill(int(pid), signal.SIGKILL)
+    # Requests in flight or sent now fail with an error, never another variant's answer.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        await mgr.step()  # the reconcile reads the family's slots again
+        try:
+            await mgr.ensure("acme")
+            got = infer(triton.grpc_url, "acme")
+        except (ControlPlaneError, InferenceServerException):
+            await asyncio.sleep(0.5)
+            continue
+        np.testing.assert_allclose(got, expected("acme"))
+        break
+    else:
+        pytest.fail("acme was not served again within 60s of its family process crashing")
+    await mgr.close()
 
-    run(scenario())
-    # Triton keeps the dead process's instance live and never finishes unloading it: a stop
-    # once waited out Triton's whole exit timeout (10 s) for it.  Every model unloaded, the
-    # stop ends Triton after a few seconds, its stubs with it.
+
+def assert_stops_without_its_exit_timeout(triton: TritonProcess, caplog) -> None:
+    """Triton keeps the instance of a python-backend process that died live and never
+    finishes unloading it: a stop once waited out Triton's whole exit timeout (10 s) for it.
+    Every model unloaded, the stop ends Triton after a few seconds, its stubs with it."""
     server_pid = triton.pid
     started = time.monotonic()
     with caplog.at_level("INFO", logger="control_plane.triton.process"):
@@ -256,6 +257,35 @@ def test_a_crashed_family_process_comes_back_and_its_variants_are_loaded_again(
     # (the stub the test killed stays a zombie: Triton never reaped it, nothing to end)
     left = [pid for pid in pgrep_group(server_pid) if pid_alive(int(pid))]
     assert left == [], f"processes of the stopped Triton left running: {left}"
+
+
+def test_a_crashed_family_process_comes_back_and_its_variants_are_loaded_again(
+        triton, repository, tmp_path, caplog):
+    run(crash_the_family_and_serve_again(triton, repository, tmp_path))
+    assert_stops_without_its_exit_timeout(triton, caplog)
+
+
+def test_an_adopted_triton_stops_as_quickly_after_a_family_crash(repository, tmp_path, caplog):
+    """A supervised Triton outlives its control plane and the next one adopts it: that
+    control plane's stop unloads, signals and ends it like one it launched (it once sent
+    SIGTERM alone and waited out Triton's exit timeout)."""
+    def supervised() -> TritonLaunchConfig:
+        return TritonLaunchConfig(repository=repository, work_dir=tmp_path / "triton",
+                                  pid_file=tmp_path / "triton.pid", outlive_parent=True)
+
+    first_life = TritonProcess(supervised())
+    first_life.start()
+    adopted = TritonProcess(supervised())
+    try:
+        adopted.start()
+        assert adopted.adopted is not None and adopted.pid == first_life.pid
+        run(crash_the_family_and_serve_again(adopted, repository, tmp_path))
+        assert_stops_without_its_exit_timeout(adopted, caplog)
+        assert adopted.adopted is None and not (tmp_path / "triton.pid").exists()
+    finally:
+        adopted.stop()
+        first_life.stop()  # reaps the process its second life ended
+    assert not first_life.alive()
 
 
 def test_a_family_grown_for_new_variants_answers_from_its_new_process(triton, repository, tmp_path):
