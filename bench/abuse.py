@@ -14,6 +14,7 @@ of that size can hold, so the most work per byte a well-formed request asks for.
                          JSON depth limit allows (a ragged array is valid JSON data)
     tiny_inputs          as many one-value inputs as fit
     mixed_arrays         values and one-value arrays alternating ([0, [0], 0, [0], ...])
+    long_shape           an input whose shape is as many dimensions of 2**63 - 1 as fit
 
     .venv/bin/python -m bench.abuse [--size-mb 16] [--quick] [--repeats 3]
 
@@ -95,11 +96,21 @@ def mixed_arrays(size_bytes: int) -> Body:
     return Body(_one_input("[" + ",".join(["0,[0]"] * pairs) + "]", 2 * pairs, size_bytes))
 
 
+def long_shape(size_bytes: int) -> Body:
+    """One input whose shape is as many dimensions of 2**63 - 1 as fit, and no data."""
+    dim = str(2**63 - 1)
+    count = (size_bytes - 100) // (len(dim) + 1)
+    head = '{"inputs": [{"name": "X", "datatype": "INT32", "shape": ['
+    raw = (head + ",".join([dim] * count) + '], "data": []}]}').encode()
+    return Body(raw + b" " * max(0, size_bytes - len(raw)))
+
+
 HOSTILE: dict[str, Callable[[int], Body]] = {
     "gzip_empty_members": gzip_empty_members,
     "deep_nesting": deep_nesting,
     "tiny_inputs": tiny_inputs,
     "mixed_arrays": mixed_arrays,
+    "long_shape": long_shape,
 }
 
 

@@ -6,7 +6,6 @@ outputs.  Messages use Triton's wording where Triton has one ("Unable to parse '
 
 from __future__ import annotations
 
-import math
 from itertools import chain
 from typing import Any
 
@@ -136,6 +135,29 @@ def _tensor_name(kind: str, index: int, tensor: Any) -> str:
     return name
 
 
+def shape_text(shape: list) -> str:
+    """A shape for an error message: its first 8 dimensions (an answer is never larger than
+    the request that a long shape came in)."""
+    text = "[" + ", ".join(map(str, shape[:8])) + (", ..." if len(shape) > 8 else "") + "]"
+    return text[:200]
+
+
+def _elements(shape: list[int], item_bytes: int) -> int | None:
+    """The element count of ``shape``, or None when its bytes overflow int64, as Triton counts
+    them (a shape that overflows is refused before Triton sees it).  Multiplied one dimension
+    at a time and stopped at the overflow: ``math.prod`` of a long shape of huge dimensions
+    builds a number of millions of digits first, in one call that holds the GIL (minutes of
+    a worker's CPU for one request)."""
+    if 0 in shape:
+        return 0
+    elements = 1
+    for dim in shape:
+        elements *= dim
+        if elements * item_bytes > _INT64[1]:
+            return None
+    return elements
+
+
 def _check_input(index: int, tensor: Any) -> int:
     """Check one input; returns its binary_data_size (0 when its data is not binary)."""
     what = f"input {_tensor_name('input', index, tensor)!r}"
@@ -148,16 +170,14 @@ def _check_input(index: int, tensor: Any) -> int:
                              + ", ".join(DATATYPES))
     shape = tensor.get("shape")
     if not isinstance(shape, list) or not all(_is_uint(d, _INT64[1]) for d in shape):
-        got = json_kind(shape) if "shape" in tensor else "nothing"
-        if isinstance(shape, list):
-            got = "[" + ", ".join(map(str, shape[:8])) + (", ..." if len(shape) > 8 else "") + "]"
+        got = shape_text(shape) if isinstance(shape, list) else (
+            json_kind(shape) if "shape" in tensor else "nothing")
         raise InvalidRequest(f"Unable to parse 'shape' of {what}: expected an array of non-negative "
-                             f"integers, got {got[:200]}")
-    elements = math.prod(shape)
-    # Triton multiplies in int64: a shape that overflows it is refused before Triton sees it.
-    if elements * ITEM_BYTES.get(datatype, 1) > _INT64[1]:
-        raise InvalidRequest(f"Unable to parse 'shape' of {what}: {shape} holds more data than any "
-                             "request can carry")
+                             f"integers, got {got}")
+    elements = _elements(shape, ITEM_BYTES.get(datatype, 1))
+    if elements is None:
+        raise InvalidRequest(f"Unable to parse 'shape' of {what}: {shape_text(shape)} holds more "
+                             "data than any request can carry")
     params = tensor.get("parameters", {})
     _check_tensor_parameters(what, params, output=False)
     sources = [s for s, present in (("'data'", "data" in tensor),
@@ -243,7 +263,7 @@ def _check_data(what: str, datatype: str, shape: list[int], elements: int, data:
     if len(flat) != elements:
         raise InvalidRequest(
             f"Unable to parse 'data': Shape does not match true shape of 'data' field ({what} has "
-            f"shape {shape}, {elements} elements, but 'data' holds {len(flat)})")
+            f"shape {shape_text(shape)}, {elements} elements, but 'data' holds {len(flat)})")
     if not flat:
         return
     if datatype == "BOOL":

@@ -29,6 +29,7 @@ from bench.abuse import (
     decode_and_parse,
     deep_nesting,
     gzip_empty_members,
+    long_shape,
     normal,
 )
 from router.frontends.http_request import MAX_GZIP_MEMBERS
@@ -90,6 +91,18 @@ def test_gzip_of_many_empty_members_is_refused_at_the_cost_of_a_normal_body(norm
 def test_deep_nesting_costs_what_a_flat_body_costs(normal_cpu_s):
     # A ragged array is valid data: the body is accepted, as Triton would read it.
     assert _within_bounds("deep nesting", deep_nesting(LIMIT_BYTES), normal_cpu_s) == (200, "")
+
+
+def test_a_long_shape_of_huge_dimensions_is_refused_at_the_cost_of_a_normal_body():
+    """Its element count was computed whole before the int64 check: a number of millions of
+    digits, one C call holding the GIL (50,000 dimensions, this 1 MiB body: about 10 s of a
+    worker's CPU; the 16 MiB one: most of an hour, the worker's event loop stopped)."""
+    size = 1 << 20
+    normal_cpu_s, answer = thread_cpu_s(normal(size))
+    assert answer == (200, "")
+    status, message = _within_bounds("a long shape", long_shape(size), normal_cpu_s)
+    assert status == 400 and "holds more data than any request can carry" in message
+    assert len(message) < 500, f"the answer repeats the shape: {len(message)} characters"
 
 
 SHAPES = {  # (data, how many values it holds)
