@@ -78,11 +78,13 @@ class InvalidVersion(InvalidRequest):
     """A model version that is not a whole number >= 0 (Triton parses it with std::stol)."""
 
     def __init__(self, version: str):
+        # A long one is cut: the answer is never much larger than what the client sent.
+        shown = version if len(version) <= 40 else version[:40] + f"... ({len(version)} characters)"
         if version.startswith("-") and version[1:].isdigit():
-            super().__init__(f"invalid model version specified '{version}' , version should be an "
+            super().__init__(f"invalid model version specified '{shown}' , version should be an "
                              "integral value > 0")
         else:
-            super().__init__(f"failed to get model version from specified version string '{version}' "
+            super().__init__(f"failed to get model version from specified version string '{shown}' "
                              "(details: stol), version should be an integral value > 0")
         self.version = version
 
@@ -96,8 +98,11 @@ def parse_version(version: str) -> str:
     words: it is looked up and spliced into URLs, so only digits pass."""
     if not version:
         return ""
-    if version.isascii() and version.isdigit() and int(version) <= MAX_VERSION:
-        return str(int(version))
+    # Leading zeros off before int(): a string of over 4,300 digits is a ValueError there.
+    digits = version.lstrip("0") or "0"
+    if (version.isascii() and version.isdigit() and len(digits) <= len(str(MAX_VERSION))
+            and int(digits) <= MAX_VERSION):
+        return digits
     raise InvalidVersion(version)
 
 

@@ -155,13 +155,15 @@ def parse_header_length(value: str | None, body_bytes: int) -> int | None:
         return None
     text = value.strip()
     if not (text.isascii() and text.isdigit()):
-        raise InvalidRequest(f"Unable to parse {HEADER_LENGTH}, got: {value!r}; it must be the byte "
-                             "size of the JSON header that starts the body")
-    length = int(text)
-    if length > body_bytes:
-        raise InvalidRequest(f"inference header size should be in range (0, {body_bytes}), got: {text} "
+        raise InvalidRequest(f"Unable to parse {HEADER_LENGTH}, got: {value[:40]!r}; it must be the "
+                             "byte size of the JSON header that starts the body")
+    # Leading zeros off before int(): a string of over 4,300 digits is a ValueError there.
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(body_bytes)) or int(digits) > body_bytes:
+        shown = digits if len(digits) <= 40 else f"{digits[:40]}... ({len(digits)} digits)"
+        raise InvalidRequest(f"inference header size should be in range (0, {body_bytes}), got: {shown} "
                              f"({HEADER_LENGTH} is larger than the {body_bytes}-byte body)")
-    return length
+    return int(digits)
 
 
 def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:

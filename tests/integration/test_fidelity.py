@@ -183,6 +183,24 @@ def test_http_status_and_body_match_triton(sides, path):
     assert want.status_code >= 400
 
 
+def test_numbers_of_thousands_of_digits_are_refused_as_triton_refuses_them(sides):
+    """A version or header length past Python's 4,300-digit int() limit was a 500 (HTTP) and
+    UNKNOWN (gRPC) with a traceback logged per request; Triton refuses both as invalid."""
+    direct, routed = sides
+    digits = "1" * 5000
+    want, got = (side.get(f"/v2/models/simple/versions/{digits}/ready") for side in (direct, routed))
+    assert got.status_code == want.status_code == 400, (got.status_code, got.text[:200])
+    assert len(got.text) < 500
+    for call in (lambda c: c.is_model_ready("simple", digits),
+                 lambda c: c.infer("simple", inputs(grpcclient), model_version=digits)):
+        want, got = outcome(call, direct.grpc), outcome(call, routed.grpc)
+        assert got[0] == want[0] == "StatusCode.INVALID_ARGUMENT", got
+    for side in (direct, routed):
+        resp = requests.post(f"http://{side.urls['http']}/v2/models/simple/infer", data=b"{}",
+                             headers={"Inference-Header-Content-Length": digits}, timeout=60)
+        assert resp.status_code == 400, (side, resp.status_code, resp.text[:200])
+
+
 def test_http_non_numeric_version_on_infer_is_not_routed(sides):
     direct, routed = sides
     for side in (direct, routed):

@@ -129,6 +129,8 @@ STOL = ("failed to get model version from specified version string '{}' (details
     ("abc", STOL.format("abc")), ("1a", STOL.format("1a")), ("\u00b2", STOL.format("\u00b2")),
     ("99999999999999999999", STOL.format("99999999999999999999")),
     ("-1", "invalid model version specified '-1' , version should be an integral value > 0"),
+    # Past 4,300 digits int() raises ValueError (once a 500); a long one is shown cut.
+    ("1" * 5000, STOL.format("1" * 40 + "... (5000 characters)")), ("0" * 5000 + "7", "7"),
 ])
 def test_versions_are_digits_only_in_tritons_words(given, expected):
     try:
