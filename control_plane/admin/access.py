@@ -120,6 +120,13 @@ class UnsupportedMediaType(ControlPlaneError):
     code = "unsupported_media_type"
 
 
+def same_secret(given: str, secret: str) -> bool:
+    """Constant-time comparison of a secret the client sent with ours.  What the client sent
+    may hold any code point (a header's bytes that are not UTF-8 come as surrogates, so may a
+    JSON string): it is compared, never a reason for an error."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), secret.encode())
+
+
 @dataclass(frozen=True)
 class AdminAccess:
     """Who may call the admin API.
@@ -180,7 +187,7 @@ class AdminAccess:
         if scheme.lower() != "bearer":
             return False
         given = given.strip()
-        if self.dataplane_token and hmac.compare_digest(given.encode(), self.dataplane_token.encode()):
+        if self.dataplane_token and same_secret(given, self.dataplane_token):
             if path.startswith(DATAPLANE_PREFIX):
                 return True
             raise Forbidden(f"the data-plane token opens {DATAPLANE_PREFIX}* only, the router "
@@ -189,7 +196,7 @@ class AdminAccess:
         return self.check_token(given, address)
 
     def token_matches(self, given: str) -> bool:
-        return self.token is None or hmac.compare_digest(given.encode(), self.token.encode())
+        return self.token is None or same_secret(given, self.token)
 
     def session_value(self, now: float) -> str:
         """A session cookie's value: its expiry, its id and a MAC of both keyed by the token
@@ -217,7 +224,7 @@ class AdminAccess:
         if found is None or int(found[1]) <= now:
             return None
         expires, sid = int(found[1]), found[2]
-        if not hmac.compare_digest(found[3].encode(), self._session_mac(expires, sid).encode()):
+        if not same_secret(found[3], self._session_mac(expires, sid)):
             return None
         return expires, sid
 

@@ -122,6 +122,18 @@ def test_the_router_workers_credential_opens_the_data_plane_only(product):
         assert dataplane.encode() in environ and admin.encode() not in environ
 
 
+def test_a_token_that_is_not_utf8_is_refused_as_a_wrong_one(product):
+    """Bytes that are not UTF-8 in the Authorization header, or a lone surrogate in the
+    status page's sign-in: once a 500 with a traceback logged per request."""
+    answer = requests.get(product.url + "/v1/status", headers={"Authorization": b"Bearer \xff\xfe"},
+                          timeout=30)
+    assert answer.status_code == 401, answer.text
+    answer = requests.post(product.url + "/v1/session", data=b'{"token": "\\ud800"}',
+                           headers={"Content-Type": "application/json"}, timeout=30)
+    assert answer.status_code == 401, answer.text
+    assert product.json("status")  # the admin API goes on answering
+
+
 def test_a_failed_fill_shows_no_secret_anywhere(product):
     """A variant whose fill fails: its failure text reaches the client, the health answers,
     `mmctl status --json`, the logs and the metrics, and none of them holds a secret."""

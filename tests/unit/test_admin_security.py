@@ -268,3 +268,22 @@ def test_a_short_admin_token_given_by_hand_is_refused_at_start(tmp_path):
     with pytest.raises(InvalidInput, match="at least 16"):
         ServiceConfig(state_dir=tmp_path, admin_token="secret").validate()
     ServiceConfig(state_dir=tmp_path, admin_token="x" * 16).validate()
+
+
+def test_a_token_that_is_not_utf8_is_a_wrong_token_not_an_error():
+    """A header's bytes that are not UTF-8 reach the check as surrogates (so may a JSON
+    string, the status page's sign-in): encoding them raised, a 500 with a traceback logged
+    per request, and no wrong token counted against the address (the same through a real
+    admin API: tests/security/test_ports_and_credentials.py)."""
+    clock = Clock()
+    access = limited(clock)
+    with_dataplane = AdminAccess(token=TOKEN, dataplane_token="d" * 32, bind_host="127.0.0.1")
+    for token in ("\udcff\udcfe", "\ud800"):
+        assert not access.token_ok(f"Bearer {token}", "10.0.0.9", "/v1/status")
+        assert not with_dataplane.token_ok(f"Bearer {token}", "10.0.0.9", "/v1/dataplane/x")
+    assert not access.check_token("\ud800", "10.0.0.9")  # the third wrong one
+    from control_plane.admin.access import TooManyAttempts
+
+    with pytest.raises(TooManyAttempts):
+        access.token_ok(f"Bearer {TOKEN}", "10.0.0.9", "/v1/status")
+    assert not access.session_ok("1.2.\udcff", clock.now)
