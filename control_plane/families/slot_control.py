@@ -142,13 +142,16 @@ class FamilyAdmin(TritonAdmin):
         self.instance(family.name).move(FamilyState.ABSENT, "Triton does not have it")
         return ModelNotFound(f"family {family.name} is not loaded on {self.grpc_url}")
 
-    async def _ensure_family(self, family: Family) -> dict:
+    async def _ensure_family(self, family: Family, load_absent: bool = True) -> dict:
         """The family model is loaded here and its process alive; returns its status.  A
-        family whose process died is loaded again and gets its variants back.  Call with
-        the family's lock held."""
+        family whose process died is loaded again and gets its variants back; one Triton
+        does not have is loaded unless ``load_absent`` is False (ModelNotFound then).  Call
+        with the family's lock held."""
         try:
             return await self.control(family, {"op": "status"})
         except ModelNotFound:
+            if not load_absent:
+                raise
             held: set[str] = set()
         except FamilyUnhealthy as exc:
             held = set(self.instance(family.name).resident)
@@ -477,7 +480,12 @@ class FamilyAdmin(TritonAdmin):
                 continue
             try:
                 async with self.instance(name).lock:
-                    status = await self._ensure_family(family)
+                    # Unloaded since Triton's index was read (the manager freed its room,
+                    # under this lock): a read of the index loads nothing.  A process that
+                    # died is loaded again: its room is still counted.
+                    status = await self._ensure_family(family, load_absent=False)
+            except ModelNotFound:
+                continue
             except ControlPlaneError as exc:
                 log.warning("family %s on %s did not report its slots: %s", name, self.grpc_url,
                             exc.message)

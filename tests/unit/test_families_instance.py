@@ -312,6 +312,29 @@ def test_a_family_triton_no_longer_has_is_absent_and_nothing_of_it_is_kept(catal
     assert admin.taken() == [("absent", "loading"), ("loading", "serving")]
 
 
+def test_a_family_unloaded_while_the_index_is_read_is_not_loaded_again_by_the_read(
+        catalog, triton):
+    """Triton's index lists the family ready; before the read takes the family's lock the
+    manager unloads it (its room given to another model).  The read once loaded it again,
+    all its slots, outside any room the manager reserved."""
+    admin = serving(Admin(catalog, triton), "acme")
+    listed = triton.RepositoryIndex
+
+    async def index_then_unloaded(request, metadata=None, timeout=None):
+        answer = await listed(request, metadata, timeout)  # READY
+        triton.loaded = False
+        triton.resident.clear()
+        return answer
+
+    triton.RepositoryIndex = index_then_unloaded
+    index = run(admin.admin.index())
+    assert triton.loads == 1, "a read of the index loaded the family again"
+    assert "acme" not in index and FAMILY not in index
+    triton.RepositoryIndex = listed
+    run(admin.admin.index())
+    assert admin.instance.state is FamilyState.ABSENT and triton.loads == 1
+
+
 def test_a_warm_up_warms_the_process_that_served_it_and_no_later_one(catalog, triton):
     admin = serving(Admin(catalog, triton), "acme")
     assert run(admin.admin.warmup_plan("acme")).warm_already is None
