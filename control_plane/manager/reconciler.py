@@ -250,11 +250,21 @@ class Reconciler:
                          memory_bytes=pool.slots * max(pool.slot_bytes, 1))
         for key, rec in list(self.book.pools.items()):
             if (rec.server != server.name or rec.holder in listed or key in busy
-                    or rec.moved_at >= read_at
-                    or rec.state not in (ModelState.READY, ModelState.UNLOAD_FAILED)):
+                    or rec.moved_at >= read_at):
                 continue
-            log.info("family %s is no longer loaded on %s: its slots' room is free", rec.holder,
-                     server.name)
+            if rec.state == ModelState.LOADING:
+                # Reserved by a first load that failed while its variant stayed a member (an
+                # unload that failed too); once no variant holds or loads into it, nothing
+                # settles it but this (a load in progress keeps its variant a member).
+                if server.planner.members(rec.name):
+                    continue
+                log.info("family %s was never loaded on %s and no variant holds its slots: "
+                         "their room is free", rec.holder, server.name)
+            elif rec.state not in (ModelState.READY, ModelState.UNLOAD_FAILED):
+                continue
+            else:
+                log.info("family %s is no longer loaded on %s: its slots' room is free",
+                         rec.holder, server.name)
             rec.move(ModelState.WARM, server=None)
 
     async def _restart_triton(self, server: TritonServer) -> None:

@@ -11,10 +11,10 @@ import pytest
 
 from control_plane.eviction import CachePlanner, Capacity, LRUPolicy, Resident
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
-from control_plane.manager.records import SlotPool
+from control_plane.manager.records import ModelState, SlotPool
 from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import IndexEntry, TritonModelState
-from domain.errors import CapacityExhausted
+from domain.errors import CapacityExhausted, ControlPlaneError, TritonUnavailable
 from tests.unit.test_manager_unit import FakeAdmin
 
 SLOT_BYTES = 100
@@ -282,6 +282,35 @@ def test_a_variants_copy_takes_a_slot_of_its_family_on_the_other_server(tmp_path
         await mgr.unload("v1")
         await idle(mgr)
         assert not any(a.states.get("v1") == TritonModelState.READY for a in admins.values())
+        await mgr.close()
+
+    run(go())
+
+
+def test_a_first_load_failed_with_triton_unreachable_frees_its_familys_room(tmp_path):
+    """The family's first load fails with Triton unreachable, and so does the unload that
+    undoes it: the variant is left UNLOAD_FAILED, a member of the family's room, which
+    stays LOADING.  Once the reconcile finds the variant gone, nothing held the room any
+    more, yet it stayed LOADING for good: its bytes counted, and every later miss of the
+    family waited out capacity_wait_s for 'its family is being unloaded'."""
+    async def go():
+        mgr, admin, server = make(tmp_path, budget_bytes=400)
+        await mgr.start()
+
+        async def unreachable(model):
+            raise TritonUnavailable("Triton at fake:1 does not answer")
+
+        admin.load = admin.unload = unreachable
+        with pytest.raises(ControlPlaneError):
+            await mgr.ensure("v1")
+        del admin.load, admin.unload  # Triton answers again
+        for _ in range(3):
+            await mgr.step()
+            await idle(mgr)
+        pool = mgr.state.book.pools["fam@s0"]
+        assert pool.state == ModelState.WARM and server.planner.used_bytes == 0, pool.state
+        await asyncio.wait_for(mgr.ensure("v2"), 5)
+        assert ready(mgr) == {"v2"} and server.planner.used_bytes == 200
         await mgr.close()
 
     run(go())
