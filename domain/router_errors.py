@@ -149,12 +149,22 @@ class NoSuchPath(RouterError):
         super().__init__("Not Found")
 
 
+# Triton's HTTP status for each of its error codes (its HTTP front end maps them this way;
+# any other code is a 400).  A call the router forwarded over gRPC for an HTTP client
+# answers with the status Triton's HTTP front end would have given.
+TRITON_HTTP_STATUS = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.INTERNAL: 500,
+                      grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.UNIMPLEMENTED: 501,
+                      grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+
+
 class UpstreamError(RouterError):
-    """Triton's answer to a forwarded call, its status code kept."""
+    """Triton's answer to a forwarded call, its status code kept (and on HTTP, the status
+    Triton's HTTP front end gives that code)."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.grpc_code = code
+        self.http_status = TRITON_HTTP_STATUS.get(code, 400)
 
 
 def from_control_plane(exc: cp.ControlPlaneError) -> RouterError:

@@ -11,22 +11,12 @@ from pathlib import Path
 
 import grpc
 
-from domain.router_errors import RouterError
+from domain.router_errors import UpstreamError
 
 SHM_ROOT = Path("/dev/shm")
 
-# Triton's HTTP status for each of its error codes (its HTTP front end maps them this way).
-_HTTP_STATUS = {grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.INTERNAL: 500,
-                grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.UNIMPLEMENTED: 501}
-
-
-class SharedMemoryError(RouterError):
+class SharedMemoryError(UpstreamError):
     """A shared-memory answer in Triton's code and words."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.grpc_code = code
-        self.http_status = _HTTP_STATUS.get(code, 400)
 
 
 # Objects of the serving processes themselves (Triton's python-backend stubs, PostgreSQL,

@@ -7,6 +7,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+import grpc
 import pytest
 from prometheus_client import generate_latest
 from tritonclient.grpc import model_config_pb2, service_pb2
@@ -21,6 +22,7 @@ from domain.router_errors import (
     RateLimited,
     RouterError,
     UnknownModel,
+    UpstreamError,
     parse_version,
 )
 from domain.routes import RouteTable
@@ -237,3 +239,16 @@ def test_a_malformed_adapter_name_says_how_to_write_one(tmp_path):
     with pytest.raises(RouterError, match="write BASE:ADAPTER") as info:
         router.decider.route("simple:a:b", None)
     assert info.value.grpc_code.name == "INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize(("code", "status"), [
+    (grpc.StatusCode.NOT_FOUND, 404), (grpc.StatusCode.UNAVAILABLE, 503),
+    (grpc.StatusCode.INTERNAL, 500), (grpc.StatusCode.UNIMPLEMENTED, 501),
+    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.ALREADY_EXISTS, 400),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+])
+def test_a_tritons_answer_forwarded_over_grpc_has_the_http_status_triton_gives_it(code, status):
+    """An HTTP client's metadata, config or statistics call goes to Triton over gRPC: its
+    refusal (the model unloaded meanwhile: NOT_FOUND) was a 500 whatever its code."""
+    answer = UpstreamError(code, "Request for unknown model: 'm' is not found")
+    assert (answer.grpc_code, answer.http_status) == (code, status)
