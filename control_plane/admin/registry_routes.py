@@ -76,20 +76,31 @@ async def add_version(request: web.Request) -> web.Response:
     if not isinstance(metrics, list):
         raise InvalidInput("metrics must be a list of 'name=value' or an object")
     version = body.get("version")
+    text = {key: _text(body, key) for key in ("artifact_uri", "sha256", "source_dir", "sla",
+                                              "data_fingerprint", "tenant", "stage", "family",
+                                              "weights")}
     previous = registry.production(model)
     mv = await register_version(
         registry, model, _version(version) if version is not None else None,
-        who=_who(request, body), artifact_uri=body.get("artifact_uri"), sha256=body.get("sha256"),
-        source_dir=body.get("source_dir"), sla=body.get("sla") or DEFAULT_SLA,
+        who=_who(request, body), artifact_uri=text["artifact_uri"], sha256=text["sha256"],
+        source_dir=text["source_dir"], sla=text["sla"] or DEFAULT_SLA,
         metrics=parse_metrics(str(m) for m in metrics),
-        data_fingerprint=body.get("data_fingerprint"), tenant=body.get("tenant"),
-        stage=body.get("stage") or None,
+        data_fingerprint=text["data_fingerprint"], tenant=text["tenant"],
+        stage=text["stage"] or None,
         synthetic_warmup=_flag(body.get("synthetic_warmup", True), "synthetic_warmup"),
-        family=body.get("family") or None, weights=body.get("weights") or None,
+        family=text["family"] or None, weights=text["weights"] or None,
         families=request.app.get(FAMILIES_KEY))
     out = mv.to_dict()
     out["serves"] = _serves(model, mv, previous, stage_given=bool(body.get("stage")))
     return web.json_response(out, status=201)
+
+
+def _text(body: dict, key: str) -> str | None:
+    """A string field of a request's JSON body, or None when absent or null."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise InvalidInput(f"{key} must be a string, got {type(value).__name__} {str(value)[:40]!r}")
+    return value
 
 
 def _serves(model: str, mv, previous, stage_given: bool) -> str:

@@ -87,17 +87,43 @@ async def register_version(registry: Registry, model: str, version: int | None =
     stores = registry.stores
     if stores is None:
         raise InvalidInput("no cold store is configured; the registry cannot reach artifacts")
+    if artifact_uri is not None and not isinstance(artifact_uri, str):
+        raise InvalidInput(f"artifact_uri must be a string (s3://bucket/path/ or file:///path/), "
+                           f"got {type(artifact_uri).__name__}")
     if version is None:
         version = registry.next_version(model)
-    if registry.find(model, int(version)) is not None:
+    if stage is None:
+        stage = "registered" if registry.production(model) is not None else "production"
+    # Cheap checks before any upload: a refused version must not leave files in the store.
+    version, _name = registry.check_new(model, version, sla=sla, stage=stage)
+    if registry.find(model, version) is not None:
         raise InvalidInput(f"{model} version {version} is already registered; versions are "
                            "immutable, register the new artifact as a new --version "
                            f"(or leave --version out: the next free one is {registry.next_version(model)})")
-    if stage is None:
-        stage = "registered" if registry.production(model) is not None else "production"
-    # Cheap checks before any upload: a refused name must not leave files in the store.
-    registry._check_names_free(model, concrete_name(model, int(version)))
-    uri = artifact_uri or stores.default_uri(model, int(version))
+    registry._check_names_free(model, concrete_name(model, version))
+    uri = artifact_uri or stores.default_uri(model, version)
+    publishing = source_dir is not None or weights is not None
+    if publishing:
+        # Versions are immutable: files a registered version reads are never written again.
+        user = registry.artifact_user(uri)
+        if user is not None:
+            raise InvalidInput(
+                f"{uri} holds the artifact of {user.model} version {user.version} (or is in or "
+                "above its folder); versions are immutable: publish to another URI, or leave the "
+                "artifact URI out (each version gets its own folder)")
+    with registry.registering(model, version, uri):
+        return await _publish_and_add(
+            registry, stores, uri, model, version, who=who, sha256=sha256, source_dir=source_dir,
+            sla=sla, metrics=metrics, data_fingerprint=data_fingerprint, tenant=tenant,
+            stage=stage, synthetic_warmup=synthetic_warmup, family=family, weights=weights,
+            families=families)
+
+
+async def _publish_and_add(registry: Registry, stores, uri: str, model: str, version: int, *,
+                           who: str, sha256: str | None, source_dir: str | None, sla: str,
+                           metrics: dict[str, float] | None, data_fingerprint: str | None,
+                           tenant: str | None, stage: str, synthetic_warmup: bool,
+                           family: str | None, weights: str | None, families) -> ModelVersion:
     store = stores.for_uri(uri)
     if family is not None or weights is not None:
         info = await _register_variant(store, uri, model, family, weights, source_dir, families)
@@ -116,7 +142,7 @@ async def register_version(registry: Registry, model: str, version: int | None =
         raise InvalidInput(f"the artifact at {info.uri} has sha256 {info.sha256}, not the "
                            f"{normalize_sha256(sha256)} you gave; check the upload")
     return await registry.db.off_loop(
-        registry.add, model, int(version), info.uri, info.sha256, info.size_bytes, who=who,
+        registry.add, model, version, info.uri, info.sha256, info.size_bytes, who=who,
         sla=sla, metrics=metrics, data_fingerprint=data_fingerprint, tenant=tenant, stage=stage,
         synthetic_warmup=synthetic_warmup, family=family)
 

@@ -54,6 +54,9 @@ class Registry:
         self._named: dict[str, ModelVersion | None] = {}
         self._generation = 0
         self._named_lock = threading.Lock()
+        # Registrations under way (model, version) -> artifact URI: their files are being
+        # published, their row not written yet (``registering``).
+        self._registering: dict[tuple[str, int], str] = {}
 
     @contextlib.contextmanager
     def _transaction(self):
@@ -158,10 +161,38 @@ class Registry:
         return name
 
     def next_version(self, model: str) -> int:
-        """The next free version number of ``model`` (1 for a new model)."""
+        """The next free version number of ``model`` (1 for a new model), past any being
+        registered now."""
         row = self.db.execute("SELECT MAX(version) FROM registry_versions WHERE model = ?",
                               (model,)).fetchone()
-        return (row[0] or 0) + 1
+        under_way = [v for m, v in self._registering if m == model]
+        return max([row[0] or 0, *under_way]) + 1
+
+    def artifact_user(self, uri: str) -> ModelVersion | None:
+        """A registered version whose artifact is at ``uri``, in a folder above it or under
+        it: publishing there would change that version's files."""
+        for version in self._rows():
+            if _overlap(version.artifact_uri, uri):
+                return version
+        return None
+
+    @contextlib.contextmanager
+    def registering(self, model: str, version: int, uri: str):
+        """Hold ``model`` ``version`` and its artifact URI while its files are published and
+        its row written: a second registration of the same version, or one publishing into
+        the same place, is refused meanwhile instead of writing over its files.  Taken on
+        the event loop, before the first await."""
+        for (other, number), other_uri in self._registering.items():
+            if (other, number) == (model, version) or _overlap(other_uri, uri):
+                raise InvalidInput(
+                    f"{other} version {number} is being registered now, at {other_uri}; wait "
+                    "until it is (mmctl registry list) and register this one as another version "
+                    "or at another URI")
+        self._registering[(model, version)] = uri
+        try:
+            yield
+        finally:
+            del self._registering[(model, version)]
 
     def concrete_names(self, include_retired: bool = False) -> set[str]:
         where = "" if include_retired else "WHERE stage != 'retired'"
@@ -195,25 +226,8 @@ class Registry:
         """Register one version.  Re-adding an existing version is refused (versions are
         immutable: a different artifact is a new version).  ``triton_name`` is the
         concrete name when it is not ``<model>.v<version>`` (a repository folder's name)."""
-        validate_model_name(model)
-        if parse_concrete(model) is not None:
-            raise InvalidInput(
-                f"model name {model!r} ends in '.v<N>', which is reserved for versions; "
-                "register the logical name and pass --version")
-        try:
-            version = int(version)
-        except (TypeError, ValueError):
-            raise InvalidInput(f"version ({version!r}) must be a whole number >= 1") from None
-        if version < 1:
-            raise InvalidInput(f"version ({version}) must be >= 1")
-        name = triton_name or f"{model}.v{version}"
-        if len(name) > MAX_NAME_LENGTH:
-            raise InvalidInput(f"{name!r} is longer than {MAX_NAME_LENGTH} characters; use a shorter model name")
-        validate_model_name(name)
-        if sla not in SLA_CLASSES:
-            raise InvalidInput(f"SLA class {sla!r} is unknown; choose one of {', '.join(SLA_CLASSES)}")
-        if stage not in STAGES or stage == "retired":
-            raise InvalidInput(f"initial stage {stage!r} must be one of {', '.join(STAGES[:-1])}")
+        version, name = self.check_new(model, version, sla=sla, stage=stage,
+                                       triton_name=triton_name)
         if not artifact_uri or "://" not in artifact_uri:
             raise InvalidInput(f"artifact URI {artifact_uri!r} must look like s3://bucket/path/ or file:///path/")
         if size_bytes is None or int(size_bytes) < 0:
@@ -243,6 +257,32 @@ class Registry:
         log.info("registry: %s v%d added by %s (stage %s, %s)", model, version, who, stage, artifact_uri)
         self._notify(name, stage)
         return self.get(model, version)
+
+    def check_new(self, model: str, version, *, sla: str = DEFAULT_SLA, stage: str = "registered",
+                  triton_name: str | None = None) -> tuple[int, str]:
+        """The checks of a new version that need no artifact: (its number, its concrete
+        name), or InvalidInput saying what is wrong.  Made before anything is uploaded, so
+        that a refused version leaves no files in the store."""
+        validate_model_name(model)
+        if parse_concrete(model) is not None:
+            raise InvalidInput(
+                f"model name {model!r} ends in '.v<N>', which is reserved for versions; "
+                "register the logical name and pass --version")
+        try:
+            version = int(version)
+        except (TypeError, ValueError):
+            raise InvalidInput(f"version ({version!r}) must be a whole number >= 1") from None
+        if version < 1:
+            raise InvalidInput(f"version ({version}) must be >= 1")
+        name = triton_name or f"{model}.v{version}"
+        if len(name) > MAX_NAME_LENGTH:
+            raise InvalidInput(f"{name!r} is longer than {MAX_NAME_LENGTH} characters; use a shorter model name")
+        validate_model_name(name)
+        if sla not in SLA_CLASSES:
+            raise InvalidInput(f"SLA class {sla!r} is unknown; choose one of {', '.join(SLA_CLASSES)}")
+        if stage not in STAGES or stage == "retired":
+            raise InvalidInput(f"initial stage {stage!r} must be one of {', '.join(STAGES[:-1])}")
+        return version, name
 
     def _check_names_free(self, model: str, name: str) -> None:
         """One name, one meaning: a concrete name is used by one version, and a logical name
@@ -337,6 +377,12 @@ class Registry:
                 listener(name, stage)
             except Exception:  # a listener's bug must not undo a committed change
                 log.exception("stage-change listener failed for %s", name)
+
+
+def _overlap(first: str, second: str) -> bool:
+    """Whether two artifact URIs are one folder, or one is inside the other."""
+    first, second = first.rstrip("/") + "/", second.rstrip("/") + "/"
+    return first.startswith(second) or second.startswith(first)
 
 
 def _in_a_loop() -> bool:

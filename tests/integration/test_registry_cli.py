@@ -213,6 +213,17 @@ def test_errors_map_to_exit_codes(admin, tmp_path):
     assert code == 3 and "not running" in out
 
 
+@pytest.mark.parametrize("field", ["artifact_uri", "source_dir", "sha256", "stage", "weights"])
+def test_a_field_of_the_wrong_type_is_a_400_that_names_it(admin, field):
+    """{"source_dir": 7} was a TypeError deep in the registration, answered 500."""
+    import requests
+
+    answer = requests.post(f"{admin.url}/v1/registry/models/m/versions", json={field: 7}, timeout=30)
+    assert answer.status_code == 400, answer.text
+    assert f"{field} must be a string" in answer.json()["message"]
+    assert admin.registry.versions("m") == []
+
+
 def test_stage_reports_a_corrupt_artifact(admin, fleet_template):
     code, out = mmctl(admin.url, "add", "cust002", "--version", "1", "--from-dir",
                       str(fleet_template / "cust002"))

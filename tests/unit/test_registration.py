@@ -1,0 +1,95 @@
+"""Registering a version whose files are published to the cold store (``register_version``):
+versions are immutable, so a registration never writes over files a registered version
+reads, and a refused one leaves no files behind (a local-directory store, no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from control_plane.registry import Registry, register_version
+from control_plane.state.state_store import StateStore
+from control_plane.tiers.cold import ColdStores, LocalDirStore, download_verified
+from domain.errors import InvalidInput
+from tests.unit.test_cold_store import make_folder
+
+
+@pytest.fixture
+def registry(tmp_path) -> Registry:
+    stores = ColdStores([LocalDirStore(tmp_path / "cold")])
+    return Registry(StateStore(tmp_path / "state.db").db, stores=stores)
+
+
+def files_under(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def register(registry: Registry, folder: Path, **kwargs):
+    return asyncio.run(register_version(registry, "m", who="test", source_dir=str(folder), **kwargs))
+
+
+def test_a_registration_never_publishes_over_a_registered_versions_files(registry, tmp_path):
+    """Its sha256 was checked only after the upload: v1's files were already rewritten, and
+    v1 (its recorded sha256 the old one) could never be downloaded again."""
+    v1 = register(registry, make_folder(tmp_path / "one", weights=b"1" * 4000))
+    other = make_folder(tmp_path / "two", weights=b"2" * 4000)
+    for uri in (v1.artifact_uri, v1.artifact_uri.rstrip("/"), v1.artifact_uri + "1/",
+                v1.artifact_uri.rsplit("/", 2)[0] + "/"):
+        with pytest.raises(InvalidInput, match="holds the artifact of m version 1"):
+            register(registry, other, version=2, artifact_uri=uri, sha256="1" * 64)
+    folder, _size = download_verified(LocalDirStore(tmp_path / "cold"), v1.artifact_uri, v1.sha256,
+                                      tmp_path / "staging", "m v1")
+    assert (folder / "1" / "weights.bin").read_bytes() == b"1" * 4000
+    assert registry.find("m", 2) is None
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"version": 0}, "must be >= 1"),
+    ({"sla": "platinum"}, "SLA class 'platinum' is unknown"),
+    ({"stage": "retired"}, "initial stage 'retired'"),
+    ({"artifact_uri": 5}, "artifact_uri must be a string"),
+])
+def test_a_refused_version_leaves_no_files_in_the_store(registry, tmp_path, kwargs, message):
+    with pytest.raises(InvalidInput, match=message):
+        register(registry, make_folder(tmp_path / "src"), **kwargs)
+    cold = tmp_path / "cold"
+    assert not cold.exists() or files_under(cold) == []
+
+
+def test_two_registrations_at_once_take_two_versions(registry, tmp_path, monkeypatch):
+    """Both read the same next free version and published to the same folder: one row won,
+    its files possibly the other's."""
+    from control_plane.registry import artifacts
+
+    first_publishing, go_on = threading.Event(), threading.Event()
+    publish = artifacts.publish
+
+    def slow_publish(store, folder, uri):
+        if folder.parent.name == "one":
+            first_publishing.set()
+            assert go_on.wait(10)
+        return publish(store, folder, uri)
+
+    monkeypatch.setattr(artifacts, "publish", slow_publish)
+    one = make_folder(tmp_path / "one", weights=b"1" * 4000)
+    two = make_folder(tmp_path / "two", weights=b"2" * 4000)
+
+    async def both():
+        first = asyncio.create_task(register_version(registry, "m", who="a", source_dir=str(one)))
+        await asyncio.to_thread(first_publishing.wait, 10)
+        with pytest.raises(InvalidInput, match="m version 1 is being registered now"):
+            await register_version(registry, "m", version=1, who="b", source_dir=str(two))
+        second = await register_version(registry, "m", who="b", source_dir=str(two))
+        go_on.set()
+        return await first, second
+
+    first, second = asyncio.run(both())
+    assert (first.version, second.version) == (1, 2)
+    assert first.artifact_uri != second.artifact_uri
+    for mv, weights in ((first, b"1" * 4000), (second, b"2" * 4000)):
+        folder, _ = download_verified(LocalDirStore(tmp_path / "cold"), mv.artifact_uri, mv.sha256,
+                                      tmp_path / f"staging{mv.version}", f"m v{mv.version}")
+        assert (folder / "1" / "weights.bin").read_bytes() == weights
