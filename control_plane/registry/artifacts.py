@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -58,6 +59,24 @@ def check_model_folder(folder: Path, model: str) -> None:
     if not any(p.is_dir() and p.name.isdigit() for p in folder.iterdir()):
         raise InvalidInput(f"{folder} has no version folder; Triton loads numbered folders such "
                            "as 1/ (with model.py for the python backend) next to config.pbtxt")
+    links = _symlinks(folder)
+    if links:
+        shown = ", ".join(links[:5]) + (f" and {len(links) - 5} more" if len(links) > 5 else "")
+        raise InvalidInput(
+            f"{folder} holds symbolic links ({shown}); the cold store keeps files, and a "
+            "published copy would miss what they point to: copy the folder with its links "
+            f"resolved (cp -rL {folder} COPY) and add the copy")
+
+
+def _symlinks(folder: Path) -> list[str]:
+    """The symbolic links in ``folder`` (files or folders), relative to it."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in sorted(dirnames + filenames):
+            path = Path(dirpath) / name
+            if path.is_symlink():
+                found.append(path.relative_to(folder).as_posix())
+    return sorted(found)
 
 
 async def register_version(registry: Registry, model: str, version: int | None = None, *,

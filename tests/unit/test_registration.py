@@ -93,3 +93,20 @@ def test_two_registrations_at_once_take_two_versions(registry, tmp_path, monkeyp
         folder, _ = download_verified(LocalDirStore(tmp_path / "cold"), mv.artifact_uri, mv.sha256,
                                       tmp_path / f"staging{mv.version}", f"m v{mv.version}")
         assert (folder / "1" / "weights.bin").read_bytes() == weights
+
+
+@pytest.mark.parametrize("link", ["config.pbtxt", "1/weights.bin", "1"])
+def test_a_folder_with_symbolic_links_is_refused_before_anything_is_published(registry, tmp_path,
+                                                                              link):
+    """Links were skipped silently: a config or weights file behind one was missing from the
+    published copy, which verified cleanly and failed only when Triton loaded it."""
+    folder = make_folder(tmp_path / "src")
+    target = tmp_path / "elsewhere" / link
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (folder / link).rename(target)
+    (folder / link).symlink_to(target)
+    with pytest.raises(InvalidInput, match=f"holds symbolic links \\({link}\\).*cp -rL"):
+        register(registry, folder)
+    cold = tmp_path / "cold"
+    assert not cold.exists() or files_under(cold) == []
+    assert registry.versions("m") == []
