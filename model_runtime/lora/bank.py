@@ -130,11 +130,11 @@ class _RowContext:
         self.rows = index.shape[0]
         self.used_slots = used_slots
         self.uniform_slot: int | None = None
-        self.row_mask: torch.Tensor | None = None
+        self.base_rows: torch.Tensor | None = None
         if bank.dense_uniform and len(used_slots) == 1:
             self.uniform_slot = next(iter(used_slots))
             if has_base_rows:
-                self.row_mask = (index != 0).to(bank.dtype)
+                self.base_rows = index == 0
         self._touches: dict[str, bool] = {}
         self._bags: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._slots: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -369,8 +369,10 @@ class LoraBank:
         layer = self._layers[module]
         if ctx.uniform_slot is not None:
             out = (x @ layer.a_t[ctx.uniform_slot]) @ layer.b_t[ctx.uniform_slot]
-            if ctx.row_mask is not None:
-                out = out * ctx.row_mask.view(rows, *([1] * (x.dim() - 1)))
+            if ctx.base_rows is not None:
+                # Set, not multiplied by 0: an adapter's infinite update times 0 is NaN, and
+                # a base row beside it must get the base model's answer whatever it does.
+                out.masked_fill_(ctx.base_rows.view(rows, *([1] * (x.dim() - 1))), 0)
             return output + out
         in_features, out_features = layer.in_features, layer.out_features
         positions = x.numel() // (rows * in_features)

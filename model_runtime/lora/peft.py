@@ -36,6 +36,10 @@ from .names import validate_adapter_name
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_WEIGHTS_FILE = "adapter_model.bin"
+# The dtypes a LoRA factor may be stored in (what PEFT saves; float8 has no isfinite).
+WEIGHT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+# A PEFT pattern names a module, a few dozen characters: a long one is no module's name.
+MAX_PATTERN_CHARS = 256
 
 # PEFT strips the adapter name ("default") when it saves; older files may still carry it.
 _KEY_RE = re.compile(
@@ -109,9 +113,24 @@ class LoraConfig:
         ):
             raise _fail(name, f"'rank_pattern' must map patterns to positive ints, got {rank_pattern!r}")
         if not isinstance(alpha_pattern, dict) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in alpha_pattern.values()
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            for v in alpha_pattern.values()
         ):
-            raise _fail(name, f"'alpha_pattern' must map patterns to numbers, got {alpha_pattern!r}")
+            raise _fail(name, f"'alpha_pattern' must map patterns to finite numbers, got {alpha_pattern!r}")
+        # Patterns are compiled here, where a bad one is refused with the file's name (re.error
+        # later was an internal error on every request naming the adapter).
+        for where, pattern in [("target_modules", targets if isinstance(targets, str) else None),
+                               *(("rank_pattern", k) for k in rank_pattern),
+                               *(("alpha_pattern", k) for k in alpha_pattern)]:
+            if pattern is None:
+                continue
+            if not isinstance(pattern, str) or len(pattern) > MAX_PATTERN_CHARS:
+                raise _fail(name, f"{where} pattern {str(pattern)[:80]!r} must be a regular "
+                            f"expression of at most {MAX_PATTERN_CHARS} characters")
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise _fail(name, f"{where} pattern {pattern!r} is not a regular expression: {exc}") from None
         base = raw.get("base_model_name_or_path")
         return cls(
             r=r,
@@ -307,15 +326,18 @@ def read_adapter(
                 name, f"{module}: rank {r} exceeds this model's max_lora_rank {max_rank}; "
                 "raise max_lora_rank in the model config"
             )
-        if not (a.is_floating_point() and b.is_floating_point()):
-            raise _fail(name, f"{module}: tensors must be floating point, got {a.dtype}/{b.dtype}")
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise _fail(name, f"{module}: weights contain NaN or infinity")
+        if a.dtype not in WEIGHT_DTYPES or b.dtype not in WEIGHT_DTYPES:
+            raise _fail(name, f"{module}: tensors must be floating point (float16, bfloat16, "
+                        f"float32 or float64), got {a.dtype}/{b.dtype}")
         scale = config.scale_for(module)
-        weights[module] = (
-            a.to(dtype).contiguous(),
-            (b.to(torch.float64) * scale).to(dtype).contiguous(),
-        )
+        a_served = a.to(dtype).contiguous()
+        b_served = (b.to(torch.float64) * scale).to(dtype).contiguous()
+        # Checked as served (scaled, in the model's dtype): finite weights scaled by a huge
+        # alpha, or beyond float16's range, overflow to infinity too.
+        if not (torch.isfinite(a_served).all() and torch.isfinite(b_served).all()):
+            raise _fail(name, f"{module}: weights contain NaN or infinity, or overflow once "
+                        f"scaled by alpha / r ({scale:g}) in {dtype}")
+        weights[module] = (a_served, b_served)
     return LoraAdapter(name, config, weights, path, signature)
 
 

@@ -116,6 +116,24 @@ def test_base_rows_are_bit_exact_base_output(bank_and_adapters):
                     assert torch.equal(got[n], base[n])
 
 
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "per-row-kernel"])
+def test_a_base_row_beside_an_adapter_whose_update_overflows_gets_the_base_answer(dense):
+    """One adapter and base rows in a batch: the adapter's update was multiplied by a 0/1
+    row mask, and infinity times 0 is NaN, so another client's base answer came back NaN."""
+    bank = LoraBank(LAYERS, num_slots=2, max_rank=MAX_RANK, dtype=DTYPE)
+    bank.dense_uniform = dense
+    huge = {m: (torch.full((MAX_RANK, inp), 1e200, dtype=DTYPE), torch.full((out, MAX_RANK), 1e200, dtype=DTYPE))
+            for m, (out, inp) in LAYERS.items()}
+    bank.write(1, LoraAdapter("huge", LoraConfig(r=MAX_RANK, lora_alpha=MAX_RANK, target_modules=tuple(LAYERS)), huge))
+    for module, (out_features, in_features) in LAYERS.items():
+        x = torch.ones(2, in_features, dtype=DTYPE)
+        base = torch.randn(2, out_features, dtype=DTYPE)
+        with torch.inference_mode(), bank.rows(torch.tensor([0, 1])):
+            got = bank.add_update(module, x, base.clone())
+        assert torch.equal(got[0], base[0]), module
+        assert not torch.isfinite(got[1]).all(), module  # the adapter's own row overflowed
+
+
 def test_layer_no_batch_adapter_targets_is_left_alone(bank_and_adapters):
     bank, _ = bank_and_adapters
     x = torch.randn(3, 16, dtype=DTYPE)

@@ -124,6 +124,17 @@ REFUSALS = [
     ("wrong in_features", None, {Q_A: torch.zeros(4, IN + 1), Q_B: torch.zeros(OUT, 4)}, ["shape mismatch"]),
     ("nan", None, {Q_A: torch.full((4, IN), float("nan")), Q_B: torch.zeros(OUT, 4)}, ["NaN"]),
     ("integer tensors", None, {Q_A: torch.zeros(4, IN, dtype=torch.int32), Q_B: torch.zeros(OUT, 4, dtype=torch.int32)}, ["floating point"]),
+    ("float8 tensors", None, {Q_A: torch.zeros(4, IN).to(torch.float8_e4m3fn),
+                              Q_B: torch.zeros(OUT, 4).to(torch.float8_e4m3fn)}, ["floating point"]),
+    # Finite weights that overflow once scaled by alpha / r are infinite where they are served.
+    ("alpha overflows", _cfg(lora_alpha=1e300), {Q_A: torch.ones(4, IN), Q_B: torch.ones(OUT, 4)},
+     ["overflow once scaled"]),
+    ("alpha_pattern NaN", ('{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": '
+                           '["q_proj"], "alpha_pattern": {"q_proj": NaN}}'), None, ["alpha_pattern", "finite"]),
+    ("target_modules not a regex", _cfg(target_modules="("), None,
+     ["target_modules pattern '('", "not a regular expression"]),
+    ("rank_pattern key not a regex", _cfg(rank_pattern={"(": 4}), None, ["rank_pattern pattern"]),
+    ("pattern too long", _cfg(target_modules="q" * 300), None, ["at most 256 characters"]),
     ("unknown module", None, {
         "base_model.model.blocks.7.attn.q_proj.lora_A.weight": torch.zeros(4, IN),
         "base_model.model.blocks.7.attn.q_proj.lora_B.weight": torch.zeros(OUT, 4),
@@ -253,3 +264,10 @@ def test_write_adapter_replaces_atomically(tmp_path):
                       base_model_name_or_path="tinylm")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
     assert read_adapter(tmp_path / "x", TINY_TARGETS).rank == 2
+
+
+def test_weights_beyond_float16s_range_are_refused_for_a_float16_model(tmp_path):
+    path = _adapter(tmp_path, tensors={Q_A: torch.ones(4, IN), Q_B: torch.full((OUT, 4), 1e5)})
+    read_adapter(path, TINY_TARGETS, max_rank=16, base_name="tinylm")  # float32: served
+    with pytest.raises(AdapterRefused, match="overflow once scaled by alpha / r"):
+        read_adapter(path, TINY_TARGETS, max_rank=16, base_name="tinylm", dtype=torch.float16)
