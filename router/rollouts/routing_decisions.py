@@ -48,10 +48,14 @@ class Decider:
     # ------------------------------------------------------------------ requests
     @staticmethod
     def limited_names(decision: Decision) -> tuple[str, ...]:
-        """The names whose limits a request spends: the name asked for and the model it reaches."""
-        if decision.model == decision.logical:
-            return (decision.logical,)
-        return (decision.logical, decision.model)
+        """The names whose limits a request spends: the name asked for, the name without its
+        adapter (``chat:acme`` spends ``chat``'s limit too: any adapter would otherwise get
+        round a limit on its base's name) and the model it reaches."""
+        names = dict.fromkeys((decision.logical,))
+        if decision.adapter is not None:
+            names[split_adapter(decision.logical)[0]] = None
+        names[decision.model] = None
+        return tuple(names)
 
     async def admit(self, decision: Decision) -> None:
         """Spend the limits of the name and of the model it reaches (RateLimited)."""

@@ -122,6 +122,21 @@ def test_a_version_request_counts_against_the_limit_of_its_name(tmp_path):
         run(decider.admit(decider.route("simple", None, "2")))
 
 
+@pytest.mark.parametrize("asked", ["rec:acme", "simple:acme"])
+def test_an_adapter_request_spends_the_limit_of_its_base_name(tmp_path, asked):
+    """``rec:acme`` (a route to the registry's simple) or ``simple:acme`` spent the limits
+    of that full name and of the concrete model only: any adapter got round a limit set on
+    ``rec`` or ``simple``."""
+    router, _ = make_router(tmp_path)
+    router.table.set_alias("rec", "simple.v3")
+    base = asked.split(":")[0]
+    router.table.set_limit(base, 1, 1)
+    decider = router.decider
+    run(decider.admit(decider.route(base, None)))
+    with pytest.raises(RateLimited, match=base):
+        run(decider.admit(decider.route(asked, None)))
+
+
 STOL = ("failed to get model version from specified version string '{}' (details: stol), "
         "version should be an integral value > 0")
 
