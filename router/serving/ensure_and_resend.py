@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 # explicit unload or a restart in between.
 MAX_RESENDS = 3
 QUEUE_MARGIN = 0.8  # a request is sent when its expected wait and turn fit 80% of its time left
+# A cancellation this close to the client's deadline is the deadline (gRPC read the time left
+# a moment before the router set its own deadline from it).
+DEADLINE_SLACK_S = 0.02
 _NO_GATE = contextlib.nullcontext()  # a server without a concurrency: no fair-share turn
 
 
@@ -264,7 +267,13 @@ class Sender:
             call.code = exc.grpc_code.name
             raise
         except asyncio.CancelledError:  # the client went away or its deadline passed
-            call.code = "CANCELLED"
+            # gRPC cancels the call at the client's deadline, usually a moment before the
+            # router's own timer says DEADLINE_EXCEEDED: once the model had the request, that
+            # is the model not answering in time (a canary or experiment judges it), not the
+            # client going away.
+            late = (call.deadline is not None and call.ready_at is not None
+                    and time.monotonic() >= call.deadline - DEADLINE_SLACK_S)
+            call.code = "DEADLINE_EXCEEDED" if late else "CANCELLED"
             raise
         except BaseException:
             if call.code == "OK":

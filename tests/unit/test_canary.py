@@ -133,6 +133,34 @@ def test_client_errors_and_cancellations_do_not_count_against_the_candidate():
     assert totals["client_errors"] == 3
 
 
+def test_a_request_the_candidate_had_past_the_clients_deadline_counts_against_it():
+    """gRPC cancels a call at the client's deadline, a moment before the router's own timer:
+    counted as the client going away, a candidate that never answered in time was never
+    rolled back, and one answering some requests in time was judged on those alone."""
+    async def go():
+        router = canary_router(Clock(), FakeManager(ready={"m", "m2"}))
+        user = next(f"u{i}" for i in range(10_000) if router.table.resolve("m", f"u{i}").model == "m2")
+
+        async def request(timeout_s):
+            async with router.sender.serving("m", user, timeout_s=timeout_s):
+                await asyncio.sleep(60)  # the candidate does not answer
+
+        at_deadline = asyncio.create_task(request(0.05))
+        await asyncio.sleep(0.06)
+        at_deadline.cancel()  # what gRPC does at the client's deadline
+        gone_early = asyncio.create_task(request(5.0))
+        await asyncio.sleep(0.01)
+        gone_early.cancel()  # the client went away long before its deadline
+        for task in (at_deadline, gone_early):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        return window(router, "canary"), router.stats.scope("canary:m")["canary"]
+
+    w, totals = run(go())
+    assert (w.requests, w.errors) == (1, 1)
+    assert totals["client_errors"] == 1
+
+
 def test_a_candidate_that_cannot_be_found_counts_as_its_error():
     async def go():
         router = canary_router(Clock(), FakeManager(ready={"m"}, known={"m"}))
