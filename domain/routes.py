@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import time
 from collections.abc import Callable
@@ -59,6 +60,32 @@ def bucket(experiment_id: str, user_id: str) -> int:
     """Deterministic bucket in [0, 10000) for a user in an experiment."""
     digest = hashlib.sha256(f"{experiment_id}:{user_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") % BUCKETS
+
+
+# What each gate of a canary may be: a gate that can never fail (a NaN limit, 0 requests
+# needed) would promote a candidate on no evidence.
+_CANARY_GATES = {
+    "stage_s": "seconds per stage, > 0", "check_interval_s": "seconds between checks, > 0",
+    "max_error_rate": "a fraction from 0 to 1", "max_p99_ms": "milliseconds, > 0",
+    "max_error_rate_ratio": "a ratio, > 0", "max_p99_ratio": "a ratio, > 0",
+    "min_requests": "a whole number >= 1", "max_failed_checks": "a whole number >= 1",
+}
+
+
+def _check_canary_gates(options: dict) -> None:
+    for key, value in options.items():
+        what = _CANARY_GATES.get(key)
+        if what is None or (value is None and key in ("max_p99_ms", "max_error_rate_ratio",
+                                                      "max_p99_ratio")):
+            continue
+        if key in ("min_requests", "max_failed_checks"):
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        elif key == "max_error_rate":
+            ok = isinstance(value, (int, float)) and 0 <= value <= 1
+        else:
+            ok = isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+        if not ok:
+            raise InvalidRequest(f"canary {key} is {value!r}; it must be {what}")
 
 
 def _percent(value: float, what: str) -> float:
@@ -224,7 +251,10 @@ class RouteTable:
         """Pick the concrete model for one request (no I/O).
 
         ``base:adapter`` resolves ``base`` as usual (aliases, experiments and canaries of the
-        base apply) and carries the adapter; statistics and limits stay per ``base:adapter``."""
+        base apply) and carries the adapter; statistics and limits stay per ``base:adapter``.
+        An empty ``user_id`` is no user id: anonymous, split at random (hashed, every empty
+        one landed in the same arm of an experiment)."""
+        user_id = user_id or None
         if ADAPTER_SEPARATOR in name:
             base, adapter = split_adapter(name)
             decision = self.resolve(base, user_id)
@@ -318,6 +348,7 @@ class RouteTable:
         stages = [_percent(float(s), "stage percent") for s in options.pop("stages", [1, 5, 10, 25, 50, 100])]
         if not stages or stages != sorted(stages):
             raise InvalidRequest(f"stages {stages} must be a non-empty increasing list of percentages")
+        _check_canary_gates(options)
         now = self.clock()
         route.canary = Canary(baseline=self.target_of(name), candidate=candidate, stages=stages,
                               stage_started_at=now, last_check_at=now, **options)

@@ -195,8 +195,10 @@ async def canary_start(request):
         raise InvalidRequest("stage_s (seconds per stage) is required")
     router = _r(request)
     name = request.match_info["name"]
-    router.stats.reset(f"canary:{name}")
     canary = router.table.start_canary(name, body["to"], **options)
+    # Once started (no await between): a start refused (a canary already running, a bad
+    # gate) keeps the running one's observations.
+    router.stats.reset(f"canary:{name}")
     return web.json_response(asdict(canary))
 
 

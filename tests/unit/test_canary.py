@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
+from control_plane.admin import rollout_routes
 from control_plane.admin.rollout_routes import ROUTER_ADMIN_KEY, canary_action, router_errors
 from control_plane.registry import Registry
 from control_plane.rollouts.canary import WINDOW_KEY_PREFIX, CanaryController, registry_promoter
@@ -261,6 +262,35 @@ def test_promotion_by_hand_goes_through_the_registry(tmp_path):
     resp = asyncio.run(router_errors(request, canary_action))
     assert resp.status == 200 and json.loads(resp.body)["status"] == "promoted"
     assert registry.production("m").name == "m.v2" and table.routes["m"].target is None
+
+
+def test_a_start_refused_keeps_the_running_canarys_observations(monkeypatch):
+    """`mmctl canary start` again (a retry, a typo in a gate) reset the statistics before
+    the start was refused: the failures seen so far were lost and the rollback delayed."""
+    clock = Clock()
+    table = RouteTable(clock=clock)
+    stats = StatsBook(clock)
+    router = SimpleNamespace(table=table, stats=stats)
+    app = web.Application()
+    app[ROUTER_ADMIN_KEY] = router
+
+    def start(body):
+        async def given(_request):
+            return body
+
+        monkeypatch.setattr(rollout_routes, "_json", given)
+        request = make_mocked_request("POST", "/v1/canaries/m", app=app, match_info={"name": "m"})
+        return asyncio.run(router_errors(request, rollout_routes.canary_start))
+
+    assert start({"to": "m2", "stages": [50, 100], "stage_s": 60}).status == 200
+    for _ in range(4):
+        stats.record("canary:m", "canary", 5.0, False)
+    for body in ({"to": "m2", "stage_s": 60}, {"to": "m3", "stage_s": 60, "min_requests": 0}):
+        assert start(body).status == 400
+        assert stats.get("canary:m", "canary").window(0.0).errors == 4
+    table.canary("m").status = "rolled_back"
+    assert start({"to": "m2", "stages": [50, 100], "stage_s": 60}).status == 200
+    assert stats.get("canary:m", "canary").window(0.0).errors == 0  # a new canary starts afresh
 
 
 # --------------------------------------------------------------------------- loop cost

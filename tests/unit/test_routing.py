@@ -55,6 +55,32 @@ def test_missing_user_id_is_random_and_counted_and_disabled_means_control():
     assert {table.resolve("a", "u").model for _ in range(20)} == {"a"}
 
 
+def test_an_empty_user_id_is_anonymous_not_one_user():
+    """An empty x-user-id header or user_id parameter hashed as the user "": every such
+    request landed in the same arm, none counted as randomly assigned."""
+    table = RouteTable(rng=random.Random(2))
+    table.create_experiment("e", "a", "b", 50)
+    decisions = [table.resolve("a", "") for _ in range(400)]
+    assert all(d.randomly_assigned for d in decisions)
+    assert 120 < sum(d.variant == "treatment" for d in decisions) < 280
+
+
+@pytest.mark.parametrize(("gate", "value"), [
+    ("min_requests", 0), ("min_requests", -5), ("max_failed_checks", 0),
+    ("max_error_rate", float("nan")), ("max_error_rate", 1.5), ("max_p99_ms", float("nan")),
+    ("max_p99_ms", 0.0), ("max_error_rate_ratio", float("inf")), ("stage_s", 0.0),
+    ("check_interval_s", -1.0),
+])
+def test_a_canary_gate_that_could_never_fail_is_refused(gate, value):
+    """min_requests 0 passed a stage with no canary traffic (the error rate of an empty
+    window is 0), a NaN limit never failed: a candidate promoted on no evidence."""
+    table = RouteTable()
+    options = {"stages": [10, 100], "stage_s": 1, gate: value}
+    with pytest.raises(InvalidRequest, match=f"canary {gate} is"):
+        table.start_canary("a", "b", **options)
+    assert "a" not in table.routes or table.routes["a"].canary is None
+
+
 def test_non_sticky_experiment_varies_per_request():
     table = RouteTable(rng=random.Random(3))
     table.create_experiment("e", "a", "b", 50, sticky=False)
