@@ -21,6 +21,7 @@ not, max absolute difference, latency delta) goes to the log and to metrics.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import logging.handlers
@@ -164,13 +165,17 @@ class ShadowMirror:
                 if self._shed_metric is not None:
                     self._shed_metric.labels(route)
             loop = asyncio.get_running_loop()
+            # In a context of their own: started inside the first mirrored request, they
+            # would carry its context (its client, whose miss budget every shadow miss
+            # would then spend).
             if not self._tasks:
-                self._tasks.append(loop.create_task(self._probe_lag()))
+                self._tasks.append(loop.create_task(self._probe_lag(), context=contextvars.Context()))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._analyze_forever, name="shadow-analysis",
                                                 daemon=True)
                 self._thread.start()
-            self._tasks += [loop.create_task(self._worker(queue_)) for _ in range(self.workers)]
+            self._tasks += [loop.create_task(self._worker(queue_), context=contextvars.Context())
+                            for _ in range(self.workers)]
         return queue_
 
     async def stop(self) -> None:
@@ -227,7 +232,6 @@ class ShadowMirror:
         except asyncio.QueueFull:
             self._drop(item.route)
             return False
-        self.reports[item.route].mirrored += 1
         return True
 
     async def _probe_lag(self) -> None:
@@ -277,6 +281,9 @@ class ShadowMirror:
             # The analysis thread is behind: drop, never queue without bound.
             self._drop(item.route)
             return
+        # Each mirror offered ends counted once: mirrored (sent, its outcome analysed),
+        # dropped or shed.
+        self.reports[item.route].mirrored += 1
         self._batch.append(outcome)
 
     # ------------------------------------------------------------------ analysis thread

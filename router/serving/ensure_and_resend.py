@@ -412,9 +412,16 @@ class Sender:
         return call.server
 
     async def send_shadow(self, model: str, request: bytes, timeout_s: float) -> bytes:
-        """A shadow's copy of a request (``router.rollouts.shadow``): no resend, no record."""
-        server = await self.server_for(model)
-        return await self.channels.raw_infer(server)(request, timeout=timeout_s)
+        """A shadow's copy of a request (``router.rollouts.shadow``): no resend, no record.
+        Its miss holds the shadow model like a client's, until it is answered (unmatched,
+        the hold kept the model until the control plane's own timeout)."""
+        call = Call(Decision(model, model, "shadow"), time.perf_counter())
+        try:
+            server = await self.server_for(model, call=call)
+            return await self.channels.raw_infer(server)(request, timeout=timeout_s)
+        finally:
+            if call.holds:
+                self.state.requests_answered(model, call.holds)
 
 
 def _last(outcome):

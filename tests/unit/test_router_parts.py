@@ -252,6 +252,16 @@ def test_the_sender_records_a_refused_request_with_its_code_and_sends_nothing():
     assert triton.sent == [] and recorded.calls == []  # refused before it was a request
 
 
+def test_a_shadow_send_that_missed_ends_its_hold_once_answered():
+    """A shadow's miss took a hold on the shadow model (as a client's does) that nothing
+    ended: the control plane kept the model held until its own timeout."""
+    state, triton = State(), Triton(answer=b"shadow answer")
+    s = sender(state, triton=triton)
+    assert run(s.send_shadow("s", b"mirror", 1.0)) == b"shadow answer"
+    assert state.ensured == ["s"] and state.answered == [("s", 1)]
+    assert triton.sent == [("triton0", b"mirror")]
+
+
 # --------------------------------------------------------------------------- Forwarder
 class Sends:
     """A Sender that serves every request on SERVER and answers ``answer``."""

@@ -177,7 +177,61 @@ def test_analysis_queue_is_bounded(monkeypatch):
         return report
 
     report = run(go())
-    assert report["mirrored"] == 20 and report["compared"] + report["dropped"] == 20
+    assert report["mirrored"] + report["dropped"] == 20 and report["compared"] == report["mirrored"]
+
+
+def test_each_mirror_offered_is_counted_once():
+    """A mirror queued, then shed by its worker because the serving path got busy, was
+    counted mirrored and shed: the report added up to more mirrors than were offered."""
+    async def go():
+        inflight = [0]
+
+        async def send(model, request, timeout_s):
+            return response([1.0]).SerializeToString()
+
+        mirror = ShadowMirror(send, None, primary_inflight=lambda: inflight[0], shed_inflight=4,
+                              shed_lag_ms=NEVER_SHED)
+        item = ShadowItem("r", "s", b"", outputs([1.0]), 1.0)
+        assert all(mirror.offer(item) for _ in range(3))  # queued while quiet
+        inflight[0] = 10  # busy before any worker took them: each is shed
+        await mirror.drain()
+        inflight[0] = 0
+        assert mirror.offer(item)
+        await mirror.drain()
+        report = mirror.report("r")
+        await mirror.stop()
+        return report
+
+    report = run(go())
+    assert (report["mirrored"], report["shed"], report["dropped"]) == (1, 3, 0), report
+    assert report["compared"] == 1
+
+
+def test_a_mirror_is_sent_outside_the_context_of_the_request_that_started_the_workers():
+    """The workers were created inside the first mirrored request and kept its context:
+    every later shadow send ran as that client (its miss budget spent by shadow misses)."""
+    from router.serving.miss_budget import CLIENT
+
+    seen = []
+
+    async def go():
+        async def send(model, request, timeout_s):
+            seen.append(CLIENT.get())
+            return response([1.0]).SerializeToString()
+
+        mirror = ShadowMirror(send, None, shed_lag_ms=NEVER_SHED)
+        item = ShadowItem("r", "s", b"", outputs([1.0]), 1.0)
+
+        async def first_request():
+            CLIENT.set("client-a")
+            assert mirror.offer(item)
+
+        await asyncio.get_running_loop().create_task(first_request())
+        await mirror.drain()
+        await mirror.stop()
+
+    run(go())
+    assert seen == [None]
 
 
 # --------------------------------------------------------------------------- admin
