@@ -232,6 +232,9 @@ class ShadowMirror:
         except asyncio.QueueFull:
             self._drop(item.route)
             return False
+        # Each mirror offered is counted once: mirrored from here (queued, sent, analysed)
+        # unless it is shed or dropped after all, when it moves to that count.
+        self.reports[item.route].mirrored += 1
         return True
 
     async def _probe_lag(self) -> None:
@@ -254,6 +257,7 @@ class ShadowMirror:
             item = await queue_.get()
             try:
                 if self.busy() is not None:  # it got busy while the mirror waited
+                    self.reports[item.route].mirrored -= 1
                     self._shed(item.route)
                     continue
                 await self._mirror(item)
@@ -279,11 +283,9 @@ class ShadowMirror:
                                latency_ms=(time.perf_counter() - start) * 1000, at=at)
         if self._handed - self._analysed + len(self._batch) >= self.analysis_queue_size:
             # The analysis thread is behind: drop, never queue without bound.
+            self.reports[item.route].mirrored -= 1
             self._drop(item.route)
             return
-        # Each mirror offered ends counted once: mirrored (sent, its outcome analysed),
-        # dropped or shed.
-        self.reports[item.route].mirrored += 1
         self._batch.append(outcome)
 
     # ------------------------------------------------------------------ analysis thread
