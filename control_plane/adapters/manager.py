@@ -112,6 +112,21 @@ class AdapterManager:
         self.slots.observe(base, server.name, status)  # metrics and recency too (_absorb)
         return status
 
+    async def _on_every_copy(self, base: str, command: dict) -> None:
+        """``command`` on each server the base is loaded on (one that fails is logged: its
+        next load of the adapter compares the files and reads them again)."""
+        for where in self.manager.copy_servers_of(base):
+            server = self.manager.servers.get(where)
+            if server is None or not server.up:
+                continue
+            try:
+                status = await server.admin.adapter_control(base, command, key=self.slots.key)
+            except ControlPlaneError as exc:
+                log.warning("%s of adapter %s on %s (%s) failed: %s", command["op"],
+                            command.get("adapter"), base, where, exc.message)
+                continue
+            self.slots.observe(base, server.name, status)
+
     def _absorb(self, base: str, status: dict) -> None:
         self.metrics.update(base, status)
         used = {a["name"]: a["last_used_unix"] for a in status.get("adapters", [])
@@ -151,9 +166,8 @@ class AdapterManager:
             await self._write(self.store.put, base.name, name, label=label, uri=staged.uri,
                               sha256=staged.sha256, rank=staged.rank, nbytes=staged.nbytes,
                               added_by=who, added_at=self.clock(), pinned=False)
-            if exists:  # the model may hold the old weights in memory
-                with contextlib.suppress(ControlPlaneError):
-                    await self._control(base.name, {"op": "unload", "adapter": name})
+            if exists:  # every copy of the model may hold the old weights in memory
+                await self._on_every_copy(base.name, {"op": "unload", "adapter": name})
             log.info("added adapter %s to %s from %s (rank %d, %d bytes)", name, base.name, source,
                      staged.rank, staged.nbytes)
         return await self.describe(base.name, name)

@@ -213,18 +213,41 @@ class AdapterCache(CacheControl):
             self.host_tier.touch(name)
             slot = self._swap_in(name, protect)
             return slot, ("host" if slot is not None else None)
-        refused = self._refused.get(name)
-        if refused is not None:
-            error, signature = refused
-            if signature == adapter_signature(self.source.path(name)):
-                raise error
-            del self._refused[name]  # re-staged since: try again
+        refusal = self._refusal(name)
+        if refusal is not None:
+            raise refusal
         if name not in self._loading and not self.source.exists(name):
             raise AdapterNotFound(
                 f"adapter {name!r} not found for {self.base_name}: no {self.source.path(name)} "
                 f"directory with {CONFIG_FILE}; stage it first"
             )
         return -1, None
+
+    def _refusal(self, name: str) -> LoraError | None:
+        """Why ``name`` was refused, while its files are the ones refused (re-staged since:
+        forgotten, read again).  Call with the lock held."""
+        refused = self._refused.get(name)
+        if refused is None:
+            return None
+        error, signature = refused
+        if signature == adapter_signature(self.source.path(name)):
+            return error
+        del self._refused[name]
+        return None
+
+    def _forget_if_replaced(self, name: str) -> None:
+        """Drop the host copy (and slot) of ``name`` when its files changed since it was read
+        (``mmctl adapter add --replace``): the next load reads the new ones.  Call with the
+        lock held (no batch reads a slot meanwhile)."""
+        held = self._host.get(name)
+        if (held is None or not held.signature  # not read from files: nothing to compare
+                or held.signature == adapter_signature(self.source.path(name))):
+            return
+        log.info("adapter %s was replaced on disk; reading it again", name)
+        if name in self._slot_of:
+            self._free_slots.append(self._evict_device(name))
+        del self._host[name]
+        self.host_tier.remove(name)
 
     def _swap_in(self, name: str, protect=()) -> int | None:
         """Copy a host-tier adapter into a slot, evicting the LRU unpinned adapter that is

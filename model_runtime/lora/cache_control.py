@@ -38,9 +38,13 @@ class CacheControl:
             with self.lock:
                 if name in self._disabled:
                     raise AdapterNotFound(f"adapter {name!r} is disabled on {self.base_name}")
+                self._forget_if_replaced(name)
                 if name in self._slot_of:
                     self.device_tier.touch(name)
                     return done_future()
+                refusal = self._refusal(name)  # not read again while its files are the same
+                if refusal is not None:
+                    raise refusal
                 if name not in self._host and name not in self._loading and not self.source.exists(name):
                     raise AdapterNotFound(
                         f"adapter {name!r} not found for {self.base_name}: no "

@@ -431,3 +431,19 @@ def test_recover_restores_a_wiped_adapter_folder_and_its_pin(lora_repo):
     assert report == {"restored": ["tinylm:acme"], "failed": {}}
     assert (adapter_dir / "acme" / "adapter_model.safetensors").is_file()
     assert read_manifest(adapter_dir).pinned == ("acme",)
+
+
+def test_replacing_an_adapter_unloads_its_old_weights_on_every_copy_of_its_base(lora_repo):
+    """The unload went to one server of the base: a second copy kept serving the old
+    weights from its device slot or host memory."""
+    adapter_dir = lora_repo.repo / "tinylm" / "adapters"
+    models = {name: FakeModel(adapter_dir) for name in ("triton0", "triton1")}
+    manager = FakeManager(models["triton0"])
+    manager.servers = {name: SimpleNamespace(name=name, admin=model, up=True)
+                       for name, model in models.items()}
+    manager.copy_servers_of = lambda name: sorted(models) if name == "tinylm" else []
+    adapters = AdapterManager(manager, lora_repo.repo, stores=ColdStores([lora_repo.cold]))
+    run(adapters.add("tinylm", "acme", str(lora_repo.src / "acme")))
+    run(adapters.add("tinylm", "acme", str(lora_repo.src / "globex"), replace=True))
+    for name, model in models.items():
+        assert {"op": "unload", "adapter": "acme"} in model.commands, name

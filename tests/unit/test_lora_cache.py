@@ -1,6 +1,7 @@
 """The adapter cache and serving core: device-slot LRU, pins, host tier, cold loads off the
 request path, refusals, per-request errors, manifest and control ops (no sockets)."""
 
+import shutil
 import threading
 
 import numpy as np
@@ -432,3 +433,31 @@ def test_a_load_takes_the_slots_the_control_plane_names_and_no_other(make_server
     np.testing.assert_array_equal(reference_scores(server, "b"), expected["b"])  # its own weights
     _, error = control(server, {"op": "load", "adapter": "c", "evict": "b"})
     assert isinstance(error, InvalidRequest) and "'evict' is a list" in error.message
+
+
+def test_a_load_after_the_adapter_was_replaced_on_disk_reads_the_new_files(make_server, adapter_dir):
+    """`mmctl adapter add --replace` told one server to unload the old weights; a server it
+    did not tell (another copy of the base, an unload that failed) took its host copy on the
+    next load and answered with the old weights for as long as it kept it."""
+    server, reader = make_server(slots=2)
+    assert control(server, {"op": "load", "adapter": "a"})[1] is None
+    before = reference_scores(server, "a")
+    assert control(server, {"op": "load", "adapter": "b"})[1] is None
+    b_scores = reference_scores(server, "b")
+    assert not np.allclose(before, b_scores)
+    staged = adapter_dir / ".a.new"
+    shutil.copytree(adapter_dir / "b", staged)  # what install does: a new folder, renamed in
+    shutil.rmtree(adapter_dir / "a")
+    staged.rename(adapter_dir / "a")
+    assert control(server, {"op": "load", "adapter": "a"})[1] is None
+    np.testing.assert_allclose(reference_scores(server, "a"), b_scores, rtol=1e-6)
+    assert reader.calls.count("a") == 2
+
+
+def test_a_refused_adapter_is_not_read_again_by_each_load(make_server, adapter_dir):
+    server, reader = make_server()
+    (adapter_dir / "a" / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    for _ in range(3):
+        _, error = control(server, {"op": "load", "adapter": "a"})
+        assert isinstance(error, AdapterRefused) and "not a readable safetensors file" in error.message
+    assert reader.calls.count("a") == 1
