@@ -17,7 +17,12 @@ from control_plane.tiers.cold import inspect, normalize_sha256, publish
 from domain import model_config
 from domain.errors import InvalidInput
 from domain.names import validate_model_name
-from model_runtime.family.layout import LayoutError, layout_of_bytes
+from model_runtime.family.layout import (
+    HEADER_LENGTH_BYTES,
+    LayoutError,
+    header_bytes,
+    layout_of_bytes,
+)
 
 
 def check_model_config(text: str, where: str, names: Iterable[str]) -> None:
@@ -202,11 +207,14 @@ async def _register_variant(store, uri: str, model: str, family: str | None, wei
     if named != family:
         raise InvalidInput(f"the artifact at {info.uri} is not a variant of {family}: its "
                            f"{VARIANT_FILE} {'names ' + repr(named) if named else 'is missing or unreadable'}")
-    raw = await asyncio.to_thread(store.read_bytes, info.uri, WEIGHTS_FILE)
-    if raw is None:
+    # Its header only (the weights may be gigabytes): its first 8 bytes say how long it is.
+    first = await asyncio.to_thread(store.read_bytes, info.uri, WEIGHTS_FILE, HEADER_LENGTH_BYTES)
+    if first is None:
         raise InvalidInput(f"the artifact at {info.uri} has no {WEIGHTS_FILE}")
+    raw = await asyncio.to_thread(store.read_bytes, info.uri, WEIGHTS_FILE, header_bytes(first))
+    size = next((f.size_bytes for f in info.files if f.path == WEIGHTS_FILE), len(raw or b""))
     try:
-        layout, _offset = layout_of_bytes(raw, f"{info.uri}{WEIGHTS_FILE}")
+        layout, _offset = layout_of_bytes(raw or b"", f"{info.uri}{WEIGHTS_FILE}", size)
     except LayoutError as exc:
         raise InvalidInput(str(exc)) from None
     why = found.layout.mismatch(layout)

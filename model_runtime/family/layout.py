@@ -143,14 +143,25 @@ def read_layout(path: str | os.PathLike) -> tuple[Layout, int]:
     return _whole(header, length, size, where)
 
 
-def layout_of_bytes(raw: bytes, where: str) -> tuple[Layout, int]:
-    """``read_layout`` of a file read whole (an object from a store)."""
+def layout_of_bytes(raw: bytes, where: str, size: int | None = None) -> tuple[Layout, int]:
+    """``read_layout`` of a file read whole (an object from a store), or of its first bytes
+    (its header at least) when ``size`` says how long the whole file is."""
     if len(raw) < HEADER_LENGTH_BYTES:
         raise LayoutError(f"{where} is truncated: {len(raw)} bytes, not a safetensors file")
     (length,) = struct.unpack("<Q", raw[:HEADER_LENGTH_BYTES])
     if length > MAX_HEADER_BYTES:
         raise LayoutError(f"{where} is not a safetensors file (header length {length})")
-    return _whole(raw[HEADER_LENGTH_BYTES:HEADER_LENGTH_BYTES + length], length, len(raw), where)
+    return _whole(raw[HEADER_LENGTH_BYTES:HEADER_LENGTH_BYTES + length], length,
+                  len(raw) if size is None else size, where)
+
+
+def header_bytes(first: bytes) -> int:
+    """How many bytes of a safetensors file hold its header, from its first 8 (capped:
+    a bigger one is refused by ``layout_of_bytes``)."""
+    if len(first) < HEADER_LENGTH_BYTES:
+        return HEADER_LENGTH_BYTES
+    (length,) = struct.unpack("<Q", first[:HEADER_LENGTH_BYTES])
+    return HEADER_LENGTH_BYTES + min(length, MAX_HEADER_BYTES)
 
 
 def _whole(header: bytes, length: int, size: int, where: str) -> tuple[Layout, int]:

@@ -184,3 +184,44 @@ def test_s3_config_repr_never_shows_the_secret():
         assert "session-token-value" not in text
         assert "bucket='models'" in text and "secret_access_key='***'" in text
     assert "secret_access_key=None" in repr(S3Config(bucket="models"))
+
+
+def test_a_failed_write_to_the_local_store_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import shutil
+
+    store = LocalDirStore(tmp_path / "cold")
+    uri = (tmp_path / "cold" / "m" / "1").as_uri() + "/"
+
+    def disk_full(source, dest):
+        with open(dest, "wb") as f:
+            f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", disk_full)
+    source = tmp_path / "weights.bin"
+    source.write_bytes(b"w" * 100)
+    with pytest.raises(OSError, match="No space left"):
+        store.put_file(uri, "1/weights.bin", source)
+    assert [p.name for p in (tmp_path / "cold" / "m" / "1" / "1").iterdir()] == []
+
+
+def test_an_s3_upload_that_fails_says_what_to_check_and_shows_no_secret():
+    from botocore.exceptions import ClientError
+
+    from control_plane.tiers.cold import S3Config, S3Store
+
+    class Refusing:
+        def upload_file(self, *args, **kwargs):
+            raise ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "PutObject")
+
+        def put_object(self, **kwargs):
+            raise ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "PutObject")
+
+    config = S3Config(bucket="models", access_key_id="AKIAEXAMPLE", secret_access_key="wJalrXUtnFEMI-secret")
+    store = S3Store(config, client=Refusing())
+    for put in (lambda: store.put_file("s3://models/m/1/", "config.pbtxt", Path(__file__)),
+                lambda: store.put_bytes("s3://models/m/1/", "mms-manifest.json", b"{}")):
+        with pytest.raises(ModelLoadFailed) as info:
+            put()
+        assert "AccessDenied" in info.value.message and "MMS_S3_BUCKET" in info.value.message
+        assert "wJalrXUtnFEMI-secret" not in info.value.message

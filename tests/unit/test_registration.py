@@ -5,6 +5,7 @@ reads, and a refused one leaves no files behind (a local-directory store, no soc
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 from pathlib import Path
 
@@ -110,3 +111,49 @@ def test_a_folder_with_symbolic_links_is_refused_before_anything_is_published(re
     cold = tmp_path / "cold"
     assert not cold.exists() or files_under(cold) == []
     assert registry.versions("m") == []
+
+
+def test_a_variant_uploaded_to_the_store_is_checked_from_its_weights_header_alone(tmp_path, monkeypatch):
+    """The whole weights file (gigabytes for a real fine-tune) was read into memory, once per
+    request, to parse its header."""
+    from safetensors.torch import save_file
+
+    from control_plane.families import WEIGHTS_FILE, FamilyCatalog, write_family, write_variant
+    from control_plane.tiers.cold import publish
+    from tests.integration.test_families import SCALER, scaler_weights
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    base = tmp_path / "base.safetensors"
+    save_file(scaler_weights(1.0, 0.0), str(base))
+    write_family(repo, "scaler", config_text=(SCALER / "config.pbtxt").read_text(),
+                 version_files=SCALER / "1", base_weights=base)
+    store = LocalDirStore(tmp_path / "cold")
+    uploaded = write_variant(tmp_path / "upload", "acme", "scaler", scaler_weights(2.0, 1.0))
+    uri = (tmp_path / "cold" / "uploads" / "acme").as_uri() + "/"
+    publish(store, uploaded, uri)
+    reads = []
+    read_bytes = LocalDirStore.read_bytes
+
+    def counted(self, uri, relpath, max_bytes=None):
+        data = read_bytes(self, uri, relpath, max_bytes)
+        reads.append((relpath, len(data or b"")))
+        return data
+
+    monkeypatch.setattr(LocalDirStore, "read_bytes", counted)
+    registry = Registry(StateStore(tmp_path / "state.db").db, stores=ColdStores([store]))
+    mv = asyncio.run(register_version(registry, "acme", who="test", artifact_uri=uri, family="scaler",
+                                      families=FamilyCatalog(repo)))
+    assert mv.family == "scaler"
+    header = [size for relpath, size in reads if relpath == WEIGHTS_FILE]
+    weights_size = (uploaded / WEIGHTS_FILE).stat().st_size
+    assert header and max(header) < weights_size - 16, (header, weights_size)
+    # a truncated upload is still refused: its size is the listed one, not the bytes read
+    cut = tmp_path / "cold" / "uploads" / "cut"
+    shutil.copytree(tmp_path / "cold" / "uploads" / "acme", cut)
+    with open(cut / WEIGHTS_FILE, "r+b") as f:
+        f.truncate(weights_size - 8)
+    (cut / "mms-manifest.json").unlink()
+    with pytest.raises(InvalidInput, match="truncated"):
+        asyncio.run(register_version(registry, "cut", who="test", artifact_uri=cut.as_uri() + "/",
+                                     family="scaler", families=FamilyCatalog(repo)))

@@ -156,10 +156,11 @@ class S3Store(ColdStore):
             raise self._errors(uri, exc) from exc
         return out
 
-    def read_bytes(self, uri: str, relpath: str) -> bytes | None:
+    def read_bytes(self, uri: str, relpath: str, max_bytes: int | None = None) -> bytes | None:
         bucket, prefix = self.split(uri)
+        ranged = {} if max_bytes is None else {"Range": f"bytes=0-{max(max_bytes, 1) - 1}"}
         try:
-            return self.client.get_object(Bucket=bucket, Key=prefix + relpath)["Body"].read()
+            return self.client.get_object(Bucket=bucket, Key=prefix + relpath, **ranged)["Body"].read()
         except Exception as exc:
             if _is_missing(exc):
                 return None
@@ -199,11 +200,17 @@ class S3Store(ColdStore):
 
     def put_file(self, uri: str, relpath: str, source: Path) -> None:
         bucket, prefix = self.split(uri)
-        self.client.upload_file(str(source), bucket, prefix + relpath)
+        try:
+            self.client.upload_file(str(source), bucket, prefix + relpath)
+        except Exception as exc:  # AccessDenied, no credentials, an endpoint down: said clearly
+            raise self._errors(f"{uri}{relpath}", exc) from exc
 
     def put_bytes(self, uri: str, relpath: str, data: bytes) -> None:
         bucket, prefix = self.split(uri)
-        self.client.put_object(Bucket=bucket, Key=prefix + relpath, Body=data)
+        try:
+            self.client.put_object(Bucket=bucket, Key=prefix + relpath, Body=data)
+        except Exception as exc:
+            raise self._errors(f"{uri}{relpath}", exc) from exc
 
     def describe(self) -> str:
         return f"S3 {self.config.endpoint_url or 'AWS'} bucket {self.config.bucket or '-'}"

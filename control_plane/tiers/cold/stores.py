@@ -42,8 +42,9 @@ class ColdStore(ABC):
         """Every object under ``uri`` (sha256 unknown); empty if there is none."""
 
     @abstractmethod
-    def read_bytes(self, uri: str, relpath: str) -> bytes | None:
-        """A small object (the manifest), or None if it does not exist."""
+    def read_bytes(self, uri: str, relpath: str, max_bytes: int | None = None) -> bytes | None:
+        """A small object (the manifest), or None if it does not exist; ``max_bytes``: its
+        first bytes only (a weights file's header)."""
 
     @abstractmethod
     def stream(self, uri: str, relpath: str) -> Iterator[bytes]:
@@ -93,10 +94,11 @@ class LocalDirStore(ColdStore):
             return []
         return [FileEntry(rel, None, full.stat().st_size) for rel, full in _artifact_files(root)]
 
-    def read_bytes(self, uri: str, relpath: str) -> bytes | None:
+    def read_bytes(self, uri: str, relpath: str, max_bytes: int | None = None) -> bytes | None:
         path = self.path_of(uri) / relpath
         try:
-            return path.read_bytes()
+            with open(path, "rb") as f:
+                return f.read() if max_bytes is None else f.read(max_bytes)
         except FileNotFoundError:
             return None
 
@@ -107,19 +109,27 @@ class LocalDirStore(ColdStore):
     def put_file(self, uri: str, relpath: str, source: Path) -> None:
         dest = self.path_of(uri) / relpath
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
-        shutil.copyfile(source, tmp)
-        os.replace(tmp, dest)
+        _replace_via_temporary(dest, lambda tmp: shutil.copyfile(source, tmp))
 
     def put_bytes(self, uri: str, relpath: str, data: bytes) -> None:
         dest = self.path_of(uri) / relpath
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, dest)
+        _replace_via_temporary(dest, lambda tmp: tmp.write_bytes(data))
 
     def describe(self) -> str:
         return f"local directory {self.root}"
+
+
+def _replace_via_temporary(dest: Path, write: Callable[[Path], object]) -> None:
+    """``write`` a temporary file beside ``dest``, then rename it over ``dest``: a reader
+    never sees half a file, and a write that fails (a full disk) leaves no temporary file."""
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @dataclass
