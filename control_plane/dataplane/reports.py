@@ -86,7 +86,13 @@ class ReportGathering:
             self.record_outcome(scope, variant, code, served_ms, randomly)
         seen.samples += len(report.samples)
         if report.shadow is not None:
+            if seen.shadow_pid not in (0, report.pid):  # a new process of this worker
+                for route, counts in seen.shadow.items():
+                    before = seen.shadow_before.setdefault(route, {})
+                    for key, value in counts.items():
+                        before[key] = before.get(key, 0) + value
             seen.shadow = report.shadow
+            seen.shadow_pid = report.pid
         seen.outstanding = report.outstanding
         if report.report_call > seen.report_call:
             seen.report_call = report.report_call
@@ -131,15 +137,16 @@ class ShadowReports:
 
     @property
     def reports(self) -> dict[str, ShadowReport]:
-        routes = {r for w in self.workers() for r in w.shadow}
+        routes = {r for w in self.workers() for r in (*w.shadow, *w.shadow_before)}
         return {r: self._merged(r) for r in routes}
 
     def _merged(self, route: str) -> ShadowReport:
         total = ShadowReport()
         for w in self.workers():
-            counts = w.shadow.get(route)
-            for key in SHADOW_COUNTS:
-                if counts:
+            for counts in (w.shadow_before.get(route), w.shadow.get(route)):
+                if not counts:
+                    continue
+                for key in SHADOW_COUNTS:
                     setattr(total, key, getattr(total, key) + counts.get(key, 0))
         return total
 

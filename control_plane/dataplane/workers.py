@@ -27,6 +27,10 @@ class WorkerSeen:
     requests: int = 0  # requests it reported
     samples: int = 0  # canary / experiment outcomes it reported
     shadow: dict = field(default_factory=dict)  # route -> its cumulative ShadowReport counts
+    shadow_pid: int = 0  # the process whose counts ``shadow`` holds
+    # route -> the counts of its earlier processes (a restarted worker keeps its name and
+    # counts from 0 again: its earlier mirrors still happened)
+    shadow_before: dict = field(default_factory=dict)
     watching: int = 0  # its snapshot long-polls waiting here now
     report_call: int = 0  # the latest ask for reports it answered (ReportGathering.gather)
     outstanding: dict = field(default_factory=dict)  # model -> its requests on Triton, as reported

@@ -59,6 +59,18 @@ def test_a_report_is_applied(monkeypatch):
     assert h.workers["w0"].shadow["m"]["mirrored"] == 2 and isinstance(h.workers["w0"].shadow["m"]["mirrored"], int)
 
 
+def test_a_restarted_workers_shadow_counts_add_to_those_of_its_earlier_process(monkeypatch):
+    """A supervised worker keeps its name across a restart and counts from 0 again: its
+    first report replaced the earlier process's counts, and the route's figures went back."""
+    h = hub()
+    first = {"worker": "w0", "pid": 7, "shadow": {"m": {"mirrored": 5, "diverged": 2}}}
+    assert post_report(monkeypatch, h, first)[0] == 200
+    assert post_report(monkeypatch, h, dict(first, pid=8, shadow={"m": {"mirrored": 1}}))[0] == 200
+    assert post_report(monkeypatch, h, dict(first, pid=8, shadow={"m": {"mirrored": 3}}))[0] == 200
+    report = h.reports.shadow.report("m")
+    assert (report["mirrored"], report["diverged"]) == (8, 2), report
+
+
 @pytest.mark.parametrize("bad", [
     {"samples": [1]},
     {"samples": [["canary:m", "canary", "OK", "fast", False]]},
