@@ -80,14 +80,16 @@ class Recording:
                served_s: float | None = None) -> None:
         """``served_s``: latency from when the model was ready (None: it never was)."""
         # Adapters share their base's series: adapter names are chosen by clients.
-        route = decision.logical.split(":", 1)[0] if known else "unknown"
-        key = (route, decision.model if known else "unknown", decision.variant, code)
+        metrics = self.metrics
+        # Keyed by the series' own (bounded) labels: names past the cap share "_other", so a
+        # client sending made-up names grows nothing here.
+        series_route = metrics.route_label(decision.logical.split(":", 1)[0] if known else "unknown")
+        series_model = metrics.model_label(decision.model if known else "unknown")
+        key = (series_route, series_model, decision.variant, code)
         children = self._children.get(key)
         if children is None:  # labels() lookups cost more than the increments themselves
-            metrics = self.metrics
-            series_route = metrics.route_label(route)
             children = self._children[key] = (
-                metrics.requests.labels(series_route, metrics.model_label(key[1]), *key[2:]),
+                metrics.requests.labels(*key),
                 metrics.latency.labels(series_route, decision.variant))
         children[0].inc()
         children[1].observe(latency_s)

@@ -182,6 +182,21 @@ def test_recording_counts_every_request_and_hands_on_only_experiment_and_canary_
     Recording(RouterMetrics()).record(Decision("m", "m2", "canary", scope="canary:m"), 0.1, "OK")
 
 
+def test_made_up_names_past_the_series_cap_grow_nothing():
+    """The cache of series was keyed by the names themselves: a client sending made-up names
+    (refused by its miss budget before they were known unknown) grew it without bound."""
+    from domain.series import OTHER_LABEL, BoundedLabel
+
+    metrics = RouterMetrics()
+    metrics.model_label, metrics.route_label = BoundedLabel(cap=3), BoundedLabel(cap=3)
+    recording = Recording(metrics)
+    for i in range(1000):
+        recording.record(Decision(f"made-up-{i}", f"made-up-{i}", "default"), 0.001, "RESOURCE_EXHAUSTED")
+    assert len(recording._children) <= 4
+    text = generate_latest(metrics.registry).decode()
+    assert f'mmr_requests_total{{code="RESOURCE_EXHAUSTED",model="{OTHER_LABEL}",route="{OTHER_LABEL}",variant="default"}} 997.0' in text
+
+
 # --------------------------------------------------------------------------- Channels
 def test_channels_open_one_channel_per_server_and_close_them():
     async def go():
