@@ -36,16 +36,22 @@ def scaler_weights(scale: float, shift: float) -> dict[str, torch.Tensor]:
     return {"scale": torch.full((4,), scale), "shift": torch.full((4,), shift)}
 
 
+def scaler_family(root: Path) -> Path:
+    """A repository under ``root`` holding the scaler family (base weights: scale 1, shift 0)."""
+    repo = root / "repo"
+    repo.mkdir()
+    base = root / "base.safetensors"
+    save_file(scaler_weights(1.0, 0.0), str(base))
+    write_family(repo, "scaler", config_text=(SCALER / "config.pbtxt").read_text(),
+                 version_files=SCALER / "1", base_weights=base)
+    return repo
+
+
 @pytest.fixture
 def repository(tmp_path) -> Path:
     """Triton's repository for these tests (conftest's ``triton`` serves it): the scaler
     family and its variants."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    base = tmp_path / "base.safetensors"
-    save_file(scaler_weights(1.0, 0.0), str(base))
-    write_family(repo, "scaler", config_text=(SCALER / "config.pbtxt").read_text(),
-                 version_files=SCALER / "1", base_weights=base)
+    repo = scaler_family(tmp_path)
     for name, (scale, shift) in VARIANTS.items():
         write_variant(repo, name, "scaler", scaler_weights(scale, shift))
     return repo

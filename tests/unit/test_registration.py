@@ -116,18 +116,11 @@ def test_a_folder_with_symbolic_links_is_refused_before_anything_is_published(re
 def test_a_variant_uploaded_to_the_store_is_checked_from_its_weights_header_alone(tmp_path, monkeypatch):
     """The whole weights file (gigabytes for a real fine-tune) was read into memory, once per
     request, to parse its header."""
-    from safetensors.torch import save_file
-
-    from control_plane.families import WEIGHTS_FILE, FamilyCatalog, write_family, write_variant
+    from control_plane.families import WEIGHTS_FILE, FamilyCatalog, write_variant
     from control_plane.tiers.cold import publish
-    from tests.integration.test_families import SCALER, scaler_weights
+    from tests.integration.test_families import scaler_family, scaler_weights
 
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    base = tmp_path / "base.safetensors"
-    save_file(scaler_weights(1.0, 0.0), str(base))
-    write_family(repo, "scaler", config_text=(SCALER / "config.pbtxt").read_text(),
-                 version_files=SCALER / "1", base_weights=base)
+    repo = scaler_family(tmp_path)
     store = LocalDirStore(tmp_path / "cold")
     uploaded = write_variant(tmp_path / "upload", "acme", "scaler", scaler_weights(2.0, 1.0))
     uri = (tmp_path / "cold" / "uploads" / "acme").as_uri() + "/"
