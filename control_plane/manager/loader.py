@@ -265,9 +265,16 @@ class Loader:
         if not warmup.get("ok", True):
             self.keeping.metrics.warmup_failures.labels(server.name).inc()
             log.warning("%s is served, but its synthetic warm-up failed: %s", name, warmup.get("error"))
+        if rec.server != server.name or rec.state != ModelState.LOADING:
+            # Its server was declared down while it loaded (its models forgotten, this one
+            # perhaps placed elsewhere since): what that server holds is the reconcile's.
+            raise ModelLoadFailed(f"{server.name} was declared down while {name} loaded on it; "
+                                  "retry (it is placed on a server that is up)")
         rec.move(ModelState.READY)
+        # Used now (it was loaded to be used): the newest in the policy's order before the
+        # headroom picks its victim, which must never be the model just loaded.
+        self.recency.touch(name)
         self.unloader.maintain_headroom(server)
-        rec.last_used = self.clock()
         self.keeping.metrics.loads.labels(server.name, "ok").inc()
         self.keeping.metrics.load_seconds.labels(server.name).observe(rec.load_time_s)
         self.keeping.save_row(name, last_used=rec.last_used, load_time_s=rec.load_time_s,
@@ -399,6 +406,12 @@ class Loader:
         rec.failed_at = time.monotonic()
         rec.warmup = {"ok": False, "latency_ms": None, "checked_at": self.clock(), "error": reason}
         self.keeping.metrics.loads.labels(server.name, "failed").inc()
+        if rec.server != server.name:
+            # Its server was declared down meanwhile: the record was forgotten there (and may
+            # be loading elsewhere now); what the server kept is unloaded when it answers.
+            log.warning("load of %s on %s failed after the server was declared down: %s",
+                        rec.name, server.name, reason)
+            return
         try:
             await server.admin.unload(rec.name)
             await server.admin.wait_unavailable(rec.name, self.config.unload_timeout_s)

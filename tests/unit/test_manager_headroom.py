@@ -130,6 +130,31 @@ def test_headroom_never_touches_pinned_models_or_models_in_use(tmp_path):
     run(go())
 
 
+def test_a_model_just_loaded_is_not_the_headrooms_victim(tmp_path):
+    """The policy heard of a load's use when it started: a model used while the load ran
+    was newer, so the headroom unloaded the model just loaded (``mmctl load`` holds
+    nothing) as soon as it was READY."""
+    async def go():
+        mgr, admin, clock = make(tmp_path, load_delay_s=0.3)
+        await mgr.start()
+        for n in MODELS[:6]:
+            clock.tick()
+            await mgr.pin(n)
+        clock.tick()
+        await mgr.ensure("m7")
+        clock.tick()
+        loading = asyncio.create_task(mgr.ensure("m8"))  # into the headroom: 8 of 8
+        await asyncio.sleep(0.1)
+        clock.tick()
+        mgr.touch("m7")  # requests for m7 while m8 loads
+        await loading
+        await mgr.step()
+        await settle(mgr, lambda: mgr.get("m7").state == ModelState.WARM)
+        assert mgr.get("m8").state == ModelState.READY and loaded(admin) == set(MODELS[:6]) | {"m8"}
+
+    run(go())
+
+
 def test_a_pin_during_a_headroom_unload_loads_the_model_again(tmp_path):
     async def go():
         mgr, admin, clock = make(tmp_path, free_delay_s=0.2)

@@ -1019,3 +1019,29 @@ def test_turns_go_oldest_first_and_a_turn_passed_on_only_to_younger_waiters():
         assert not turns.wake_oldest()
 
     run(go())
+
+
+@pytest.mark.parametrize("load_fails", [True, False], ids=["load-and-unload-fail", "load-succeeds-late"])
+def test_a_load_on_a_server_declared_down_meanwhile_fails_clearly(tmp_path, load_fails):
+    """The server was declared down during the load (its models forgotten, the record
+    WARM with no server): the failed load's undo, or the late success, moved that record
+    as if it were still there, an illegal move that raised something no caller catches
+    (pinned loads started for the server's models died silently)."""
+    async def go():
+        mgr, admin = make(tmp_path)
+        await mgr.start()
+        admin.load_delay_s = 0.3
+        if load_fails:
+            admin.fail_load.add("m1")
+            admin.fail_unload.add("m1")
+        loading = asyncio.create_task(mgr.ensure("m1"))
+        await asyncio.sleep(0.1)
+        mgr.reconciler._forget_server_models(mgr.servers["s0"], "tritonserver exited")
+        with pytest.raises(ModelLoadFailed):
+            await loading
+        assert mgr.get("m1").state == ModelState.WARM and mgr.get("m1").server is None
+        if not load_fails:
+            assert "declared down" in str(loading.exception())
+        await mgr.close()
+
+    run(go())
