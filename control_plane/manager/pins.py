@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -27,6 +28,9 @@ class Pins:
         self.loader = loader
         self._repairs: set[str] = set()  # pinned models the reconcile is loading
         self._retry_at: dict[str, float] = {}  # monotonic; after a failed pin repair
+        # pin() calls under way per model: a pin they set is undone by the last of them to
+        # fail or be cancelled only (one caller going away keeps another's pin).
+        self._pinning: collections.Counter[str] = collections.Counter()
 
     async def pin(self, name: str) -> ModelRecord:
         """Pin and make resident.  If it cannot be loaded, the pin is not kept.
@@ -36,14 +40,21 @@ class Pins:
         validate_model_name(name)
         await self.catalog.known(name)  # cold models (registry only) can be pinned too
         rec = self.book.record(name)
-        was_pinned = rec.pinned
+        was_pinned = rec.pinned and not self._pinning[name]  # pinned, not by a call under way
         self._set_pinned(rec, True)
+        self._pinning[name] += 1
         try:
             await self.loader.ensure(name)
         except BaseException:
-            if not was_pinned and rec.pinned:  # an unpin meanwhile already undid it
-                self._set_pinned(rec, False)
+            self._pinning[name] -= 1
+            if self._pinning[name] <= 0:
+                del self._pinning[name]
+                if not was_pinned and rec.pinned:  # an unpin meanwhile already undid it
+                    self._set_pinned(rec, False)
             raise
+        self._pinning[name] -= 1
+        if self._pinning[name] <= 0:
+            del self._pinning[name]
         if rec.pinned:  # not unpinned while the load ran
             self._set_pinned(rec, True)
             # In the state store's thread: a slow database holds up this call, not the

@@ -207,9 +207,12 @@ class Unloader:
             if not (over_slots or over_bytes):
                 return
             # What frees room: a model, or a family none of whose variants is left (evicting a
-            # variant frees only a slot of its family).
-            victim = next((k for k in server.planner.policy.victim_order()
-                           if server.planner.frees_room(k)), None)
+            # variant frees only a slot of its family); the lowest stage priority first (a
+            # shadow before production, as a miss's plan picks), then in the policy's order.
+            residents = server.planner.residents
+            victim = min((k for k in server.planner.policy.victim_order()
+                          if server.planner.frees_room(k)),
+                         key=lambda k: residents[k].priority, default=None)
             if victim is None:
                 log.error("%s is over its budget (%s) with only pinned models and families "
                           "holding variants", server.name, cap.describe())

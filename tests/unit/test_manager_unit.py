@@ -1045,3 +1045,60 @@ def test_a_load_on_a_server_declared_down_meanwhile_fails_clearly(tmp_path, load
         await mgr.close()
 
     run(go())
+
+
+def test_a_pin_cancelled_while_another_waits_for_the_same_load_keeps_the_others_pin(tmp_path):
+    """Two callers pin m1; the first one's client goes away during the shared load: its
+    cancellation undid the pin, and the second caller was told it had pinned m1 though it
+    was left unpinned, in memory and in the state store."""
+    async def go():
+        mgr, admin = make(tmp_path)
+        await mgr.start()
+        admin.load_delay_s = 0.3
+        first = asyncio.create_task(mgr.pin("m1"))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(mgr.pin("m1"))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        rec = await second
+        assert rec.pinned and mgr.get("m1").state == ModelState.READY
+        assert "m1" in mgr.store.pins()
+        # alone, a pin whose caller goes away is not kept, as one that cannot load
+        lone = asyncio.create_task(mgr.pin("m2"))
+        await asyncio.sleep(0.05)
+        lone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await lone
+        assert not mgr.get("m2").pinned and "m2" not in mgr.store.pins()
+        await mgr.close()
+
+    run(go())
+
+
+def test_over_budget_after_adoption_the_lowest_stage_leaves_first(tmp_path):
+    """Trimming a server adopted over its budget took the policy's first victim, whatever
+    its stage: a production model left while an idle shadow stayed (a miss's plan takes the
+    shadow)."""
+    from control_plane.eviction import STAGE_PRIORITY
+
+    async def go():
+        admin = FakeAdmin(MODELS)
+        server = ModelManager.make_server(ServerSpec("s0", "fake:1", "fake:2", max_loaded=2), "lru",
+                                          admin=admin)
+        shadow = {"m3"}
+        mgr = ModelManager([server], StateStore(tmp_path / "s.db"),
+                           config=ManagerConfig(policy="lru", unload_timeout_s=0.3),
+                           priority_of=lambda n: STAGE_PRIORITY["shadow" if n in shadow else "production"])
+        for m in ("m1", "m2", "m3"):
+            admin.states[m] = TritonModelState.READY
+        await mgr.start()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 3
+        while admin.states["m3"] == TritonModelState.READY and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        assert {m for m, s in admin.states.items() if s == TritonModelState.READY} == {"m1", "m2"}
+        await mgr.close()
+
+    run(go())
