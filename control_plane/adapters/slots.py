@@ -98,6 +98,7 @@ class AdapterSlots:
         self.clock = clock
         self.slots: dict[tuple[str, str], BaseSlots] = {}  # (base, server) -> its slots
         self.holds: dict[str, list[asyncio.TimerHandle]] = {}  # entry -> requests on their way
+        self._owners: dict[asyncio.TimerHandle, str | None] = {}  # hold -> the worker whose it is
         self.evictions: dict[str, int] = {}  # base -> adapters evicted for others (metrics)
         self.capacity_wait_s = getattr(manager.config, "capacity_wait_s", 120.0)
         # (base, server) -> the adapter loads waiting for a slot there, oldest first: when an
@@ -167,43 +168,46 @@ class AdapterSlots:
         return described
 
     # ------------------------------------------------------------------ requests
-    async def ensure_for_request(self, name: str, unreachable: str | None = None):
+    async def ensure_for_request(self, name: str, unreachable: str | None = None,
+                                 owner: str | None = None):
         """The server where ``name``'s base is READY with the adapter in a slot, for a request
         about to be sent there.  The base is held as the manager holds a model for a
         request, and the adapter is no victim until ``requests_answered`` (or
-        ``on_its_way_s``)."""
+        ``on_its_way_s``); ``owner``: the router worker asking, whose answers end its own
+        holds only."""
         base, adapter = self.base_of(name)
-        self._hold(name)
+        handle = self._hold(name, owner)
         try:
             for attempt in range(ENSURE_ATTEMPTS):
-                server = await self.manager.ensure_for_request(base, unreachable=unreachable)
+                server = await self.manager.ensure_for_request(base, unreachable=unreachable, owner=owner)
                 try:
                     await self.place(server, base, adapter)
                     return server
                 except ModelNotFound:
-                    self.manager.requests_answered(base, 1)  # this attempt's hold of the base
+                    self.manager.requests_answered(base, 1, owner=owner)  # this attempt's hold of the base
                     if attempt + 1 == ENSURE_ATTEMPTS or server.name in self.manager.copy_servers_of(base):
                         raise
                     # The base left its server under the fill (an unload): it is ensured
                     # again, as a request that meets its model unloaded is sent again.
                 except BaseException:
-                    self.manager.requests_answered(base, 1)
+                    self.manager.requests_answered(base, 1, owner=owner)
                     raise
             raise AssertionError("unreachable")
         except BaseException:
-            self._release(name)
+            handle.cancel()
+            self._release(name, handle)
             raise
 
-    def requests_answered(self, name: str, count: int = 1) -> int:
-        """Requests that ensured ``name`` were answered: their holds on the adapter and on its
-        base end."""
+    def requests_answered(self, name: str, count: int = 1, owner: str | None = None) -> int:
+        """Requests that ensured ``name`` for ``owner`` were answered: their holds on the
+        adapter and on its base end (another worker's never do)."""
         base, _ = split_adapter(name)
         holds = self.holds.get(name, [])
-        ended = holds[:max(0, count)]
+        ended = [h for h in holds if self._owners.get(h) == owner][:max(0, count)]
         for handle in ended:
             handle.cancel()
             self._release(name, handle)
-        self.manager.requests_answered(base, len(ended))
+        self.manager.requests_answered(base, len(ended), owner=owner)
         return len(ended)
 
     def touch(self, name: str) -> None:
@@ -213,12 +217,14 @@ class AdapterSlots:
             if held_base == base and adapter in slots.planner.residents:
                 slots.planner.touch(adapter, now)
 
-    def _hold(self, name: str) -> None:
+    def _hold(self, name: str, owner: str | None = None) -> asyncio.TimerHandle:
         holds = self.holds.setdefault(name, [])
         handle = asyncio.get_running_loop().call_later(self.on_its_way_s, lambda: self._release(name, handle))
         holds.append(handle)
+        self._owners[handle] = owner
         if len(holds) == 1:
             self._set_evictable(name, False)
+        return handle
 
     def _release(self, name: str, handle: asyncio.TimerHandle | None = None) -> None:
         holds = self.holds.get(name)
@@ -227,6 +233,7 @@ class AdapterSlots:
         if handle is None:
             handle = holds[-1]
             handle.cancel()
+        self._owners.pop(handle, None)
         if handle in holds:
             holds.remove(handle)
         if not holds:

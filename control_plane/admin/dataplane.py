@@ -230,6 +230,7 @@ class DataPlaneHub:
 
     async def ensure(self, request: web.Request) -> web.Response:
         body = await json_body(request)
+        owner = _worker_of(body)
         answered = body.get("answered")
         if answered is not None:
             # Holds of this worker's earlier ensures whose requests have their answers
@@ -240,7 +241,7 @@ class DataPlaneHub:
                 raise InvalidInput(f"'answered' maps at most {MAX_ANSWERED_WITH_ENSURE} models "
                                    "to the number of their ensures answered (whole numbers >= 1)")
             for name, count in answered.items():
-                self.manager.requests_answered(name, count)
+                self.manager.requests_answered(name, count, owner=owner)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidInput("give the model to load as 'model'")
@@ -248,7 +249,7 @@ class DataPlaneHub:
         if unreachable is not None and not isinstance(unreachable, str):
             raise InvalidInput("'unreachable' names the server a request could not reach")
         with tracing.span("ensure", tracing.SpanKind.SERVER, parent=request.headers, model=model):
-            server = await self.manager.ensure_for_request(model, unreachable=unreachable)
+            server = await self.manager.ensure_for_request(model, unreachable=unreachable, owner=owner)
         return web.json_response({"model": model, "server": server.name,
                                   "grpc_url": server.spec.grpc_url,
                                   "http_url": server.spec.http_url, "up": bool(server.up)})
@@ -261,8 +262,8 @@ class DataPlaneHub:
             raise InvalidInput("give the model whose requests were answered as 'model'")
         if type(count) is not int or count < 1:
             raise InvalidInput("'count' is the number of ensures answered, a whole number >= 1")
-        return web.json_response({"model": model,
-                                  "ended": self.manager.requests_answered(model, count)})
+        return web.json_response({"model": model, "ended": self.manager.requests_answered(
+            model, count, owner=_worker_of(body))})
 
     async def report(self, request: web.Request) -> web.Response:
         report = parse_report(await json_body(request))  # all checked before anything is applied
@@ -306,3 +307,12 @@ def add_dataplane_routes(app: web.Application, hub: DataPlaneHub) -> None:
         web.post("/v1/dataplane/tokens", hub.tokens),
         web.get("/v1/dataplane/workers", hub.worker_list),
     ])
+
+
+def _worker_of(body: dict) -> str | None:
+    """The router worker whose holds an ensure makes or an "answered" ends; None when the
+    caller does not say (such holds are ended by answers that do not say either)."""
+    worker = body.get("worker")
+    if worker is not None and (not isinstance(worker, str) or not 0 < len(worker) <= 200):
+        raise InvalidInput("'worker' names the router worker (a non-empty string)")
+    return worker

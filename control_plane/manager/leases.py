@@ -27,8 +27,11 @@ class Leases:
         self.recency = recency
         self.loader = loader
         self.reconciler = reconciler
-        # Holds of models loaded for requests, per model, oldest first (ensure_for_request).
+        # Holds of models loaded for requests, per model, oldest first (ensure_for_request),
+        # and the router worker whose ensure made each (None: this process's own router):
+        # a worker's "answered" ends its own holds only.
         self.request_holds: dict[str, list[asyncio.TimerHandle]] = {}
+        self._owners: dict[asyncio.TimerHandle, str | None] = {}
 
     @contextlib.asynccontextmanager
     async def lease(self, name: str) -> AsyncIterator[TritonServer]:
@@ -50,7 +53,8 @@ class Leases:
         finally:
             self.release(rec)
 
-    async def ensure_for_request(self, name: str, unreachable: str | None = None) -> TritonServer:
+    async def ensure_for_request(self, name: str, unreachable: str | None = None,
+                                 owner: str | None = None) -> TritonServer:
         """The server where ``name`` is READY for a request about to be sent there (the
         router's miss).  The model is held from before its load until the router says the
         request has its answer (``requests_answered``), or at most
@@ -61,7 +65,8 @@ class Leases:
         A model whose server is down is placed on another server for the request, without
         waiting for that server to be declared lost (``Reconciler.place_off_down``).
         ``unreachable``: the server the router could not reach for this request; it is
-        asked at once whether it is alive (``Reconciler.check_reachable``)."""
+        asked at once whether it is alive (``Reconciler.check_reachable``).  ``owner``: the
+        router worker asking; its ``requests_answered`` ends its own holds only."""
         rec = await self.acquire(name)
         config = self.config
         try:
@@ -78,34 +83,39 @@ class Leases:
                     raise OperationTimeout(f"{name} was unloaded again each time it was loaded for "
                                            f"{config.capacity_wait_s:.0f}s; retry")
         finally:
-            self._hold_for_request(rec)
+            self._hold_for_request(rec, owner)
 
-    def _hold_for_request(self, rec: ModelRecord) -> None:
+    def _hold_for_request(self, rec: ModelRecord, owner: str | None) -> None:
         holds = self.request_holds.setdefault(rec.name, [])
 
         def expire() -> None:  # the router never said: the hold ends anyway
             holds.remove(handle)
+            self._owners.pop(handle, None)
             if not holds and self.request_holds.get(rec.name) is holds:
                 del self.request_holds[rec.name]
             self.release(rec)
 
         handle = asyncio.get_running_loop().call_later(self.config.on_its_way_s, expire)
         holds.append(handle)
+        self._owners[handle] = owner
 
-    def requests_answered(self, name: str, count: int = 1) -> int:
+    def requests_answered(self, name: str, count: int = 1, owner: str | None = None) -> int:
         """Requests that ensured ``name`` have Triton's answer: up to ``count`` of its holds
-        end now rather than at ``on_its_way_s``, so under thrash a slot turns over as soon as
-        the requests it was loaded for are served.  Returns the holds ended."""
+        made for ``owner`` (oldest first) end now rather than at ``on_its_way_s``, so under
+        thrash a slot turns over as soon as the requests it was loaded for are served; one
+        worker's answers never end another's holds (whose requests may still be on their
+        way).  Returns the holds ended."""
         holds = self.request_holds.get(name)
         if not holds:
             return 0
-        ended = holds[:max(0, count)]
-        del holds[:len(ended)]
-        if not holds:
-            del self.request_holds[name]
+        ended = [h for h in holds if self._owners.get(h) == owner][:max(0, count)]
         for handle in ended:
+            holds.remove(handle)
+            del self._owners[handle]
             handle.cancel()
             self.release(self.book.records[name])
+        if not holds:
+            del self.request_holds[name]
         return len(ended)
 
     async def acquire(self, name: str) -> ModelRecord:

@@ -237,15 +237,17 @@ class ModelManager:
     def lease(self, name: str):
         return self.leases.lease(name)
 
-    async def ensure_for_request(self, name: str, unreachable: str | None = None) -> TritonServer:
+    async def ensure_for_request(self, name: str, unreachable: str | None = None,
+                                 owner: str | None = None) -> TritonServer:
+        """``owner``: the router worker asking (``Leases.ensure_for_request``)."""
         if self._is_adapter(name):
-            return await self.adapters.ensure_for_request(name, unreachable)
-        return await self.leases.ensure_for_request(name, unreachable)
+            return await self.adapters.ensure_for_request(name, unreachable, owner=owner)
+        return await self.leases.ensure_for_request(name, unreachable, owner=owner)
 
-    def requests_answered(self, name: str, count: int = 1) -> int:
+    def requests_answered(self, name: str, count: int = 1, owner: str | None = None) -> int:
         if self._is_adapter(name):
-            return self.adapters.requests_answered(name, count)
-        return self.leases.requests_answered(name, count)
+            return self.adapters.requests_answered(name, count, owner=owner)
+        return self.leases.requests_answered(name, count, owner=owner)
 
     async def acquire(self, name: str) -> ModelRecord:
         return await self.leases.acquire(name)

@@ -335,7 +335,8 @@ class RemoteState:
 
     async def _tell_answered(self, model: str, holds: int) -> None:
         try:
-            await self._call("POST", "/v1/dataplane/answered", {"model": model, "count": holds},
+            await self._call("POST", "/v1/dataplane/answered",
+                             {"model": model, "count": holds, "worker": self.worker},
                              timeout_s=5.0)
         except (ControlPlaneAway, ControlPlaneError) as exc:  # the hold ends on its own
             log.debug("could not end the hold of %s: %s", model, exc)
@@ -347,7 +348,9 @@ class RemoteState:
         deadline = time.monotonic() + self.request_timeout_s
         delay = RETRY_MIN_S
         while True:
-            body = {"model": model} if unreachable is None else {"model": model, "unreachable": unreachable}
+            body = {"model": model, "worker": self.worker}
+            if unreachable is not None:
+                body["unreachable"] = unreachable
             answered = self._take_answered()
             if answered:
                 # Ended before this ensure is served.  Not sent again should the call fail:

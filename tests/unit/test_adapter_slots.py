@@ -78,11 +78,11 @@ class FakeManager:
     def copy_servers_of(self, name):
         return ["triton0"] if name == BASE and self.base_ready else []
 
-    async def ensure_for_request(self, name, unreachable=None):
+    async def ensure_for_request(self, name, unreachable=None, owner=None):
         assert name == BASE
         return self.servers["triton0"]
 
-    def requests_answered(self, name, count=1):
+    def requests_answered(self, name, count=1, owner=None):
         self.answered.append((name, count))
         return count
 
@@ -343,9 +343,9 @@ def test_a_base_unloaded_under_the_fill_is_ensured_again_not_reported_unknown(st
 
     ensure_base = stack.manager.ensure_for_request
 
-    async def loaded_again(name, unreachable=None):
+    async def loaded_again(name, unreachable=None, owner=None):
         stack.manager.base_ready = True  # the next ensure loads it again
-        return await ensure_base(name, unreachable)
+        return await ensure_base(name, unreachable, owner)
 
     stack.admin.adapter_control = unloaded_once
     stack.manager.ensure_for_request = loaded_again

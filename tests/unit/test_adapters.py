@@ -282,11 +282,11 @@ class FakeManager:
     def announce_moved(self, name):
         self.moved.append(name)
 
-    async def ensure_for_request(self, name, unreachable=None):
+    async def ensure_for_request(self, name, unreachable=None, owner=None):
         self.ensured.append(name)
         return self.server
 
-    def requests_answered(self, name, count=1):
+    def requests_answered(self, name, count=1, owner=None):
         self.answered.append((name, count))
         return count
 

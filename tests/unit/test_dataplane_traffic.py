@@ -22,11 +22,11 @@ class Ensures(NoModels):
         self.server = SimpleNamespace(name="s0", up=True, spec=SimpleNamespace(
             grpc_url="127.0.0.1:1", http_url="http://127.0.0.1:2"))
 
-    async def ensure_for_request(self, model, unreachable=None):
+    async def ensure_for_request(self, model, unreachable=None, owner=None):
         self.calls.append(("ensure", model))
         return self.server
 
-    def requests_answered(self, model, count=1):
+    def requests_answered(self, model, count=1, owner=None):
         self.calls.append(("answered", model, count))
         return count
 

@@ -724,6 +724,24 @@ def test_a_hold_ends_as_soon_as_its_request_is_answered(tmp_path):
     run(go())
 
 
+def test_a_workers_answers_end_its_own_holds_only(tmp_path):
+    """Holds were one list per model: worker A's request outlived its hold (on_its_way_s),
+    worker B ensured the model, and A's "answered" then ended B's hold while B's request
+    was still on its way, so the model could leave under it."""
+    async def go():
+        mgr, _admin = make(tmp_path, max_loaded=1, on_its_way_s=0.2)
+        await mgr.start()
+        await mgr.ensure_for_request("m1", owner="w0")
+        await asyncio.sleep(0.3)  # w0's hold expired: its request is still running
+        await mgr.ensure_for_request("m1", owner="w1")
+        assert mgr.requests_answered("m1", 1, owner="w0") == 0  # w1's hold is not w0's
+        assert mgr.records["m1"].inflight == 1
+        assert mgr.requests_answered("m1", 1, owner="w1") == 1
+        assert mgr.records["m1"].inflight == 0 and mgr.leases.request_holds == {}
+
+    run(go())
+
+
 def test_a_load_waiting_for_room_held_by_requests_starts_when_a_hold_ends(tmp_path, monkeypatch):
     """Room held by requests comes back when one is answered: the waiting load is told at
     once, not at its next poll (50 ms; made longer here, so that only being told starts it)."""
