@@ -18,8 +18,10 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from domain.router_errors import PermissionDenied, RateLimited, RouterError
+from router.frontends.grpc_inference import parameter_value
 from router.frontends.peers import grpc_client
 from router.frontends.shared_memory import CUDA_REFUSAL, refuse_remote
+from router.serving.inference_pipeline import user_id_of
 from router.serving.miss_budget import CLIENT
 from router.serving.triton_channels import GRPC_MESSAGE_LIMIT_BYTES
 
@@ -46,9 +48,7 @@ def _metadata_user_id(context) -> str | None:
 
 def _user_id(request, context) -> str | None:
     param = request.parameters.get("user_id") if request.parameters else None
-    if param is not None and param.string_param:
-        return param.string_param
-    return _metadata_user_id(context)
+    return user_id_of(parameter_value(param), None) or _metadata_user_id(context)
 
 
 async def _abort(context, exc: RouterError):

@@ -24,9 +24,23 @@ from router.frontends.shared_memory_requests import uses_shared_memory
 from router.rollouts.routing_decisions import Decider
 from router.rollouts.shadow import ShadowMirror, outputs_of
 from router.serving.ensure_and_resend import Call, Resend, Sender
-from router.serving.inference_pipeline import Inference, InferencePipeline, Naming, Target
+from router.serving.inference_pipeline import (
+    Inference,
+    InferencePipeline,
+    Naming,
+    Target,
+    user_id_of,
+)
 from router.serving.serving_state import ServerAddress, ServingState
 from router.serving.triton_channels import Channels, unloaded_under
+
+
+def parameter_value(param: service_pb2.InferParameter | None) -> object:
+    """What an InferParameter holds (a bool, int, float or string), or None."""
+    if param is None:
+        return None
+    which = param.WhichOneof("parameter_choice")
+    return getattr(param, which) if which else None
 
 
 def _adapter_parameter(request: service_pb2.ModelInferRequest) -> str | None:
@@ -227,8 +241,7 @@ class Forwarder:
             request = service_pb2.ModelInferRequest.FromString(raw)
         except DecodeError as exc:
             raise InvalidRequest(f"malformed ModelInferRequest: {exc}") from None
-        param = request.parameters.get("user_id")
-        user_id = param.string_param if param is not None and param.string_param else metadata_user_id()
+        user_id = user_id_of(parameter_value(request.parameters.get("user_id")), None) or metadata_user_id()
         if uses_shared_memory(request):  # tensors are read and written here: the typed path
             return (await self.infer(request, user_id, timeout_s, headers)).SerializeToString()
         pipeline = self.pipeline

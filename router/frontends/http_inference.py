@@ -48,6 +48,7 @@ from router.serving.inference_pipeline import (
     Naming,
     Target,
     refuse_family_control,
+    user_id_of,
 )
 from router.serving.serving_state import UNLOADED_PREFIX, ServerAddress
 
@@ -204,11 +205,11 @@ async def infer(router: Router, session: aiohttp.ClientSession, request: web.Req
     refuse_family_control(params)  # model control is refused before shared memory is read
     shared_memory = router.shared_memory
     shared_memory.admit_json(parsed.doc, len(parsed.body), request.remote, limit_bytes)
-    user_id = request.headers.get("x-user-id") or params.get("user_id")
+    user_id = user_id_of(params.get("user_id"), request.headers.get("x-user-id"))
     pipeline = router.pipeline
     inference = pipeline.inference(request.match_info["model"], version, params, parsed.input_names,
                                    params.get("adapter") or None,
-                                   str(user_id) if user_id is not None else None,
+                                   user_id,
                                    request_timeout_s(request.headers, router.config.request_timeout_s),
                                    lambda: request.headers)
     exchange = HttpExchange(pipeline, session, shared_memory, parsed,

@@ -46,6 +46,17 @@ def refuse_family_control(parameters: Mapping) -> None:
                              "ask for the variant by its model name")
 
 
+def user_id_of(parameter: object, transport: str | None) -> str | None:
+    """The user a request names for sticky assignment, the same on both ports: its
+    ``user_id`` parameter (a string, or a whole number as gRPC's int64 parameter carries it),
+    else the transport's ``x-user-id`` (gRPC metadata, HTTP header); empty is none."""
+    if isinstance(parameter, int) and not isinstance(parameter, bool):
+        return str(parameter)
+    if isinstance(parameter, str) and parameter:
+        return parameter
+    return transport or None
+
+
 def routing_shown(asked: str, decision: Decision) -> bool:
     """Whether the answer says how it was routed (``parameters``: model, variant, experiment,
     adapter).  A request for a model served as itself gets Triton's answer unchanged, so a

@@ -163,6 +163,26 @@ def test_ab_assignment_is_sticky_and_reported(product):
     x.set_data_from_numpy(features(1))
     r = g.infer("cust004", [x], parameters={"user_id": "u7"})
     assert r.get_response().parameters["variant"].string_param == seen[7][0]
+    # Both ports read a user id alike: the request parameter (a string, or a whole number:
+    # gRPC's int64 was ignored), else x-user-id (HTTP once preferred the header).
+    h = httpclient.InferenceServerClient(p.json("endpoints")["router_http"])
+    hx = httpclient.InferInput("FEATURES", [1, 64], "FP32")
+    hx.set_data_from_numpy(features(1))
+
+    def http_variant(**kw):
+        return h.infer("cust004", [hx], **kw).get_response()["parameters"]["variant"]
+
+    assert http_variant(headers={"x-user-id": "u3"}) == seen[3][0]
+    assert http_variant(parameters={"user_id": "u5"}, headers={"x-user-id": "u6"}) == seen[5][0]
+    r = g.infer("cust004", [x], parameters={"user_id": "u5"}, headers={"x-user-id": "u6"})
+    assert r.get_response().parameters["variant"].string_param == seen[5][0]
+    numbered = {}
+    for number in range(1000, 1016):  # a whole-number user id: the same arm on both ports
+        r = g.infer("cust004", [x], parameters={"user_id": number})
+        numbered[number] = r.get_response().parameters["variant"].string_param
+        assert http_variant(parameters={"user_id": number}) == numbered[number]
+    assert set(numbered.values()) == {"control", "treatment"}  # hashed, not random per request
+    h.close()
     grpc_infer(g, "cust004", features(1))  # no user id: random, counted
     # Reading the figures asks every router worker for its report first (2 s at most; a
     # very busy machine may need another read): every request is counted, never twice.
@@ -170,10 +190,10 @@ def test_ab_assignment_is_sticky_and_reported(product):
     while True:
         stats = p.json("experiment", "stats", "rec-ab")["variants"]
         counted = sum(v["requests"] for v in stats.values())
-        if counted >= 82 or time.monotonic() > deadline:
+        if counted >= 117 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert counted == 82, stats
+    assert counted == 117, stats
     assert sum(v["random_assignments"] for v in stats.values()) == 1
     assert all(v["p99_ms"] is not None for v in stats.values())
     assert p.mmctl("experiment", "disable", "rec-ab").returncode == 0
