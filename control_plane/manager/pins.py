@@ -46,15 +46,14 @@ class Pins:
         try:
             await self.loader.ensure(name)
         except BaseException:
-            self._pinning[name] -= 1
-            if self._pinning[name] <= 0:
-                del self._pinning[name]
-                if not was_pinned and rec.pinned:  # an unpin meanwhile already undid it
-                    self._set_pinned(rec, False)
+            # The last call under way undoes it (an unpin meanwhile already did).
+            if self._pinning[name] == 1 and not was_pinned and rec.pinned:
+                self._set_pinned(rec, False)
             raise
-        self._pinning[name] -= 1
-        if self._pinning[name] <= 0:
-            del self._pinning[name]
+        finally:
+            self._pinning[name] -= 1
+            if not self._pinning[name]:
+                del self._pinning[name]
         if rec.pinned:  # not unpinned while the load ran
             self._set_pinned(rec, True)
             # In the state store's thread: a slow database holds up this call, not the

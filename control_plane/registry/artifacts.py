@@ -77,7 +77,7 @@ def _symlinks(folder: Path) -> list[str]:
     """The symbolic links in ``folder`` (files or folders), relative to it."""
     found = []
     for dirpath, dirnames, filenames in os.walk(folder):
-        for name in sorted(dirnames + filenames):
+        for name in dirnames + filenames:
             path = Path(dirpath) / name
             if path.is_symlink():
                 found.append(path.relative_to(folder).as_posix())
