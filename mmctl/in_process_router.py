@@ -58,7 +58,7 @@ async def start_in_process_router(parts: RouterParts, endpoints: dict) -> InProc
         share_weights=rollouts.shares.resolved)
     await router.start()
     # mmctl scale --replicas auto scales by the requests this router has on Triton.
-    parts.manager.copies.load_of = lambda: router.sender.outstanding_by_model()
+    parts.manager.copies.load_of = router.sender.queues.outstanding_by_model
     grpc_server, grpc_port = await start_grpc(router, cfg.router_host, cfg.router_grpc_port,
                                               cfg.max_request_bytes)
     http_runner = web.AppRunner(make_http_app(router), access_log=None,

@@ -7,13 +7,17 @@ to free room for a new key, or raises CapacityExhausted naming the pinned keys a
 budget; it changes nothing until the caller commits.  Residents marked ``leaving`` count
 as used but their room as already free (it is promised).
 
-Slot pools: a resident may hold ``holds`` fixed-size slots for other residents (a model
-family's Triton model and its weight slots).  The pool counts its whole size and its
-``holds`` slots from the moment it is admitted, filled or not; a member (``pool`` set) takes
-one of its slots and counts nothing of the server's room itself.  So a member's newcomer
-needs a free slot of its pool (evicting a member of that pool when none is free), never
-server room, and evicting a member frees no server room: only a pool with no members left
-is a victim for others, its whole size returned.
+One cache per server: a resident may be a slot pool (``holds`` slots: a model family's
+Triton model and its weight slots), and its members (``pool`` set) take one slot each.  A
+pool costs nothing of the server's room by itself: a slot is allocated when a member arrives
+and released when it leaves (elastic slots), so each member counts its slot's bytes and one
+place of ``max_slots``, exactly as a model does.  Every entry of a server -- a model, an
+extra copy, a variant in its family's slots -- is ordered by the one policy, and a miss of
+any kind may evict the least recently used evictable entry of any kind.  A pool is never a
+victim: once no member is left the manager unloads it.  ``holds`` bounds how many members
+the pool's Triton model can take at once (the slots it was loaded with); a member's newcomer
+beyond it grows the pool (a load with more slots) or, when it cannot grow, evicts a member
+of that pool.
 """
 
 from __future__ import annotations
@@ -68,16 +72,21 @@ class Resident:
     # unload failed is not leaving: it holds its room.
     leaving: bool = False
     # A member of a slot pool: the key of the pool resident whose slot it takes (it counts
-    # no bytes or slots of the server's own: the pool does).
+    # its slot's bytes and one place of the server's ``max_slots``, as a model does).
     pool: str | None = None
-    # A slot pool: the slots it holds for its members, counted against the server's slot
-    # limit (its size_bytes is all of them), whether members fill them or not.
+    # A slot pool: the most members its Triton model takes at once (the slots it was loaded
+    # with).  A pool counts nothing of the server's room: its members do.
     holds: int = 0
 
     @property
     def server_slots(self) -> int:
-        """Slots of the server's ``max_slots`` it takes."""
-        return 0 if self.pool is not None else (self.holds or 1)
+        """Places of the server's ``max_slots`` it takes: none for a pool, one otherwise."""
+        return 0 if self.holds else 1
+
+    @property
+    def room_bytes(self) -> int:
+        """Bytes of the server's budget it takes: none for a pool (its members count)."""
+        return 0 if self.holds else self.size_bytes
 
 
 @dataclass
@@ -136,21 +145,14 @@ class CachePlanner:
     def _count(self, r: Resident) -> None:
         if r.pool is not None:
             self._change_members(r, +1)
-        else:
-            self._count_own(r)
+        self._count_own(r)
 
     def _uncount(self, r: Resident) -> None:
         if r.pool is not None:
             self._change_members(r, -1)
-        else:
-            self._uncount_own(r)
+        self._uncount_own(r)
 
     def _change_members(self, member: Resident, delta: int) -> None:
-        """A member joins or leaves its pool: the pool's own evictability follows (a pool with
-        members is no victim), so it is counted again around the change."""
-        pool = self.residents.get(member.pool)
-        if pool is not None:
-            self._uncount_own(pool)
         for counts, applies in ((self._members, True), (self._leaving_members, member.leaving)):
             if applies:
                 left = counts.get(member.pool, 0) + delta
@@ -158,31 +160,29 @@ class CachePlanner:
                     counts[member.pool] = left
                 else:
                     counts.pop(member.pool, None)
-        if pool is not None:
-            self._count_own(pool)
 
-    def _frees_room(self, r: Resident) -> bool:
-        """Whether evicting ``r`` frees server room and may be planned: a model or an empty
-        pool, neither pinned nor busy."""
-        return (r.pool is None and r.evictable and not r.pinned
-                and not (r.holds and self._members.get(r.key)))
+    @staticmethod
+    def _frees_room(r: Resident) -> bool:
+        """Whether evicting ``r`` frees server room and may be planned: a model, an extra
+        copy or a variant in its family's slot, neither pinned nor busy (never a pool)."""
+        return not r.holds and r.evictable and not r.pinned
 
     def _count_own(self, r: Resident) -> None:
-        self._used_bytes += r.size_bytes
+        self._used_bytes += r.room_bytes
         self._used_slots += r.server_slots
         self._pools += 1 if r.holds else 0
         if r.leaving:
-            self._leaving_bytes += r.size_bytes
+            self._leaving_bytes += r.room_bytes
             self._leaving_slots += r.server_slots
         if self._frees_room(r):
             self._evictable[r.priority] = self._evictable.get(r.priority, 0) + 1
 
     def _uncount_own(self, r: Resident) -> None:
-        self._used_bytes -= r.size_bytes
+        self._used_bytes -= r.room_bytes
         self._used_slots -= r.server_slots
         self._pools -= 1 if r.holds else 0
         if r.leaving:
-            self._leaving_bytes -= r.size_bytes
+            self._leaving_bytes -= r.room_bytes
             self._leaving_slots -= r.server_slots
         if self._frees_room(r):
             left = self._evictable[r.priority] - 1
@@ -198,7 +198,7 @@ class CachePlanner:
 
     @property
     def used_slots(self) -> int:
-        """Slots of ``max_slots`` taken: one per model, a pool's all (members none)."""
+        """Places of ``max_slots`` taken: one per model, copy or variant (pools none)."""
         return self._used_slots
 
     @property
@@ -224,13 +224,27 @@ class CachePlanner:
         """Members of ``pool`` that hold one of its slots (loading and leaving included)."""
         return self._members.get(pool, 0)
 
+    def empty_pools(self) -> list[str]:
+        """Pools no member holds or loads into, that are not leaving: the manager unloads
+        them (a pool holds no room of its own, so no plan ever picks one)."""
+        return sorted(k for k, r in self.residents.items()
+                      if r.holds and not r.leaving and r.evictable and not self._members.get(k))
+
+    def pool_growth(self, pool: str, pool_slots: int) -> int:
+        """The slots ``pool``'s Triton model must be loaded with for one more member: 0 when
+        it is here and has a slot for it (counting members on their way out as gone), else
+        ``pool_slots`` (not here: its first load; here but full: a load with more slots),
+        or -1 when it is full and cannot grow (a member of it must leave)."""
+        holder = self.residents.get(pool)
+        if holder is None:
+            return max(pool_slots, 1)
+        taken = self._members.get(pool, 0) - self._leaving_members.get(pool, 0)
+        if taken + 1 <= holder.holds:
+            return 0
+        return pool_slots if pool_slots > holder.holds else -1
+
     def touch(self, key: str, now: float) -> None:
         self.policy.touch(key, now)
-        # A pool is as recently used as its newest member: once empty, the policy ranks it
-        # by when its last variant was used.
-        r = self.residents.get(key)
-        if r is not None and r.pool is not None and r.pool in self.residents:
-            self.policy.touch(r.pool, now)
 
     def admit(self, resident: Resident, now: float, load_cost_s: float = 1.0) -> None:
         """Record ``resident`` as loaded; re-admitting a key replaces its old entry."""
@@ -280,9 +294,9 @@ class CachePlanner:
         levels has been seen (the running counts say when).
 
         ``pool``: ``key`` goes into a slot (of ``size_bytes``) of that pool, which a load
-        would give ``pool_slots`` slots now.  A free slot costs nothing; a pool not here
-        needs the room of all its slots (``EvictionPlan.pool_slots``); a full one grows
-        into free room when its load would have more slots now, else a member leaves.
+        would give ``pool_slots`` slots now.  The slot takes room as a model does; when the
+        pool is not here (or full and may grow) its load is part of the plan
+        (``EvictionPlan.pool_slots``).
         """
         limit = victim_priority_limit(
             self.priority_of(key) if self.priority_of is not None else DEFAULT_PRIORITY)
@@ -293,33 +307,22 @@ class CachePlanner:
     def _plan_slot(self, key: str, slot_bytes: int, pool: str, pool_slots: int,
                    limit: int | None) -> EvictionPlan:
         holder = self.residents.get(pool)
-        if holder is None:
-            slots = max(pool_slots, 1)
-            plan = self._plan_room(key, slots * slot_bytes, slots, limit)
-            plan.pool_slots = slots
-            return plan
-        if holder.leaving or not (holder.evictable or self._members.get(pool)):
+        if holder is not None and (holder.leaving or not (holder.evictable or self._members.get(pool))):
             # Being unloaded (or its unload failed): its slots are going; the newcomer waits
             # for the unload, then loads it again.
             raise CapacityExhausted(f"no room for {key}: its family {pool} is being unloaded "
                                     "from this server")
-        taken = self._members.get(pool, 0) - self._leaving_members.get(pool, 0)
-        need = taken + 1 - holder.holds
-        if need <= 0:
-            return EvictionPlan()
-        grow = pool_slots - holder.holds
-        if grow >= need and self._free_for(grow * slot_bytes, grow):
-            return EvictionPlan(pool_slots=pool_slots)
-        victims = [r.key for r in self._members_in_order(key, pool, limit)][:need]
-        if len(victims) < need:
+        growth = self.pool_growth(pool, pool_slots)
+        if growth >= 0:
+            plan = self._plan_room(key, slot_bytes, 1, limit)
+            plan.pool_slots = growth
+            return plan
+        # The family's Triton model has no slot left and cannot grow: a member of it leaves
+        # (its slot is the newcomer's; the same room).
+        victims = [r.key for r in self._members_in_order(key, pool, limit)][:1]
+        if not victims:
             raise self._exhausted_in_pool(key, pool, holder.holds)
-        return EvictionPlan(victims)
-
-    def _free_for(self, size_bytes: int, slots: int) -> bool:
-        """Whether free (or promised) room holds ``size_bytes`` and ``slots`` with no victim."""
-        cap = self.capacity
-        return ((cap.max_bytes is None or self.committed_bytes + size_bytes <= cap.max_bytes)
-                and (cap.max_slots is None or self.committed_slots + slots <= cap.max_slots))
+        return EvictionPlan(victims, slot_bytes)
 
     def _members_in_order(self, key: str, pool: str, limit: int | None) -> list[Resident]:
         """``pool``'s evictable members, lowest stage priority first, then the policy's order."""
@@ -375,8 +378,7 @@ class CachePlanner:
             if spec.bytes is not None:
                 size = spec.bytes
             elif spec.models != 0:
-                sizes = sorted(r.size_bytes for r in self.residents.values()
-                               if r.size_bytes > 0 and r.pool is None)
+                sizes = sorted(r.room_bytes for r in self.residents.values() if r.room_bytes > 0)
                 typical = sizes[len(sizes) // 2] if sizes else 0
                 n = spec.models
                 if n is None:
@@ -431,7 +433,7 @@ class CachePlanner:
                 if limit is not None and r.priority > limit:
                     continue
                 victims.append(candidate)
-                freed += r.size_bytes
+                freed += r.room_bytes
                 if freed >= need_bytes and len(victims) >= need_slots:
                     return EvictionPlan(victims, freed)
             return None
@@ -450,7 +452,7 @@ class CachePlanner:
                     r = bucket[taken]
                     taken += 1
                     victims.append(r.key)
-                    freed += r.size_bytes
+                    freed += r.room_bytes
                     if freed >= need_bytes and len(victims) >= need_slots:
                         return True
                 if not final and taken < expected[level]:
@@ -475,11 +477,12 @@ class CachePlanner:
 
     def _exhausted(self, key: str, size_bytes: int) -> CapacityExhausted:
         cap = self.capacity
-        pinned = sorted(k for k, r in self.residents.items() if r.pinned)
-        busy = sorted(k for k, r in self.residents.items() if not r.evictable and not r.pinned)
+        holding = [r for r in self.residents.values() if not r.holds]
+        pinned = sorted(r.key for r in holding if r.pinned)
+        busy = sorted(r.key for r in holding if not r.evictable and not r.pinned)
         detail = f"pinned: {', '.join(pinned) or 'none'}"
         if busy:
-            detail += f"; busy loading/unloading: {', '.join(busy)}"
+            detail += f"; busy serving, loading or unloading: {', '.join(busy)}"
         return CapacityExhausted(
             f"no room for {key} ({size_bytes} bytes): budget is {cap.describe()}, "
             f"{self.used_slots} loaded using {self.used_bytes} bytes, and nothing evictable is "
@@ -492,7 +495,7 @@ class CachePlanner:
         busy = sorted(k for k, r in members if not r.evictable and not r.pinned)
         detail = f"pinned: {', '.join(pinned) or 'none'}"
         if busy:
-            detail += f"; busy loading/unloading: {', '.join(busy)}"
+            detail += f"; busy serving, loading or unloading: {', '.join(busy)}"
         return CapacityExhausted(
             f"no room for {key}: all {slots} slots of its family {pool} on this server hold "
             f"variants that cannot leave ({detail}); unpin a model (mmctl unpin NAME) or "

@@ -33,22 +33,26 @@ class Family:
         return self.layout.data_bytes
 
 
+# The most slots a family's model is loaded with: its slot list's length (a slot holds no
+# memory until a variant fills it, so the bound is on bookkeeping only).
+MAX_FAMILY_SLOTS = 4096
+
+
 def family_slots(family: Family, max_loaded: int | None, budget_bytes: int | None,
                  variants: int) -> int:
-    """Slots a family gets on one server: as many variants as the server's budget can hold
-    (``--max-loaded``, and the byte budget in slots of the family's size), so the manager's
-    accounting never asks for a slot the family does not have.  With neither limit, one per
-    variant known now.  At least one.  All of them count against the server's budget once
-    the family loads (the manager charges a family for the slots it holds), so a family
-    sharing a server with separate models leaves them only the rest."""
+    """Slots a family's model is loaded with on one server: the most variants the server's
+    budget can hold (``--max-loaded``, and the byte budget in slots of the family's size),
+    so the family is never the reason a variant cannot come in.  Slots are elastic: one
+    takes memory (and a place of the server's budget, as a model does) only while a variant
+    fills it, so the empty ones cost nothing.  With neither limit, one per variant known now
+    and half as many again (a later registration) before a load with more slots is
+    needed.  At least one."""
     limits = [n for n in (max_loaded,
                           budget_bytes // max(family.slot_bytes, 1) if budget_bytes else None)
               if n is not None]
     if not limits:
-        return max(1, variants)
-    # Never more than the family can use: a slot per known variant, but room to grow by half
-    # again (a later registration) before a reload with more slots is needed.
-    return max(1, min(min(limits), max(variants + variants // 2, 1)))
+        return max(1, min(MAX_FAMILY_SLOTS, variants + variants // 2))
+    return max(1, min(MAX_FAMILY_SLOTS, min(limits)))
 
 
 def control_key(repository: Path) -> str:

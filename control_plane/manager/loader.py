@@ -176,9 +176,8 @@ class Loader:
                                 self.book.lookup(v).move(ModelState.UNLOADING)
                             previous_state = rec.state
                             rec.failure = None
-                            # A family's variant takes a slot: the room reserved is its
-                            # family's slots when this load loads the family (or grows it),
-                            # else none.
+                            # A family's variant takes one slot's room; its family's
+                            # record is reserved when this load loads the family.
                             pool, undo_pool, room_bytes, room_slots = self.reserve_pool(
                                 server, name, size_bytes)
                             rec.move(ModelState.LOADING, server=server.name, memory_bytes=size_bytes)
@@ -306,9 +305,9 @@ class Loader:
                              pool: ModelRecord | None = None) -> bool:
         """Wait until the load of ``name`` may be sent to Triton.  False: Triton's held room
         fits it; True: it starts before its victims are confirmed gone (overlap).
-        ``room_bytes`` / ``room_slots``: the server room its load takes (a variant: its
-        family's slots, or none); ``pool``: the family whose slot it takes, free once no
-        more variants hold its slots than it has (a leaving one's evict is done).
+        ``room_bytes`` / ``room_slots``: the server room its load takes; ``pool``: the
+        family whose slot it takes, free once no more variants hold its slots than it has
+        (a leaving one's evict is done).
 
         Raises the first failed eviction of its own, or OperationTimeout when the room is
         held by models no unload is freeing (an unload failed: its room stays counted) or
@@ -338,33 +337,33 @@ class Loader:
                                timeout=min(remaining_s, ROOM_POLL_S) if self.room.free_memory else remaining_s)
 
     def reserve_pool(self, server: TritonServer, name: str, size_bytes: int, key: str | None = None):
-        """Reserve the room of ``name``'s family's slots on ``server`` when its load loads
-        the family there (or grows it); call under the lock, right after placement.  Returns
-        (the family's pool record or None, its undo, server bytes and slots reserved).
-        ``key``: the planner's key of the load (an extra copy's; default ``name``)."""
+        """A family's variant takes one slot's room, as a model takes its own; when its load
+        also loads the family there (or grows it to more slots), the family's record is
+        reserved here.  Call under the lock, right after placement.  Returns (the family's
+        pool record or None, its undo, server bytes and places reserved).  ``key``: the
+        planner's key of the load (an extra copy's; default ``name``)."""
         pool = slot_pool(server.admin, name)
         if pool is None:
             return None, lambda: None, size_bytes, 1
         pool_rec = self.book.pool(server.name, pool)
-        plan = server.planner.plan(key or name, size_bytes, pool=pool_rec.name, pool_slots=pool.slots)
-        if not plan.pool_slots:
-            return pool_rec, lambda: None, 0, 0
+        size_bytes = pool.slot_bytes  # its slot's, whatever the variant's file holds beside
+        slots = server.planner.pool_growth(pool_rec.name, pool.slots)
+        if slots <= 0:  # a slot of the family there is this variant's (or a member's leaving)
+            return pool_rec, lambda: None, size_bytes, 1
         slot_bytes = pool_rec.slot_bytes
         if pool_rec.server == server.name and pool_rec.state in (ModelState.READY, ModelState.LOADING):
-            held = pool_rec.slots  # it grows: the slots it adds
-            pool_rec.resize(plan.pool_slots * slot_bytes)
-            return (pool_rec, lambda: pool_rec.resize(held * slot_bytes),
-                    (plan.pool_slots - held) * slot_bytes, plan.pool_slots - held)
+            held = pool_rec.slots  # it grows: loaded again with more slots
+            pool_rec.resize(slots * slot_bytes)
+            return pool_rec, lambda: pool_rec.resize(held * slot_bytes), size_bytes, 1
         before = pool_rec.state
-        pool_rec.move(ModelState.LOADING, server=server.name,
-                      memory_bytes=plan.pool_slots * slot_bytes)
+        pool_rec.move(ModelState.LOADING, server=server.name, memory_bytes=slots * slot_bytes)
 
         def undo() -> None:
             if pool_rec.state == ModelState.LOADING and server.planner.members(pool_rec.name) == 0:
                 pool_rec.move(before if before not in (ModelState.LOADING, ModelState.READY)
                               else ModelState.WARM, server=None)
 
-        return pool_rec, undo, plan.pool_slots * slot_bytes, plan.pool_slots
+        return pool_rec, undo, size_bytes, 1
 
     def settle_pool(self, server: TritonServer, pool: ModelRecord | None) -> None:
         """After a variant's load (done or failed): its family's slots as the server's model

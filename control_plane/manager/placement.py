@@ -275,8 +275,8 @@ class Placer:
             try:
                 if pool is None:
                     plan = planner.plan(key, size_bytes)
-                else:
-                    plan = planner.plan(key, size_bytes, pool=pool_key(pool.name, server.name),
+                else:  # a slot's bytes, whatever the variant's file holds beside them
+                    plan = planner.plan(key, pool.slot_bytes, pool=pool_key(pool.name, server.name),
                                         pool_slots=pool.slots)
                 victims = tuple(plan.victims)
                 new_pool = pool is not None and pool_key(pool.name, server.name) not in planner.residents

@@ -374,11 +374,12 @@ class TritonServer:
             "used_bytes": self.planner.used_bytes,
             "headroom": vars(self.planner.headroom_target()),
             "loaded": sorted(k for k, r in self.planner.residents.items() if not r.holds),
-            # Model families loaded here: their slots count in used_bytes, filled or not.
-            "slot_pools": {k.partition(POOL_SEPARATOR)[0]: {"slots": r.holds,
-                                                            "bytes": r.size_bytes,
-                                                            "members": self.planner.members(k)}
-                           for k, r in sorted(self.planner.residents.items()) if r.holds},
+            # Model families loaded here: the most variants their slots take, the variants
+            # in them and the bytes those fill (counted in used_bytes; empty slots hold none).
+            "slot_pools": {k.partition(POOL_SEPARATOR)[0]: {
+                "slots": r.holds, "members": self.planner.members(k),
+                "bytes": self.planner.members(k) * (r.size_bytes // max(r.holds, 1))}
+                for k, r in sorted(self.planner.residents.items()) if r.holds},
         }
 
 

@@ -22,10 +22,10 @@ A pinned copy is pinned only while it serves or is loading: on its way out it ho
 room as busy, and the pin takes a room again when the model is reloaded.
 
 Slot pools (a model family's Triton model, ``ModelRecord.slot_bytes``): the pool's copy is
-admitted holding all its slots (``Resident.holds``) and counts their bytes; a copy of a model
-that goes into a slot (``records.slot_pool``: a family's variant) is admitted as a member of
-its pool on that server (``Resident.pool``) and counts nothing of the server's room.  Whether
-an empty pool may be a victim is the planner's to derive from its members.
+admitted with the most slots it takes (``Resident.holds``) and counts nothing of the
+server's room; a copy of a model that goes into a slot (``records.slot_pool``: a family's
+variant) is admitted as a member of its pool on that server (``Resident.pool``) and counts
+its slot's bytes and one place, as a model does (one cache per server: the planner).
 """
 
 from __future__ import annotations
@@ -108,8 +108,10 @@ class Residency:
         if current is None or server.name not in placed:
             # (An extra copy of a variant is a member of its family there too.)
             pool = None if rec.slot_bytes else slot_pool(server.admin, rec.triton_name)
+            # A variant takes its slot's bytes (the weights' data section), whatever its file.
+            size = pool.slot_bytes if pool is not None else rec.memory_bytes
             server.planner.admit(
-                Resident(rec.name, rec.memory_bytes, pinned=view.pinned,
+                Resident(rec.name, size, pinned=view.pinned,
                          priority=self.priority_of(rec.name), evictable=view.evictable,
                          leaving=view.leaving,
                          pool=pool_key(pool.name, server.name) if pool is not None else None,
@@ -118,16 +120,16 @@ class Residency:
             placed.add(server.name)
             freed = False  # a newcomer takes room
         elif (current.pinned, current.evictable, current.leaving, current.size_bytes,
-              current.holds) != (view.pinned, view.evictable, view.leaving, rec.memory_bytes,
+              current.holds) != (view.pinned, view.evictable, view.leaving,
+                                 size := current.size_bytes if current.pool else rec.memory_bytes,
                                  rec.slots):
             # Room may have come back: a victim again (its requests answered, its pin gone),
             # on its way out, or smaller.
             freed = ((view.evictable and not current.evictable) or (view.leaving and not current.leaving)
-                     or (current.pinned and not view.pinned) or rec.memory_bytes < current.size_bytes
+                     or (current.pinned and not view.pinned) or size < current.size_bytes
                      or rec.slots < current.holds)
             server.planner.update(rec.name, pinned=view.pinned, evictable=view.evictable,
-                                  leaving=view.leaving, size_bytes=rec.memory_bytes,
-                                  holds=rec.slots)
+                                  leaving=view.leaving, size_bytes=size, holds=rec.slots)
         else:
             return
         self.on_room_changed(server, freed)

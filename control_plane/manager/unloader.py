@@ -206,16 +206,16 @@ class Unloader:
             over_bytes = cap.max_bytes is not None and server.planner.used_bytes > cap.max_bytes
             if not (over_slots or over_bytes):
                 return
-            # What frees room: a model, or a family none of whose variants is left (evicting a
-            # variant frees only a slot of its family); the lowest stage priority first (a
-            # shadow before production, as a miss's plan picks), then in the policy's order.
+            # What frees room: a model, a copy or a variant in its slot; the lowest stage
+            # priority first (a shadow before production, as a miss's plan picks), then in
+            # the policy's order.
             residents = server.planner.residents
             victim = min((k for k in server.planner.policy.victim_order()
                           if server.planner.frees_room(k)),
                          key=lambda k: residents[k].priority, default=None)
             if victim is None:
-                log.error("%s is over its budget (%s) with only pinned models and families "
-                          "holding variants", server.name, cap.describe())
+                log.error("%s is over its budget (%s) with only pinned or busy models left",
+                          server.name, cap.describe())
                 return
             self.book.lookup(victim).move(ModelState.UNLOADING)
             try:
@@ -223,12 +223,27 @@ class Unloader:
             except ControlPlaneError:
                 return
 
+    def unload_empty_families(self, server: TritonServer) -> None:
+        """Unload each family model on ``server`` that no variant holds or loads into: its
+        slots' room went back one slot at a time as its variants left, and its process goes
+        with the last of them.  A variant that arrives meanwhile waits for the unload, then
+        loads the family again.  Synchronous, like ``maintain_headroom``."""
+        for key in server.planner.empty_pools():
+            rec = self.book.find(key)
+            if rec is None or rec.state != ModelState.READY or key in self.tasks.unloads:
+                continue
+            rec.move(ModelState.UNLOADING)
+            log.info("%s: no variant left in the slots of family %s; unloading it",
+                     server.name, rec.holder)
+            self.unload_now(server, key, reason="empty").add_done_callback(retrieve)
+
     def maintain_headroom(self, server: TritonServer) -> None:
         """Start unloading the policy's next victims when the server's free room is below its
         headroom (eviction.CachePlanner.headroom_victims); returns at once, the unloads run
         in the background.  Synchronous: the choice and the marking see the same state."""
         if not server.up:
             return
+        self.unload_empty_families(server)
         victims = server.planner.headroom_victims()
         for v in victims:
             self.book.lookup(v).move(ModelState.UNLOADING)

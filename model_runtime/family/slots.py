@@ -1,12 +1,16 @@
-"""``SlotBank``: K preallocated, fixed-size weight slots and what each holds.
+"""``SlotBank``: up to K fixed-size weight slots and what each holds.
 
-Each slot is one flat byte buffer of the family's ``data_bytes``, allocated once when the
-family model loads (device memory on a GPU instance, host memory on CPU), with a typed view
-per tensor at its byte range.  A variant's swap-in is one read of its weights file's data
-section into the slot's buffer: no allocation, no new module, no process start.
+Each slot is one flat byte buffer of the family's ``data_bytes`` (device memory on a GPU
+instance, host memory on CPU), with a typed view per tensor at its byte range.  Slots are
+elastic: a slot's buffer is allocated when a variant first fills it and returned
+(``release(..., keep_memory=False)``) when the control plane gives its room to something
+else, so a family holds the memory of the variants in it, not of K.  A variant's swap-in
+into a slot that has its buffer is one read of its weights file's data section into it: no
+allocation, no new module, no process start.
 
-The module built over a slot's views (``FamilyModel.build``) is built once per slot and
-reads whatever the slot holds, so a copy is all a swap-in takes.
+The module built over a slot's views (``FamilyModel.build``) reads whatever the slot holds,
+so a copy is all a swap-in into an allocated slot takes; a slot given a new buffer gets its
+module built again.
 
 On CPU a variant's file that is host RAM already (tmpfs, ramfs: the default warm tier) and of
 16 MiB or more is not copied before the miss is answered: the slot reads the file's kept mapping in place
@@ -86,10 +90,9 @@ class SlotBank:
             raise SlotError(f"this torch cannot hold {', '.join(missing)} tensors")
         self.layout = layout
         self.device = device
-        # torch.empty: on CPU the pages are committed by the first copy into a slot, so
-        # unused slots cost address space only; on a GPU all K are allocated here, once.
-        self.buffers = [torch.empty(layout.data_bytes, dtype=torch.uint8, device=device)
-                        for _ in range(count)]
+        # Allocated as variants arrive (``_buffer``) and dropped as the control plane frees
+        # their room (``release``): None while a slot holds no memory.
+        self.buffers: list[torch.Tensor | None] = [None] * count
         self.holder: list[str | None] = [None] * count
         self.slot_of: dict[str, int] = {}
         # CPU: the mapping each slot reads in place instead of its buffer (None: its buffer).
@@ -120,13 +123,39 @@ class SlotBank:
 
     @property
     def nbytes(self) -> int:
-        return self.layout.data_bytes * self.count
+        """Bytes the slots' buffers hold now (the slots that have one)."""
+        return self.layout.data_bytes * self.allocated
+
+    @property
+    def allocated(self) -> int:
+        """Slots that hold a buffer now."""
+        return sum(1 for b in self.buffers if b is not None)
+
+    def has_memory(self, slot: int) -> bool:
+        return self.buffers[slot] is not None
+
+    def _buffer(self, slot: int) -> torch.Tensor:
+        """``slot``'s buffer, allocated now if it has none (torch.empty: on CPU its pages are
+        committed by the copy into it)."""
+        buffer = self.buffers[slot]
+        if buffer is None:
+            buffer = self.buffers[slot] = torch.empty(self.layout.data_bytes, dtype=torch.uint8,
+                                                      device=self.device)
+        return buffer
+
+    def drop_memory(self, slot: int) -> None:
+        """Return ``slot``'s memory (it holds no variant).  A batch still reading it keeps
+        its own reference until it ends; on a GPU the cached block goes back to the device."""
+        self.buffers[slot] = None
+        self._read_in_place[slot] = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def views(self, slot: int) -> dict[str, torch.Tensor]:
         """One typed tensor per weight, viewing its byte range of what the slot reads: its
         buffer, or the mapping it reads in place."""
         mapped = self._read_in_place[slot]
-        buffer = self.buffers[slot] if mapped is None else _read_only_tensor(mapped)
+        buffer = self._buffer(slot) if mapped is None else _read_only_tensor(mapped)
         return {t.name: buffer[t.begin:t.end].view(TORCH_DTYPES[t.dtype]).view(t.shape)
                 for t in self.layout.tensors}
 
@@ -142,7 +171,7 @@ class SlotBank:
         source = self._read_in_place[slot]
         if source is None:
             return False
-        target = self.buffers[slot].numpy()
+        target = self._buffer(slot).numpy()
         for start in range(0, len(source), PART_BYTES):
             if given_up():
                 return False
@@ -206,11 +235,11 @@ class SlotBank:
                     and offset % IN_PLACE_ALIGNMENT == 0 and size >= IN_PLACE_MIN_BYTES):
                 self._read_in_place[slot] = mapped.array[offset:offset + size]
             else:
-                self._read_into(mapped, path, offset, self.buffers[slot])
+                self._read_into(mapped, path, offset, self._buffer(slot))
             return time.perf_counter() - started
         if self._copies is None:
             self._copies = torch.cuda.Stream(self.device)
-        target, copies = self.buffers[slot], self._copies
+        target, copies = self._buffer(slot), self._copies
         if self.pinned is not None:
             self.pinned.release_forgotten()  # between fills: no copy reads them
         mapped = self._mapping(path, offset, size)
@@ -319,12 +348,15 @@ class SlotBank:
         if self.pinned is not None:  # after the mappings are forgotten; no fill runs now
             self.pinned.close()
 
-    def release(self, variant: str) -> int | None:
-        """Free the slot ``variant`` holds (its bytes, or the mapping it reads, stay until
-        the next fill); None if it held none."""
+    def release(self, variant: str, keep_memory: bool = True) -> int | None:
+        """Free the slot ``variant`` holds; None if it held none.  ``keep_memory``: its
+        buffer (or the mapping it reads) stays for the next fill (a swap that reuses it at
+        once); else it is returned (``drop_memory``)."""
         slot = self.slot_of.pop(variant, None)
         if slot is not None:
             self.holder[slot] = None
+            if not keep_memory:
+                self.drop_memory(slot)
         return slot
 
 

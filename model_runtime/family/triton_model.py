@@ -160,7 +160,9 @@ class FamilyModel:
         # per batch that ran (the recommender's parameter of the same name).
         self.execute_delay_s = float(_parameter(self.model_config, "execute_delay_s", "0"))
         self.bank = SlotBank(layout, slots, self.device)
-        self.modules = [self.build(self.bank.views(i)) for i in range(slots)]
+        # A slot's module is built when a variant first fills it (its buffer is allocated
+        # then: elastic slots), and again whenever the slot's views move.
+        self.modules: list = [None] * slots
         self.instance = uuid.uuid4().hex[:12]  # a restarted family has empty slots
         self.swaps = 0
         # Only the control plane may change the slots: control commands carry the key it
@@ -214,12 +216,15 @@ class FamilyModel:
                     continue
                 groups[slot].append(i)
             holders = {slot: self.bank.holder[slot] for slot in groups}
+            # Taken with the readers: an evict that returns the slot's memory meanwhile
+            # leaves this batch its module (and the buffer it reads) until it ends.
+            modules = {slot: self.modules[slot] for slot in groups}
             for slot in groups:
                 self.readers[slot] += 1
         try:
             for slot, members in groups.items():
                 try:
-                    self._run(slot, holders[slot], members, requests, responses)
+                    self._run(modules[slot], holders[slot], members, requests, responses)
                 except Exception as exc:  # noqa: BLE001  (one group's failure is its requests' only)
                     for i in members:
                         if responses[i] is None:
@@ -245,7 +250,7 @@ class FamilyModel:
             return {}
         return params if isinstance(params, dict) else {}
 
-    def _run(self, slot: int, variant: str, members: list[int], requests: list, responses: list) -> None:
+    def _run(self, module, variant: str, members: list[int], requests: list, responses: list) -> None:
         rows, ok = [], []
         for i in members:
             try:
@@ -256,7 +261,7 @@ class FamilyModel:
         if not ok:
             return
         batch = torch.cat(rows).to(self.device) if len(rows) > 1 else rows[0].to(self.device)
-        result = self.forward(self.modules[slot], batch).cpu()
+        result = self.forward(module, batch).cpu()
         offset = 0
         pb_utils = _pb()
         for i, part in zip(ok, rows):
@@ -272,6 +277,7 @@ class FamilyModel:
     def status(self) -> dict:
         with self.guard:
             return {"family": self.family, "instance": self.instance, "slots": self.bank.count,
+                    "allocated": self.bank.allocated,
                     "slot_bytes": self.bank.layout.data_bytes, "device": str(self.device),
                     "resident": dict(self.bank.slot_of), "swaps": self.swaps,
                     "usage": {v: list(u) for v, u in self.usage.items() if v in self.bank.slot_of},
@@ -315,8 +321,10 @@ class FamilyModel:
                     answer.update(self._fill(str(command["variant"]), command["path"],
                                              [str(v) for v in evict]))
                 elif op == "evict":
+                    # The control plane gave the slot's room to something else: its memory
+                    # goes back now (elastic slots).
                     with self.guard:
-                        answer = {"slot": self._release(str(command["variant"]))}
+                        answer = {"slot": self._release(str(command["variant"]), keep_memory=False)}
                 elif op != "status":
                     raise ControlRefused(f"unknown family control op {op!r}", "INVALID_ARG")
         except ControlRefused:
@@ -346,15 +354,25 @@ class FamilyModel:
             if not free:
                 raise SlotError(f"all {self.bank.count} slots hold variants "
                                 f"({', '.join(self.bank.slot_of)}); evict one first")
-            slot = min(free, key=lambda i: (self.readers[i] > 0, i in self.settling))
+            # No batch reading it first, then one that has its memory (an evicted variant's,
+            # reused: no allocation, no new module).
+            slot = min(free, key=lambda i: (self.readers[i] > 0 or i in self.settling,
+                                            not self.bank.has_memory(i), i))
+            fresh = not self.bank.has_memory(slot) or self.modules[slot] is None
             self.filling.add(slot)
+            # The other slots this command freed hold no variant now: their memory goes back.
+            for other in freed:
+                if (other != slot and self.bank.holder[other] is None
+                        and other not in self.filling and other not in self.settling):
+                    self.bank.drop_memory(other)
+                    self.modules[other] = None
             # A batch still reads an evicted variant's weights, or its copy is settling.
             while self.readers[slot] or slot in self.settling:
                 self.guard.wait()
         try:
             seconds = self.bank.write(slot, path, offset)
             in_place = self.bank.reads_in_place(slot)
-            if in_place or self.over_mapping[slot]:  # the slot's views moved: rebuild
+            if in_place or self.over_mapping[slot] or fresh:  # the slot's views moved: rebuild
                 self.modules[slot] = self._build(variant, slot)
                 self.over_mapping[slot] = in_place
                 self.batches_in_place[slot] = 0
@@ -367,9 +385,19 @@ class FamilyModel:
         return {"evicted": freed, "slot": slot, "in_place": in_place,
                 "bytes": 0 if in_place else self.bank.layout.data_bytes, "seconds": seconds}
 
-    def _release(self, variant: str) -> int | None:
-        """Free ``variant``'s slot (under ``guard``), giving up the copy settling it."""
-        slot = self.bank.release(variant)
+    def _release(self, variant: str, keep_memory: bool = True) -> int | None:
+        """Free ``variant``'s slot (under ``guard``), giving up the copy settling it;
+        ``keep_memory=False`` returns its memory (its module goes: batches running keep
+        theirs)."""
+        if not keep_memory:
+            slot = self.bank.slot_of.get(variant)
+            if slot is not None and slot in self.settling:
+                # The settling copy writes into the buffer: the memory goes once it gave up.
+                keep_memory = True
+        slot = self.bank.release(variant, keep_memory=keep_memory)
+        if slot is not None and not keep_memory:
+            self.modules[slot] = None
+            self.over_mapping[slot] = False
         if slot in self.settling:
             self.settling[slot].set()
         return slot

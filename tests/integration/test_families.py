@@ -299,7 +299,8 @@ def test_a_family_grown_for_new_variants_answers_from_its_new_process(triton, re
     loaded again with more, the variants it held are copied into the new process, and every
     command after that reaches the new process (never the one Triton replaced)."""
     async def scenario():
-        mgr = make_manager(triton, repository, tmp_path, max_loaded=20)
+        # No limit: the family is loaded with a slot per variant known and half again.
+        mgr = make_manager(triton, repository, tmp_path, max_loaded=None)
         await mgr.start()
         for name in VARIANTS:
             await mgr.ensure(name)
@@ -331,18 +332,17 @@ def test_a_family_grown_for_new_variants_answers_from_its_new_process(triton, re
     run(scenario())
 
 
-def test_a_familys_slots_are_charged_on_a_server_it_shares_with_a_model(triton, repository, tmp_path):
-    """The family's 6 slots (192 B) count from its load on, filled or not: a separate model
-    that fits only in the room of its empty slots is refused while a variant holds one, and
-    once its variants all left the family model is unloaded from Triton for that model."""
+def test_one_cache_holds_a_family_and_a_model_on_a_real_triton(triton, repository, tmp_path):
+    """A server's room is one cache: the family costs the slots its variants fill (32 B
+    each), so a separate model loads beside a variant; a second variant evicts the least
+    recently used entry, a variant or the model alike; once no variant is left the family
+    model is unloaded from Triton.  Every answer is the variant's own weights'."""
     import shutil
-
-    from domain.errors import CapacityExhausted
 
     shutil.copytree(SCALER.parents[1] / "models" / "simple", repository / "simple")
     (repository / "simple" / "padding.bin").write_bytes(b"\0" * 100_000)
     model_bytes = sum(p.stat().st_size for p in (repository / "simple").rglob("*") if p.is_file())
-    budget = model_bytes + 150  # the model and one slot's bytes fit; not the family's 6 slots
+    budget = model_bytes + 40  # the model and one slot's bytes fit; not two slots beside it
 
     async def scenario():
         catalog = FamilyCatalog(repository)
@@ -354,21 +354,31 @@ def test_a_familys_slots_are_charged_on_a_server_it_shares_with_a_model(triton, 
                            config=ManagerConfig(policy="lru", headroom_models=0))
         await mgr.start()
         await mgr.ensure("acme")
-        assert admin.family_slots("scaler")["slots"] == 6
-        assert mgr.fleet()[0]["used_bytes"] == 6 * 32
-        # (a) acme holds a slot, so the family is no victim and its empty slots are no room.
-        with pytest.raises(CapacityExhausted):
-            await mgr.ensure("simple")
-        assert ready(mgr) == {"acme"}
-        assert mgr.fleet()[0]["used_bytes"] == 6 * 32
-        # (b) its last variant leaves: the family keeps its slots until their room is needed.
+        assert mgr.fleet()[0]["used_bytes"] == 32, "one variant: one slot's bytes"
+        await mgr.ensure("simple")  # beside the family, nothing evicted
+        assert ready(mgr) == {"acme", "simple"}
+        assert mgr.fleet()[0]["used_bytes"] == model_bytes + 32
+        np.testing.assert_allclose(infer(triton.grpc_url, "acme"), expected("acme"))
+        mgr.touch("simple")
+        await mgr.ensure("globex")  # acme is the least recently used: its slot is globex's
+        assert ready(mgr) == {"simple", "globex"}
+        np.testing.assert_allclose(infer(triton.grpc_url, "globex"), expected("globex"))
+        mgr.touch("globex")
+        await mgr.ensure("acme")  # the model is the least recently used now: it leaves
+        assert ready(mgr) == {"globex", "acme"}
+        assert (await admin.triton_index())["simple"].state.value != "READY"
+        for name in ("acme", "globex"):
+            np.testing.assert_allclose(infer(triton.grpc_url, name), expected(name))
+        assert mgr.fleet()[0]["slot_pools"]["scaler"]["members"] == 2
         await mgr.unload("acme")
-        assert (await admin.triton_index())["scaler"].state.value == "READY"
-        assert mgr.fleet()[0]["used_bytes"] == 6 * 32
-        await mgr.ensure("simple")
-        assert ready(mgr) == {"simple"}
+        await mgr.unload("globex")
+        await mgr.step()  # no variant left: the family model goes from Triton
+        deadline = time.monotonic() + 30
+        while mgr.fleet()[0]["slot_pools"]:  # counted until Triton confirms it unloaded
+            assert time.monotonic() < deadline, "the empty family stayed loaded"
+            await asyncio.sleep(0.1)
         assert (await admin.triton_index())["scaler"].state.value != "READY"
-        assert mgr.fleet()[0]["used_bytes"] == model_bytes <= budget
+        assert mgr.fleet()[0]["used_bytes"] == 0
         await mgr.close()
 
     run(scenario())

@@ -65,7 +65,7 @@ def product(tmp_path_factory, spans):
     thread.start()
     assert started.wait(120), "the product did not start"
     assert not failure, failure
-    yield service, f"127.0.0.1:{cfg.router_grpc_port}"
+    yield service, f"127.0.0.1:{cfg.router_grpc_port}", loop
     loop.call_soon_threadsafe(stop.set)
     thread.join(60)
 
@@ -87,7 +87,7 @@ def trace_of(exporter: InMemorySpanExporter, model: str) -> list:
 
 def test_a_miss_that_evicts_is_traced_as_ensure_one_control_request_and_the_inference(
         product, spans):
-    service, url = product
+    service, url, _loop = product
     x = np.linspace(-1, 1, 2 * 64, dtype=np.float32).reshape(2, 64)
     repository = service.repository
     for model in ("cust001", "cust002"):  # cust002 takes cust001's only slot
@@ -114,3 +114,18 @@ def test_a_miss_that_evicts_is_traced_as_ensure_one_control_request_and_the_infe
     spans.clear()
     assert scores_match(scores(url, "cust002", x), expected_scores(repository, "cust002", x))
     assert [s.name for s in trace_of(spans, "cust002")] == ["infer", "triton.infer"]
+
+
+def test_a_reconcile_pass_runs_with_the_router_in_the_control_planes_process(product):
+    """mmctl up --router-workers 0: the copies' autoscale reads the requests this router has
+    on Triton (its copy queues); a reconcile pass that reads them raises nothing."""
+    service, url, loop = product
+    x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(1, 64)
+    assert scores_match(scores(url, "cust003", x), expected_scores(service.repository, "cust003", x))
+    asyncio.run_coroutine_threadsafe(service.manager.step(), loop).result(60)
+
+    async def outstanding():
+        return service.manager.copies.load_of()
+
+    load = asyncio.run_coroutine_threadsafe(outstanding(), loop).result(10)
+    assert isinstance(load, dict) and all(n == 0 for n in load.values()), load

@@ -230,7 +230,7 @@ def test_planner_respects_pins_priority_and_capacity_errors():
     with pytest.raises(CapacityExhausted) as exc:
         planner.plan("new", 1)
     message = str(exc.value)
-    assert "pinned: prod, shadow" in message and "busy loading/unloading: canary" in message
+    assert "pinned: prod, shadow" in message and "busy serving, loading or unloading: canary" in message
     assert "mmctl unpin" in message
     planner.update("canary", evictable=True)
     assert planner.plan("new", 1).victims == ["canary"]

@@ -144,8 +144,8 @@ def test_the_demo_mlp_built_over_a_slot_answers_like_its_own_weights(tmp_path):
     (4, None, 20, 4),                # --max-loaded 4: four slots
     (None, 1000, 20, 10),            # a byte budget of ten slots
     (8, 300, 20, 3),                 # the smaller limit wins
-    (None, None, 20, 20),            # no limit: one slot per variant
-    (100, None, 6, 9),               # never far more than the family can use
+    (None, None, 20, 30),            # no limit: one slot per variant, and half again
+    (100, None, 6, 100),             # as many as the budget: empty slots cost nothing
     (4, 50, 20, 1),                  # a budget smaller than one slot still gets one
 ])
 def test_slots_per_server_follow_its_budget(max_loaded, budget, variants, expected):

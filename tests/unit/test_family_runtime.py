@@ -65,8 +65,8 @@ def family(tmp_path, pb_utils, monkeypatch):
     model.finalize()
 
 
-def scaler_family(tmp_path: Path, monkeypatch):
-    """The scaler family's own model.py, initialized as Triton would, with 1 slot, its
+def scaler_family(tmp_path: Path, monkeypatch, slots: int = 1):
+    """The scaler family's own model.py, initialized as Triton would, with ``slots``, its
     repository in ``tmp_path`` (needs ``pb_utils``); the caller finalizes it."""
     base = tmp_path / "base.safetensors"
     save_file({"scale": torch.ones(4), "shift": torch.zeros(4)}, str(base))
@@ -85,7 +85,7 @@ def scaler_family(tmp_path: Path, monkeypatch):
     model = namespace["TritonPythonModel"]()
     config = {"name": "scaler", "instance_group": [{"count": 1}],
               "parameters": {"forward_delay_s": {"string_value": "0"},
-                             "mms_family_slots": {"string_value": "1"}}}
+                             "mms_family_slots": {"string_value": str(slots)}}}
     model.initialize({"model_config": json.dumps(config), "model_repository": str(repo / "scaler"),
                       "model_version": "1", "model_instance_kind": "CPU"})
     return model, repo, catalog_key
@@ -111,6 +111,54 @@ def test_a_swap_in_the_same_batch_never_answers_a_request_with_the_new_weights(f
     assert out[0].error is not None and out[0].error.code == "NOT_FOUND"
     assert out[0].error.message.startswith("Request for unknown model: 'acme'")
     assert model.execute([infer("globex")])[0].outputs["OUTPUT0"].tolist() == [[100.0] * 4]
+
+
+def test_elastic_slots_hold_memory_only_while_a_variant_fills_them(tmp_path, pb_utils, monkeypatch):
+    """A slot's memory is allocated by its first fill and returned by an evict (the control
+    plane gave its room to something else); a swap (evict and fill in one command) reuses
+    the evicted slot's memory; a batch reading a slot when its memory is returned answers
+    from the weights it started with."""
+    model, repo, key = scaler_family(tmp_path, monkeypatch, slots=2)
+
+    def fill(variant, evict=()):
+        answer = model.command(json.dumps({"op": "load", "key": key, "variant": variant,
+                                           "path": str(repo / variant / "weights.safetensors"),
+                                           "evict": list(evict)}))
+        return answer["slot"]
+
+    def out(variant):
+        (response,) = model.execute([infer(variant)])
+        return response.error.code if response.error is not None else response.outputs["OUTPUT0"].tolist()
+
+    try:
+        assert model.bank.allocated == 0 and model.bank.nbytes == 0, "no memory before a variant"
+        fill("acme")
+        assert model.bank.allocated == 1 and out("acme") == [[2.0] * 4]
+        globex_slot = fill("globex")
+        assert model.bank.allocated == 2 and out("globex") == [[100.0] * 4]
+        model.command(json.dumps({"op": "evict", "key": key, "variant": "acme"}))
+        assert model.bank.allocated == 1 and out("acme") == "NOT_FOUND"
+        assert out("globex") == [[100.0] * 4]
+        buffer = model.bank.buffers[globex_slot].data_ptr()
+        assert fill("acme", evict=["globex"]) == globex_slot, "the swap takes the evicted slot"
+        assert model.bank.allocated == 1 and model.bank.buffers[globex_slot].data_ptr() == buffer
+        assert out("acme") == [[2.0] * 4] and out("globex") == "NOT_FOUND"
+        assert json.loads(model.execute([control(key, "status")])[0]
+                          .outputs["MMS_FAMILY_STATUS"][0][0])["allocated"] == 1
+        # An evict (from the control socket) while a batch reads the slot: the batch keeps
+        # its module and the memory under it until it ends.
+        forward = model.forward
+
+        def evicted_meanwhile(module, batch):
+            model.command(json.dumps({"op": "evict", "key": key, "variant": "acme"}))
+            return forward(module, batch)
+
+        model.forward = evicted_meanwhile
+        assert out("acme") == [[2.0] * 4]
+        model.forward = forward
+        assert model.bank.allocated == 0 and out("acme") == "NOT_FOUND"
+    finally:
+        model.finalize()
 
 
 def test_control_without_the_key_is_refused_and_changes_nothing(family):
