@@ -5,8 +5,9 @@ A family is a Triton model folder (its code once) plus ``family.json`` (the slot
 from the base weights) and ``1/_mms_family`` (the runtime, ``model_runtime.family``).  A
 variant is a folder with ``weights.safetensors`` and ``variant.json``.  To the model
 manager a variant is a model like any other (LRU, pins, placement, rollout stages) that
-takes a slot of its family, whose K slots count against the server's budget from the
-family's load on (``SlotPool``; an empty family is unloaded when its room is needed):
+takes a slot of its family and, like a model, its slot's bytes and one place of the
+server's budget (``SlotPool``: the family model itself costs nothing, and is unloaded
+once no variant is left in it):
 ``FamilyAdmin`` carries out its loads and unloads as slot fills and frees in the family
 model instead of Triton loads, loading the family model itself through Triton's load API
 the first time one of its variants is placed on a server.

@@ -16,9 +16,10 @@ The model manager calls ``load``, ``unload``, ``wait_unavailable``, ``index``,
   so the reconcile adopts and forgets variants as it does models; the family models
   themselves are not models of the manager's catalogue (never listed, loaded or pinned).
 * The family model's slots are the manager's to count (``slot_pool``, ``slot_pools``,
-  ``loaded_slots``): all K count against the server's budget from its load on, filled or
-  not; once no variant is left in them the manager may unload it (``unload_slots``) for
-  another model's room.
+  ``loaded_slots``): each variant in a slot takes its slot's bytes and one place of the
+  server's budget, as a model does (one cache per server), and a slot's memory is returned
+  when its variant is evicted for another entry; once no variant is left the manager
+  unloads the family model (``unload_slots``).
 * warm-up: the family's config shapes the request, sent with the variant's name.
 
 A family model whose process died (Triton answers "Stub process ... is not healthy" and

@@ -47,13 +47,13 @@ Eviction off the critical path (a miss should cost one load, not an unload and a
   (``unload_failed``); the newcomer stays loaded and the reconcile evicts down to the budget.
   Without a probe (unit tests, attached Tritons) nothing overlaps.
 
-Model families (``records.SlotPool``): a family model's K weight slots count against its
-server's budget from its load until Triton confirms it unloaded, filled or not; its record
-is a ``ModelBook.pools`` entry per server, moved like a model's.  A variant takes a slot of
-its family (evicting a variant of that family, per the policy and pins, when none is free),
-never server room; a family with no variant left is a victim for other models (its whole
-room returned).  ``residency.py`` derives both planner entries; ``eviction.planner`` plans
-the slots.
+Model families (``records.SlotPool``): one cache per server.  A variant in its family's slot
+is an entry like a model's, with its slot's bytes and one place of ``--max-loaded``; the
+family model's record is a ``ModelBook.pools`` entry per server, moved like a model's, that
+costs nothing itself.  One policy orders every entry: a miss of any kind evicts the least
+recently used evictable entry of any kind; a family with no variant left is unloaded
+(``Unloader.unload_empty_families``).  ``residency.py`` derives the planner entries;
+``eviction.planner`` plans them.
 
 Layout: records.py (records, server specs, configuration), room.py (held room, the
 overlap rule, the host's free memory), fleet_state.py (``ManagerState``: what the parts share),

@@ -72,7 +72,7 @@ class Candidate:
     warm: bool = True
     victims: tuple[str, ...] = ()
     plan_error: ControlPlaneError | None = None  # the planner could not make room
-    new_pool: bool = False  # a variant whose family would be loaded there (all its slots)
+    new_pool: bool = False  # a variant whose family would be loaded there (a process start)
 
     @property
     def load_fraction(self) -> float:

@@ -117,6 +117,32 @@ def test_the_demo_family_serves_every_variant_by_name_through_the_router(product
     metrics = requests.get(product.url + "/metrics", timeout=5).text
     assert 'mms_loads_total{result="ok",server="triton0"}' in metrics
 
+    # One cache per server: with the family's variants in all three places (one pinned), a
+    # model of the user's own and a LoRA base load beside it, evicting the least recently
+    # used variants, and everything answers its own values.
+    root = Path(__file__).resolve().parents[1]
+    out = product.mmctl("registry", "add", "simple", "--from-dir", str(root / "fixtures" / "models" / "simple"))
+    assert out.returncode == 0, out.stderr
+    out = product.mmctl("load", "simple")
+    assert out.returncode == 0, out.stdout + out.stderr
+    a, b = np.arange(16, dtype=np.int32), np.full(16, 3, dtype=np.int32)
+    inputs = [grpcclient.InferInput("INPUT0", [16], "INT32"), grpcclient.InferInput("INPUT1", [16], "INT32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    result = client.infer("simple", inputs)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    out = product.mmctl("adapter", "add", "acme", "--base", "tinylm", "--path",
+                        str(root / "fixtures" / "adapters" / "acme"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = product.mmctl("load", "tinylm:acme")
+    assert out.returncode == 0, out.stdout + out.stderr
+    status = {m["model"]: m for m in product.json("status")}
+    assert status["tinylm"]["state"] == "ready" and status["cust002"]["state"] == "ready"
+    for name in ("cust002", "cust005"):
+        scores, _response = grpc_infer(grpc_url, name)
+        np.testing.assert_allclose(scores, reference_scores(name), rtol=1e-5, atol=1e-6)
+
 
 def test_ab_tests_and_shadows_work_on_variant_names(product):
     grpc_url = product.json("endpoints")["router_grpc"]
