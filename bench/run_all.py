@@ -13,6 +13,7 @@ Each benchmark is its own module and can run alone with its own options:
     python bench/lora_bench.py       LoRA: 1 vs 100 adapters per batch, swap-in, memory
     python -m bench.family_swap      model families vs separate models: miss vs memcpy, hits
     python -m bench.mixed_traffic    hits and misses at once: req/s, p50 and p99 (--baseline REV)
+    python -m bench.mixed_fleet      a family, separate models and a LoRA base in one server's cache
     python -m bench.adapter_traffic  LoRA adapter hits and misses through the router (--baseline REV)
     python -m bench.thrash           failed requests and latency under thrash (models, family)
     python -m bench.scale            50, 1,000 and 10,000 models: idle CPU, bytes per change, status, hits
@@ -65,6 +66,7 @@ QUICK = {
              "--duration", "30"],
     "slot_fill": ["-m", "bench.slot_fill", "--size-mb", "50", "--repeats", "5"],
     "mixed_traffic": ["-m", "bench.mixed_traffic", "--size-mb", "20", "--duration", "20"],
+    "mixed_fleet": ["-m", "bench.mixed_fleet", "--duration", "20"],
     "adapter_traffic": ["-m", "bench.adapter_traffic", "--requests", "100"],
     "http_parse_offloop": ["-m", "bench.http_parse_offloop", "--mib", "4", "1", "--bodies", "3"],
     "capacity": ["-m", "bench.capacity", "--rounds", "1", "--phase-s", "10", "--auto-s", "30"],
@@ -87,6 +89,7 @@ FULL = {
     "soak": ["-m", "bench.soak"],
     "slot_fill": ["-m", "bench.slot_fill"],
     "mixed_traffic": ["-m", "bench.mixed_traffic"],
+    "mixed_fleet": ["-m", "bench.mixed_fleet"],
     "adapter_traffic": ["-m", "bench.adapter_traffic"],
     "http_parse_offloop": ["-m", "bench.http_parse_offloop"],
     "capacity": ["-m", "bench.capacity"],

@@ -208,6 +208,14 @@ SMOKES: dict[str, Smoke] = {
         "mixed_traffic.json",
         lambda r: assert_(r["sides"]["current"][0]["misses"] > 0 and not r["sides"]["current"][0]["wrong"]
                           and r["sides"]["current"][0]["waits"]["miss"]["fill"][0] > 0, r)),
+    "mixed_fleet": Smoke(
+        ["-m", "bench.mixed_fleet", "--smoke", "--out", "{out}/mixed_fleet.json"],
+        [rf"^\s+all: \d+ requests, 0 errors, {NUMBER} req/s",
+         rf"^\s+variant\s+4 names\s+\d+ requests\s+p50 {NUMBER} ms",
+         r"every distinct answer checked: ok"],
+        "mixed_fleet.json",
+        lambda r: assert_(r["result"]["requests"] > 0 and not r["result"]["wrong"]
+                          and r["result"]["kinds"]["variant"]["requests"] > 0, r)),
     "adapter_traffic": Smoke(
         ["-m", "bench.adapter_traffic", "--smoke", "--out", "{out}/adapter_traffic.json"],
         [(rf"^\s+current\s+{NUMBER} / {NUMBER}\s+{NUMBER} / {NUMBER}\s+{NUMBER} / {NUMBER}\s+{NUMBER}"
