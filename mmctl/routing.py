@@ -150,6 +150,11 @@ def status(api, name, as_json):
     for v, s in sorted(body["variants"].items()):
         click.echo(f"  {v:<9} requests {s['requests']}  errors {s['errors']}  "
                    f"p50 {_ms(s['p50_ms'])} ms  p99 {_ms(s['p99_ms'])} ms")
+        apart = {what: s.get(key, 0) for what, key in (
+            ("client mistakes", "client_errors"), ("deadlines too short", "short_deadlines"),
+            ("refused before the model", "refused"))}
+        if any(apart.values()):  # the client's or the product's, never judged
+            click.echo("            not judged: " + ", ".join(f"{what} {n}" for what, n in apart.items()))
     for h in body["history"][-10:]:
         when = dt.datetime.fromtimestamp(h["at"]).strftime("%H:%M:%S")
         click.echo(f"  {when} {h['decision']:<8} stage {h['stage'] + 1} {h.get('reason', '')}")

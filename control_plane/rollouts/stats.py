@@ -4,9 +4,12 @@ Feeds A/B experiments and canary verdicts, so what it counts is what judges a mo
 
 * latency counts from when the model was ready to serve the request, not from arrival: a
   candidate that starts cold is judged on its inference latency, not on its load time;
-* client mistakes (bad input, a name or adapter the model does not have, limits) and
-  cancellations by the client are not the model's errors: they are counted apart and left
-  out of the window (``classify``).
+* what the client or the product caused is not the model's error: client mistakes (bad
+  input, a name or adapter the model does not have) and cancellations, a deadline shorter
+  than the model could meet, and a refusal before the model was reached (a rate limit, the
+  miss budget, a deadline refused at once, no room) are counted apart, each by its kind,
+  and left out of the window (``classify``).  So an anonymous client can neither roll a
+  healthy canary back nor make its baseline look worse with tiny deadlines or refusals.
 
 Samples live in fixed-size numpy ring buffers, so recording is a few array stores and a
 window summary is a vectorized mask plus a percentile over a bounded sample: it never sorts
@@ -40,24 +43,49 @@ CLIENT_ERROR_CODES = frozenset({
 })
 
 
+# A deadline the model had the request for at least this long, and at least twice the p99 of
+# its own answers in time, was one it could meet: passing it is the model's error.  A
+# shorter one is the client's (a 1 us deadline would otherwise be an error made to order).
+JUDGED_DEADLINE_MIN_MS = 100.0
+JUDGED_DEADLINE_P99_FACTOR = 2.0
+
+
 class Outcome(enum.Enum):
     OK = "ok"
     ERROR = "error"  # the model's (or its load's) fault: counts against it
     CLIENT = "client"  # a client mistake or cancellation: counted apart, never judged
+    SHORT_DEADLINE = "short_deadline"  # a deadline the model could not meet: apart
+    REFUSED = "refused"  # refused before the model was reached (limits, room): apart
 
 
-def classify(code: str, reached_model: bool) -> Outcome:
+# VariantStats' counter of each outcome counted apart.
+APART = {Outcome.CLIENT: "client_errors", Outcome.SHORT_DEADLINE: "short_deadlines",
+         Outcome.REFUSED: "refused"}
+
+
+def classify(code: str, reached_model: bool, served_ms: float | None = None,
+             meetable_ms: float = JUDGED_DEADLINE_MIN_MS) -> Outcome:
     """Whose fault a request's outcome is.
 
     ``reached_model``: the model was ready and the request went to it.  Before that point
     NOT_FOUND or INVALID_ARGUMENT come from the model itself (a candidate that is not in
     the repository, a load that was refused) and count as its errors; after it they answer
     the request's content (bad shape, unknown adapter).  A cancellation is the client
-    giving up (its deadline passed or it went away), also while waiting for a cold load."""
+    giving up (it went away), also while waiting for a cold load.  RESOURCE_EXHAUSTED is a
+    limit's refusal (a rate limit, the miss budget, a fair share, no room), never the
+    model's.  DEADLINE_EXCEEDED is the model's only when it had the request for at least
+    ``meetable_ms`` (``served_ms``: how long it had it); refused before the model was
+    reached, or sooner, it is a deadline shorter than the model could meet."""
     if code == "OK":
         return Outcome.OK
     if code == "CANCELLED":
         return Outcome.CLIENT
+    if code == "RESOURCE_EXHAUSTED":
+        return Outcome.REFUSED
+    if code == "DEADLINE_EXCEEDED":
+        if not reached_model or served_ms is None or served_ms < meetable_ms:
+            return Outcome.SHORT_DEADLINE
+        return Outcome.ERROR
     if reached_model and code in CLIENT_ERROR_CODES:
         return Outcome.CLIENT
     return Outcome.ERROR
@@ -99,7 +127,10 @@ class VariantStats:
         self.requests = 0
         self.errors = 0
         self.client_errors = 0
+        self.short_deadlines = 0
+        self.refused = 0
         self.random_assignments = 0
+        self._meetable: tuple[float, float] | None = None  # (computed at, ms): ``meetable_ms``
         self.max_samples = max_samples
         self._at = np.empty(max_samples, np.float64)
         self._latency_ms = np.empty(max_samples, np.float64)
@@ -120,9 +151,26 @@ class VariantStats:
         if self._count < self.max_samples:
             self._count += 1
 
-    def record_client_error(self, randomly_assigned: bool = False) -> None:
-        self.client_errors += 1
+    def record_client_error(self, randomly_assigned: bool = False,
+                            counter: str = "client_errors") -> None:
+        """One outcome counted apart: ``counter`` is its kind's (``APART``)."""
+        setattr(self, counter, getattr(self, counter) + 1)
         self.random_assignments += 1 if randomly_assigned else 0
+
+    def meetable_ms(self, now: float) -> float:
+        """The shortest deadline this model could meet: ``JUDGED_DEADLINE_MIN_MS``, or twice
+        the p99 of its answers in time, whichever is longer (worked out at most once a
+        second: a flood of deadlines costs no percentile each)."""
+        if self._meetable is not None and now - self._meetable[0] < 1.0:
+            return self._meetable[1]
+        n = self._count
+        ok = self._ok[:n]
+        latencies = self._latency_ms[:n][ok]
+        latencies = latencies[~np.isnan(latencies)]
+        (p99,) = percentiles(latencies, (0.99,))
+        meetable = max(JUDGED_DEADLINE_MIN_MS, JUDGED_DEADLINE_P99_FACTOR * (p99 or 0.0))
+        self._meetable = (now, meetable)
+        return meetable
 
     def _in_time_order(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The held samples, oldest first (a full ring starts at ``_next``)."""
@@ -136,7 +184,8 @@ class VariantStats:
         at, latency_ms, ok = self._in_time_order()
         picked = at >= since
         return {"requests": self.requests, "errors": self.errors,
-                "client_errors": self.client_errors, "random_assignments": self.random_assignments,
+                "client_errors": self.client_errors, "short_deadlines": self.short_deadlines,
+                "refused": self.refused, "random_assignments": self.random_assignments,
                 "at": _packed(at[picked], "<f8"), "latency_ms": _packed(latency_ms[picked], "<f8"),
                 "ok": _packed(ok[picked], "u1")}
 
@@ -158,6 +207,9 @@ class VariantStats:
         stats.requests = int(saved["requests"])
         stats.errors = int(saved["errors"])
         stats.client_errors = int(saved["client_errors"])
+        # Saved by an earlier version: none counted apart of these kinds.
+        stats.short_deadlines = int(saved.get("short_deadlines", 0))
+        stats.refused = int(saved.get("refused", 0))
         stats.random_assignments = int(saved["random_assignments"])
         return stats
 
@@ -180,6 +232,7 @@ class VariantStats:
         return {"requests": self.requests, "errors": self.errors,
                 "error_rate": round(self.errors / self.requests, 6) if self.requests else 0.0,
                 "client_errors": self.client_errors,
+                "short_deadlines": self.short_deadlines, "refused": self.refused,
                 "random_assignments": self.random_assignments,
                 "p50_ms": summary.p50_ms, "p99_ms": summary.p99_ms}
 
@@ -219,9 +272,11 @@ class StatsBook:
                        randomly_assigned: bool = False) -> Outcome:
         """Record one request by its status code.  ``served_ms``: latency from when the
         model was ready (None if it never was); see ``classify``."""
-        outcome = classify(code, served_ms is not None)
-        if outcome is Outcome.CLIENT:
-            self.get(scope, variant).record_client_error(randomly_assigned)
+        stats = self.get(scope, variant)
+        meetable = stats.meetable_ms(self.clock()) if code == "DEADLINE_EXCEEDED" else JUDGED_DEADLINE_MIN_MS
+        outcome = classify(code, served_ms is not None, served_ms, meetable)
+        if outcome in APART:
+            stats.record_client_error(randomly_assigned, APART[outcome])
             self._revisions[scope] = self._revisions.get(scope, 0) + 1
         else:
             self.record(scope, variant, served_ms, outcome is Outcome.OK, randomly_assigned)
@@ -236,8 +291,9 @@ class StatsBook:
         self._revisions[scope] = self._revisions.get(scope, 0) + 1
 
     def outcomes(self, scope: str) -> int:
-        """Outcomes ``scope`` holds, client mistakes included."""
-        return sum(s.requests + s.client_errors for (sc, _), s in self._stats.items() if sc == scope)
+        """Outcomes ``scope`` holds, those counted apart included."""
+        return sum(s.requests + s.client_errors + s.short_deadlines + s.refused
+                   for (sc, _), s in self._stats.items() if sc == scope)
 
     def revision(self, scope: str) -> int:
         """Changes whenever ``scope`` records an outcome or is reset."""

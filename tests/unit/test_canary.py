@@ -146,8 +146,8 @@ def test_a_request_the_candidate_had_past_the_clients_deadline_counts_against_it
             async with router.sender.serving("m", user, timeout_s=timeout_s):
                 await asyncio.sleep(60)  # the candidate does not answer
 
-        at_deadline = asyncio.create_task(request(0.05))
-        await asyncio.sleep(0.06)
+        at_deadline = asyncio.create_task(request(0.15))  # one any model could meet
+        await asyncio.sleep(0.16)
         at_deadline.cancel()  # what gRPC does at the client's deadline
         gone_early = asyncio.create_task(request(5.0))
         await asyncio.sleep(0.01)
@@ -160,6 +160,65 @@ def test_a_request_the_candidate_had_past_the_clients_deadline_counts_against_it
     w, totals = run(go())
     assert (w.requests, w.errors) == (1, 1)
     assert totals["client_errors"] == 1
+
+
+@pytest.mark.parametrize("code, reached, served_ms, meetable_ms, expected", [
+    ("OK", True, 3.0, 100.0, "ok"),
+    ("DEADLINE_EXCEEDED", False, None, 100.0, "short_deadline"),  # refused before the model
+    ("DEADLINE_EXCEEDED", True, 0.001, 100.0, "short_deadline"),  # a 1 us deadline
+    ("DEADLINE_EXCEEDED", True, 150.0, 300.0, "short_deadline"),  # under 2x the model's p99
+    ("DEADLINE_EXCEEDED", True, 150.0, 100.0, "error"),  # one the model could meet
+    ("RESOURCE_EXHAUSTED", False, None, 100.0, "refused"),  # the miss budget, a rate limit
+    ("RESOURCE_EXHAUSTED", True, 2.0, 100.0, "refused"),
+    ("CANCELLED", True, 2.0, 100.0, "client"),
+    ("INVALID_ARGUMENT", True, 2.0, 100.0, "client"),
+    ("NOT_FOUND", False, None, 100.0, "error"),  # a candidate that cannot be found
+    ("UNAVAILABLE", True, 2.0, 100.0, "error"),
+])
+def test_what_the_client_or_the_product_caused_is_never_the_models(code, reached, served_ms,
+                                                                   meetable_ms, expected):
+    from control_plane.rollouts.stats import classify
+
+    assert classify(code, reached, served_ms, meetable_ms).value == expected
+
+
+def test_tiny_deadlines_and_refusals_aimed_at_both_arms_neither_roll_back_nor_promote():
+    """An anonymous client finds user ids of each arm offline (the split is a public hash)
+    and sends them 1 us deadlines and requests its miss budget refuses: none of it is the
+    candidate's or the baseline's doing, so the canary holds (too few judged requests), and
+    ``canary status`` counts them apart."""
+    from domain.router_errors import RateLimited
+
+    clock = Clock()
+
+    async def refused(call):
+        raise RateLimited("client 203.0.113.9 has caused more misses than its budget", 1.0)
+
+    async def go():
+        router = canary_router(clock, FakeManager(ready={"m", "m2"}), min_requests=5,
+                               stage_s=30, check_interval_s=10)
+        for arm in ("m", "m2"):
+            user = next(f"u{i}" for i in range(10_000)
+                        if router.table.resolve("m", f"u{i}").model == arm)
+            for _ in range(40):
+                with pytest.raises((RouterError, asyncio.CancelledError)):
+                    async with router.sender.serving("m", user, timeout_s=1e-6):
+                        await asyncio.sleep(0.001)  # the deadline passes at once
+                        raise asyncio.CancelledError  # what gRPC does at the deadline
+                with pytest.raises(RouterError):
+                    await serve(router, arm, refused)
+        for _ in range(4):
+            clock.now += 11
+            router.canaries.step()
+        return router.table.routes["m"].canary, router.stats.scope("canary:m")
+
+    canary, totals = run(go())
+    assert canary.status == "running", canary.history
+    assert {h["decision"] for h in canary.history} == {"start", "hold"}, canary.history
+    for variant in ("baseline", "canary"):
+        t = totals[variant]
+        assert (t["requests"], t["errors"]) == (0, 0), t
+        assert t["short_deadlines"] == 40 and t["refused"] == 40, t
 
 
 def test_a_candidate_that_cannot_be_found_counts_as_its_error():
