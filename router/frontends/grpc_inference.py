@@ -13,6 +13,8 @@ shadow mirror) and the clients' shared memory."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
@@ -33,6 +35,8 @@ from router.serving.inference_pipeline import (
 )
 from router.serving.serving_state import ServerAddress, ServingState
 from router.serving.triton_channels import Channels, unloaded_under
+
+log = logging.getLogger(__name__)
 
 
 def parameter_value(param: service_pb2.InferParameter | None) -> object:
@@ -116,10 +120,12 @@ class _GrpcExchange:
             return None
         call.code = exc.code().name
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            server = call.server
-            return BackendUnavailable(
-                f"Triton {server.name} at {server.grpc_url} is unavailable "
-                f"({exc.details()}); the control plane restarts it, retry shortly")
+            # What happened, not where: the server's name, address and Triton's own words are
+            # the operators' (the log), not a client's.
+            log.warning("Triton %s at %s is unavailable for %s: %s", call.server.name,
+                        call.server.grpc_url, asked, exc.details())
+            return BackendUnavailable(f"the server of '{asked}' is unavailable; the control "
+                                      "plane restarts it, retry shortly")
         return UpstreamError(exc.code(), self.pipeline.public_text(exc.details() or "", call, asked))
 
     def _check_adapter(self, call: Call) -> None:

@@ -94,10 +94,14 @@ async def error_middleware(request: web.Request, handler):
         log.info("HTTP %s %s: the client closed the connection mid-request", request.method, request.path)
         return _error(InvalidRequest("the client closed the connection before the body was read"))
     except aiohttp.ClientError as exc:
-        return web.json_response({"error": f"Triton is unavailable: {exc}"}, status=503)
-    except Exception as exc:
+        log.warning("HTTP %s %s: Triton is unavailable: %s", request.method, request.path, exc)
+        return web.json_response({"error": "the server of this request is unavailable; retry "
+                                           "shortly"}, status=503)
+    except Exception:
+        # What happened, not where: the exception (paths, addresses, internals) is the log's.
         log.exception("HTTP %s %s failed", request.method, request.path)
-        return web.json_response({"error": f"internal error: {exc!r}"}, status=500)
+        return web.json_response({"error": "internal error: the router could not serve this "
+                                           "request (its log says why)"}, status=500)
 
 
 def _router(request: web.Request) -> Router:
@@ -213,11 +217,16 @@ async def infer(request: web.Request) -> web.Response:
 
 
 async def model_health(request: web.Request) -> web.Response:
+    """Whether the model a name routes to serves now, in Triton's terms (READY or
+    UNAVAILABLE): the server it is on, its concrete version, load failures and warm-up errors
+    are the operators' (the admin API's ``/health/{model}``), never a client's."""
     router = _router(request)
-    decision = router.answers.describe(request.match_info["model"])
-    body = await router.state.health(decision.model)
-    body["route"] = request.match_info["model"]
-    return web.json_response(body, status=200 if body["healthy"] else 503)
+    route = request.match_info["model"]
+    decision = router.answers.describe(route)
+    healthy = bool((await router.state.health(decision.model)).get("healthy"))
+    return web.json_response({"model": route, "healthy": healthy,
+                              "state": "READY" if healthy else "UNAVAILABLE"},
+                             status=200 if healthy else 503)
 
 
 def metrics_registry(router: Router):

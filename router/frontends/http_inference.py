@@ -18,6 +18,7 @@ rest of the request, so a client that sets it gets what Triton would give it.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,8 @@ if TYPE_CHECKING:  # the assembly builds the router these ports serve
     from router.assembly import Router
 
 UNLOADED_BODY = ('{"error":"' + UNLOADED_PREFIX).encode()
+
+log = logging.getLogger(__name__)
 
 
 # The HTTP client's deadline for one inference, in milliseconds (gRPC clients set their
@@ -145,9 +148,10 @@ class HttpExchange:
     def failure(self, call: Call, exc: BaseException, asked: str) -> RouterError | None:
         if isinstance(exc, aiohttp.ClientConnectionError):
             call.code = "UNAVAILABLE"
-            return BackendUnavailable(
-                f"Triton {call.server.name} at {call.server.http_url} is unavailable ({exc}); "
-                "the control plane restarts it, retry shortly")
+            log.warning("Triton %s at %s is unavailable for %s: %s", call.server.name,
+                        call.server.http_url, asked, exc)
+            return BackendUnavailable(f"the server of '{asked}' is unavailable; the control "
+                                      "plane restarts it, retry shortly")
         if isinstance(exc, TimeoutError):
             call.code = "DEADLINE_EXCEEDED"
             deadline = (f"{self.timeout_s:.0f}s" if self.timeout_s >= 1

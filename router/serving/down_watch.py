@@ -18,8 +18,9 @@ class ServerDown(BackendUnavailable):
     """The control plane declared down the server a request was waiting on."""
 
     def __init__(self, server: ServerAddress):
-        super().__init__(f"Triton {server.name} at {server.grpc_url} stopped answering and is "
-                         "down; retry shortly")
+        # Which server and where are the operators' to know (mmctl fleet), not a client's.
+        super().__init__("the server of this request stopped answering and is down; retry shortly")
+        self.server = server
 
 
 class DownWatch:

@@ -152,7 +152,10 @@ def test_a_failed_fill_shows_no_secret_anywhere(product):
                product.mmctl("health", "cust003").stdout, product.mmctl("status", "--json").stdout,
                requests.get(f"http://{endpoints['router_http']}/metrics", timeout=30).text,
                requests.get(product.url + "/metrics", timeout=30).text, product.log_text()]
-    assert "cust003" in outputs[1] and "cannot" in outputs[1]  # the failure is told
+    # The public port says the model is unavailable, and nothing of why or where; the admin
+    # API tells the failure.
+    assert json.loads(outputs[1]) == {"model": "cust003", "healthy": False, "state": "UNAVAILABLE"}
+    assert "cust003" in outputs[2] and "cannot" in outputs[2]
     secrets = [(repository / ".mms-family-key").read_text().strip(),
                (product.state_dir / "triton.key").read_text().strip(),
                (product.state_dir / "dataplane.token").read_text().strip(),
