@@ -53,11 +53,13 @@ class WorkerConfig:
         2.0, "Misses (requests that wait for their model to load or a slot to fill) one client "
         "may cause a second in each router worker, and 10 s of them at once; past it the client "
         "gets RESOURCE_EXHAUSTED / 429 before anything is loaded or evicted for it. A client is "
-        "its peer address (loopback peers are not counted) or --client-header. 0: no budget.",
+        "its peer address (an IPv6 one by its /64; loopback peers are not counted) or "
+        "--client-header. 0: no budget.",
         flag="--miss-budget", parse=float)
     client_header: str | None = setting(
         None, "Header that names the client for the miss budget, set by a proxy you trust "
-        "(e.g. X-Forwarded-For); calls without it count against their peer address.",
+        "(e.g. X-Forwarded-For): the last comma-separated entry of all its lines; calls "
+        "without it count against their peer address (IPv6 by /64).",
         flag="--client-header")
     token_file: Path | None = setting(
         None, "File holding the data-plane token, read when neither MMS_DATAPLANE_TOKEN nor "

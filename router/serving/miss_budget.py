@@ -5,10 +5,11 @@ every hot model out of memory.
 Each client has a token bucket per router worker (``rate_per_s``, up to ``burst``); a request
 that needs a load spends a token, and a client with none left gets RESOURCE_EXHAUSTED / 429
 with the reason and when to retry, before anything is loaded or evicted for it.  Requests for
-resident models never spend one.  A client is its peer address, or the value of a header the
-operator names (set by a proxy they trust); peers on the loopback interface are not counted
-unless that header names them (local tools, health checks, a proxy on the same host that does
-not say who its clients are).
+resident models never spend one.  A client is its peer address, or what a header the operator
+names says (set by a proxy they trust: the last entry of all its lines); an IPv6 address
+counts as its /64 (``router.frontends.peers.client_key``).  Peers on the loopback interface
+are not counted unless that header names them (local tools, health checks, a proxy on the
+same host that does not say who its clients are).
 
 The frontends set ``CLIENT`` at the start of each inference call (the transport knows the
 peer: ``router.frontends.peers.grpc_client`` / ``http_client``); the sender reads it where it
@@ -18,6 +19,7 @@ finds a miss, so gRPC and HTTP share one check.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from contextvars import ContextVar
 
@@ -29,7 +31,20 @@ BURST_SECONDS = 10.0  # the bucket holds this many seconds of the rate
 
 
 class MissBudget:
-    """Token buckets of misses, one per client.  ``rate_per_s`` <= 0 turns the budget off."""
+    """Token buckets of misses, one per client, at most ``MAX_CLIENTS`` of them; ``rate_per_s``
+    <= 0 turns the budget off.
+
+    The table is bounded without resetting anyone's budget.  A bucket left alone for as long
+    as an empty one takes to fill (``burst / rate_per_s``: 10 s, or one miss's worth if that
+    is longer) is full again, as if never seen, and is dropped; buckets are kept least recently
+    touched first, so those are found at the front at no cost per call.  When the table is
+    still full, every client in it has spent within that time, and a client that is not in it
+    gets no bucket of its own: all such new clients share one overflow bucket (the same rate
+    and burst) until a bucket is dropped and makes room.  A flood of new addresses therefore
+    neither grows memory nor gives anyone a fresh budget; what it costs is that clients new to
+    this worker share one budget while the flood lasts.  A bucket is never evicted while it
+    is still refilling, so a refused client stays refused until it has earned its next miss.
+    """
 
     MAX_CLIENTS = 10_000
 
@@ -39,35 +54,62 @@ class MissBudget:
         self.burst = max(1.0, rate_per_s * BURST_SECONDS)
         self.clock = clock
         self.on_refused = on_refused
-        self._buckets: dict[str, tuple[float, float]] = {}  # client -> (tokens, at)
+        # client -> (tokens, at), least recently touched first
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        # The bucket that clients without one of their own share while the table is full.
+        # Kept apart from the table so that no client (a header may name anything) can be it.
+        self._overflow: tuple[float, float] | None = None
 
     def spend(self, model: str, client: str | None = None) -> None:
         """Count a miss for ``client`` (default: this call's, ``CLIENT``); raises RateLimited
-        when it has none left."""
+        when it (or the overflow bucket it shares, see the class) has none left."""
         client = CLIENT.get() if client is None else client
         if self.rate_per_s <= 0 or client is None:
             return
         now = self.clock()
-        tokens, at = self._buckets.get(client, (self.burst, now))
+        self._forget_refilled(now)
+        shared = False
+        if client in self._buckets:
+            self._buckets.move_to_end(client)
+            tokens, at = self._buckets[client]
+        elif len(self._buckets) < self.MAX_CLIENTS:
+            tokens, at = self.burst, now
+        else:
+            shared = True
+            tokens, at = self._overflow or (self.burst, now)
         tokens = min(self.burst, tokens + (now - at) * self.rate_per_s)
         if tokens < 1.0:
-            self._buckets[client] = (tokens, now)
+            self._keep(client, shared, tokens, now)
             if self.on_refused is not None:
                 self.on_refused()
             retry_after_s = (1.0 - tokens) / self.rate_per_s
+            who = (f"the clients new to this router worker, {client} among them, have caused "
+                   f"more misses than the one budget they share while {len(self._buckets)} "
+                   "others are spending theirs" if shared
+                   else f"client {client} has caused more misses than its budget")
             raise RateLimited(
-                f"'{model}' is not loaded and client {client} has caused more misses than its "
-                f"budget ({self.rate_per_s:g} a second, {self.burst:g} at once): each one loads a "
-                f"model and may evict another's; retry in {retry_after_s:.1f} s, or ask for "
-                "models that are loaded", retry_after_s)
-        if len(self._buckets) >= self.MAX_CLIENTS and client not in self._buckets:
-            self._forget_full(now)
-        self._buckets[client] = (tokens - 1.0, now)
+                f"'{model}' is not loaded and {who} ({self.rate_per_s:g} a second, "
+                f"{self.burst:g} at once): each one loads a model and may evict another's; "
+                f"retry in {retry_after_s:.1f} s, or ask for models that are loaded",
+                retry_after_s)
+        self._keep(client, shared, tokens - 1.0, now)
 
-    def _forget_full(self, now: float) -> None:
-        """Drop clients whose bucket has refilled (they are as if never seen); if every one is
-        still spending, drop them all rather than grow without bound."""
-        self._buckets = {c: (t, at) for c, (t, at) in self._buckets.items()
-                         if t + (now - at) * self.rate_per_s < self.burst}
-        if len(self._buckets) >= self.MAX_CLIENTS:
-            self._buckets.clear()
+    def _keep(self, client: str, shared: bool, tokens: float, now: float) -> None:
+        # A client's own bucket is at the end of the table (moved there, or new).
+        if shared:
+            self._overflow = (tokens, now)
+        else:
+            self._buckets[client] = (tokens, now)
+
+    def _forget_refilled(self, now: float) -> None:
+        """Drop the buckets untouched for as long as an empty one takes to fill: they are full
+        again.  Buckets touched since may be full too, but finding them would take a pass over
+        the table on every call a flood of new clients makes; they go when their time comes."""
+        refill_s = self.burst / self.rate_per_s
+        while self._buckets:
+            _, at = next(iter(self._buckets.values()))
+            if now - at < refill_s:
+                break
+            self._buckets.popitem(last=False)
+        if self._overflow is not None and now - self._overflow[1] >= refill_s:
+            self._overflow = None
