@@ -128,11 +128,12 @@ def supervise(cfg: ServiceConfig) -> int:
     from control_plane.admin.access import (
         DATAPLANE_TOKEN_FILE_NAME,
         TOKEN_FILE_NAME,
+        ensure_dataplane_token_file,
         ensure_token_file,
     )
     from control_plane.runtime.config import SECRETS, config_to_json
     from control_plane.runtime.supervisor import Child, Supervisor, python_module
-    from control_plane.state.secret_files import ensure_private_dir, ensure_secret_file
+    from control_plane.state.secret_files import ensure_private_dir
     from control_plane.tiers.cold import S3Config
     from control_plane.triton.process import free_port
     from domain.settings import (
@@ -163,8 +164,8 @@ def supervise(cfg: ServiceConfig) -> int:
         taken.add(getattr(cfg, attr))
     token = ensure_token_file(cfg.state_dir / TOKEN_FILE_NAME, cfg.admin_token or None)
     # Router workers parse untrusted input: they get a token that opens /v1/dataplane/* only.
-    dataplane_token = ensure_secret_file(cfg.state_dir / DATAPLANE_TOKEN_FILE_NAME,
-                                         cfg.dataplane_token or None, what="data-plane token")
+    dataplane_token = ensure_dataplane_token_file(cfg.state_dir / DATAPLANE_TOKEN_FILE_NAME,
+                                                  cfg.dataplane_token or None)
     config_file = run_dir / "control-plane.json"
     config_file.write_text(config_to_json(cfg))
     admin_url = f"http://{_connect_host(cfg.admin_host)}:{cfg.admin_port}"

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from control_plane.state.secret_files import ensure_secret_file
 from domain.errors import ControlPlaneError
+from domain.settings import MIN_TOKEN_CHARS
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +188,9 @@ class AdminAccess:
         if scheme.lower() != "bearer":
             return False
         given = given.strip()
+        # A locked-out address is refused before any comparison, the data-plane token's too:
+        # a right guess must get the same 429 as a wrong one (check_token asks again, free).
+        self.wrong_tokens.refuse_if_over(address)
         if self.dataplane_token and same_secret(given, self.dataplane_token):
             if path.startswith(DATAPLANE_PREFIX):
                 return True
@@ -346,3 +350,11 @@ def ensure_token_file(path: Path, token: str | None = None) -> str:
     """The admin token, kept in ``path`` with mode 0600 so mmctl on this machine finds it
     (``--admin-token`` / MMS_ADMIN_TOKEN given: written there; see ensure_secret_file)."""
     return ensure_secret_file(path, token, what="admin token")
+
+
+def ensure_dataplane_token_file(path: Path, token: str | None = None) -> str:
+    """The data-plane token, kept in ``path`` with mode 0600 (MMS_DATAPLANE_TOKEN given:
+    written there).  One set by hand, in the environment or written into the file, needs
+    MIN_TOKEN_CHARS like the admin token; a shorter one raises InvalidInput at start."""
+    return ensure_secret_file(path, token, what="data-plane token", min_chars=MIN_TOKEN_CHARS,
+                              setting="MMS_DATAPLANE_TOKEN")

@@ -308,6 +308,12 @@ class ServiceConfig:
             raise InvalidInput(f"the admin token given (--admin-token / MMS_ADMIN_TOKEN) has "
                                f"{len(self.admin_token)} characters; use at least {MIN_TOKEN_CHARS}, "
                                "or leave it unset for a generated one")
+        if self.dataplane_token and len(self.dataplane_token) < MIN_TOKEN_CHARS:
+            # It opens /v1/dataplane/*, which reaches every router worker's state: the same
+            # floor as the admin token.  A file written by hand: ensure_dataplane_token_file.
+            raise InvalidInput(f"the data-plane token given (MMS_DATAPLANE_TOKEN) has "
+                               f"{len(self.dataplane_token)} characters; use at least "
+                               f"{MIN_TOKEN_CHARS}, or leave it unset for a generated one")
         if self.admin_host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("admin API binds %s: it can load and unload models; keep it off public "
                         "networks", self.admin_host)

@@ -31,6 +31,7 @@ from control_plane.admin.access import (
     TOKEN_FILE_NAME,
     SessionRevocations,
     access_for,
+    ensure_dataplane_token_file,
     ensure_token_file,
 )
 from control_plane.admin.api import make_app
@@ -268,8 +269,8 @@ class Service:
         self.admin_url = f"http://{cfg.admin_host}:{cfg.admin_port}"
         token_file = (cfg.state_dir / TOKEN_FILE_NAME).resolve()
         token = ensure_token_file(token_file, cfg.admin_token or None)
-        dataplane_token = ensure_secret_file(cfg.state_dir / DATAPLANE_TOKEN_FILE_NAME,
-                                             cfg.dataplane_token or None, what="data-plane token")
+        dataplane_token = ensure_dataplane_token_file(cfg.state_dir / DATAPLANE_TOKEN_FILE_NAME,
+                                                      cfg.dataplane_token or None)
         endpoints = {"admin": self.admin_url, "state_dir": str(cfg.state_dir.resolve()),
                      "repository": str(self.repository), "admin_token_file": str(token_file),
                      "processes_file": str((cfg.state_dir / PROCESSES_FILE).resolve())}

@@ -25,13 +25,14 @@ import concurrent.futures
 import contextlib
 import functools
 import os
+import re
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import psycopg
 
@@ -315,12 +316,51 @@ def open_database(url: str | Path, connect_timeout_s: float = 15.0) -> Database:
     return SqliteDatabase(Path(text))
 
 
+# Connection parameters whose value is a secret (libpq's names), in a URL's query or a
+# keyword/value connection string.
+_SECRET_PARAMS = frozenset({"password", "sslpassword"})
+_HIDDEN = "***"
+_URL_START = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+# ``?key=`` or ``&key=`` anywhere after the scheme (a '?' inside a value starts another one:
+# over-hiding beats a leak); the value, looked ahead at, runs to the next '&' as in libpq.
+_URL_PARAM = re.compile(r"(?<=[?&])([^=&?]*)=(?=([^&]*))")
+# ``password=secret`` / ``sslpassword = 'a secret'`` in a keyword string (libpq's quoting:
+# single quotes, backslash escapes; an unclosed quote runs to the end).
+_KEYWORD_SECRET = re.compile(r"\b((?:ssl)?password\s*=\s*)('(?:\\.|\\$|[^'\\])*'?|\S*)",
+                             re.IGNORECASE)
+
+
 def redact(url: str) -> str:
-    """A URL without its password, for messages and logs."""
-    parsed = urlparse(url)
-    if parsed.password:
-        return url.replace(f":{parsed.password}@", ":***@", 1)
-    return url
+    """A state URL without its secrets, for messages and logs: the password of
+    ``user:password@`` and the ``password`` / ``sslpassword`` query parameters (their names
+    percent-encoded too), or those keywords in a libpq ``key=value`` string.  Each becomes
+    ``***``; the rest stays as written, so the message still says which store was meant.
+    Where libpq and urllib would read a malformed URL differently, what either takes for a
+    secret is hidden.  Never raises: it runs while another error is being reported."""
+    start = _URL_START.match(url)
+    if start is None:
+        return _KEYWORD_SECRET.sub(lambda m: m[1] + _HIDDEN, url)
+    spans = [(m.end(), m.end() + len(m[2])) for m in _URL_PARAM.finditer(url, start.end())
+             if unquote(m[1]).strip().lower() in _SECRET_PARAMS]
+    # The user info: libpq ends it at the first '@' before any '/', urllib at the last '@'
+    # before '/', '?' or '#'; up to the last '@' before '/' covers both.
+    authority_end = url.find("/", start.end())
+    authority = url[start.end():authority_end if authority_end >= 0 else len(url)]
+    userinfo = authority.rpartition("@")[0]
+    if ":" in userinfo:
+        first = start.end() + userinfo.index(":") + 1
+        spans.append((first, start.end() + len(userinfo)))
+    merged: list[list[int]] = []  # spans that overlap (a malformed URL) hidden as one
+    for begin, end in sorted(spans):
+        if merged and begin <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([begin, end])
+    out, done = [], 0
+    for begin, end in merged:
+        out += [url[done:begin], _HIDDEN]
+        done = end
+    return "".join(out) + url[done:]
 
 
 def as_database(db: Database | sqlite3.Connection) -> Database:

@@ -12,7 +12,13 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from control_plane.admin.access import AdminAccess, access_for, access_middleware, ensure_token_file
+from control_plane.admin.access import (
+    AdminAccess,
+    TooManyAttempts,
+    access_for,
+    access_middleware,
+    ensure_token_file,
+)
 from control_plane.admin.api import error_middleware
 from control_plane.client import find_token
 
@@ -259,6 +265,81 @@ def test_loopback_clients_are_never_locked_out():
 
     with pytest.raises(TooManyAttempts):
         wrong.refuse_if_over("10.0.0.9")
+
+
+DATAPLANE = "d" * 32
+
+
+def test_a_locked_out_address_learns_nothing_of_the_dataplane_token():
+    """The data-plane token was compared before the lockout was asked: an address locked out
+    for wrong tokens still had a right guess served (and told apart by 403 elsewhere)."""
+    clock = Clock()
+    access = AdminAccess(token=TOKEN, dataplane_token=DATAPLANE, bind_host="127.0.0.1",
+                         wrong_tokens=limited(clock).wrong_tokens)
+    for _ in range(3):
+        assert refused(call("GET", "/v1/dataplane/state", access, Authorization="Bearer guess"),
+                       401, "unauthorized")
+    for path in ("/v1/dataplane/state", "/v1/status"):  # a right guess: the same 429
+        for token in (DATAPLANE, TOKEN, "guess"):
+            resp = call("GET", path, access, Authorization=f"Bearer {token}")
+            assert refused(resp, 429, "too_many_attempts"), (path, token, resp.status)
+            assert DATAPLANE not in resp.text
+    for _ in range(3):  # the same through token_ok, for a router worker's address
+        assert not access.token_ok("Bearer guess", "10.0.0.9", "/v1/dataplane/state")
+    with pytest.raises(TooManyAttempts):
+        access.token_ok(f"Bearer {DATAPLANE}", "10.0.0.9", "/v1/dataplane/state")
+    assert access.token_ok(f"Bearer {DATAPLANE}", "10.0.0.10", "/v1/dataplane/state")
+    clock.now += 61
+    assert call("GET", "/v1/dataplane/state", access, Authorization=f"Bearer {DATAPLANE}").status == 200
+    assert refused(call("GET", "/v1/status", access, Authorization=f"Bearer {DATAPLANE}"), 403,
+                   "forbidden")
+
+
+def test_the_sign_in_check_is_locked_out_before_it_compares():
+    clock = Clock()
+    access = limited(clock)
+    for _ in range(3):
+        assert not access.check_token("guess", "10.0.0.9")
+    with pytest.raises(TooManyAttempts):
+        access.check_token(TOKEN, "10.0.0.9")
+
+
+def test_a_short_dataplane_token_given_by_hand_is_refused_at_start(tmp_path):
+    from control_plane.runtime.config import ServiceConfig
+    from domain.errors import InvalidInput
+    from domain.settings import MIN_TOKEN_CHARS
+
+    short = "dp-" + "s" * (MIN_TOKEN_CHARS - 4)
+    with pytest.raises(InvalidInput) as refusal:
+        ServiceConfig(state_dir=tmp_path, dataplane_token=short).validate()
+    message = str(refusal.value)
+    assert "MMS_DATAPLANE_TOKEN" in message and f"at least {MIN_TOKEN_CHARS}" in message
+    assert short not in message
+    ServiceConfig(state_dir=tmp_path, dataplane_token="x" * MIN_TOKEN_CHARS).validate()
+
+
+def test_a_short_dataplane_token_file_or_value_is_refused_by_the_token_file(tmp_path):
+    """Where the control plane reads its data-plane token (mmctl up's supervisor and the
+    control plane's own start): the environment's value or a file written by hand."""
+    from control_plane.admin.access import ensure_dataplane_token_file
+    from domain.errors import InvalidInput
+    from domain.settings import MIN_TOKEN_CHARS
+
+    path = tmp_path / "dataplane.token"
+    short = "dp-" + "s" * (MIN_TOKEN_CHARS - 4)
+    with pytest.raises(InvalidInput, match=f"MMS_DATAPLANE_TOKEN.*at least {MIN_TOKEN_CHARS}") as given:
+        ensure_dataplane_token_file(path, short)
+    assert short not in str(given.value) and not path.exists()
+    path.write_text(short + "\n")
+    os.chmod(path, 0o600)
+    with pytest.raises(InvalidInput, match=f"dataplane.token.*at least {MIN_TOKEN_CHARS}") as in_file:
+        ensure_dataplane_token_file(path)
+    assert short not in str(in_file.value) and path.read_text() == short + "\n"
+    long_enough = "x" * MIN_TOKEN_CHARS
+    assert ensure_dataplane_token_file(path, long_enough) == long_enough
+    assert ensure_dataplane_token_file(path) == long_enough  # reused
+    path.unlink()
+    assert len(ensure_dataplane_token_file(path)) >= 32  # generated
 
 
 def test_a_short_admin_token_given_by_hand_is_refused_at_start(tmp_path):
