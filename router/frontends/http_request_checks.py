@@ -97,8 +97,9 @@ def _check_parameters(params: Any) -> dict:
             if not isinstance(value, str):
                 raise InvalidRequest(f"parameter 'adapter' must be a string naming a LoRA adapter, "
                                      f"got {json_kind(value)}")
-        elif not (isinstance(value, str) or type(value) is bool
+        elif not (isinstance(value, str) or type(value) is bool or type(value) is float
                   or (type(value) is int and _INT64[0] <= value <= _INT64[1])):
+            # A float is Triton's double parameter (gRPC double_param), passed on to the model.
             raise InvalidRequest(f"parameter {key!r} has invalid type. It should be either 'int', "
                                  f"'bool', or 'string' (got {json_kind(value)})")
     return params

@@ -201,6 +201,26 @@ def test_numbers_of_thousands_of_digits_are_refused_as_triton_refuses_them(sides
         assert resp.status_code == 400, (side, resp.status_code, resp.text[:200])
 
 
+def test_a_float_request_parameter_is_served_as_triton_serves_it(sides):
+    """Triton takes a float request parameter (HTTP JSON; gRPC double_param) and passes it on
+    to the model; the router refused it over HTTP ('It should be either int, bool, or
+    string')."""
+    direct, routed = sides
+    body = {"parameters": {"key1": 123.123}, "inputs": [
+        {"name": "INPUT0", "shape": [16], "datatype": "INT32", "data": list(range(16))},
+        {"name": "INPUT1", "shape": [16], "datatype": "INT32", "data": [3] * 16}]}
+    answers = [requests.post(f"http://{side.urls['http']}/v2/models/simple/infer", json=body,
+                             timeout=60) for side in (direct, routed)]
+    assert [a.status_code for a in answers] == [200, 200], [a.text[:300] for a in answers]
+    for answer in answers:
+        sums = next(o for o in answer.json()["outputs"] if o["name"] == "OUTPUT0")["data"]
+        assert sums == [v + 3 for v in range(16)]
+    for protocol in ("grpc", "http"):
+        got = [outcome(side.client(protocol).infer, "simple", inputs(CLIENTS[protocol]),
+                       parameters={"key1": 123.123})[0] for side in (direct, routed)]
+        assert got == ["OK", "OK"], (protocol, got)
+
+
 def test_http_non_numeric_version_on_infer_is_not_routed(sides):
     direct, routed = sides
     for side in (direct, routed):
