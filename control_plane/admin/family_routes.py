@@ -23,7 +23,7 @@ async def list_families(request: web.Request) -> web.Response:
     for name, family in sorted(catalog.families.items()):
         servers = {}
         for server in manager.servers.values():
-            held = getattr(server.admin, "family_slots", lambda _n: None)(name)
+            held = server.admin.family_slots(name)
             if held is not None:
                 servers[server.name] = held
         out.append({"family": name, "slot_bytes": family.slot_bytes,

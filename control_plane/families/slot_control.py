@@ -48,9 +48,9 @@ from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from control_plane.families.family_catalog import WEIGHTS_FILE, Family, FamilyCatalog
 from control_plane.families.instance import IN_PROGRESS, FamilyInstance, FamilyState
-from control_plane.manager.records import SlotPool
 from control_plane.triton.admin import (
     IndexEntry,
+    SlotPool,
     Timeouts,
     TritonAdmin,
     TritonModelState,

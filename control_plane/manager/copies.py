@@ -204,7 +204,7 @@ class Copies:
         """A family's Triton model is the control plane's to load for its variants; its
         variants are scaled (each copy takes a slot of the family on its server)."""
         for server in self.servers.values():
-            if name in getattr(server.admin, "slot_pools", dict)():
+            if name in server.admin.slot_pools():
                 raise InvalidInput(f"{name} is a model family's Triton model: the control plane "
                                    "loads it for its variants; it cannot be scaled")
 

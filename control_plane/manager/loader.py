@@ -370,7 +370,7 @@ class Loader:
         control knows them now (loaded with so many slots, or not at all)."""
         if pool is None or pool.server not in (None, server.name):
             return
-        slots = getattr(server.admin, "loaded_slots", lambda _name: None)(pool.holder)
+        slots = server.admin.loaded_slots(pool.holder)
         if slots is None:
             if pool.state == ModelState.LOADING and server.planner.members(pool.name) == 0:
                 pool.move(ModelState.WARM, server=None)  # never loaded: its room is free

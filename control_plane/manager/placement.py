@@ -270,7 +270,7 @@ class Placer:
         if server.up:
             # A family's variant takes a slot of its family there (the family's whole slots
             # when it is not loaded there yet); so does each extra copy of a variant.
-            pool = slot_pool(getattr(server, "admin", None), name)
+            pool = slot_pool(server.admin, name)
             key = copy_key(name, server.name) if extra_copy else name
             try:
                 if pool is None:

@@ -231,7 +231,7 @@ class Reconciler:
         """The families loaded on ``server`` (as its index read just now found them) hold their
         slots' room: one loaded by an earlier life, or left empty, is counted; one Triton no
         longer has frees its room.  Call under the lock."""
-        listed = getattr(server.admin, "slot_pools", dict)()
+        listed = server.admin.slot_pools()
         for pool in listed.values():
             rec = self.book.pool(server.name, pool)
             if rec.name in busy or rec.moved_at >= read_at:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from control_plane.eviction import DEFAULT_POLICY, CachePlanner
-from control_plane.triton.admin import TritonAdmin
+from control_plane.triton.admin import SlotPool, TritonAdmin
 from control_plane.triton.process import TritonProcess
 from domain.errors import InvalidInput
 
@@ -82,17 +82,6 @@ class Copy:
     room_promised: bool = False
 
 
-@dataclass(frozen=True)
-class SlotPool:
-    """Fixed-size slots a Triton model holds for the models placed in them: a model family's
-    weight slots (``TritonAdmin.slot_pool``).  ``name``: the Triton model that holds them;
-    ``slots``: how many a load of it would allocate now."""
-
-    name: str
-    slots: int
-    slot_bytes: int
-
-
 POOL_SEPARATOR = "@"  # never in a model's name (domain.names), so a pool's key is no model's
 
 
@@ -112,11 +101,10 @@ def copy_key(model: str, server: str) -> str:
     return f"{model}{COPY_SEPARATOR}{server}"
 
 
-def slot_pool(admin, model: str) -> SlotPool | None:
+def slot_pool(admin: TritonAdmin, model: str) -> SlotPool | None:
     """The slots ``model`` goes into on the server ``admin`` controls, or None (a model of
-    its own).  An admin without slots (Triton's own, test stand-ins) has none."""
-    find = getattr(admin, "slot_pool", None)
-    return find(model) if find is not None else None
+    its own)."""
+    return admin.slot_pool(model)
 
 
 @dataclass

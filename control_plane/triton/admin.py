@@ -153,6 +153,17 @@ def admin_key_headers(key: str | None) -> dict[str, str] | None:
     return {f"triton-grpc-protocol-{ADMIN_KEY_HEADER}": key} if key else None
 
 
+@dataclass(frozen=True)
+class SlotPool:
+    """Fixed-size slots a Triton model holds for the models placed in them: a model family's
+    weight slots (``TritonAdmin.slot_pool``).  ``name``: the Triton model that holds them;
+    ``slots``: how many a load of it would allocate now."""
+
+    name: str
+    slots: int
+    slot_bytes: int
+
+
 class TritonAdmin(AdapterControl):
     """Model control for one Triton server, addressed by its gRPC URL.
 
@@ -225,6 +236,28 @@ class TritonAdmin(AdapterControl):
         """Whether a load of ``model`` is measured on a GPU (its memory comes with the load
         and goes with the unload); FamilyAdmin says no for a family's variants."""
         return True
+
+    # -- slots: a model family's weight slots (FamilyAdmin); Triton's own models have none --
+    def slot_pool(self, model: str) -> SlotPool | None:
+        """The slots ``model`` goes into on this server (a family's variant), or None: a
+        model of its own."""
+        return None
+
+    def loaded_slots(self, family: str) -> int | None:
+        """Slots of ``family``'s model loaded here as last known, or None when it is not."""
+        return None
+
+    def slot_pools(self) -> dict[str, SlotPool]:
+        """The families loaded here with their slots (none on Triton's own admin)."""
+        return {}
+
+    def family_slots(self, family: str) -> dict | None:
+        """What this server knows of ``family``'s model (state, slots, residents), or None."""
+        return None
+
+    async def unload_slots(self, family: str) -> None:
+        """Unload ``family``'s model once no variant is left in its slots."""
+        raise ModelNotFound(f"{family} is not a model family on {self.grpc_url}")
 
     def replaces_in_one(self, model: str, victims: list[str]) -> bool:
         """Whether ``load_replacing`` evicts ``victims`` and loads ``model`` in one request

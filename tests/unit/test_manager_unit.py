@@ -110,6 +110,19 @@ class FakeAdmin:
     async def statistics(self):
         return {}
 
+    # A Triton of models of their own: no family slots (TritonAdmin's answers).
+    def slot_pool(self, model):
+        return None
+
+    def loaded_slots(self, family):
+        return None
+
+    def slot_pools(self):
+        return {}
+
+    def family_slots(self, family):
+        return None
+
     async def close(self):
         pass
 

@@ -12,9 +12,9 @@ import pytest
 
 from control_plane.eviction import CachePlanner, Capacity, LRUPolicy, Resident
 from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
-from control_plane.manager.records import ModelState, SlotPool
+from control_plane.manager.records import ModelState
 from control_plane.state.state_store import StateStore
-from control_plane.triton.admin import IndexEntry, TritonModelState
+from control_plane.triton.admin import IndexEntry, SlotPool, TritonModelState
 from domain.errors import CapacityExhausted, ControlPlaneError, TritonUnavailable
 from tests.unit.test_manager_unit import FakeAdmin
 

@@ -19,6 +19,7 @@ from control_plane.manager.placement import (
     sla_isolation,
     tenant_affinity,
 )
+from control_plane.triton.admin import TritonAdmin
 from domain.errors import CapacityExhausted, TritonUnavailable
 
 MB = 1_000_000
@@ -151,6 +152,7 @@ class FakeServer:
                                max_loaded=slots)
         self.planner = CachePlanner(make_policy("lru"), Capacity(budget, slots))
         self.up = up
+        self.admin = TritonAdmin(self.spec.grpc_url)  # models of their own: no slots
 
     @property
     def name(self):
