@@ -102,7 +102,7 @@ def run(args) -> dict:
     state = Path(args.work) / "state"
     product = Product(state, None, "--fleet-size", str(args.variants), "--model-size-mb",
                       str(args.size_mb), "--max-loaded", str(args.room), "--fleet-layout", "family",
-                      "--policy", "lru", "--router-workers", "1").start()
+                      "--policy", args.policy, "--router-workers", "1").start()
     try:
         for name in SEPARATE:
             out = product.mmctl("registry", "add", name, "--from-dir", str(FIXTURES / "models" / name))
@@ -121,6 +121,7 @@ def run(args) -> dict:
             inputs, _output, params = request_for(name)
             warm.infer(name, inputs, parameters=params)
         inputs, _output, params = request_for(ADAPTER)
+        warm.infer(ADAPTER, inputs, parameters=params)  # its base loaded again, if it left
         triton = grpcclient.InferenceServerClient(endpoints["triton"][0]["grpc"])
         expected_adapter = answer_key(ADAPTER, triton.infer("tinylm", inputs, parameters={
             **params, "adapter": "acme"}))
@@ -215,6 +216,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--zipf", type=float, default=1.0)
+    ap.add_argument("--policy", default="lru", help="mmctl up --policy (lru, gdsf, ...)")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--smoke", action="store_true", help=" ".join(SMOKE))
@@ -228,14 +230,14 @@ def main(argv=None) -> dict:
         "machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
         "variants": args.variants, "size_mb": args.size_mb, "room": args.room,
         "separate_models": list(SEPARATE), "adapter": ADAPTER, "clients": args.clients,
-        "duration_s": args.duration, "zipf": args.zipf,
+        "duration_s": args.duration, "zipf": args.zipf, "policy": args.policy,
         "client": "tritonclient gRPC through the router (1 worker), one request at a time per client"},
         "result": result}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(outcome, indent=2))
     r = result
     print(f"mixed_fleet: {args.variants} variants of {args.size_mb:g} MB + {len(SEPARATE)} models "
-          f"+ {ADAPTER} on one server, room for {args.room}, {args.clients} gRPC clients, Zipf "
+          f"+ {ADAPTER} on one server, room for {args.room}, policy {args.policy}, {args.clients} gRPC clients, Zipf "
           f"{args.zipf}, {args.duration:g}s, {os.cpu_count()} CPUs (CPU busy {r['cpu_busy']:.0%})")
     print(f"  all: {r['requests']} requests, {r['errors']} errors, {r['req_per_s']} req/s, "
           f"p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms")
