@@ -1,5 +1,2 @@
-"""``mmctl``: one click group per resource, one API client."""
-
-from mmctl.main import cli, main
-
-__all__ = ["cli", "main"]
+"""``mmctl``: one click group per resource, one API client (``mmctl.main``: the command line's
+root group, ``cli``, and its entry point, ``main``)."""

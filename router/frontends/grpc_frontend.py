@@ -26,7 +26,7 @@ from router.serving.miss_budget import CLIENT
 from router.serving.triton_channels import GRPC_MESSAGE_LIMIT_BYTES
 
 if TYPE_CHECKING:  # the assembly builds the router these ports serve
-    from router.assembly import Router
+    from router.frontends.public_router import PublicRouter
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def _refuse(name: str):
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     """``max_request_bytes``: the largest request, its shared-memory tensors included."""
 
-    def __init__(self, router: Router, max_request_bytes: int):
+    def __init__(self, router: PublicRouter, max_request_bytes: int):
         self.router = router
         self.max_request_bytes = max_request_bytes
 
@@ -237,7 +237,7 @@ def _decoding_in_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandle
     return grpc.stream_stream_rpc_method_handler(stream_stream, None, handler.response_serializer)
 
 
-def model_infer_raw(router: Router, max_request_bytes: int):
+def model_infer_raw(router: PublicRouter, max_request_bytes: int):
     """ModelInfer on bytes (no deserializer): the hot path never re-serializes.  A request
     that names shared memory is admitted first (``SystemSharedMemory.admit_raw``)."""
     async def infer(raw: bytes, context):
@@ -253,7 +253,7 @@ def model_infer_raw(router: Router, max_request_bytes: int):
     return infer
 
 
-async def start_grpc(router: Router, host: str, port: int, max_request_bytes: int,
+async def start_grpc(router: PublicRouter, host: str, port: int, max_request_bytes: int,
                      reuse_port: bool = False) -> tuple[grpc.aio.Server, int]:
     """Serve on host:port (0 = any free port); returns the server and the bound port.
 

@@ -37,11 +37,11 @@ from router.serving.miss_budget import CLIENT
 from router.serving.repository_config import triton_json
 
 if TYPE_CHECKING:  # the assembly builds the router these ports serve
-    from router.assembly import Router
+    from router.frontends.public_router import PublicRouter
 
 log = logging.getLogger(__name__)
 
-ROUTER_KEY: web.AppKey[Router] = web.AppKey("router")
+ROUTER_KEY: web.AppKey[PublicRouter] = web.AppKey("router")
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 
 
@@ -104,7 +104,7 @@ async def error_middleware(request: web.Request, handler):
                                            "request (its log says why)"}, status=500)
 
 
-def _router(request: web.Request) -> Router:
+def _router(request: web.Request) -> PublicRouter:
     return request.app[ROUTER_KEY]
 
 
@@ -229,7 +229,7 @@ async def model_health(request: web.Request) -> web.Response:
                              status=200 if healthy else 503)
 
 
-def metrics_registry(router: Router):
+def metrics_registry(router: PublicRouter):
     """This router's series; with router workers (PROMETHEUS_MULTIPROC_DIR), every worker's,
     summed, whichever worker the scrape reaches."""
     directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
@@ -253,7 +253,7 @@ async def refused(request: web.Request) -> web.Response:
         "repository, log and trace APIs go through the control plane (mmctl)")
 
 
-def make_http_app(router: Router) -> web.Application:
+def make_http_app(router: PublicRouter) -> web.Application:
     # The infer handler decompresses request bodies itself (router/frontends/http_request.py).
     app = web.Application(middlewares=[error_middleware], client_max_size=router.config.max_request_bytes,
                           handler_args={"auto_decompress": False})

@@ -54,7 +54,7 @@ from router.serving.inference_pipeline import (
 from router.serving.serving_state import UNLOADED_PREFIX, ServerAddress
 
 if TYPE_CHECKING:  # the assembly builds the router these ports serve
-    from router.assembly import Router
+    from router.frontends.public_router import PublicRouter
 
 UNLOADED_BODY = ('{"error":"' + UNLOADED_PREFIX).encode()
 
@@ -192,7 +192,7 @@ class HttpExchange:
         return shadow_request(self.parsed, target)
 
 
-async def infer(router: Router, session: aiohttp.ClientSession, request: web.Request,
+async def infer(router: PublicRouter, session: aiohttp.ClientSession, request: web.Request,
                 version: str) -> web.Response:
     """POST /v2/models/{model}[/versions/{version}]/infer (``version``: the URL's, checked).
     The router's parts are read only once the request passed the checks that need none."""

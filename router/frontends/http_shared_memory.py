@@ -16,7 +16,7 @@ from router.frontends.shared_memory import CUDA_REFUSAL, SharedMemoryError, refu
 from router.frontends.strict_json import loads
 
 if TYPE_CHECKING:  # the assembly builds the router these ports serve
-    from router.assembly import Router
+    from router.frontends.public_router import PublicRouter
 
 
 def _json(doc) -> web.Response:
@@ -39,7 +39,7 @@ def _check_register_body(doc) -> None:
                                  f"got {json_kind(value)}")
 
 
-def shared_memory_routes(router: Router) -> list[web.RouteDef]:
+def shared_memory_routes(router: PublicRouter) -> list[web.RouteDef]:
     memory = router.shared_memory
 
     def loopback_only(request: web.Request) -> None:

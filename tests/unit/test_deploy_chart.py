@@ -258,7 +258,7 @@ def test_rendered_commands_are_ones_mmctl_accepts(rendered):
     removed option fails here, not in a crash-looping pod."""
     import click
 
-    from mmctl import cli
+    from mmctl.main import cli
 
     for name in ("control-plane", "router"):
         args = rendered.container("Deployment", f"{rendered.release}-{name}")["args"]

@@ -13,7 +13,7 @@ import click
 import pytest
 import yaml
 
-from mmctl import cli
+from mmctl.main import cli
 from tests.docs_pages import (
     DOCS,
     README,

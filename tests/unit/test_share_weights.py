@@ -95,7 +95,7 @@ def test_a_worker_takes_its_part_of_a_servers_concurrency():
 def test_a_number_json_cannot_carry_is_a_usage_error_before_any_call(args, monkeypatch):
     from click.testing import CliRunner
 
-    from mmctl import cli
+    from mmctl.main import cli
 
     monkeypatch.setenv("MMS_URL", "http://127.0.0.1:1")  # never reached
     result = CliRunner().invoke(cli, args)
