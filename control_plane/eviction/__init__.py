@@ -53,6 +53,16 @@ Modules:
     planner    stage priorities, Resident, Capacity, EvictionPlan, CachePlanner
 """
 
+from control_plane.eviction.entries import (
+    DEFAULT_PRIORITY,
+    EXTRA_COPY_PRIORITY,
+    SHADOW_PRIORITY,
+    STAGE_PRIORITY,
+    Capacity,
+    EvictionPlan,
+    Resident,
+    victim_priority_limit,
+)
 from control_plane.eviction.frequency import GDSFPolicy, WTinyLFUHitsPolicy, WTinyLFUPolicy
 from control_plane.eviction.headroom import (
     HEADROOM_DEFAULT_MODELS,
@@ -61,17 +71,7 @@ from control_plane.eviction.headroom import (
     Headroom,
     HeadroomSpec,
 )
-from control_plane.eviction.planner import (
-    DEFAULT_PRIORITY,
-    EXTRA_COPY_PRIORITY,
-    SHADOW_PRIORITY,
-    STAGE_PRIORITY,
-    CachePlanner,
-    Capacity,
-    EvictionPlan,
-    Resident,
-    victim_priority_limit,
-)
+from control_plane.eviction.planner import CachePlanner
 from control_plane.eviction.policies_by_name import DEFAULT_POLICY, POLICIES, make_policy
 from control_plane.eviction.policy import EvictionPolicy, LRUPolicy
 

@@ -25,7 +25,7 @@ from .protocol import (
 )
 
 _LAZY = {"SlotBank": "slots", "SlotError": "slots", "SwapIn": "slots",
-         "FamilyInputError": "triton_model", "FamilyModel": "triton_model"}
+         "FamilyInputError": "responses", "FamilyModel": "triton_model"}
 
 __all__ = [
     "CONTROL_PARAMETER", "LAYOUT_FILE", "SLOTS_PARAMETER", "STATUS_OUTPUT",

@@ -1,14 +1,15 @@
-"""``FamilyModel``: the Triton python model of a model family, one instance holding K
-weight slots that the family's variants take turns in.
+"""``FamilyModel``: the Triton python model of a model family, one instance holding up to K
+weight slots that the family's variants take turns in (a slot holds memory only while a
+variant fills it: slots.py).
 
 A family's ``model.py`` subclasses it and writes three methods (the contract; nothing in
 it is specific to one architecture):
 
 * ``build(weights)`` -> a callable (usually a ``torch.nn.Module``) whose parameters *are*
   the given tensors (views of one slot: use ``load_state_dict(..., assign=True)`` on a
-  module made on the meta device; never copy them, never write them).  Called once per slot
-  at load, and on CPU again by each fill that reads a variant's file in host RAM in place
-  (slots.py): keep it as cheap as that.
+  module made on the meta device; never copy them, never write them).  Called when a
+  variant first fills a slot (its memory is new), and on CPU again by each fill that reads
+  a variant's file in host RAM in place (slots.py): keep it as cheap as that.
 * ``parse(request)`` -> the request's input rows as one tensor; raise ``FamilyInputError``
   for bad input (that request alone gets the error).
 * ``outputs(rows)`` -> the ``pb_utils.Tensor`` list of one request's response, from its rows
@@ -67,6 +68,7 @@ from .protocol import (
     UNKNOWN_MODEL_PREFIX,
     VARIANT_PARAMETER,
 )
+from .responses import ControlRefused, FamilyInputError, _describe, _error, _parameter, _pb
 from .slots import SlotBank, SlotError
 
 try:  # the copy in a model folder carries the control socket beside this package's modules
@@ -83,42 +85,6 @@ log = logging.getLogger(__name__)
 SETTLE_AFTER_BATCHES = 16
 
 __all__ = ["MAX_COMMAND_BYTES", "FamilyInputError", "FamilyModel"]
-
-
-class ControlRefused(Exception):
-    """A control command that is refused; ``code`` is the Triton error code it answers with."""
-
-    def __init__(self, message: str, code: str):
-        super().__init__(message)
-        self.code = code
-
-
-class FamilyInputError(ValueError):
-    """Bad input in one request; only that request fails."""
-
-
-def _pb():
-    import triton_python_backend_utils as pb_utils  # only importable inside Triton's stub
-
-    return pb_utils
-
-
-def _error(message: str, code: str | None = None):
-    pb_utils = _pb()
-    error_code = getattr(pb_utils.TritonError, code, None) if code else None
-    error = (pb_utils.TritonError(message, error_code) if error_code is not None
-             else pb_utils.TritonError(message))
-    return pb_utils.InferenceResponse(error=error)
-
-
-def _describe(command: dict) -> str:
-    """A control command for an error message: its operation and variant, never its key."""
-    return f"{command.get('op')!r} of {command.get('variant')!r}" if isinstance(command, dict) else "?"
-
-
-def _parameter(config: dict, key: str, default: str | None = None) -> str | None:
-    value = config.get("parameters", {}).get(key, {}).get("string_value")
-    return value if value not in (None, "") else default
 
 
 class FamilyModel:
