@@ -5,7 +5,7 @@ trace RPCs are refused with PERMISSION_DENIED: the public port never controls wh
 loaded (that is remote code execution).  System shared memory is served for clients on this
 host only: every call that registers, lists, unregisters or names a region is refused for a
 peer that is not on loopback (``router.frontends.shared_memory``); CUDA shared memory is
-refused with what to use instead.
+refused as Triton refuses a handle it cannot open, with what to use instead.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from domain.router_errors import PermissionDenied, RateLimited, RouterError
 from router.frontends.grpc_inference import parameter_value
 from router.frontends.peers import grpc_client
-from router.frontends.shared_memory import CUDA_REFUSAL, refuse_remote
+from router.frontends.shared_memory import cuda_refusal, refuse_remote
 from router.serving.inference_pipeline import user_id_of
 from router.serving.miss_budget import CLIENT
 from router.serving.triton_channels import GRPC_MESSAGE_LIMIT_BYTES
@@ -171,7 +171,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def CudaSharedMemoryRegister(self, request, context):
         self.router.metrics.refused.labels("CudaSharedMemoryRegister").inc()
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, CUDA_REFUSAL)
+        await _abort(context, cuda_refusal())
 
     async def CudaSharedMemoryUnregister(self, request, context):
         return service_pb2.CudaSharedMemoryUnregisterResponse()

@@ -1,10 +1,12 @@
 """Triton's shared-memory endpoints of KServe v2 HTTP on the public port: system shared
 memory for clients on the router's host, every call from a peer not on loopback refused
-(``router.frontends.shared_memory``), CUDA shared memory refused with what to use instead."""
+(``router.frontends.shared_memory``), CUDA shared memory refused as Triton refuses a handle it
+cannot open, with what to use instead."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING
 
 import grpc
@@ -12,7 +14,7 @@ from aiohttp import web
 
 from domain.router_errors import InvalidRequest, PermissionDenied
 from router.frontends.http_request_checks import json_kind
-from router.frontends.shared_memory import CUDA_REFUSAL, SharedMemoryError, refuse_remote
+from router.frontends.shared_memory import SharedMemoryError, cuda_refusal, refuse_remote
 from router.frontends.strict_json import loads
 
 if TYPE_CHECKING:  # the assembly builds the router these ports serve
@@ -33,10 +35,41 @@ def _check_register_body(doc) -> None:
                 continue
             raise InvalidRequest(f"Shared memory register request has no '{field}' field")
         value = doc[field]
-        if not isinstance(value, kind) or type(value) is bool or (kind is int and value < 0):
+        if not isinstance(value, kind) or type(value) is bool or (kind is int and not 0 <= value <= UINT64_MAX):
             raise InvalidRequest(f"Unable to parse '{field}' of the shared memory register request: "
                                  f"expected {'a string' if kind is str else 'an unsigned integer'}, "
                                  f"got {json_kind(value)}")
+
+
+UINT64_MAX = 2**64 - 1
+CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+_NOT_BASE64 = re.compile(r"[^A-Za-z0-9+/]")
+
+
+def _check_cuda_register_body(doc) -> None:
+    """Triton's checks of {"raw_handle": {"b64": ...}, "byte_size": ..., "device_id": ...},
+    in its order, codes and words (tritonserver 2.51, measured): what its JSON reader
+    refuses is a 500, a missing handle or one that is not 64 bytes a 400."""
+    def unreadable(message: str) -> SharedMemoryError:
+        return SharedMemoryError(grpc.StatusCode.INTERNAL, message)
+
+    if not isinstance(doc, dict) or "raw_handle" not in doc:
+        raise InvalidRequest("Shared memory register request has no 'raw_handle' field")
+    handle = doc["raw_handle"]
+    if not isinstance(handle, dict) or "b64" not in handle:
+        raise unreadable("attempt to access non-existing object member 'b64'")
+    if not isinstance(handle["b64"], str):
+        raise unreadable("attempt to access JSON non-string as string")
+    for field in ("byte_size", "device_id"):
+        if field not in doc:
+            raise unreadable(f"attempt to access non-existing object member '{field}'")
+        value = doc[field]
+        if type(value) is not int or not 0 <= value <= UINT64_MAX:
+            raise unreadable("attempt to access JSON non-unsigned-integer as unsigned-integer")
+    # Triton's base64 decoder skips what is not of the alphabet ('=' included).
+    chars = len(_NOT_BASE64.sub("", handle["b64"]))
+    if chars // 4 * 3 + max(chars % 4 - 1, 0) != CUDA_IPC_HANDLE_BYTES:
+        raise InvalidRequest("'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t")
 
 
 def shared_memory_routes(router: PublicRouter) -> list[web.RouteDef]:
@@ -74,7 +107,8 @@ def shared_memory_routes(router: PublicRouter) -> list[web.RouteDef]:
 
     async def cuda_register(request: web.Request) -> web.Response:
         router.metrics.refused.labels("cudasharedmemory").inc()
-        raise SharedMemoryError(grpc.StatusCode.UNIMPLEMENTED, CUDA_REFUSAL)
+        _check_cuda_register_body(loads(await request.read() or b"{}"))
+        raise cuda_refusal()
 
     async def nothing_registered(request: web.Request) -> web.Response:
         return web.Response(status=200)  # unregistering what was never registered

@@ -17,17 +17,22 @@ Only a peer on the loopback interface may register, list, unregister or name a r
 region is this host's memory, and a remote client naming one would read or overwrite
 another process's memory.  The bytes a request reads from regions count against the
 request limit (``--max-request-bytes``) with its own.  The texts and codes of Triton's
-errors are Triton's (tritonserver 2.51), so a client cannot tell the router from Triton;
-the checks Triton does not make answer 4xx with what to do.  CUDA shared memory is not
-served: its handle maps device memory of the GPU Triton runs on, which the router does not
-hold.
+errors are Triton's (tritonserver 2.51, measured), in Triton's order: a registration is
+checked as Triton checks it before and when it maps the region (``check_registration``),
+a tensor's place as Triton checks it at each request, inputs then outputs, before anything
+is read or sent (``_check_span``).  The checks Triton does not make answer 4xx with what to
+do.  CUDA shared memory is not served: its handle maps device memory of the GPU Triton runs
+on, which the router does not hold; a registration is refused as Triton refuses a handle it
+cannot open (``CUDA_REFUSAL``).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
 import tempfile
@@ -56,11 +61,15 @@ from router.frontends.shared_memory_requests import (
 
 log = logging.getLogger(__name__)
 
-CUDA_REFUSAL = ("CUDA shared memory is not available through the router: its handle maps memory of "
-                "a GPU that Triton, not the router, holds. Use system shared memory (same host) or "
-                "send the tensors in the request")
+# Triton's answer to a CUDA registration whose handle it cannot open (INVALID_ARGUMENT / 400),
+# then the router's reason: Triton's clients match on the first words ("failed to register
+# shared memory region.*invalid args").
+CUDA_REFUSAL = ("failed to register shared memory region: invalid args: CUDA shared memory is not "
+                "available through the router: its handle maps memory of a GPU that Triton, not the "
+                "router, holds. Use system shared memory (same host) or send the tensors in the request")
 REMOTE_REFUSAL = ("system shared memory is only for clients on the router's host (loopback); "
                   "send the tensors in the request instead")
+_SIZE_T_MAX = 2**64 - 1  # Triton adds offsets and sizes as size_t
 
 @dataclass(frozen=True)
 class Region:
@@ -98,6 +107,32 @@ def refuse_remote(peer: str | None) -> None:
         raise PermissionDenied(REMOTE_REFUSAL)
 
 
+def cuda_refusal() -> SharedMemoryError:
+    return SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT, CUDA_REFUSAL)
+
+
+def check_registration(name: str, key: str, offset: int, byte_size: int, object_bytes: int) -> None:
+    """Refuse region ``name`` (``byte_size`` bytes at ``offset`` of object ``key``, which has
+    ``object_bytes``) as Triton refuses it: first a region that does not lie within the
+    object, ``offset + byte_size`` summed in size_t as Triton sums it; then one that Triton's
+    ``mmap`` of it fails for, with the error's text glued to Triton's words as Triton glues
+    it: an offset that is not a multiple of the page size or no bytes at all (EINVAL), an end
+    past 2**64 that the sum wrapped (EOVERFLOW).  An empty object is told so after
+    Triton's words."""
+    def refused(reason: str) -> SharedMemoryError:
+        hint = (f"; shared memory object '{key}' is empty (0 bytes): size it (ftruncate) to "
+                "hold the tensors, then register it") if object_bytes == 0 else ""
+        return SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"failed to register shared memory region '{name}': {reason}{hint}")
+
+    if (offset + byte_size) & _SIZE_T_MAX > object_bytes:
+        raise refused("invalid args")
+    if offset % mmap.PAGESIZE or byte_size == 0:
+        raise refused("unable to process address space" + os.strerror(errno.EINVAL))
+    if offset + byte_size > object_bytes:
+        raise refused("unable to process address space" + os.strerror(errno.EOVERFLOW))
+
+
 class SystemSharedMemory:
     """The regions registered through this router (all of its workers when ``directory`` is
     shared), and the reads and writes of tensors in them."""
@@ -131,18 +166,20 @@ class SystemSharedMemory:
         return self.directory / (hashlib.sha256(name.encode()).hexdigest()[:40] + ".json")
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        fd, size = open_object(key, os.O_RDWR)  # outputs are written: read-write, as Triton opens it
-        os.close(fd)
-        if size == 0:
-            raise SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"shared memory object '{key}' is empty (0 bytes): size it "
-                                    "(ftruncate) to hold the tensors, then register it")
-        if offset < 0 or byte_size < 0 or offset + byte_size > size:
-            raise SharedMemoryError(grpc.StatusCode.INTERNAL, f"Invalid shared memory region: '{key}'")
+        """Checked in Triton's order: the name, the key, the object, the region in it."""
         target = self._file(name)
         if target.exists():
             raise SharedMemoryError(grpc.StatusCode.ALREADY_EXISTS,
                                     f"shared memory region '{name}' already in manager")
+        if any(region.key == key for region in self.status()):
+            # Triton 2.51 checks a second region of a registered key on the descriptor it
+            # opened for the first one, which it closed once that was mapped: fstat fails
+            # and every such registration is refused, in these words.  (Two workers
+            # registering one key at once may both pass: what Triton refuses, not worse.)
+            raise SharedMemoryError(grpc.StatusCode.INTERNAL, f"Invalid shared memory region: '{key}'")
+        fd, size = open_object(key, os.O_RDWR)  # outputs are written: read-write, as Triton opens it
+        os.close(fd)
+        check_registration(name, key, offset, byte_size, size)
         region = Region(name, key, offset, byte_size)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".new-")
         try:
@@ -216,14 +253,24 @@ class SystemSharedMemory:
         self._regions[name] = (identity, region)
         return region
 
+    def _check_span(self, name: str, offset: int, byte_size: int) -> Region:
+        """The registration of ``name``, which ``byte_size`` bytes at ``offset`` must lie in:
+        Triton's checks of a tensor's place, in its order and words.  A negative number
+        (gRPC's int64 parameters) is read as Triton reads it, a size_t past any region."""
+        region = self._region(name)
+        if offset < 0 or offset >= region.byte_size:
+            raise SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"Invalid offset for shared memory region: '{name}'")
+        if byte_size < 0 or offset + byte_size > region.byte_size:
+            raise SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"Invalid offset + byte size for shared memory region: '{name}'")
+        return region
+
     def _open_span(self, name: str, offset: int, byte_size: int, flags: int) -> tuple[int, int]:
         """A descriptor of region ``name``'s object and where ``byte_size`` bytes at
         ``offset`` in the region start in it, checked against the registration and against
         the object's size now.  The caller closes the descriptor."""
-        region = self._region(name)
-        if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
-            raise SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"Invalid offset + byte size for shared memory region: '{name}'")
+        region = self._check_span(name, offset, byte_size)
         try:
             fd, size = open_object(region.key, flags)
         except SharedMemoryError as exc:
@@ -309,14 +356,20 @@ class SystemSharedMemory:
     def inline(self, request: service_pb2.ModelInferRequest) -> dict[str, OutputPlace]:
         """Replace every shared-memory input of ``request`` by its bytes (raw contents) and
         take the shared-memory parameters off its outputs; returns where each such output
-        goes, for ``deliver``."""
+        goes, for ``deliver``.  Every place is checked first, inputs then outputs (Triton's
+        order): a bad output region is refused before anything is read or sent."""
+        shm_inputs = [t for t in request.inputs if REGION in t.parameters]
+        for tensor in shm_inputs:
+            self._check_span(*grpc_place(tensor.parameters))
         places = {}
         for output in request.outputs:
             if REGION in output.parameters:
-                places[output.name] = OutputPlace(*grpc_place(output.parameters))
+                place = OutputPlace(*grpc_place(output.parameters))
+                self._check_span(place.region, place.offset, place.byte_size)
+                places[output.name] = place
                 for key in SHM_PARAMETERS:
                     output.parameters.pop(key, None)
-        if not any(REGION in i.parameters for i in request.inputs):
+        if not shm_inputs:
             return places
         raw = iter(request.raw_input_contents)
         contents = []
@@ -349,16 +402,22 @@ class SystemSharedMemory:
     # ------------------------------------------------------------------ HTTP requests
     def inline_json(self, doc: dict, binary: bytes) -> tuple[dict, bytes, dict[str, OutputPlace]]:
         """The HTTP request ``doc`` (its binary tensors ``binary``) with shared-memory inputs
-        made binary tensors and shared-memory outputs asked for as binary data."""
+        made binary tensors and shared-memory outputs asked for as binary data.  Places are
+        checked as in ``inline``; the parameters' types were checked with the request's."""
         doc = dict(doc)
         places = {}
+        for tensor in doc.get("inputs", ()):
+            params = tensor.get("parameters") or {}
+            if REGION in params:
+                self._check_span(params[REGION], params.get(OFFSET, 0), params.get(BYTE_SIZE, 0))
         if any(REGION in (o.get("parameters") or {}) for o in doc.get("outputs", ())):
             outputs = []
             for output in doc["outputs"]:
                 params = output.get("parameters") or {}
                 if REGION in params:
-                    places[output["name"]] = OutputPlace(params[REGION], params.get(OFFSET, 0),
-                                                         params.get(BYTE_SIZE, 0))
+                    place = OutputPlace(params[REGION], params.get(OFFSET, 0), params.get(BYTE_SIZE, 0))
+                    self._check_span(place.region, place.offset, place.byte_size)
+                    places[output["name"]] = place
                     rest = {k: v for k, v in params.items() if k not in SHM_PARAMETERS}
                     output = dict(output, parameters=dict(rest, binary_data=True))
                 outputs.append(output)

@@ -1,11 +1,17 @@
 """System shared memory through the router, as Triton serves it: the same client calls (the
 ones Triton's shared-memory example clients make) against a real tritonserver directly and
 through `mmctl up` with two router workers give the same outputs, in the same regions, and
-the same status codes and texts for every mistake.  CUDA shared memory is refused with what
-to use instead."""
+the same status codes and texts for every mistake.  CUDA shared memory is refused as Triton
+refuses a handle it cannot open, with what to use instead.
+
+The conformance tests at the end each send the calls of one case where Triton's own client
+tests once told the router from Triton (qa/L0_shared_memory, qa/L0_cuda_shared_memory) to
+both, and compare the answers."""
 
 from __future__ import annotations
 
+import base64
+import mmap
 import uuid
 
 import numpy as np
@@ -149,6 +155,8 @@ def session(urls, side: str, protocol: str, regions) -> list:
     step("register past the end", outcome(c.register_system_shared_memory, "big", in_key, 4096))
     step("register an offset past the end",
          outcome(c.register_system_shared_memory, "far", in_key, 64, offset=4096))
+    step("register a second region of a registered key",
+         outcome(c.register_system_shared_memory, "second", in_key, TENSOR_BYTES))
     step("status of an unknown region", outcome(c.get_system_shared_memory_status, "nosuch")[1:])
     step("infer from an unknown region",
          outcome(c.infer, "simple", [shm_input(m, "INPUT0", "nosuch", 0),
@@ -209,12 +217,121 @@ def test_registration_reaches_every_worker(urls, regions):
     first.unregister_system_shared_memory()
 
 
+# ---------------------------------------------------------------- conformance, case by case
+SIDES = ("direct", "routed")
+INVALID = {"grpc": "StatusCode.INVALID_ARGUMENT", "http": "400"}
+PAGE = mmap.PAGESIZE
+
+
+@pytest.fixture
+def fresh_object():
+    """A shared-memory object no region names yet, of two pages: Triton refuses any second
+    region of a key it registered (the session's "register a second region of a registered
+    key"), whatever its bounds."""
+    key = f"/mms_test_fresh_{uuid.uuid4().hex[:8]}"
+    handle = shm.create_shared_memory_region(key[1:], key, 2 * PAGE)
+    yield key
+    shm.destroy_shared_memory_region(handle)
+
+
+def on_both(urls, protocol: str, method: str, *args, **kwargs) -> dict:
+    """The outcome of one client call against Triton and through the router."""
+    return {side: outcome(getattr(client(urls, side, protocol), method), *args, **kwargs) for side in SIDES}
+
+
+def unregister_on_both(urls, protocol: str) -> None:
+    """What a failed comparison left registered on either side (the stacks serve the module)."""
+    for side in SIDES:
+        client(urls, side, protocol).unregister_system_shared_memory()
+
+
+def assert_alike(answers: dict, want) -> None:
+    assert answers["direct"] == want, f"Triton answered {answers['direct']!r}, not {want!r}"
+    assert answers["routed"] == want, f"Triton {answers['direct']!r}, router {answers['routed']!r}"
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_cuda_shared_memory_refused_with_what_to_use(urls, protocol):
-    c = client(urls, "routed", protocol)
-    status = c.get_cuda_shared_memory_status()
-    assert (len(status.regions) if protocol == "grpc" else len(status)) == 0
-    code, message = outcome(c.register_cuda_shared_memory, "gpu_region", b"AAAA", 0, 64)
-    assert code in ("StatusCode.UNIMPLEMENTED", "501"), (code, message)
-    assert "system shared memory" in message and "send the tensors in the request" in message
-    c.unregister_cuda_shared_memory()  # nothing registered: no error, as on Triton
+def test_a_registration_past_the_objects_end_is_refused_as_triton_refuses_it(urls, fresh_object, protocol):
+    """L0_shared_memory's test_register_out_of_bound: INVALID_ARGUMENT / 400 in Triton's words
+    (the router answered INTERNAL / 500 'Invalid shared memory region')."""
+    try:
+        for name, offset, byte_size in (("size", 0, 2 * PAGE + 1), ("offset", 4 * PAGE, 64),
+                                        ("both", PAGE, PAGE + 1)):
+            answers = on_both(urls, protocol, "register_system_shared_memory", name, fresh_object, byte_size,
+                              offset=offset)
+            assert_alike(answers, (INVALID[protocol],
+                                   f"failed to register shared memory region '{name}': invalid args"))
+    finally:
+        unregister_on_both(urls, protocol)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_place_past_its_regions_end_is_refused_as_triton_refuses_it(urls, regions, protocol):
+    """L0_shared_memory's test_infer_offset_out_of_bound: an offset at or past the end of its
+    region, of an input or an output, is 'Invalid offset', not 'Invalid offset + byte size'
+    (what the router answered); an output's before the model runs.  Over HTTP the offset
+    Triton's test sends is 2**64 - 32; over gRPC the same size_t is the int64 -32."""
+    m = CLIENTS[protocol]
+    (in_key, _), (out_key, _) = regions["in"], regions["out"]
+    huge = 2**64 - 32 if protocol == "http" else -32
+    unregister_on_both(urls, protocol)
+    for side in SIDES:
+        c = client(urls, side, protocol)
+        c.register_system_shared_memory("input_data", in_key, 2 * TENSOR_BYTES)
+        c.register_system_shared_memory("output_data", out_key, 2 * TENSOR_BYTES)
+    try:
+        for label, input_offset, output_offset, region in (
+                ("an input's offset at its region's end", 2 * TENSOR_BYTES, 0, "input_data"),
+                ("an output's offset at its region's end", 0, 2 * TENSOR_BYTES, "output_data"),
+                ("an output's offset past 2**63", 0, huge, "output_data")):
+            inputs = [shm_input(m, "INPUT0", "input_data", input_offset),
+                      shm_input(m, "INPUT1", "input_data", TENSOR_BYTES)]
+            outputs = [shm_output(m, "OUTPUT0", "output_data", output_offset),
+                       shm_output(m, "OUTPUT1", "output_data", TENSOR_BYTES)]
+            answers = on_both(urls, protocol, "infer", "simple", inputs, outputs=outputs)
+            want = (INVALID[protocol], f"Invalid offset for shared memory region: '{region}'")
+            assert answers["direct"] == want, (label, answers)
+            assert answers["routed"] == want, (label, answers)
+    finally:
+        unregister_on_both(urls, protocol)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_region_triton_cannot_map_is_refused_as_triton_refuses_it(urls, fresh_object, protocol):
+    """Triton maps a region when it is registered: mmap refuses an offset that is not a
+    multiple of the page size and a region of no bytes (the router accepted both)."""
+    try:
+        for name, offset, byte_size in (("unaligned", 100, 28), ("nothing", 0, 0)):
+            answers = on_both(urls, protocol, "register_system_shared_memory", name, fresh_object, byte_size,
+                              offset=offset)
+            assert_alike(answers, (INVALID[protocol], (f"failed to register shared memory region '{name}': "
+                                                       "unable to process address spaceInvalid argument")))
+        # A page-aligned offset maps: registered on both.
+        answers = on_both(urls, protocol, "register_system_shared_memory", "aligned", fresh_object, PAGE,
+                          offset=PAGE)
+        assert_alike({side: code for side, (code, _) in answers.items()}, "OK")
+    finally:
+        unregister_on_both(urls, protocol)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_cuda_shared_memory_is_refused_in_tritons_words_with_what_to_use(urls, protocol):
+    """L0_cuda_shared_memory matches 'failed to register shared memory region.*invalid args':
+    the router refuses every CUDA registration as Triton refuses a handle it cannot open
+    (the router answered UNIMPLEMENTED / 501), then says what to use instead."""
+    handle = base64.b64encode(bytes(64))  # as cuda_shared_memory.get_raw_handle returns it
+    answers = on_both(urls, protocol, "register_cuda_shared_memory", "gpu_region", handle, 0, 64)
+    triton_words = "failed to register shared memory region: invalid args"
+    assert answers["direct"] == (INVALID[protocol], triton_words), answers
+    code, message = answers["routed"]
+    assert code == INVALID[protocol] and message.startswith(triton_words), answers
+    assert "system shared memory" in message and "send the tensors in the request" in message, message
+    if protocol == "http":  # a handle that is not 64 bytes is refused first, in Triton's words
+        short = on_both(urls, protocol, "register_cuda_shared_memory", "gpu_region", base64.b64encode(bytes(8)),
+                        0, 64)
+        assert_alike(short, ("400", "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"))
+    for side in SIDES:
+        c = client(urls, side, protocol)
+        status = c.get_cuda_shared_memory_status()
+        assert (len(status.regions) if protocol == "grpc" else len(status)) == 0
+        c.unregister_cuda_shared_memory()  # nothing registered: no error
