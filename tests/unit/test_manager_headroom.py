@@ -45,7 +45,7 @@ def make(tmp_path, max_loaded=8, free_delay_s=0.3, load_delay_s=0.05, free_memor
                                       "lru", admin=admin)
     clock = FakeClock()
     mgr = ModelManager([server], StateStore(tmp_path / "s.db"), clock=clock,
-                       config=ManagerConfig(policy="lru", unload_timeout_s=2.0, **cfg),
+                       config=ManagerConfig(**{"policy": "lru", "unload_timeout_s": 2.0, **cfg}),
                        free_memory=free_memory, priority_of=priority_of)
     return mgr, admin, clock
 
@@ -68,26 +68,47 @@ def loaded(admin):
     return {m for m, s in admin.states.items() if s == TritonModelState.READY}
 
 
+def states_at_load(admin, models):
+    """Triton's states of ``models`` at the moment each load is sent, by the model loaded:
+    what had freed, and what had loaded, before it (the order, not the time it took)."""
+    seen: dict[str, dict[str, TritonModelState]] = {}
+    real_load = admin.load
+
+    async def load(model):
+        seen[model] = {m: admin.states[m] for m in models}
+        await real_load(model)
+
+    admin.load = load
+    return seen
+
+
 # --------------------------------------------------------------------------- headroom
 def test_a_miss_takes_the_headroom_at_once_and_the_lru_model_leaves_in_the_background(tmp_path):
     async def go():
-        mgr, admin, clock = make(tmp_path, free_delay_s=0.8)
+        # Triton frees an unloaded model only when the test says (``free_gate``): a miss
+        # with an unload on its path cannot end before that.
+        mgr, admin, clock = make(tmp_path, unload_timeout_s=30)
         await mgr.start()
         await load_in_order(mgr, clock, MODELS[:7])  # 7 of 8: the headroom is free
         assert loaded(admin) == set(MODELS[:7])
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        admin.free_gate = asyncio.Event()
         clock.tick()
-        await mgr.ensure("m8")
-        assert loop.time() - start < 0.5  # the load only: no unload (0.8 s) on its path
-        assert mgr.get("m1").state == ModelState.UNLOADING  # the policy's next victim
+        await asyncio.wait_for(mgr.ensure("m8"), 10)  # the load only: no unload on its path
+        assert mgr.get("m8").state == ModelState.READY
+        assert mgr.get("m1").state == ModelState.UNLOADING  # the policy's next victim, still
+        assert admin.states["m1"] == TritonModelState.UNLOADING  # in Triton, not freed yet
+        admin.free_gate.set()
         await settle(mgr, lambda: mgr.get("m1").state == ModelState.WARM)
         assert loaded(admin) == set(MODELS[1:8])
         assert mgr.metrics.unloads.labels("s0", "headroom")._value.get() == 1
         # The next miss finds the headroom free again: no wait either.
-        start = loop.time()
-        await mgr.ensure("m9")
-        assert loop.time() - start < 0.5
+        admin.free_gate.clear()
+        clock.tick()
+        await asyncio.wait_for(mgr.ensure("m9"), 10)
+        assert mgr.get("m9").state == ModelState.READY
+        assert admin.states["m2"] == TritonModelState.UNLOADING  # the next victim, not freed yet
+        admin.free_gate.set()
+        await settle(mgr, lambda: mgr.get("m2").state == ModelState.WARM)
 
     run(go())
 
@@ -98,10 +119,11 @@ def test_without_headroom_a_miss_waits_for_its_victim(tmp_path):
         await mgr.start()
         await load_in_order(mgr, clock, MODELS[:8])  # full, nothing evicted in advance
         assert loaded(admin) == set(MODELS[:8])
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        at_load = states_at_load(admin, ["m1"])
+        clock.tick()
         await mgr.ensure("m9")
-        assert loop.time() - start >= 0.3  # the victim's unload was on the miss's path
+        # The victim's unload was on the miss's path: its load was sent once Triton had freed m1.
+        assert at_load["m9"] == {"m1": TritonModelState.UNAVAILABLE}
 
     run(go())
 
@@ -224,18 +246,20 @@ def test_headroom_settings_are_checked():
 # --------------------------------------------------------------------------- overlap
 def test_overlap_starts_the_load_while_the_victim_shuts_down_when_memory_holds_it(tmp_path):
     async def go():
-        mgr, admin, clock = make(tmp_path, max_loaded=2, free_delay_s=1.0,
+        mgr, admin, clock = make(tmp_path, max_loaded=2, unload_timeout_s=30,
                                  free_memory=lambda server: 64 * GiB)
         await mgr.start()
         await load_in_order(mgr, clock, ["m1", "m2"])
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        await mgr.ensure("m3")
-        assert loop.time() - start < 0.6  # not the victim's 1.0 s
+        admin.free_gate = asyncio.Event()  # m1 frees only when the test says
+        at_load = states_at_load(admin, ["m1"])
+        clock.tick()
+        await asyncio.wait_for(mgr.ensure("m3"), 10)  # done while m1 still shuts down
+        assert at_load["m3"]["m1"] != TritonModelState.UNAVAILABLE  # sent before m1 freed
         planner = mgr.servers["s0"].planner
         # Honest counts: m1 is still counted (Triton has not confirmed it gone).
         assert planner.used_slots == 3 and planner.committed_slots == 2
         assert mgr.get("m1").state == ModelState.UNLOADING
+        admin.free_gate.set()
         await settle(mgr, lambda: mgr.get("m1").state == ModelState.WARM)
         assert planner.used_slots == 2 and loaded(admin) == {"m2", "m3"}
 
@@ -254,10 +278,11 @@ def test_no_overlap_unless_measured_memory_holds_the_newcomer(tmp_path, probe, c
         mgr, admin, clock = make(tmp_path, max_loaded=2, free_delay_s=0.4, free_memory=free_memory)
         await mgr.start()
         await load_in_order(mgr, clock, ["m1", "m2"])
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        at_load = states_at_load(admin, ["m1"])
+        clock.tick()
         await mgr.ensure("m3")
-        assert loop.time() - start >= 0.4  # waited for Triton to confirm m1 gone
+        # Waited for Triton to confirm m1 gone: m3's load was sent once m1 had freed.
+        assert at_load["m3"] == {"m1": TritonModelState.UNAVAILABLE}
         await mgr.ensure("m1")
         assert loaded(admin) == {"m3", "m1"}
 
@@ -270,25 +295,29 @@ def test_no_overlap_unless_measured_memory_holds_the_newcomer(tmp_path, probe, c
 def test_overlap_counts_every_load_in_flight_on_the_device(tmp_path):
     async def go():
         # 2.5 GiB free: one load in flight takes its size + 1 GiB margin, so two loads
-        # fit ahead of their victims, the third waits for Triton to confirm room.
-        mgr, admin, clock = make(tmp_path, max_loaded=3, free_delay_s=1.2, load_delay_s=0.6,
+        # fit ahead of their victims, the third waits for room: here, since no victim frees
+        # until the test says, for a load in flight to finish.
+        mgr, admin, clock = make(tmp_path, max_loaded=3, load_delay_s=0.1, unload_timeout_s=30,
                                  free_memory=lambda server: int(2.5 * GiB))
         await mgr.start()
         await load_in_order(mgr, clock, ["m1", "m2", "m3"])
-        loop = asyncio.get_running_loop()
-        sent_at = {}
-        real_load = admin.load
-
-        async def timed_load(model):
-            sent_at[model] = loop.time()
-            await real_load(model)
-
-        admin.load = timed_load
-        start = loop.time()
-        await asyncio.gather(*(mgr.ensure(n) for n in ("m4", "m5", "m6")))
-        early = sorted(n for n, t in sent_at.items() if t - start < 0.4)
-        assert early == ["m4", "m5"], sent_at
-        assert sent_at["m6"] - start >= 0.55  # after a load in flight finished
+        admin.free_gate = asyncio.Event()
+        newcomers = ["m4", "m5", "m6"]
+        at_load = states_at_load(admin, ["m1", "m2", "m3", *newcomers])
+        clock.tick()
+        await asyncio.wait_for(asyncio.gather(*(mgr.ensure(n) for n in newcomers)), 10)
+        victims = ("m1", "m2", "m3")
+        for states in at_load.values():  # every load was sent before any victim freed
+            assert all(states[v] != TritonModelState.UNAVAILABLE for v in victims), at_load
+        # Two were sent before any load finished; the third (whichever placed last) only
+        # after one of those two had.
+        first = [n for n in newcomers if not any(
+            at_load[n][m] == TritonModelState.READY for m in newcomers)]
+        (third,) = set(newcomers) - set(first)
+        assert len(first) == 2, at_load
+        assert any(at_load[third][m] == TritonModelState.READY for m in first), at_load
+        admin.free_gate.set()
+        await settle(mgr, lambda: all(mgr.get(v).state == ModelState.WARM for v in victims))
 
     run(go())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import time
+import threading
 
 import pytest
 
@@ -44,6 +44,14 @@ class FakeAdmin:
         self.in_one_request: set[str] = set()
         self.replace_calls: list[tuple[str, list[str]]] = []
 
+        # Set to an asyncio.Event, a load (``load_gate``) or the freeing after an unload
+        # (``free_gate``) ends when the test sets it, not after its delay: a test says in
+        # which order things happen instead of hoping the machine keeps to the delays.
+        self.load_gate = None
+        self.free_gate = None
+        self.loading: set[str] = set()  # loads under way now
+        self.most_loading = 0  # the most under way at once
+
     def measured(self, model):
         return True
 
@@ -67,7 +75,15 @@ class FakeAdmin:
     async def load(self, model):
         self.load_calls.append(model)
         self.states[model] = TritonModelState.LOADING
-        await asyncio.sleep(self.load_delay_s)
+        self.loading.add(model)
+        self.most_loading = max(self.most_loading, len(self.loading))
+        try:
+            if self.load_gate is not None:
+                await self.load_gate.wait()
+            else:
+                await asyncio.sleep(self.load_delay_s)
+        finally:
+            self.loading.discard(model)
         if model in self.fail_load:
             self.states[model] = TritonModelState.UNAVAILABLE
             raise ModelLoadFailed(f"Triton failed to load {model}: boom")
@@ -94,7 +110,10 @@ class FakeAdmin:
             return
 
         async def free():
-            await asyncio.sleep(self.free_delay_s)
+            if self.free_gate is not None:
+                await self.free_gate.wait()
+            else:
+                await asyncio.sleep(self.free_delay_s)
             self.states[model] = TritonModelState.UNAVAILABLE
 
         asyncio.get_running_loop().create_task(free())
@@ -139,6 +158,15 @@ def make(tmp_path, max_loaded=2, free_delay_s=0.02, stager=None, **cfg):
     return mgr, admin
 
 
+async def until(predicate, what: str, timeout_s: float = 10.0) -> None:
+    """Turn the event loop until ``predicate()`` holds.  ``timeout_s`` only stops a hung
+    test: nothing here is a bound on how fast the code is."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.005)
+
+
 def test_concurrent_ensures_share_one_load(tmp_path):
     async def go():
         mgr, admin = make(tmp_path)
@@ -152,11 +180,14 @@ def test_concurrent_ensures_share_one_load(tmp_path):
 def test_loads_of_different_models_overlap(tmp_path):
     async def go():
         mgr, admin = make(tmp_path, max_loaded=4)
-        admin.load_delay_s = 0.2
+        admin.load_gate = asyncio.Event()  # no load ends until all three were sent
         await mgr.start()
-        start = asyncio.get_running_loop().time()
-        await asyncio.gather(mgr.ensure("m1"), mgr.ensure("m2"), mgr.ensure("m3"))
-        assert asyncio.get_running_loop().time() - start < 0.5  # not 3 x 0.2 s in a row
+        loads = asyncio.gather(mgr.ensure("m1"), mgr.ensure("m2"), mgr.ensure("m3"))
+        # Loads one after another would never have three under way at once: this hangs.
+        await until(lambda: admin.loading == {"m1", "m2", "m3"}, "three loads under way at once")
+        admin.load_gate.set()
+        await asyncio.wait_for(loads, 10)
+        assert admin.most_loading == 3
 
     run(go())
 
@@ -284,27 +315,32 @@ def test_a_load_waits_for_room_held_by_a_load_in_progress(tmp_path):
 
 def test_room_held_by_pins_fails_at_once(tmp_path):
     async def go():
-        mgr, _admin = make(tmp_path, max_loaded=1)
+        # A load that waited for room held by a pin would wait out capacity_wait_s (an hour
+        # here) before it failed: a refusal at all says it did not wait.
+        mgr, admin = make(tmp_path, max_loaded=1, capacity_wait_s=3600)
         await mgr.start()
         await mgr.pin("m1")
-        start = asyncio.get_running_loop().time()
-        with pytest.raises(CapacityExhausted):
-            await mgr.ensure("m2")
-        assert asyncio.get_running_loop().time() - start < 0.5
+        ensuring = asyncio.create_task(mgr.ensure("m2"))
+        done, _ = await asyncio.wait({ensuring}, timeout=10)  # stops a hung test only
+        assert done, "m2 waits for room that only an unpin can give back"
+        with pytest.raises(CapacityExhausted, match="m1"):
+            ensuring.result()
+        assert "m2" not in admin.load_calls and admin.states["m1"] == TritonModelState.READY
 
     run(go())
 
 
 def test_unload_is_not_blocked_by_requests_waiting_for_the_same_model(tmp_path):
     async def go():
-        mgr, _admin = make(tmp_path, max_loaded=2, drain_timeout_s=5)
+        # A drain that waited for the request would last drain_timeout_s (an hour here): the
+        # unload finishing while the request is still held says it did not wait for it.
+        mgr, _admin = make(tmp_path, max_loaded=2, drain_timeout_s=3600)
         await mgr.start()
         await mgr.ensure("m1")
         waiting = await mgr.acquire("m1")  # a request that has not reached Triton yet
-        start = asyncio.get_running_loop().time()
-        await mgr.unload("m1")
-        assert asyncio.get_running_loop().time() - start < 1.0  # no drain_timeout_s wait
-        mgr.release(waiting)
+        await asyncio.wait_for(mgr.unload("m1"), 10)  # stops a hung test only
+        assert mgr.get("m1").state == ModelState.WARM
+        mgr.release(waiting)  # only now: the unload did not wait for it
 
     run(go())
 
@@ -548,15 +584,20 @@ def test_a_shadow_load_may_evict_another_shadow(tmp_path):
 
 def test_a_shadow_does_not_wait_for_room_held_by_production_loads(tmp_path):
     async def go():
-        mgr, admin = staged(tmp_path, {"m3": "shadow"}, max_loaded=1, capacity_wait_s=5)
-        admin.load_delay_s = 0.3
+        # m1's load ends only when the test says: a shadow that waited for its room would
+        # still be waiting (up to capacity_wait_s, an hour here) when the test stops.
+        mgr, admin = staged(tmp_path, {"m3": "shadow"}, max_loaded=1, capacity_wait_s=3600)
+        admin.load_gate = asyncio.Event()
         await mgr.start()
         prod = asyncio.create_task(mgr.ensure("m1"))
-        await asyncio.sleep(0.05)  # m1 holds the only slot while it loads
-        start = asyncio.get_running_loop().time()
+        await until(lambda: "m1" in admin.loading, "m1 loading")  # it holds the only slot
+        shadow = asyncio.create_task(mgr.ensure("m3"))
+        done, _ = await asyncio.wait({shadow}, timeout=10)  # stops a hung test only
+        assert done, "the shadow waits for room held by a production load"
         with pytest.raises(CapacityExhausted, match="shadow"):
-            await mgr.ensure("m3")
-        assert asyncio.get_running_loop().time() - start < 0.2
+            shadow.result()
+        assert "m1" in admin.loading  # refused while m1 was still loading
+        admin.load_gate.set()
         await prod
 
     run(go())
@@ -601,32 +642,24 @@ def test_the_registry_can_turn_the_synthetic_warmup_off(tmp_path):
 def test_artifact_size_walk_does_not_block_the_event_loop(tmp_path):
     async def go():
         mgr, admin = make(tmp_path, max_loaded=3)
+        loop = asyncio.get_running_loop()
+        walks: list[bool] = []  # per walk: whether the event loop ran while it went on
 
-        # A large repository on a slow disk.  A walk on the loop would stall it for the whole
-        # second; the bound leaves room for a busy machine's scheduling (a CI run beside two
-        # test workers once stalled this loop 0.30 s with the walk in its thread).
+        # A large repository on a slow disk: the walk ends only once the event loop has run
+        # a callback it was handed meanwhile.  Off the loop, in a thread, the loop runs it at
+        # once; a walk on the loop would wait for itself (10 s, then says so) instead.
         def slow_walk(name):
-            time.sleep(1.0)
+            loop_ran = threading.Event()
+            loop.call_soon_threadsafe(loop_ran.set)
+            walks.append(loop_ran.wait(10))
             return 10
 
         mgr.catalog.artifact_bytes = slow_walk
         await mgr.start()
-        loop = asyncio.get_running_loop()
-        gaps = []
-
-        async def ticker():
-            last = loop.time()
-            while True:
-                await asyncio.sleep(0.01)
-                gaps.append(loop.time() - last)
-                last = loop.time()
-
-        ticks = asyncio.create_task(ticker())
         await mgr.ensure("m1")
         admin.states["m2"] = TritonModelState.READY  # adopted by the reconcile: sized too
         await mgr.step()
-        ticks.cancel()
-        assert max(gaps) < 0.6, f"the loop stalled for {max(gaps):.2f}s"
+        assert len(walks) >= 2 and all(walks), f"a walk blocked the event loop: {walks}"
         assert mgr.get("m1").memory_bytes == mgr.get("m2").memory_bytes == 10
 
     run(go())
@@ -702,17 +735,21 @@ def test_a_model_loaded_for_a_request_is_not_a_victim_while_the_request_is_on_it
     """The router's miss: between the load answering and the request reaching Triton, another
     load must not evict it (under thrash that lost requests)."""
     async def go():
-        mgr, _admin = make(tmp_path, max_loaded=1, on_its_way_s=0.3)
+        mgr, admin = make(tmp_path, max_loaded=1, on_its_way_s=0.3)
         await mgr.start()
         server = await mgr.ensure_for_request("m1")
         assert server.name == "s0"
-        started = time.monotonic()
-        other = asyncio.create_task(mgr.ensure("m2"))
-        await asyncio.sleep(0.15)
-        assert mgr.records["m1"].state == ModelState.READY  # still there for its request
-        await other
-        assert time.monotonic() - started >= 0.25  # m2 waited for the hold, not refused
-        assert mgr.records["m1"].state != ModelState.READY
+        held_at_unload = []  # whether m1's hold was still on when its unload was sent
+        real_unload = admin.unload
+
+        async def unload(model):
+            held_at_unload.append((model, model in mgr.leases.request_holds))
+            await real_unload(model)
+
+        admin.unload = unload
+        await asyncio.wait_for(mgr.ensure("m2"), 10)  # m2 waited for the hold, not refused
+        assert held_at_unload == [("m1", False)]  # m1 left only once its hold was over
+        assert mgr.records["m1"].state != ModelState.READY and mgr.records["m2"].state == ModelState.READY
 
     run(go())
 

@@ -180,11 +180,14 @@ def test_a_frozen_server_is_down_after_three_probe_timeouts_and_blocks_nothing(t
 
 def test_a_busy_server_that_answers_within_the_timeout_is_never_suspect(tmp_path):
     async def go():
-        admin = ProbedAdmin(answer_s=0.02)  # a loaded machine: slow, but an answer
-        mgr = manager(tmp_path, {"s0": admin}, probe_timeout_s=0.2)
+        # A loaded machine: slow (each answer takes longer than the probe interval and than
+        # FAST's probe timeout), but an answer within the timeout it is given.  That timeout
+        # is far above the answer: it decides nothing on a busy machine either.
+        admin = ProbedAdmin(answer_s=0.1)
+        mgr = manager(tmp_path, {"s0": admin}, probe_timeout_s=10.0)
         await mgr.start()
         healths = set()
-        while admin.probes < 15:
+        while admin.probes < 10:
             healths.add(mgr.servers["s0"].health)
             await asyncio.sleep(0.005)
         assert healths == {ServerHealth.UP}
@@ -363,16 +366,13 @@ def router_on_frozen_tritons(frozen: set[str]) -> tuple[PublishedState, Router, 
 def test_a_grpc_request_waiting_on_a_server_declared_down_is_sent_where_the_model_is_now():
     async def go():
         state, router, sent = router_on_frozen_tritons({FIRST.name})
-        request = router.forwarder.infer_raw(b"\n\x01m", lambda: None, timeout_s=30.0)
+        # An hour to live: only the server declared down can end its wait on the frozen one.
+        request = router.forwarder.infer_raw(b"\n\x01m", lambda: None, timeout_s=3600.0)
         task = asyncio.get_running_loop().create_task(request)
         await asyncio.sleep(0.3)
         assert not task.done()  # suspect, not down yet: it waits
-        started = time.monotonic()
         state.down = True  # the control plane declared it down
-        # Cut short: waiting on the frozen server would last the 30 s deadline, which a
-        # bound of a few seconds tells apart even on a busy machine.
-        await asyncio.wait_for(task, 10.0)
-        assert time.monotonic() - started < 5.0
+        await asyncio.wait_for(task, 10.0)  # answered: cut short (10 s: a hung test only)
         assert sent == ["triton0", "triton1"]
         assert state.unreachable == ["triton0"]
 
@@ -429,19 +429,18 @@ def test_an_http_request_waiting_on_a_server_declared_down_is_sent_where_the_mod
         frozen, alive = await fake_triton(never), await fake_triton(None)
         state = PublishedState(ServerAddress("triton0", "x:1", f"127.0.0.1:{frozen.port}"),
                                ServerAddress("triton1", "x:2", f"127.0.0.1:{alive.port}"))
-        router = await http_router(state)
+        # An hour to live: only the server declared down can end its wait on the frozen one.
+        router = await http_router(state, RouterConfig(request_timeout_s=3600.0))
         async with ClientSession() as session:
             posting = asyncio.get_running_loop().create_task(
                 session.post(router.make_url("/v2/models/m/infer"), data=BODY))
             await asyncio.sleep(0.3)
             assert not posting.done()
-            started = time.monotonic()
             state.down = True
-            resp = await asyncio.wait_for(posting, 10.0)
+            resp = await asyncio.wait_for(posting, 10.0)  # cut short (10 s: a hung test only)
             body = await resp.json()
         assert resp.status == 200 and body["outputs"][0]["data"] == [2.0]
-        # Cut short, not after the request deadline (30 s by default).
-        assert time.monotonic() - started < 5.0 and state.unreachable == ["triton0"]
+        assert state.unreachable == ["triton0"]
         for server in (router, frozen, alive):
             await server.close()
 
