@@ -329,7 +329,10 @@ class CachePlanner:
         hits and still leave the next miss waiting), or when it would take the last
         evictable model: with everything else pinned or busy, that one is what a newcomer
         just loaded (``mmctl load`` must not see it leave at once), and the next miss would
-        have to evict it anyway."""
+        have to evict it anyway.  Empty too when the next victim is a variant in its
+        family's slot: the next miss evicts it at the speed of a fill (in the same request
+        when that miss is a variant of its family), so there is no slow unload to take off
+        that miss's path."""
         target = self.headroom_target()
         if not target:
             return []
@@ -345,7 +348,8 @@ class CachePlanner:
         if need_slots >= evictable:
             return []
         plan = self._collect(None, need_bytes, need_slots)
-        if plan is None or len(plan.victims) >= evictable:
+        if (plan is None or len(plan.victims) >= evictable
+                or self.residents[plan.victims[0]].pool is not None):
             return []
         return plan.victims
 

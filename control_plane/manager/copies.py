@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from control_plane.manager.executor import Executor
 from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.loader import Loader
@@ -56,7 +57,6 @@ from control_plane.manager.records import (
     ModelState,
     TritonServer,
 )
-from control_plane.manager.room import RoomLedger
 from control_plane.manager.unloader import Unloader, retrieve
 from control_plane.state.state_store import StateStore
 from domain.errors import CapacityExhausted, ControlPlaneError, InvalidInput, TritonUnavailable
@@ -82,8 +82,8 @@ def _whole(value: object, least: int) -> bool:
 class Copies:
     def __init__(self, book: ModelBook, servers: dict[str, TritonServer], tasks: TaskBoard,
                  keeping: Bookkeeping, config: ManagerConfig, store: StateStore,
-                 catalog: Catalog, placer: Placer, room: RoomLedger, loader: Loader,
-                 unloader: Unloader):
+                 catalog: Catalog, placer: Placer, loader: Loader, unloader: Unloader,
+                 executor: Executor):
         self.book = book
         self.servers = servers
         self.tasks = tasks
@@ -92,9 +92,9 @@ class Copies:
         self.store = store
         self.catalog = catalog
         self.placer = placer
-        self.room = room
         self.loader = loader
         self.unloader = unloader
+        self.executor = executor  # carries a copy's placement out, as a model's (executor.py)
         # model -> copies wanted (fixed), or AutoRange (auto: ``current`` says how many now)
         self.targets: dict[str, int | AutoRange] = {}
         for name, spec in json.loads(store.get(TARGETS_KEY) or "{}").items():
@@ -357,46 +357,25 @@ class Copies:
             except (CapacityExhausted, TritonUnavailable) as exc:
                 self.notes[name] = exc.message
                 return False
-            for v in victims:
-                self.book.lookup(v).move(ModelState.UNLOADING)
             copy = self.book.extra_copy(name, server.name)
             copy.failure = None
             copy.set_pinned(rec.pinned)
-            # A variant's copy takes a slot of its family there: the room reserved is the
-            # family's slots when this copy loads the family on that server, else none.
-            pool, undo_pool, room_bytes, room_slots = self.loader.reserve_pool(
-                server, name, size, key=copy.name)
-            copy.move(ModelState.LOADING, server=server.name, memory_bytes=size)
-            self.room.queue(server, copy.name, room_bytes, room_slots)
+            res = self.executor.commit(server, copy, name, size, victims)
         log.info("copying %s to %s (%d bytes), evicting %s", name, server.name, size,
                  victims or "nothing")
-        evictions = [self.unloader.unload_now(server, v, reason="evicted") for v in victims]
-        for fut in evictions:
-            fut.add_done_callback(retrieve)
         try:
-            await self.loader.wait_for_room(
-                server, name, size, evictions,
-                time.monotonic() + self.config.drain_timeout_s + self.config.unload_timeout_s,
-                room_bytes=room_bytes, room_slots=room_slots, pool=pool)
+            await self.executor.make_room(res, undo_to=ModelState.WARM)
         except ControlPlaneError as exc:
-            self.room.unqueue(server, copy.name)
-            copy.move(ModelState.WARM, server=None)
-            undo_pool()
-            self.loader.settle_pool(server, pool)
             self.notes[name] = f"no room on {server.name}: {exc.message}"
             return False
-        self.room.send(server, copy.name, size)
         start = time.monotonic()
         try:
-            await server.admin.load(name)
-            warmup = await self.loader.warm_up(server, name)
+            warmup, _measured = await self.executor.load(res, measure=False)
         except ControlPlaneError as exc:
-            self.room.finish(copy.name)
             await self._undo(server, copy, exc)
-            self.loader.settle_pool(server, pool)
+            self.executor.settle(res)
             return False
-        self.room.finish(copy.name)
-        self.loader.settle_pool(server, pool)
+        self.executor.settle(res)
         copy.load_time_s = time.monotonic() - start
         copy.warmup = warmup
         copy.move(ModelState.READY)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from control_plane.eviction import victim_priority_limit
+from control_plane.manager.executor import ROOM_POLL_S, Executor, replacing_possible
 from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.placement import Placer, plan_measured
@@ -20,11 +21,9 @@ from control_plane.manager.records import (
     ModelState,
     Stager,
     TritonServer,
-    slot_pool,
 )
 from control_plane.manager.room import RoomLedger
-from control_plane.manager.unloader import Unloader, retrieve
-from control_plane.manager.warmup import warm_up
+from control_plane.manager.unloader import Unloader
 from domain import tracing
 from domain.errors import (
     CapacityExhausted,
@@ -37,22 +36,12 @@ from domain.names import validate_model_name
 
 log = logging.getLogger(__name__)
 
-# How often a load waiting for room re-reads the measured free memory (an unload finishing
-# wakes it at once).
-ROOM_POLL_S = 0.05
-
-
-def replacing_possible(server: TritonServer, name: str, victims: list[str]) -> bool:
-    """Whether ``name``'s load and its victims' unloads go to ``server`` as one request."""
-    return bool(victims) and server.admin.replaces_in_one(name, victims)
-
-
 class Loader:
     def __init__(self, book: ModelBook, servers: dict[str, TritonServer], tasks: TaskBoard,
                  keeping: Bookkeeping, config: ManagerConfig, clock: Callable[[], float],
                  stager: Stager | None, placer: Placer, priority_of: Callable[[str], int],
-                 room: RoomLedger, warmup_enabled: Callable[[str], bool], catalog: Catalog,
-                 recency: Recency, unloader: Unloader):
+                 room: RoomLedger, catalog: Catalog, recency: Recency, unloader: Unloader,
+                 executor: Executor):
         self.book = book
         self.servers = servers
         self.tasks = tasks
@@ -63,10 +52,10 @@ class Loader:
         self.placer = placer
         self.priority_of = priority_of  # a shadow newcomer evicts shadows only
         self.room = room
-        self.warmup_enabled = warmup_enabled
         self.catalog = catalog
         self.recency = recency
-        self.unloader = unloader  # evicts a load's victims and keeps the headroom free
+        self.unloader = unloader  # keeps the headroom free
+        self.executor = executor  # carries a placement's plan out (executor.py)
 
     async def ensure(self, name: str, retry_failed: bool = False) -> ModelRecord:
         """Return once ``name`` is READY on some server, loading it if needed."""
@@ -171,17 +160,8 @@ class Loader:
                             raise
                         turn = place.turn()
                     else:
-                        with self.room.placing():
-                            for v in victims:
-                                self.book.lookup(v).move(ModelState.UNLOADING)
-                            previous_state = rec.state
-                            rec.failure = None
-                            # A family's variant takes one slot's room; its family's
-                            # record is reserved when this load loads the family.
-                            pool, undo_pool, room_bytes, room_slots = self.reserve_pool(
-                                server, name, size_bytes)
-                            rec.move(ModelState.LOADING, server=server.name, memory_bytes=size_bytes)
-                        self.room.queue(server, name, room_bytes, room_slots)
+                        rec.failure = None
+                        res = self.executor.commit(server, rec, name, size_bytes, victims)
                         self.unloader.maintain_headroom(server)  # the next miss finds room again
                         break
                 # Room comes back when the planner's view gives it back (a hold ends, a
@@ -198,44 +178,19 @@ class Loader:
             "loading %s on %s (%d bytes), evicting %s", name, server.name, size_bytes,
             victims or "nothing")
 
-        # 1. Room.  Victims a single request can replace (variants of the newcomer's family,
-        # in their slots) go with the load: Triton never holds both, nothing to wait for.
-        replacing = None
-        if in_one:
-            self.room.send(server, name, size_bytes)
-            # Listed as the victims' unload now, before any await: a load of a victim waits.
-            replacing = self.unloader.replace(server, victims, name)
-            replacing.add_done_callback(retrieve)  # raised in step 2
-        else:
-            # The victims' unloads run; the load is sent once Triton confirms room for it, or
-            # at once where measured free memory holds it (overlap, package docstring).  A
-            # victim that does not free in time keeps its memory counted.
-            evictions = [self.unloader.unload_now(server, v, reason="evicted") for v in victims]
-            for fut in evictions:
-                fut.add_done_callback(retrieve)  # failures are raised below or logged
-            try:
-                overlapped = await self.wait_for_room(
-                    server, name, size_bytes, evictions,
-                    # The longest an unload in progress takes before it fails on its own.
-                    time.monotonic() + self.config.drain_timeout_s + self.config.unload_timeout_s,
-                    room_bytes, room_slots, pool)
-            except BaseException as exc:
-                self.room.unqueue(server, name)
-                self.keeping.release_warm(name)
-                rec.move(previous_state if previous_state not in (ModelState.LOADING, ModelState.UNLOAD_FAILED)
-                         else ModelState.WARM, server=None)
-                undo_pool()
-                self.keeping.metrics.loads.labels(server.name, "evict_failed").inc()
-                if isinstance(exc, ControlPlaneError):
-                    raise OperationTimeout(
-                        f"could not free room for {name} on {server.name}: {exc}") from exc
-                raise
-            # No await between the room check and this: the next waiter sees this load as held.
-            self.room.send(server, name, size_bytes)
-            if overlapped:
-                log.info("loading %s on %s while %s still shut down: measured free memory holds it",
-                         name, server.name, ", ".join(v for v, f in zip(victims, evictions) if not f.done())
-                         or "models of other loads")
+        # 1. Room: the victims leave (with the load, in one request, where they can).
+        try:
+            await self.executor.make_room(res)
+        except BaseException as exc:
+            self.keeping.release_warm(name)
+            self.keeping.metrics.loads.labels(server.name, "evict_failed").inc()
+            if isinstance(exc, ControlPlaneError):
+                raise OperationTimeout(
+                    f"could not free room for {name} on {server.name}: {exc}") from exc
+            raise
+        if res.overlapped:
+            log.info("loading %s on %s while its victims still shut down: measured free memory "
+                     "holds it", name, server.name)
         for _ in victims:
             self.keeping.metrics.evictions.labels(server.name).inc()
 
@@ -243,22 +198,14 @@ class Loader:
         start = time.monotonic()
         rec.loads += 1
         try:
-            async with self.keeping.meter(server, name).measuring(server, name) as measured:
-                if replacing is not None:
-                    await replacing
-                else:
-                    await server.admin.load(name)
-                with tracing.span("warm_up", model=name):
-                    warmup = await self.warm_up(server, name)
-            if measured.bytes is not None:
-                await self._fit_measured(server, rec, measured.bytes)
+            warmup, measured_bytes = await self.executor.load(res)
+            if measured_bytes is not None:
+                await self._fit_measured(server, rec, measured_bytes)
         except BaseException as exc:
-            self.room.finish(name)
             await self._undo_failed_load(server, rec, exc)
-            self.settle_pool(server, pool)
+            self.executor.settle(res)
             raise
-        self.room.finish(name)
-        self.settle_pool(server, pool)
+        self.executor.settle(res)
         rec.load_time_s = time.monotonic() - start
         rec.warmup = warmup
         if not warmup.get("ok", True):
@@ -279,7 +226,7 @@ class Loader:
         self.keeping.save_row(name, last_used=rec.last_used, load_time_s=rec.load_time_s,
                        memory_bytes=rec.memory_bytes, server=server.name, failure=None)
         log.info("loaded %s on %s in %.2fs%s", name, server.name, rec.load_time_s,
-                 f" in place of {', '.join(victims)}" if replacing is not None else "")
+                 f" in place of {', '.join(victims)}" if res.replacing is not None else "")
         for listener in self.book.load_listeners:
             listener(name, rec)
         return rec
@@ -299,85 +246,6 @@ class Loader:
             await asyncio.gather(*(self.unloader.unload_now(server, v, reason="evicted") for v in victims),
                                  return_exceptions=True)  # a failed one stays counted
 
-    async def wait_for_room(self, server: TritonServer, name: str, size_bytes: int,
-                             evictions: list[asyncio.Future], deadline: float,
-                             room_bytes: int | None = None, room_slots: int = 1,
-                             pool: ModelRecord | None = None) -> bool:
-        """Wait until the load of ``name`` may be sent to Triton.  False: Triton's held room
-        fits it; True: it starts before its victims are confirmed gone (overlap).
-        ``room_bytes`` / ``room_slots``: the server room its load takes; ``pool``: the
-        family whose slot it takes, free once no more variants hold its slots than it has
-        (a leaving one's evict is done).
-
-        Raises the first failed eviction of its own, or OperationTimeout when the room is
-        held by models no unload is freeing (an unload failed: its room stays counted) or
-        is not freed by ``deadline``."""
-        room_bytes = size_bytes if room_bytes is None else room_bytes
-        while True:
-            for fut in evictions:
-                if fut.done() and not fut.cancelled() and fut.exception() is not None:
-                    raise fut.exception()
-            slot_free = pool is None or server.planner.members(pool.name) <= pool.slots
-            if slot_free and (room_slots == 0 or self.room.fits_held(server, room_bytes, room_slots)):
-                return False
-            # A fixed-size slot (a family's variant) is free only once its evict is done.
-            if server.admin.measured(name) and self.room.fits_measured(server, size_bytes):
-                return True
-            freeing = [t for n, t in self.tasks.unloads.items()
-                       if not t.done() and (r := self.book.find(n)) is not None
-                       and r.server == server.name]
-            if not freeing:
-                raise OperationTimeout(
-                    f"its room on {server.name} is held by models whose unload did not complete; "
-                    "they stay counted until Triton confirms them gone (mmctl status)")
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:
-                raise OperationTimeout(f"Triton did not confirm room for {name} in time")
-            await asyncio.wait(freeing, return_when=asyncio.FIRST_COMPLETED,
-                               timeout=min(remaining_s, ROOM_POLL_S) if self.room.free_memory else remaining_s)
-
-    def reserve_pool(self, server: TritonServer, name: str, size_bytes: int, key: str | None = None):
-        """A family's variant takes one slot's room, as a model takes its own; when its load
-        also loads the family there (or grows it to more slots), the family's record is
-        reserved here.  Call under the lock, right after placement.  Returns (the family's
-        pool record or None, its undo, server bytes and places reserved).  ``key``: the
-        planner's key of the load (an extra copy's; default ``name``)."""
-        pool = slot_pool(server.admin, name)
-        if pool is None:
-            return None, lambda: None, size_bytes, 1
-        pool_rec = self.book.pool(server.name, pool)
-        size_bytes = pool.slot_bytes  # its slot's, whatever the variant's file holds beside
-        slots = server.planner.pool_growth(pool_rec.name, pool.slots)
-        if slots <= 0:  # a slot of the family there is this variant's (or a member's leaving)
-            return pool_rec, lambda: None, size_bytes, 1
-        slot_bytes = pool_rec.slot_bytes
-        if pool_rec.server == server.name and pool_rec.state in (ModelState.READY, ModelState.LOADING):
-            held = pool_rec.slots  # it grows: loaded again with more slots
-            pool_rec.resize(slots * slot_bytes)
-            return pool_rec, lambda: pool_rec.resize(held * slot_bytes), size_bytes, 1
-        before = pool_rec.state
-        pool_rec.move(ModelState.LOADING, server=server.name, memory_bytes=slots * slot_bytes)
-
-        def undo() -> None:
-            if pool_rec.state == ModelState.LOADING and server.planner.members(pool_rec.name) == 0:
-                pool_rec.move(before if before not in (ModelState.LOADING, ModelState.READY)
-                              else ModelState.WARM, server=None)
-
-        return pool_rec, undo, size_bytes, 1
-
-    def settle_pool(self, server: TritonServer, pool: ModelRecord | None) -> None:
-        """After a variant's load (done or failed): its family's slots as the server's model
-        control knows them now (loaded with so many slots, or not at all)."""
-        if pool is None or pool.server not in (None, server.name):
-            return
-        slots = server.admin.loaded_slots(pool.holder)
-        if slots is None:
-            if pool.state == ModelState.LOADING and server.planner.members(pool.name) == 0:
-                pool.move(ModelState.WARM, server=None)  # never loaded: its room is free
-            return
-        if pool.state in (ModelState.LOADING, ModelState.READY, ModelState.WARM):
-            pool.move(ModelState.READY, server=server.name, memory_bytes=slots * pool.slot_bytes)
-
     def _room_is_busy(self, name: str) -> bool:
         """Room held by loads/unloads in progress or by requests (not by pins or failures)
         that ``name`` could get once they end.  A shadow can only get room that an unload
@@ -394,9 +262,7 @@ class Loader:
         return False
 
     async def warm_up(self, server: TritonServer, name: str) -> dict:
-        """Warm ``name`` up as the model says (warmup.warm_up); the result is what
-        ``health`` shows."""
-        return await warm_up(server, name, self.config, self.warmup_enabled, self.clock)
+        return await self.executor.warm_up(server, name)
 
     async def _undo_failed_load(self, server: TritonServer, rec: ModelRecord, exc: BaseException) -> None:
         """Unload whatever Triton kept and mark the model failed; memory freed once confirmed."""

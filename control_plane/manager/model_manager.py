@@ -20,6 +20,7 @@ from control_plane.eviction import (
     make_policy,
 )
 from control_plane.manager.copies import Copies
+from control_plane.manager.executor import Executor
 from control_plane.manager.fleet_state import ManagerState
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.leases import Leases
@@ -121,12 +122,14 @@ class ModelManager:
         self.catalog = Catalog(st.book, st.servers, stager, repository, st.memory)
         self.recency = Recency(st.book, st.servers, clock)
         self.unloader = Unloader(st.book, st.servers, st.tasks, st.keeping, config, self.catalog)
+        self.executor = Executor(st.book, st.tasks, st.keeping, config, clock, st.room,
+                                 self.unloader, st.warmup_enabled)
         self.loader = Loader(st.book, st.servers, st.tasks, st.keeping, config, clock, stager,
-                             st.placer, priority_of, st.room, st.warmup_enabled, self.catalog,
-                             self.recency, self.unloader)
+                             st.placer, priority_of, st.room, self.catalog, self.recency,
+                             self.unloader, self.executor)
         self.pins = Pins(st.book, st.tasks, store, config, self.catalog, self.loader)
         self.copies = Copies(st.book, st.servers, st.tasks, st.keeping, config, store,
-                             self.catalog, st.placer, st.room, self.loader, self.unloader)
+                             self.catalog, st.placer, self.loader, self.unloader, self.executor)
         self.reconciler = Reconciler(st.book, st.servers, st.tasks, st.keeping, config, clock,
                                      self.catalog, self.recency, self.unloader, self.pins,
                                      self.copies)

@@ -193,6 +193,25 @@ def test_a_full_family_grows_when_a_load_would_give_it_more_slots():
     assert planner.plan("v3", SLOT_BYTES, pool="fam@s0", pool_slots=SLOTS).pool_slots == 0
 
 
+def test_the_headroom_takes_no_variant_off_the_next_miss_path_and_still_frees_models():
+    """Headroom keeps a slow unload (a Triton model's) off the next miss's path; a variant
+    leaves at the speed of a fill, in the same request as its replacement's, so unloading
+    one ahead of time would only cost a hit and a second request."""
+    from control_plane.eviction import HeadroomSpec
+
+    planner = pool_planner(max_slots=10)
+    planner.headroom = HeadroomSpec(models=1)
+    for t in range(10):
+        member(f"v{t}", t, planner)
+    assert planner.headroom_target().slots == 1 and planner.headroom_victims() == []
+    planner = pool_planner(max_slots=10)
+    planner.headroom = HeadroomSpec(models=1)
+    planner.admit(Resident("m1", 250), 0.0)  # the least recently used entry is a model
+    for t in range(1, 10):
+        member(f"v{t}", t, planner)
+    assert planner.headroom_victims() == ["m1"]
+
+
 # --------------------------------------------------------------------------- the manager
 def test_a_separate_model_evicts_the_least_recently_used_variant(tmp_path):
     """The family takes no room of its own: with --max-loaded 2 and two variants in their

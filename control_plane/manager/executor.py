@@ -1,0 +1,249 @@
+"""Carrying out a load's plan: the one path of a model's load (loader.py) and of an extra
+copy's (copies.py).
+
+A plan is what placement chose under the manager's lock from the state it read
+(``Placer.place``, a pure function of the planners: the server and the victims of any kind
+there).  ``Executor`` carries it out in three steps, each undoing what it did when it fails:
+
+1. ``commit`` (under the same lock, no ``await`` since the plan was made): the victims are
+   marked leaving, the family's record is reserved when the load also loads the family, the
+   loading record takes its room on the server, and the load queues for Triton's room.
+2. ``make_room``: the victims leave.  A variant that replaces variants of its family does it
+   in the same request as its fill (``TritonAdmin.replaces_in_one``); otherwise the victims'
+   unloads run and the load goes to Triton once Triton confirms room for it, or at once where
+   measured free memory holds it (the overlap rule, room.py).  A failure gives back what
+   ``commit`` reserved (``undo``).
+3. ``load``: Triton's load (or the replacing request), then the warm-up; the caller undoes a
+   failure its own way (a model is left failed with the reason, a copy tried again later)
+   and then ``settle``s the family's record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
+from control_plane.manager.records import (
+    ManagerConfig,
+    ModelRecord,
+    ModelState,
+    TritonServer,
+    slot_pool,
+)
+from control_plane.manager.room import RoomLedger
+from control_plane.manager.unloader import Unloader, retrieve
+from control_plane.manager.warmup import warm_up
+from domain import tracing
+from domain.errors import OperationTimeout
+
+log = logging.getLogger(__name__)
+
+# How often a load waiting for room re-reads the measured free memory (an unload finishing
+# wakes it at once).
+ROOM_POLL_S = 0.05
+
+
+def replacing_possible(server: TritonServer, name: str, victims: list[str]) -> bool:
+    """Whether ``name``'s load and its victims' unloads go to ``server`` as one request."""
+    return bool(victims) and server.admin.replaces_in_one(name, victims)
+
+
+@dataclass
+class Reservation:
+    """A plan committed: ``rec`` (the model's record, or its extra copy's) loads ``model`` on
+    ``server`` in the place of ``victims``; the room it holds there (``room_bytes``,
+    ``room_slots``), the family record it reserved (``pool``, given back by ``undo_pool``)
+    and the state ``rec`` was in before."""
+
+    server: TritonServer
+    rec: ModelRecord
+    model: str
+    size_bytes: int
+    victims: list[str]
+    previous_state: ModelState
+    pool: ModelRecord | None
+    undo_pool: Callable[[], None]
+    room_bytes: int
+    room_slots: int
+    replacing: asyncio.Future | None = None  # the victims' eviction and the load, one request
+    overlapped: bool = False  # sent while its victims still shut down (measured free memory)
+
+
+class Executor:
+    def __init__(self, book: ModelBook, tasks: TaskBoard, keeping: Bookkeeping,
+                 config: ManagerConfig, clock: Callable[[], float], room: RoomLedger,
+                 unloader: Unloader, warmup_enabled: Callable[[str], bool]):
+        self.book = book
+        self.tasks = tasks
+        self.keeping = keeping
+        self.config = config
+        self.clock = clock
+        self.room = room
+        self.unloader = unloader
+        self.warmup_enabled = warmup_enabled
+
+    # -- 1. commit ------------------------------------------------------------------------
+    def commit(self, server: TritonServer, rec: ModelRecord, model: str, size_bytes: int,
+               victims: list[str]) -> Reservation:
+        """Reserve a plan (see the module docstring).  Call under the lock, with no await
+        since placement."""
+        with self.room.placing():
+            for v in victims:
+                self.book.lookup(v).move(ModelState.UNLOADING)
+            previous = rec.state
+            pool, undo_pool, room_bytes, room_slots = self.reserve_pool(
+                server, model, size_bytes, key=rec.name)
+            rec.move(ModelState.LOADING, server=server.name, memory_bytes=size_bytes)
+        self.room.queue(server, rec.name, room_bytes, room_slots)
+        return Reservation(server, rec, model, size_bytes, list(victims), previous, pool,
+                           undo_pool, room_bytes, room_slots)
+
+    def reserve_pool(self, server: TritonServer, name: str, size_bytes: int, key: str | None = None):
+        """A family's variant takes one slot's room, as a model takes its own; when its load
+        also loads the family there (or grows it to more slots), the family's record is
+        reserved here.  Returns (the family's pool record or None, its undo, server bytes and
+        places reserved).  ``key``: the planner's key of the load (an extra copy's; default
+        ``name``)."""
+        pool = slot_pool(server.admin, name)
+        if pool is None:
+            return None, lambda: None, size_bytes, 1
+        pool_rec = self.book.pool(server.name, pool)
+        size_bytes = pool.slot_bytes  # its slot's, whatever the variant's file holds beside
+        slots = server.planner.pool_growth(pool_rec.name, pool.slots)
+        if slots <= 0:  # a slot of the family there is this variant's (or a member's leaving)
+            return pool_rec, lambda: None, size_bytes, 1
+        slot_bytes = pool_rec.slot_bytes
+        if pool_rec.server == server.name and pool_rec.state in (ModelState.READY, ModelState.LOADING):
+            held = pool_rec.slots  # it grows: loaded again with more slots
+            pool_rec.resize(slots * slot_bytes)
+            return pool_rec, lambda: pool_rec.resize(held * slot_bytes), size_bytes, 1
+        before = pool_rec.state
+        pool_rec.move(ModelState.LOADING, server=server.name, memory_bytes=slots * slot_bytes)
+
+        def undo() -> None:
+            if pool_rec.state == ModelState.LOADING and server.planner.members(pool_rec.name) == 0:
+                pool_rec.move(before if before not in (ModelState.LOADING, ModelState.READY)
+                              else ModelState.WARM, server=None)
+
+        return pool_rec, undo, size_bytes, 1
+
+    # -- 2. room --------------------------------------------------------------------------
+    async def make_room(self, res: Reservation, undo_to: ModelState | None = None) -> None:
+        """The victims leave and the load may go to Triton (module docstring); on failure
+        what ``commit`` reserved is given back (``undo``, the record back to ``undo_to``) and
+        the failure raised."""
+        server, rec = res.server, res.rec
+        if replacing_possible(server, res.model, res.victims):
+            self.room.send(server, rec.name, res.size_bytes)
+            # Listed as the victims' unload now, before any await: a load of a victim waits.
+            res.replacing = self.unloader.replace(server, res.victims, res.model)
+            res.replacing.add_done_callback(retrieve)  # raised by ``load``
+            return
+        evictions = [self.unloader.unload_now(server, v, reason="evicted") for v in res.victims]
+        for fut in evictions:
+            fut.add_done_callback(retrieve)  # failures are raised below or logged
+        try:
+            res.overlapped = await self.wait_for_room(
+                server, res.model, res.size_bytes, evictions,
+                # The longest an unload in progress takes before it fails on its own.
+                time.monotonic() + self.config.drain_timeout_s + self.config.unload_timeout_s,
+                res.room_bytes, res.room_slots, res.pool)
+        except BaseException:
+            self.undo(res, undo_to)
+            raise
+        # No await between the room check and this: the next waiter sees this load as held.
+        self.room.send(server, rec.name, res.size_bytes)
+
+    def undo(self, res: Reservation, to: ModelState | None = None) -> None:
+        """Give back what ``commit`` reserved: the queued room, the record's place (back to
+        ``to``, default the state it was in, or warm), the family's record."""
+        self.room.unqueue(res.server, res.rec.name)
+        before = res.previous_state
+        res.rec.move(to or (before if before not in (ModelState.LOADING, ModelState.UNLOAD_FAILED)
+                            else ModelState.WARM), server=None)
+        res.undo_pool()
+        self.settle(res)
+
+    async def wait_for_room(self, server: TritonServer, name: str, size_bytes: int,
+                            evictions: list[asyncio.Future], deadline: float,
+                            room_bytes: int | None = None, room_slots: int = 1,
+                            pool: ModelRecord | None = None) -> bool:
+        """Wait until the load of ``name`` may be sent to Triton.  False: Triton's held room
+        fits it; True: it starts before its victims are confirmed gone (overlap).
+        ``room_bytes`` / ``room_slots``: the server room its load takes; ``pool``: the
+        family whose slot it takes, free once no more variants hold its slots than it has
+        (a leaving one's evict is done).
+
+        Raises the first failed eviction of its own, or OperationTimeout when the room is
+        held by models no unload is freeing (an unload failed: its room stays counted) or
+        is not freed by ``deadline``."""
+        room_bytes = size_bytes if room_bytes is None else room_bytes
+        while True:
+            for fut in evictions:
+                if fut.done() and not fut.cancelled() and fut.exception() is not None:
+                    raise fut.exception()
+            slot_free = pool is None or server.planner.members(pool.name) <= pool.slots
+            if slot_free and (room_slots == 0 or self.room.fits_held(server, room_bytes, room_slots)):
+                return False
+            # A fixed-size slot (a family's variant) is free only once its evict is done.
+            if server.admin.measured(name) and self.room.fits_measured(server, size_bytes):
+                return True
+            freeing = [t for n, t in self.tasks.unloads.items()
+                       if not t.done() and (r := self.book.find(n)) is not None
+                       and r.server == server.name]
+            if not freeing:
+                raise OperationTimeout(
+                    f"its room on {server.name} is held by models whose unload did not complete; "
+                    "they stay counted until Triton confirms them gone (mmctl status)")
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise OperationTimeout(f"Triton did not confirm room for {name} in time")
+            await asyncio.wait(freeing, return_when=asyncio.FIRST_COMPLETED,
+                               timeout=min(remaining_s, ROOM_POLL_S) if self.room.free_memory else remaining_s)
+
+    # -- 3. load --------------------------------------------------------------------------
+    async def load(self, res: Reservation, measure: bool = True) -> tuple[dict, int | None]:
+        """Triton's load of ``res.model`` (or the request that replaces its victims), then its
+        warm-up: (the warm-up's result, the bytes the device measured or None).  ``measure``:
+        the load is measured on a GPU (a model's own copy).  Raises the failure: the caller
+        undoes it, then ``settle``s."""
+        server, model = res.server, res.model
+        try:
+            if measure:
+                async with self.keeping.meter(server, model).measuring(server, model) as measured:
+                    warmup = await self._load_and_warm_up(res)
+                return warmup, measured.bytes
+            return await self._load_and_warm_up(res), None
+        finally:
+            self.room.finish(res.rec.name)
+
+    async def _load_and_warm_up(self, res: Reservation) -> dict:
+        if res.replacing is not None:
+            await res.replacing
+        else:
+            await res.server.admin.load(res.model)
+        with tracing.span("warm_up", model=res.model):
+            return await self.warm_up(res.server, res.model)
+
+    async def warm_up(self, server: TritonServer, name: str) -> dict:
+        """Warm ``name`` up as the model says (warmup.warm_up); the result is what
+        ``health`` shows."""
+        return await warm_up(server, name, self.config, self.warmup_enabled, self.clock)
+
+    def settle(self, res: Reservation) -> None:
+        """After a load (done or failed): its family's record as the server's model control
+        knows it now (loaded with so many slots, or not at all)."""
+        server, pool = res.server, res.pool
+        if pool is None or pool.server not in (None, server.name):
+            return
+        slots = server.admin.loaded_slots(pool.holder)
+        if slots is None:
+            if pool.state == ModelState.LOADING and server.planner.members(pool.name) == 0:
+                pool.move(ModelState.WARM, server=None)  # never loaded: its room is free
+            return
+        if pool.state in (ModelState.LOADING, ModelState.READY, ModelState.WARM):
+            pool.move(ModelState.READY, server=server.name, memory_bytes=slots * pool.slot_bytes)
