@@ -58,15 +58,17 @@ recently used evictable entry of any kind; a family with no variant left is unlo
 Layout: records.py (records, server specs, configuration), room.py (held room, the
 overlap rule, the host's free memory), fleet_state.py (``ManagerState``: what the parts share),
 residency.py (the planner's view of each copy, derived from its record),
-one module per part (known_models.py, recency.py, unloader.py, loader.py with warmup.py,
-pins.py, reconciler.py with health.py, leases.py), and model_manager.py, where ``ModelManager``
-builds the parts and gives each the parts it calls:
+one module per part (known_models.py, recency.py, unloader.py, executor.py with warmup.py,
+loader.py, copies.py, pins.py, reconciler.py with health.py, leases.py), and
+model_manager.py, where ``ModelManager`` builds the parts and gives each the parts it calls:
 
     catalog, recency          <- state only
     unloader                  <- catalog
-    loader                    <- catalog, recency, unloader
+    executor                  <- unloader (carries a placement's plan out)
+    loader                    <- catalog, recency, unloader, executor
+    copies                    <- catalog, loader, unloader, executor
     pins                      <- catalog, loader
-    reconciler                <- catalog, recency, unloader, pins (owns health)
+    reconciler                <- catalog, recency, unloader, pins, copies (owns health)
     leases                    <- catalog, recency, loader, reconciler
 
 A server's health (up, suspect, down) has one writer, ``health.Health``: probes every
