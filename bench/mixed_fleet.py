@@ -41,7 +41,7 @@ import tritonclient.grpc as grpcclient
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.mixed_traffic import cpu_busy, zipf_shares
+from bench.mixed_traffic import cpu_busy, run_threads, zipf_shares
 from bench.soak import error_text
 from control_plane.demo.reference import ReferenceAnswers
 from tests.product import Product
@@ -152,13 +152,7 @@ def run(args) -> dict:
                 records.append((time.perf_counter() - t0, name, error))
             client.close()
 
-        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(args.clients)]
-        started = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.monotonic() - started
+        elapsed = run_threads(args.clients, client_loop)
         busy1, total1 = cpu_busy()
         rows = requests.get(endpoints["admin"] + "/v1/status", headers=product.admin_headers(),
                             timeout=30).json()

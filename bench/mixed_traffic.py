@@ -111,6 +111,18 @@ class PeakMemory:
         return self.peak
 
 
+def run_threads(count: int, target) -> float:
+    """``target(i)`` in ``count`` threads at once (a client each); the seconds until the
+    last one ended."""
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.monotonic() - started
+
+
 def traffic(new_client, count_misses, repository: Path, args, names: list[str],
             server_process: str) -> dict:
     """``args.clients`` threads, each with a client of its own (``new_client()``), send
@@ -152,13 +164,7 @@ def traffic(new_client, count_misses, repository: Path, args, names: list[str],
         finally:
             client.close()
 
-    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(args.clients)]
-    started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.monotonic() - started
+    elapsed = run_threads(args.clients, client_loop)
     busy1, total1 = cpu_busy()
     peak_bytes = memory.stop()
     misses = count_misses() - misses_before
