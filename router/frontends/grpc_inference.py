@@ -22,7 +22,7 @@ from tritonclient.grpc import service_pb2
 from domain import tracing
 from domain.router_errors import BackendUnavailable, InvalidRequest, RouterError, UpstreamError
 from router.frontends.shared_memory import SystemSharedMemory
-from router.frontends.shared_memory_requests import uses_shared_memory
+from router.frontends.shared_memory_requests import names_region, uses_shared_memory
 from router.rollouts.routing_decisions import Decider
 from router.rollouts.shadow import ShadowMirror, outputs_of
 from router.serving.ensure_and_resend import Call, Resend, Sender
@@ -48,8 +48,16 @@ def parameter_value(param: service_pb2.InferParameter | None) -> object:
 
 
 def _adapter_parameter(request: service_pb2.ModelInferRequest) -> str | None:
-    param = request.parameters.get("adapter")
+    return _adapter_of(request.parameters)
+
+
+def _adapter_of(parameters) -> str | None:
+    """The adapter a request's parameters name (``adapter``), or None."""
+    param = parameters.get("adapter")
     return param.string_param if param is not None and param.string_param else None
+
+
+_parse_request = service_pb2.ModelInferRequest.FromString
 
 
 def _address(request: service_pb2.ModelInferRequest, target: Target) -> None:
@@ -244,15 +252,23 @@ class Forwarder:
         ``metadata_user_id()``: the user id of the call's metadata, asked for only when the
         request has no ``user_id`` parameter."""
         try:
-            request = service_pb2.ModelInferRequest.FromString(raw)
+            request = _parse_request(raw)
         except DecodeError as exc:
             raise InvalidRequest(f"malformed ModelInferRequest: {exc}") from None
-        user_id = user_id_of(parameter_value(request.parameters.get("user_id")), None) or metadata_user_id()
-        if uses_shared_memory(request):  # tensors are read and written here: the typed path
+        parameters = request.parameters
+        user_id = ((parameters and user_id_of(parameter_value(parameters.get("user_id")), None))
+                   or metadata_user_id())
+        # names_region: the region's name is not in the bytes, so no tensor names one (a
+        # search in C, before the walk over every input's and output's parameters).
+        if names_region(raw) and uses_shared_memory(request):  # tensors are read and written here: the typed path
             return (await self.infer(request, user_id, timeout_s, headers)).SerializeToString()
         pipeline = self.pipeline
-        return await pipeline.infer(self._inference(request, user_id, timeout_s, headers),
-                                    _RawExchange(pipeline.sender.channels, pipeline, request, raw))
+        return await pipeline.infer(
+            pipeline.inference(request.model_name, request.model_version, parameters,
+                               [i.name for i in request.inputs],
+                               _adapter_of(parameters) if parameters else None,
+                               user_id, timeout_s, headers),
+            _RawExchange(pipeline.sender.channels, pipeline, request, raw))
 
     def _model_override(self, model: str, adapter: str | None = None) -> bytes:
         """The bytes that re-address a raw request to ``model`` with ``adapter``."""

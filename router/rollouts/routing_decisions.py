@@ -9,7 +9,7 @@ other part of the router reads them through it, so a router worker's new snapsho
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import replace
 from typing import Protocol
 
@@ -26,6 +26,8 @@ from domain.router_errors import (
     from_control_plane,
 )
 from domain.routes import ADAPTER_SEPARATOR, Decision, RouteTable, split_adapter
+
+UNROUTED_CACHE_MAX = 4096  # decisions kept for names without a route
 
 
 class Limiter(Protocol):
@@ -44,6 +46,10 @@ class Decider:
         self.table = table
         self.names = names
         self.limiter = limiter
+        # Decisions of names without a route (most requests): the same for every request
+        # while the table and the names they were made from stand (``_unrouted_valid``).
+        self._unrouted: dict[str, Decision] = {}
+        self._unrouted_of: tuple = (None, -1, None, -1)  # (table, version, names, generation)
 
     # ------------------------------------------------------------------ requests
     @staticmethod
@@ -51,29 +57,59 @@ class Decider:
         """The names whose limits a request spends: the name asked for, the name without its
         adapter (``chat:acme`` spends ``chat``'s limit too: any adapter would otherwise get
         round a limit on its base's name) and the model it reaches."""
-        names = dict.fromkeys((decision.logical,))
-        if decision.adapter is not None:
-            names[split_adapter(decision.logical)[0]] = None
-        names[decision.model] = None
+        logical, model = decision.logical, decision.model
+        if decision.adapter is None:  # most requests: no tuple built through a dict
+            return (logical,) if model == logical else (logical, model)
+        names = dict.fromkeys((logical, split_adapter(logical)[0], model))
         return tuple(names)
 
-    async def admit(self, decision: Decision) -> None:
-        """Spend the limits of the name and of the model it reaches (RateLimited)."""
-        await self.limiter.acquire(self.limited_names(decision))
+    def admit(self, decision: Decision) -> Awaitable[None]:
+        """Spend the limits of the name and of the model it reaches: await it (RateLimited).
+        The limiter's own coroutine, not wrapped in another."""
+        return self.limiter.acquire(self.limited_names(decision))
 
     def route(self, logical: str, user_id: str | None, version: str = "") -> Decision:
         """Route one request (``version``: parsed with ``parse_version``); no limits
         applied (``admit`` spends them)."""
         if version:
-            decision = self.resolve(logical, user_id, version)
-        else:  # the common case, inline: no version, route by name
-            try:
-                decision = self.table.resolve(logical, user_id)
-            except cp.InvalidModelName as exc:
-                raise self.invalid_name(logical, exc) from None
-            except ControlPlaneError as exc:
-                raise from_control_plane(exc) from exc
+            return self.resolve(logical, user_id, version)
+        table = self.table  # the common case, inline: no version, route by name
+        cacheable = ADAPTER_SEPARATOR not in logical and logical not in table.routes
+        if cacheable:
+            if self._unrouted_valid(table):
+                decision = self._unrouted.get(logical)
+                if decision is not None:
+                    return decision
+            else:
+                cacheable = False
+        try:
+            decision = table.resolve(logical, user_id)
+        except cp.InvalidModelName as exc:
+            raise self.invalid_name(logical, exc) from None
+        except ControlPlaneError as exc:
+            raise from_control_plane(exc) from exc
+        if cacheable:
+            if len(self._unrouted) >= UNROUTED_CACHE_MAX:  # clients choose the names
+                self._unrouted.clear()
+            self._unrouted[logical] = decision
         return decision
+
+    def _unrouted_valid(self, table: RouteTable) -> bool:
+        """Whether the kept decisions of names without a route were made from ``table`` and
+        the names as they are now (a route table bumps its version on every change, public
+        names their generation on every refresh; a router worker gets new ones of both with
+        each snapshot); forgets them when not.  A table whose default targets come from
+        names the decider does not hold keeps nothing: it could not tell their changes."""
+        names = self.names
+        if names is None and (table.default_target is not None or table.unrouted is not None):
+            return False
+        generation = -1 if names is None else names.generation
+        of = self._unrouted_of
+        if of[0] is table and of[1] == table.version and of[2] is names and of[3] == generation:
+            return True
+        self._unrouted.clear()
+        self._unrouted_of = (table, table.version, names, generation)
+        return True
 
     @staticmethod
     def public_name(model_name: str, input_names, adapter_param: str | None) -> str:

@@ -44,14 +44,20 @@ class CopyQueues:
 
     def count_in(self, pair: Pair) -> None:
         """A request sent (or waiting for its turn) on ``pair``'s server for its model."""
-        self.outstanding[pair[0]] += 1
-        self.queued[pair] += 1
+        # dict.get, not Counter's ``+= 1`` on a missing key and ``del``: those call
+        # Counter.__missing__ and Counter.__delitem__, Python methods, on every request.
+        outstanding, queued = self.outstanding, self.queued
+        outstanding[pair[0]] = outstanding.get(pair[0], 0) + 1
+        queued[pair] = queued.get(pair, 0) + 1
 
     def count_out(self, pair: Pair) -> None:
-        self.outstanding[pair[0]] -= 1
-        self.queued[pair] -= 1
-        if not self.queued[pair]:
-            del self.queued[pair]
+        outstanding, queued = self.outstanding, self.queued
+        outstanding[pair[0]] -= 1
+        left = queued[pair] - 1
+        if left:
+            queued[pair] = left
+        else:
+            queued.pop(pair)
 
     def answered(self, pair: Pair) -> None:
         """Triton answered a request of ``pair``: it counts in the copy's rate."""
@@ -85,7 +91,7 @@ class CopyQueues:
         requests (its share of the queue over its share of the answers: the same ratio over
         all workers); None when it has answered too few lately to tell.  Little's law: the
         requests before it over the rate they leave."""
-        queued = self.queued[(server, model)]
+        queued = self.queued.get((server, model), 0)
         if queued == 0:
             return 0.0, 0, 0.0
         answered = self.answered_at.get((server, model))

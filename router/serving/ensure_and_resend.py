@@ -18,7 +18,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -74,7 +74,7 @@ def placed_name(decision: Decision) -> str:
     return f"{decision.model}{ADAPTER_SEPARATOR}{decision.adapter}"
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     decision: Decision
     start: float
@@ -122,17 +122,38 @@ class Sender:
         control plane places it on one that is up.  Errors name ``asked``, the model as the
         client knows it.  ``call``: the request the model is ensured for; it counts the hold
         (``Call.holds``) that ``serving`` ends once the request is answered."""
-        server = None if fresh else self.state.ready_server(model)
-        if server is not None:
-            if server.up:
-                copies = self.state.copy_servers(model)
-                if copies:
-                    server = self.queues.least_loaded([server, *copies])
-                if call is not None and call.deadline is not None and not fresh:
-                    self._refuse_queued_past_deadline(server, model, asked or model, call.deadline)
-                return server
-            unreachable = server.name
-        asked = asked or model
+        if not fresh:
+            server = self.state.ready_server(model)
+            if server is not None:
+                if server.up:
+                    return self._serve_on(server, model, asked, call)
+                unreachable = server.name
+        return await self._ensured(model, asked or model, fresh, unreachable, call)
+
+    def _hit(self, model: str, asked: str, call: Call) -> ServerAddress | None:
+        """``server_for`` of a model this process believes READY on a server that is up,
+        without a coroutine (the common case: ``serving`` awaits ``server_for`` only when this
+        is None)."""
+        server = self.state.ready_server(model)
+        if server is None or not server.up:
+            return None
+        return self._serve_on(server, model, asked, call)
+
+    def _serve_on(self, server: ServerAddress, model: str, asked: str | None,
+                  call: Call | None) -> ServerAddress:
+        """Of ``model``'s READY copies (``server`` and any others), the one to send to;
+        refuses a request that could not start there before its deadline."""
+        copies = self.state.copy_servers(model)
+        if copies:
+            server = self.queues.least_loaded([server, *copies])
+        if call is not None and call.deadline is not None:
+            self._refuse_queued_past_deadline(server, model, asked or model, call.deadline)
+        return server
+
+    async def _ensured(self, model: str, asked: str, fresh: bool, unreachable: str | None,
+                       call: Call | None) -> ServerAddress:
+        """``server_for`` on a miss: the control plane loads ``model`` (or places it on a
+        server that is up), within the request's deadline and the client's miss budget."""
         if not fresh and unreachable is None:  # the client's own miss, not one of our resends
             self.miss_budget.spend(asked)
         if call is not None and call.deadline is not None and unreachable is None:
@@ -230,63 +251,79 @@ class Sender:
         if isinstance(exc, cp.CapacityExhausted):
             return BackendUnavailable(f"'{asked}' cannot be loaded now: the servers have no room "
                                       "for it; retry later")
+        if isinstance(exc, cp.TritonUnavailable):
+            # Which server is down and where it listens is the operator's (the log, `mmctl
+            # health`), not a client's.
+            log.warning("no server is up for %s: %s", asked, exc.message)
+            return BackendUnavailable(f"the server of '{asked}' is unavailable; the control "
+                                      "plane is bringing it back: retry shortly")
         return from_control_plane(exc)
 
     # ------------------------------------------------------------------ one request
-    @contextlib.asynccontextmanager
-    async def serving(self, logical: str, user_id: str | None, version: str = "",
-                      timeout_s: float | None = None) -> AsyncIterator[Call]:
-        """Decide, rate-limit and find (or have loaded) the server for one request; record it
-        when done.
+    def serving(self, logical: str, user_id: str | None, version: str = "",
+                timeout_s: float | None = None) -> _Serving:
+        """``async with sender.serving(...) as call``: decide, rate-limit and find (or have
+        loaded) the server for one request; record it when done.
 
         ``version``: the client's model version, already checked with ``parse_version``.
         ``timeout_s``: the client's deadline, when it gave one (a miss that cannot load in
         time is refused at once).  The body sets ``call.code`` to the outcome ("OK" or a
-        status name)."""
+        status name).  A request that routing or its limits refuse is not recorded: it never
+        became one."""
+        return _Serving(self, logical, user_id, version, timeout_s)
+
+    async def _begin(self, entry: _Serving) -> Call:
+        """``serving``'s entry: the decision, its limits spent, the server found (on a hit
+        without awaiting anything but the limiter); a failure once the request counts is
+        recorded here (``_end``), as its exit would have."""
         start = time.perf_counter()
-        decision = self.decider.route(logical, user_id, version)
+        decision = self.decider.route(entry.logical, entry.user_id, entry.version)
         await self.decider.admit(decision)
-        call = Call(decision, start)
-        if timeout_s is not None:
-            call.deadline = time.monotonic() + timeout_s
-        known = True
-        self.metrics.inflight.inc()
+        call = entry.call = Call(decision, start)
+        if entry.timeout_s is not None:
+            call.deadline = time.monotonic() + entry.timeout_s
+        self.metrics.writes.started()
         self.inflight += 1
         try:
-            try:
-                call.server = await self.server_for(placed_name(decision), decision.logical, call=call)
-            except UnknownModel:
-                known = False  # names that turned out unknown get no series (label cardinality)
-                raise
+            placed = placed_name(decision)
+            server = self._hit(placed, decision.logical, call)
+            if server is None:
+                server = await self.server_for(placed, decision.logical, call=call)
+            call.server = server
             call.ready_at = time.perf_counter()
             self.state.touch(decision.model)
             if decision.adapter is not None:
-                self.state.touch(placed_name(decision))
-            yield call
-        except RouterError as exc:
-            call.code = exc.grpc_code.name
+                self.state.touch(placed)
+        except BaseException as exc:
+            # Names that turned out unknown get no series (label cardinality).
+            self._end(call, exc, known=not isinstance(exc, UnknownModel))
             raise
-        except asyncio.CancelledError:  # the client went away or its deadline passed
-            # gRPC cancels the call at the client's deadline, usually a moment before the
-            # router's own timer says DEADLINE_EXCEEDED: once the model had the request, that
-            # is the model not answering in time (a canary or experiment judges it), not the
-            # client going away.
-            late = (call.deadline is not None and call.ready_at is not None
-                    and time.monotonic() >= call.deadline - DEADLINE_SLACK_S)
-            call.code = "DEADLINE_EXCEEDED" if late else "CANCELLED"
-            raise
-        except BaseException:
-            if call.code == "OK":
+        return call
+
+    def _end(self, call: Call, exc: BaseException | None, known: bool = True) -> None:
+        """``serving``'s exit: the outcome's code from ``exc`` (what ended the request; None:
+        it was answered), the holds its ensures took ended, the request recorded."""
+        if exc is not None:
+            if isinstance(exc, RouterError):
+                call.code = exc.grpc_code.name
+            elif isinstance(exc, asyncio.CancelledError):  # the client went away or its deadline passed
+                # gRPC cancels the call at the client's deadline, usually a moment before the
+                # router's own timer says DEADLINE_EXCEEDED: once the model had the request,
+                # that is the model not answering in time (a canary or experiment judges it),
+                # not the client going away.
+                late = (call.deadline is not None and call.ready_at is not None
+                        and time.monotonic() >= call.deadline - DEADLINE_SLACK_S)
+                call.code = "DEADLINE_EXCEEDED" if late else "CANCELLED"
+            elif call.code == "OK":
                 call.code = "INTERNAL"
-            raise
-        finally:
-            if call.holds:  # answered (or given up): the model need not be held for it now
-                self.state.requests_answered(placed_name(decision), call.holds)
-            self.metrics.inflight.dec()
-            self.inflight -= 1
-            end = time.perf_counter()
-            self.recording.record(decision, end - start, call.code, known=known,
-                        served_s=None if call.ready_at is None else end - call.ready_at)
+        decision = call.decision
+        if call.holds:  # answered (or given up): the model need not be held for it now
+            self.state.requests_answered(placed_name(decision), call.holds)
+        self.metrics.writes.ended()
+        self.inflight -= 1
+        end = time.perf_counter()
+        self.recording.record(decision, end - call.start, call.code, known=known,
+                              served_s=None if call.ready_at is None else end - call.ready_at)
 
     async def send(self, call: Call, exchange, message, timeout_s: float | None, asked: str):
         """``exchange.attempt(server, message, left_s)`` on the call's server, sent again where
@@ -328,13 +365,14 @@ class Sender:
                 self.queues.count_in(pair)  # at once: the deadline check of the next request sees it
                 if timeout_s is None or not self.queues.may_keep():
                     try:
-                        outcome = await self._send_once(call, server, attempt, deadline, left_s, resends)
+                        outcome = await self._send_once(call, server, attempt, deadline, left_s,
+                                                        resends, pair)
                     finally:
                         self.queues.count_out(pair)
                 else:  # the client's deadline ends the wait, not the send (``_within_deadline``)
                     sending = asyncio.ensure_future(self._send_once(
                         call, server, attempt, deadline, max(left_s, self.config.request_timeout_s),
-                        resends))
+                        resends, pair))
                     sending.add_done_callback(lambda _task, pair=pair: self.queues.count_out(pair))
                     outcome = await self._within_deadline(sending, left_s, timeout_s,
                                                           call.decision.logical)
@@ -361,18 +399,22 @@ class Sender:
 
     async def _send_once(self, call: Call, server: ServerAddress,
                          attempt: Callable[[ServerAddress, float], Awaitable], deadline: float,
-                         upstream_s: float, resends: int):
+                         upstream_s: float, resends: int, pair: tuple[str, str]):
         """One send of ``call`` to ``server`` (after its fair-share turn there, which ends
         with the client's ``deadline``), given ``upstream_s`` to answer; an answer counts in
-        the rate the server answers the model at."""
-        model = call.decision.model
-        gate = (_NO_GATE if self.state.concurrency(server.name) is None
-                else self.shares.turn(server.name, model, deadline, call.decision.logical))
-        async with gate:
-            with tracing.span("triton.infer", tracing.SpanKind.CLIENT,
-                              server=server.name, resend=resends or None):
-                outcome = await self.down_watch.wait(server, attempt(server, upstream_s))
-        self.queues.answered((server.name, model))
+        the rate the server answers the model at.  ``pair``: (server name, model)."""
+        gated = self.state.concurrency(server.name) is not None
+        if not gated and not tracing.enabled():
+            # No turn to take and no span to open (most sends): the send alone.
+            outcome = await self.down_watch.wait(server, attempt(server, upstream_s))
+        else:
+            gate = (self.shares.turn(server.name, pair[1], deadline, call.decision.logical)
+                    if gated else _NO_GATE)
+            async with gate:
+                with tracing.span("triton.infer", tracing.SpanKind.CLIENT,
+                                  server=server.name, resend=resends or None):
+                    outcome = await self.down_watch.wait(server, attempt(server, upstream_s))
+        self.queues.answered(pair)
         return outcome
 
     async def _within_deadline(self, sending: asyncio.Task, left_s: float, timeout_s: float,
@@ -422,6 +464,31 @@ class Sender:
         finally:
             if call.holds:
                 self.state.requests_answered(model, call.holds)
+
+
+class _Serving:
+    """``Sender.serving``'s ``async with``: ``Sender._begin`` on entry, ``Sender._end`` on
+    exit.  A class, not ``contextlib.asynccontextmanager``: that one's async generator and
+    its protocol (a wrapper object, ``anext``/``athrow`` and their StopAsyncIteration) cost
+    more per request than the lookups of a hit."""
+
+    __slots__ = ("call", "logical", "sender", "timeout_s", "user_id", "version")
+
+    def __init__(self, sender: Sender, logical: str, user_id: str | None, version: str,
+                 timeout_s: float | None):
+        self.sender = sender
+        self.logical = logical
+        self.user_id = user_id
+        self.version = version
+        self.timeout_s = timeout_s
+        self.call: Call | None = None
+
+    def __aenter__(self) -> Awaitable[Call]:
+        return self.sender._begin(self)  # a coroutine of its own: not wrapped in another
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        self.sender._end(self.call, exc)
+        return False  # an exception goes on to the caller
 
 
 def _last(outcome):

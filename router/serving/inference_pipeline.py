@@ -155,15 +155,22 @@ class InferencePipeline:
         done (``Decider.public_name``).  ``headers``: the request's headers (a client's
         ``traceparent``), read only while tracing is on."""
         version = parse_version(version) if version else ""
-        refuse_family_control(parameters)
+        if parameters:  # most requests carry none
+            refuse_family_control(parameters)
         logical = self.decider.public_name(asked, input_names, adapter)
         parent = headers() if headers is not None and tracing.enabled() else None
         return Inference(asked, version, logical, user_id, timeout_s, parent)
 
     # ------------------------------------------------------------------ the pipeline
-    async def infer(self, inference: Inference, exchange: Exchange):
-        """Serve ``inference`` through ``exchange``; returns what the exchange answers.
-        Raises RouterError (Triton's own answers included, about the name asked for)."""
+    def infer(self, inference: Inference, exchange: Exchange) -> Awaitable:
+        """Serve ``inference`` through ``exchange``: await it for what the exchange answers.
+        Raises RouterError (Triton's own answers included, about the name asked for).
+        Without tracing, the pipeline's own coroutine, not wrapped in a span's."""
+        if tracing.enabled():
+            return self._traced(inference, exchange)
+        return self._infer(inference, exchange)
+
+    async def _traced(self, inference: Inference, exchange: Exchange):
         with tracing.span("infer", tracing.SpanKind.SERVER, parent=inference.trace_parent,
                           model=inference.asked):
             return await self._infer(inference, exchange)

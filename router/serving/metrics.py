@@ -3,6 +3,8 @@ in them and in the experiment and canary windows (``Recording``)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from domain.periodic import loop_failures_counter
@@ -58,10 +60,74 @@ class RouterMetrics:
             "stay open until Triton answers: a copy that fell behind)",
             registry=r, multiprocess_mode="livesum")
         self.loop_failures = loop_failures_counter("mmr", r)
+        self.writes = RequestWrites(self.inflight)  # each request's writes, made after it
         # Route and model labels for at most MODEL_SERIES_CAP names each; the rest share one
         # series labelled "_other" (domain.series): sums stay exact.
         self.model_label = BoundedLabel()
         self.route_label = BoundedLabel()
+
+
+class RequestWrites:
+    """The Prometheus writes of each request (``mmr_inflight_requests`` up when it starts
+    and down when it ends, ``mmr_requests_total`` and ``mmr_request_seconds``), made on the
+    event loop's next turn instead of inside the request: the start's while Triton has the
+    request, the end's once its answer is on its way.  A scrape sees them one turn later at
+    most; the in-flight changes of one turn are netted into one write.  Without a running
+    loop (a synchronous caller) they are made at once.
+
+    In a router worker (multiprocess mode) each write takes a lock and packs a value into
+    a memory-mapped file: measured in a worker on the identity model, the four writes of
+    a hit took about 30 us of its latency, as much as its routing and lookups together."""
+
+    __slots__ = ("_answered", "_inflight_due", "_loop", "inflight")
+
+    def __init__(self, inflight: Gauge):
+        self.inflight = inflight
+        self._inflight_due = 0  # net change of the in-flight gauge not written yet
+        self._answered: list[tuple] = []  # (requests child, latency child, seconds) not written yet
+        self._loop: asyncio.AbstractEventLoop | None = None  # where a flush is due
+
+    def started(self) -> None:
+        self._inflight_due += 1
+        self._due()
+
+    def ended(self) -> None:
+        self._inflight_due -= 1
+        self._due()
+
+    def answered(self, requests, latency, latency_s: float) -> None:
+        """One request counted in the ``requests`` child and observed in the ``latency`` one."""
+        self._answered.append((requests, latency, latency_s))
+        self._due()
+
+    def _due(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop: nothing to defer to
+            self.flush()
+            return
+        if self._loop is not loop:  # none due yet on this loop (or on one that is gone)
+            self._loop = loop
+            loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Make every write that is due now."""
+        self._loop = None
+        due, self._inflight_due = self._inflight_due, 0
+        if due:
+            self.inflight.inc(due)
+        answered, self._answered = self._answered, []
+        if len(answered) == 1:
+            requests, latency, latency_s = answered[0]
+            requests.inc()
+            latency.observe(latency_s)
+            return
+        counted: dict = {}  # one write per series for the requests of a turn
+        for requests, latency, latency_s in answered:
+            counted[requests] = counted.get(requests, 0) + 1
+            latency.observe(latency_s)
+        for requests, n in counted.items():
+            requests.inc(n)
 
 
 class Recording:
@@ -91,8 +157,7 @@ class Recording:
             children = self._children[key] = (
                 metrics.requests.labels(*key),
                 metrics.latency.labels(series_route, decision.variant))
-        children[0].inc()
-        children[1].observe(latency_s)
+        metrics.writes.answered(children[0], children[1], latency_s)
         if self.outcomes is None or not decision.scope.startswith(("exp:", "canary:")):
             return  # per-variant windows feed experiments and canaries only
         # Judge the model, not its load or the client: latency from ready, client errors apart.

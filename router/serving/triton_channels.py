@@ -48,8 +48,11 @@ class Channels:
 
     def raw_infer(self, server: ServerAddress):
         """ModelInfer on ``server`` taking and returning serialized bytes."""
-        self.stub(server)
-        return self._channels[server.grpc_url][2]
+        entry = self._channels.get(server.grpc_url)
+        if entry is None:
+            self.stub(server)
+            entry = self._channels[server.grpc_url]
+        return entry[2]
 
     def typed_infer(self, server: ServerAddress):
         """ModelInfer on ``server`` taking and returning protobuf messages."""

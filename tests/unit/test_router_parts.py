@@ -165,6 +165,55 @@ def test_the_decider_names_what_served_a_request_as_the_client_knows_it():
     assert d.public_text("model 'simple.v2' failed", "simple.v2", "simple") == "model 'simple' failed"
 
 
+def test_the_decisions_kept_for_names_without_a_route_follow_the_table_and_the_names():
+    """A name without a route is decided once and its decision kept; a route added for it,
+    a new production version, a new table or new names are what the next request sees."""
+    versions = [SimpleNamespace(model="simple", version=2, stage="production", name="simple.v2")]
+    names = PublicNames(lambda: versions, expose_concrete=True)
+    table = RouteTable(default_target=names.production.get, unrouted=names.unrouted)
+    d = decider(table, names)
+
+    first = d.route("simple", None)
+    assert first.model == "simple.v2" and d.route("simple", None) is first  # kept
+    assert d.route("other", None).model == "other"  # a concrete name, exposed
+
+    versions.append(SimpleNamespace(model="simple", version=3, stage="production", name="simple.v3"))
+    names.refresh()  # the registry promoted version 3: the generation moves on
+    assert d.route("simple", None).model == "simple.v3"
+
+    table.set_alias("simple", "simple.v2")  # a route now: decided by the route, not kept
+    assert d.route("simple", None).model == "simple.v2"
+    table.routes.pop("simple")  # the route removed, as a snapshot without it would
+    table.save()
+    assert d.route("simple", None).model == "simple.v3"
+
+    d.table = RouteTable(default_target=lambda name: "elsewhere", unrouted=names.unrouted)
+    assert d.route("simple", None).model == "elsewhere"  # a router worker's next snapshot
+    d.names = PublicNames(lambda: (), expose_concrete=False)
+    d.table = RouteTable(default_target=d.names.production.get, unrouted=d.names.unrouted)
+    with pytest.raises(UnknownModel):  # unknown names are never kept
+        d.route("simple", None)
+    with pytest.raises(UnknownModel):
+        d.route("simple", None)
+
+
+def test_a_decider_without_names_keeps_nothing_for_a_table_whose_targets_it_cannot_watch():
+    targets = {"m": "m.v1"}
+    d = decider(RouteTable(default_target=targets.get))
+    assert d.route("m", None).model == "m.v1"
+    targets["m"] = "m.v2"  # changed under the table, nothing bumped: must still be seen
+    assert d.route("m", None).model == "m.v2"
+
+
+def test_the_kept_decisions_are_bounded():
+    from router.rollouts.routing_decisions import UNROUTED_CACHE_MAX
+
+    d = decider()
+    for i in range(UNROUTED_CACHE_MAX + 10):
+        d.route(f"m{i}", None)
+    assert len(d._unrouted) <= UNROUTED_CACHE_MAX
+
+
 # --------------------------------------------------------------------------- Recording
 def test_recording_counts_every_request_and_hands_on_only_experiment_and_canary_outcomes():
     metrics, outcomes = RouterMetrics(), Outcomes()
@@ -195,6 +244,55 @@ def test_made_up_names_past_the_series_cap_grow_nothing():
     assert len(recording._children) <= 4
     text = generate_latest(metrics.registry).decode()
     assert f'mmr_requests_total{{code="RESOURCE_EXHAUSTED",model="{OTHER_LABEL}",route="{OTHER_LABEL}",variant="default"}} 997.0' in text
+
+
+def test_a_requests_prometheus_writes_are_made_on_the_loops_next_turn_and_netted():
+    """In a running loop the writes of a request wait for the loop's next turn (the end's
+    are made once its answer is on its way); the in-flight changes of one turn are netted."""
+    metrics = RouterMetrics()
+    recording = Recording(metrics)
+
+    def value(name, **labels):
+        return metrics.registry.get_sample_value(name, labels or None) or 0.0
+
+    async def go():
+        metrics.writes.started()
+        assert value("mmr_inflight_requests") == 0.0  # not yet: the next turn
+        await asyncio.sleep(0)
+        assert value("mmr_inflight_requests") == 1.0  # while the request is with Triton
+        metrics.writes.ended()
+        recording.record(Decision("m", "m", "default", scope="model:m"), 0.01, "OK")
+        recording.record(Decision("m", "m", "default", scope="model:m"), 0.02, "OK")
+        metrics.writes.started()
+        metrics.writes.ended()
+        assert value("mmr_requests_total", route="m", model="m", variant="default", code="OK") == 0.0
+        await asyncio.sleep(0)
+        assert value("mmr_inflight_requests") == 0.0
+        assert value("mmr_requests_total", route="m", model="m", variant="default", code="OK") == 2.0
+        assert value("mmr_request_seconds_count", route="m", variant="default") == 2.0
+        assert abs(value("mmr_request_seconds_sum", route="m", variant="default") - 0.03) < 1e-9
+
+    run(go())
+    metrics.writes.started()  # no running loop: at once
+    assert value("mmr_inflight_requests") == 1.0
+
+
+def test_writes_due_on_a_loop_that_ended_are_made_on_the_next_one():
+    metrics = RouterMetrics()
+    loop = asyncio.new_event_loop()
+
+    async def start():
+        metrics.writes.started()  # its flush is due on this loop, which never turns again
+
+    loop.run_until_complete(start())
+    loop.close()
+
+    async def later():
+        metrics.writes.started()
+        await asyncio.sleep(0)
+
+    run(later())
+    assert metrics.registry.get_sample_value("mmr_inflight_requests") == 2.0
 
 
 # --------------------------------------------------------------------------- Channels
@@ -265,6 +363,51 @@ def test_the_sender_records_a_refused_request_with_its_code_and_sends_nothing():
     with pytest.raises(RateLimited):
         run(go())
     assert triton.sent == [] and recorded.calls == []  # refused before it was a request
+
+
+def test_the_sender_records_a_request_that_fails_while_its_server_is_found():
+    """A load that fails after the request counted (in flight, its limits spent) is recorded
+    with its code, its hold ended and the in-flight count back down; an unknown name is
+    recorded without series of its own."""
+    from domain import errors as cp
+
+    class Failing(State):
+        async def ensure(self, model, unreachable=None):
+            self.ensured.append(model)
+            raise cp.ModelNotFound(model) if model == "nope" else cp.CapacityExhausted("full")
+
+    state, recorded = Failing(), Recorded()
+    s = sender(state, Limits(), Triton(), recorded)
+
+    async def go(name):
+        async with s.serving(name, None):
+            raise AssertionError("never served")
+
+    with pytest.raises(UnknownModel):
+        run(go("nope"))
+    from domain.router_errors import BackendUnavailable
+    with pytest.raises(BackendUnavailable):
+        run(go("m"))
+    assert recorded.calls == [("nope", "nope", "NOT_FOUND", False, False),
+                              ("m", "m", "UNAVAILABLE", True, False)]
+    assert s.inflight == 0 and state.answered == []
+
+
+def test_the_sender_records_a_body_that_fails_with_its_code():
+    state, recorded = State(ready={"m"}), Recorded()
+    s = sender(state, Limits(), Triton(), recorded)
+
+    async def go(exc):
+        async with s.serving("m", None) as call:
+            assert call.server == SERVER and state.touched[-1] == "m"
+            raise exc
+
+    with pytest.raises(RateLimited):
+        run(go(RateLimited("later", 1.0)))
+    with pytest.raises(ValueError):
+        run(go(ValueError("a bug")))
+    assert [c[2] for c in recorded.calls] == ["RESOURCE_EXHAUSTED", "INTERNAL"]
+    assert s.inflight == 0
 
 
 def test_a_shadow_send_that_missed_ends_its_hold_once_answered():
@@ -397,3 +540,19 @@ def test_the_router_wires_one_decider_into_every_part_and_runs_only_the_judge_it
 
     run(judged())
     assert steps
+
+
+@pytest.mark.parametrize("detail", [
+    "server triton0 (127.0.0.1:40267) is down",
+    "no Triton server is up to load cust001: triton1 (10.0.0.7:8001) is down",
+])
+def test_a_miss_with_no_server_up_tells_the_client_what_happened_not_where(detail):
+    """The control plane's reason names servers and their addresses: the operator's."""
+    from domain import errors as cp
+    from domain.router_errors import BackendUnavailable
+
+    error = Sender._serving_error(cp.TritonUnavailable(detail), "cust001")
+    assert isinstance(error, BackendUnavailable)
+    assert "'cust001' is unavailable" in str(error)
+    for secret in ("triton0", "triton1", "127.0.0.1", "10.0.0.7"):
+        assert secret not in str(error)
