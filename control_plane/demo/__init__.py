@@ -18,10 +18,27 @@ DEMO_VERSIONS = {"cust017-v2": ("cust017", 2), "cust017-v3": ("cust017", 3), "cu
 DEMO_MARKER = ".mms-demo"
 
 
+def require_weights_writer() -> None:
+    """InvalidInput, saying what to install, where torch or safetensors is missing: the
+    control plane's own install (its container image) leaves them out, being code that only
+    models and the demo's writer run."""
+    import importlib.util
+
+    missing = [name for name in ("torch", "safetensors") if importlib.util.find_spec(name) is None]
+    if missing:
+        from domain.errors import InvalidInput
+
+        raise InvalidInput(
+            f"writing the demo fleet needs {' and '.join(missing)}, which this install leaves "
+            "out: pip install 'multimodel-serving[runtime]', or write it with the Triton image "
+            "(docker/compose.yaml's fleet-init does), or give mmctl up --fleet-size 0")
+
+
 def write_demo_repository(repository: Path, fleet_size: int, model_size_mb: float | None = None,
                           layout: str = "family") -> None:
     """The demo fleet (cust001..custNNN as one model family, or one Triton model each), its
     extras and the LoRA demo, each written only where missing."""
+    require_weights_writer()
     from control_plane.demo.fleet import (
         demo_spec,
         generate_extras,

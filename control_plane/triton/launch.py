@@ -194,8 +194,10 @@ class TritonLaunchConfig:
     restricted_key: str | None = field(default=None, repr=False)
 
 
-def triton_args(cfg: TritonLaunchConfig, backend_dir: Path, log_path: Path) -> list[str]:
-    """The flags every Triton of the product runs with (docker/ uses the same set)."""
+def triton_args(cfg: TritonLaunchConfig, backend_dir: Path, log_path: Path | None) -> list[str]:
+    """The flags every Triton of the product runs with, in a child process of ``mmctl up``
+    or in its container (``control_plane.triton.in_container``).  ``log_path``: None logs
+    to stdout."""
     return [
         f"--model-repository={cfg.repository}",
         "--model-control-mode=explicit",
@@ -210,7 +212,7 @@ def triton_args(cfg: TritonLaunchConfig, backend_dir: Path, log_path: Path) -> l
         "--allow-metrics=true",
         f"--metrics-address={cfg.host}",
         f"--metrics-port={cfg.metrics_port}",
-        f"--log-file={log_path}",
+        *([f"--log-file={log_path}"] if log_path is not None else []),
         f"--log-verbose={cfg.log_verbose}",
         "--exit-timeout-secs=10",
         *restricted_api_args(cfg.restricted_key),

@@ -272,3 +272,34 @@ def test_a_tritons_free_ports_are_never_the_ones_reserved_for_the_admin_api_or_t
     proc = TritonProcess(TritonLaunchConfig(repository=tmp_path, work_dir=tmp_path,
                                             reserved_ports=(8090, 8000, 8001)))
     assert [proc.cfg.http_port, proc.cfg.grpc_port, proc.cfg.metrics_port] == [41000, 41001, 41002]
+
+
+def test_the_containers_triton_runs_the_products_flags_with_the_key_of_its_file(tmp_path, monkeypatch):
+    """control_plane.triton.in_container: the flags of launch.triton_args (one declaration
+    for mmctl up and the image), the key read from the state volume, logs to stdout."""
+    import argparse
+
+    from control_plane.triton import in_container
+    from control_plane.triton.launch import RESTRICTED_APIS
+
+    monkeypatch.setattr(in_container.shutil, "which", lambda name: None)  # the CPU image: the wheel's binary
+    key_file = tmp_path / "triton.key"
+    key_file.write_text("k" * 24 + "\n")
+    args = argparse.Namespace(repository=tmp_path / "models", key_file=key_file, host="0.0.0.0",
+                              http_port=8000, grpc_port=8001, metrics_port=8002,
+                              work_dir=tmp_path / "work")
+    cmd = in_container.command(args)
+    assert cmd[0].endswith("pytriton/tritonserver/bin/tritonserver")
+    assert "--model-control-mode=explicit" in cmd and f"--model-repository={tmp_path / 'models'}" in cmd
+    assert "--grpc-address=0.0.0.0" in cmd and "--http-port=8000" in cmd
+    assert f"--grpc-restricted-protocol={','.join(RESTRICTED_APIS)}:admin-key={'k' * 24}" in cmd
+    assert not any(arg.startswith("--log-file") for arg in cmd)
+    assert (tmp_path / "work" / "backends" / "python" / "triton_python_backend_stub").exists()
+
+    for text, said in (("", "empty"), ("short", "too short")):
+        key_file.write_text(text)
+        with pytest.raises(SystemExit, match=said):
+            in_container.command(args)
+    key_file.unlink()
+    with pytest.raises(SystemExit, match="cannot read the Triton key file"):
+        in_container.command(args)
