@@ -41,3 +41,43 @@ def test_mmctl_commands_are_added_one_way():
         text = path.read_text()
         assert "@cli.command" not in text and "@cli.group" not in text, path
         assert "add_command(" not in text or path.name == "main.py", path
+
+
+def test_the_control_plane_router_and_mmctl_import_without_torch():
+    """Their install (and image) leaves torch out: only the demo's writer needs it, and
+    without it says what to install instead of an ImportError."""
+    code = """
+import importlib, pkgutil, sys
+for name in ("torch", "safetensors", "safetensors.torch"):
+    sys.modules[name] = None  # an import of it fails, as where it is not installed
+needs = []
+for package in ("control_plane", "router", "domain", "mmctl"):
+    for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+        if info.name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(info.name)
+        except ImportError:
+            needs.append(info.name)
+print(",".join(sorted(needs)))
+"""
+    result = subprocess.run([sys.executable, "-c", code],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["control_plane.demo.fleet,control_plane.demo.lora,control_plane.demo.reference"]
+
+
+def test_writing_the_demo_without_torch_says_what_to_install(tmp_path, monkeypatch):
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from mmctl.main import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))
+    result = CliRunner().invoke(cli, ["demo-fleet", "--out", str(tmp_path / "m"), "--layout", "family"])
+    assert result.exit_code == 1
+    assert "needs torch" in result.output and "multimodel-serving[runtime]" in result.output
+    assert not (tmp_path / "m").exists()
