@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 UP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test up test test-unit bench bench-gpu check images up-docker clean clean-warm
+.PHONY: setup setup-test up test test-unit test-containers bench bench-gpu check images up-docker clean clean-warm
 
 # `make up` installs the product and the local Triton it starts (no test or bench extras);
 # `make test` adds them.  Every install is held to constraints.txt, the versions CI and the
@@ -38,11 +38,13 @@ $(BIN)/helm: deploy/install_helm.py | $(VENV)/.installed
 up: setup
 	$(BIN)/mmctl up $(UP_ARGS)
 
-# Debian's chromium and prometheus for the status-page and monitoring tests (installed with
-# apt-get when missing; without apt or root those tests fail and say what to install).
-# Without PYTEST_ARGS the unit tests (a minute of CPU) run beside the rest, and the rest runs
-# in TEST_WORKERS pytest-xdist workers, one test file per worker at a time (a file's
-# module-scoped stacks stay in one process): the rest mostly waits on Triton and the
+# Debian's chromium and prometheus for the status-page and monitoring tests, podman, runc
+# and debootstrap for the container suite (installed with apt-get when missing; without apt
+# or root those tests fail and say what to install).
+# Without PYTEST_ARGS the unit tests (a minute of CPU) and the container suite (image builds
+# and compose, mostly waiting on pip, the disk and the containers) run beside the rest, and
+# the rest runs in TEST_WORKERS pytest-xdist workers, one test file per worker at a time (a
+# file's module-scoped stacks stay in one process): the rest mostly waits on Triton and the
 # product's processes, one worker kept 2 cores under half busy.  Each session gets a
 # temporary folder of its own (pytest removes the older folders of its default place as it
 # rotates them).
@@ -52,13 +54,20 @@ test: setup-test
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@tmp=$$(mktemp -d /tmp/mms-tests.XXXXXX); \
 	$(BIN)/python -m pytest -q -p no:cacheprovider --basetemp=$$tmp/unit tests/unit > $$tmp/unit.log 2>&1 & unit=$$!; \
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=5 --basetemp=$$tmp/containers \
+	    tests/containers > $$tmp/containers.log 2>&1 & containers=$$!; \
 	$(BIN)/python -m pytest -q --durations=40 -n $(TEST_WORKERS) --dist loadfile \
-	    --basetemp=$$tmp/rest --ignore=tests/unit; rest=$$?; \
-	wait $$unit; units=$$?; echo "tests/unit:"; cat $$tmp/unit.log; rm -rf $$tmp; \
-	exit $$(( rest || units ))
+	    --basetemp=$$tmp/rest --ignore=tests/unit --ignore=tests/containers; rest=$$?; \
+	wait $$unit; units=$$?; wait $$containers; boxes=$$?; \
+	echo "tests/unit:"; cat $$tmp/unit.log; echo "tests/containers:"; cat $$tmp/containers.log; \
+	rm -rf $$tmp; exit $$(( rest || units || boxes ))
 else
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 endif
+
+test-containers: setup-test
+	-$(BIN)/python -m tests.system_packages
+	$(BIN)/python -m pytest -q tests/containers $(PYTEST_ARGS)
 
 test-unit: setup-test
 	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
@@ -74,8 +83,27 @@ check: setup-test
 	$(BIN)/ruff check control_plane router domain mmctl model_runtime bench tests
 	$(BIN)/lint-imports --no-cache
 
-up-docker:
-	docker compose -f docker/compose.yaml up --build
+# The images and compose run with podman where it is installed, else docker (ENGINE=...).
+# `make images GPU=1`: the Triton image from NGC's; `make up-docker GPU=1` gives it the GPUs.
+ENGINE ?= $(shell command -v podman >/dev/null 2>&1 && echo podman || echo docker)
+GPU ?=
+COMPOSE_FILES := -f docker/compose.yaml $(if $(GPU),-f docker/compose.gpu.yaml)
+ifeq ($(ENGINE),podman)
+COMPOSE := CONTAINERS_CONF=$${CONTAINERS_CONF:-docker/podman/containers.conf} $(BIN)/podman-compose $(COMPOSE_FILES)
+else
+COMPOSE := docker compose $(COMPOSE_FILES)
+endif
+
+$(VENV)/.installed-containers: $(VENV)/.installed
+	$(PIP) -e ".[local-triton,containers]"
+	touch $@
+
+images: $(VENV)/.installed-containers
+	$(BIN)/python docker/images.py --engine $(ENGINE) $(if $(GPU),--gpu)
+
+# Ctrl-C stops the stack and removes its containers (the volumes stay: state, models, key).
+up-docker: images
+	@trap '$(COMPOSE) down' EXIT; $(COMPOSE) up
 
 # The default warm tier of a state directory lives in tmpfs (host RAM) under
 # /dev/shm/mms-<uid>-<first 12 hex of sha256(resolved state dir)> (warm_tier.tmpfs_warm_root);

@@ -1,5 +1,6 @@
-"""Debian packages that tests drive for real: ``chromium`` (the status page in a browser)
-and ``prometheus`` (with ``promtool``: a real Prometheus scrapes a running stack).
+"""Debian packages that tests drive for real: ``chromium`` (the status page in a browser),
+``prometheus`` (with ``promtool``: a real Prometheus scrapes a running stack), ``podman``,
+``runc`` and ``debootstrap`` (the images built and served from containers).
 
 They are installed when missing: ``make test`` runs this module before pytest (``python -m
 tests.system_packages``) and the tests call ``require`` again, which costs nothing once
@@ -19,7 +20,12 @@ from pathlib import Path
 
 # package -> the files a test runs
 PACKAGES = {"chromium": ("/usr/bin/chromium",),
-            "prometheus": ("/usr/bin/prometheus", "/usr/bin/promtool")}
+            "prometheus": ("/usr/bin/prometheus", "/usr/bin/promtool"),
+            # The container suite (tests/containers): images built and compose run with
+            # podman on runc, the base image made by debootstrap where no registry answers.
+            "podman": ("/usr/bin/podman",),
+            "runc": ("/usr/sbin/runc",),
+            "debootstrap": ("/usr/sbin/debootstrap",)}
 LOCK = Path("/tmp/mms-system-packages.lock")
 APT_TIMEOUT_S = 600
 

@@ -102,6 +102,17 @@ def write_base_manifest(base: LoraBase, *, pinned: Iterable[str], preload: Itera
     return manifest
 
 
+def require_torch(what: str) -> None:
+    """InvalidInput saying what to install where torch is missing (the control plane's own
+    install and image leave it out: the base's layers are read as a torch module)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise InvalidInput(f"{what} needs torch, which this install of the control plane leaves "
+                           "out: pip install 'multimodel-serving[runtime]' where the control plane "
+                           "runs (in its image: a layer FROM it that adds it)")
+
+
 class AdapterFiles:
     """Staging and restoring adapters for every base, with the cold stores they come from
     and go to.  Keeps each base's linear layers, read from its weights file, until the file
@@ -114,6 +125,7 @@ class AdapterFiles:
     def targets_of(self, base: LoraBase) -> tuple[dict, tuple]:
         """``module -> (out, in)`` of the base's linear layers and the modules excluded from
         ``all-linear``, from its weights file (cached until the file changes)."""
+        require_torch(f"checking an adapter against {base.name}'s layers")
         from model_runtime.lora.models import linear_targets, load_recommender, load_tinylm
 
         try:

@@ -196,7 +196,7 @@ class TritonLaunchConfig:
 
 def triton_args(cfg: TritonLaunchConfig, backend_dir: Path, log_path: Path | None) -> list[str]:
     """The flags every Triton of the product runs with, in a child process of ``mmctl up``
-    or in its container (``control_plane.triton.in_container``).  ``log_path``: None logs
+    or in its container (``control_plane.runtime.triton_container``).  ``log_path``: None logs
     to stdout."""
     return [
         f"--model-repository={cfg.repository}",

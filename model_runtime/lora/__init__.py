@@ -39,7 +39,20 @@ from .manifest import (
     write_manifest,
 )
 from .names import validate_adapter_name
-from .peft import CONFIG_FILE, WEIGHTS_FILE, LoraAdapter, LoraConfig, read_adapter, write_adapter
+
+# The PEFT files' reading and writing import torch: loaded at their first use, so that the
+# control plane (whose install has no torch) imports the manifest, names and errors alone.
+_PEFT_NAMES = frozenset({"CONFIG_FILE", "WEIGHTS_FILE", "LoraAdapter", "LoraConfig", "read_adapter",
+                         "write_adapter"})
+
+
+def __getattr__(name: str):
+    if name in _PEFT_NAMES:
+        from . import peft
+
+        return getattr(peft, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CONFIG_FILE",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -207,13 +208,31 @@ def test_compose_exposes_only_the_router():
     command = services["control-plane"]["command"]
     assert command[command.index("--admin-host") + 1] == "127.0.0.1"
     assert "MMS_ADMIN_TOKEN" in services["control-plane"]["environment"]
-    # Triton's model control, shared memory, trace and log settings take the key only.
-    (script,) = triton["command"]
-    for flag in ("--grpc-restricted-protocol=$$APIS:admin-key=$$KEY",
-                 "--http-restricted-api=$$APIS:admin-key=$$KEY"):
-        assert flag in script
-    assert "APIS=model-repository,shared-memory,trace,logging;" in script
-    assert "state:/state:ro" in triton["volumes"]
+    # Triton's model control, shared memory, trace and log settings take the key only, from
+    # a volume of its own: Triton's container (the models' code) never mounts the state.
+    command = triton["command"]
+    assert command[command.index("--key-file") + 1] == "/keys/triton.key"
+    assert triton["volumes"] == ["models:/models", "triton-key:/keys:ro"]
+    assert not any(v.startswith("state:") for v in triton["volumes"])
+    assert "share-key" in services["control-plane"]["entrypoint"][2]
+
+
+def test_the_gpu_tritons_flags_are_the_products_own():
+    """docker/compose.gpu.yaml starts NGC's tritonserver by hand (NGC's Python is older than
+    the product's): with the flags of launch.triton_args, every one, the key its only secret."""
+    import yaml
+
+    from control_plane.triton.launch import TritonLaunchConfig, triton_args
+
+    root = Path(__file__).resolve().parents[2]
+    (script,) = yaml.safe_load((root / "docker" / "compose.gpu.yaml").read_text())["services"]["triton"]["command"]
+    flags = [word for word in script.split() if word.startswith("--")]
+    cfg = TritonLaunchConfig(repository=Path("/models"), work_dir=Path("/tmp"), host="0.0.0.0",
+                             http_port=8100, grpc_port=8101, metrics_port=8102, restricted_key="$$KEY")
+    want = [flag.replace("model-repository,shared-memory,trace,logging", "$$APIS")
+            for flag in triton_args(cfg, Path("/unused"), None) if not flag.startswith("--backend-directory")]
+    assert flags == want
+    assert "KEY=$$(cat /keys/triton.key);" in script
 
 
 # ---------------------------------------------------------------------- wrong-token limit

@@ -1,0 +1,115 @@
+"""The Triton container's entry point (docker/Dockerfile.triton): ``tritonserver`` with the
+flags every Triton of the product runs with (``launch.triton_args``), on the container's
+addresses, its restricted APIs behind the key the control plane holds, logging to stdout.
+
+    python -m control_plane.runtime.triton_container serve --repository /models --key-file /keys/triton.key
+    python -m control_plane.runtime.triton_container share-key --state-key /state/triton.key --triton-key /keys/triton.key
+
+The binary is the one on PATH (the NGC image) or the nvidia-pytriton wheel's (the CPU image,
+with the python backend assembled as ``mmctl up`` assembles it).  Exec'd, so the container's
+signals reach tritonserver itself."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from control_plane.triton.launch import (
+    TritonLaunchConfig,
+    build_backend_dir,
+    printable_command,
+    pytriton_root,
+    triton_args,
+    triton_environment,
+)
+
+
+def read_key(path: Path, wait_s: float = 0.0) -> str:
+    """The restricted-API key in ``path``, waited for up to ``wait_s`` (the control plane's
+    container writes it as it starts); exits naming what is wrong when there is none."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            key = path.read_text().strip()
+            break
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                sys.exit(f"no Triton key file at {path} after {wait_s:.0f}s: the control plane's "
+                         "container writes it (share-key) as it starts")
+            time.sleep(0.5)
+        except OSError as exc:
+            sys.exit(f"cannot read the Triton key file {path}: {exc.strerror}")
+    if len(key) < 16:
+        sys.exit(f"the Triton key in {path} is {'empty' if not key else 'too short'}: it "
+                 "needs 16 characters or more (key-init writes a random one)")
+    return key
+
+
+def share_key(state_key: Path, triton_key: Path) -> None:
+    """The key the control plane keeps in its state directory (MMS_TRITON_ADMIN_KEY when
+    set, else the one kept, else a new one: ``ensure_secret_file``), and a copy of it in
+    ``triton_key``, in a volume of Triton's own: Triton's container never mounts the state."""
+    from control_plane.state.secret_files import ensure_secret_file
+
+    key = ensure_secret_file(state_key, os.environ.get("MMS_TRITON_ADMIN_KEY") or None,
+                             what="Triton key", min_chars=16, setting="MMS_TRITON_ADMIN_KEY")
+    ensure_secret_file(triton_key, key, what="Triton key")
+
+
+def command(args: argparse.Namespace) -> list[str]:
+    cfg = TritonLaunchConfig(repository=args.repository, work_dir=args.work_dir, host=args.host,
+                             http_port=args.http_port, grpc_port=args.grpc_port,
+                             metrics_port=args.metrics_port,
+                             restricted_key=read_key(args.key_file, args.key_wait_s))
+    on_path = shutil.which("tritonserver")
+    if on_path:  # NGC: the backends lie beside the binary's folder
+        binary = Path(on_path)
+        backend_dir = binary.resolve().parent.parent / "backends"
+    else:
+        binary = pytriton_root() / "bin" / "tritonserver"
+        backend_dir = build_backend_dir(args.work_dir / "backends")
+    return [str(binary), *triton_args(cfg, backend_dir, None)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m control_plane.runtime.triton_container",
+                                     description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="exec tritonserver")
+    serve.add_argument("--repository", type=Path, required=True)
+    serve.add_argument("--key-file", type=Path, required=True,
+                       help="the key of Triton's restricted APIs (model control, shared memory)")
+    serve.add_argument("--host", default="0.0.0.0",
+                       help="the container's addresses: reached only on its internal network")
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=8001)
+    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--work-dir", type=Path, default=Path("/tmp/triton"))
+    serve.add_argument("--key-wait-s", type=float, default=300.0,
+                       help="how long to wait for the key file to appear")
+    serve.add_argument("--demo-fleet", type=int, default=0, metavar="N",
+                       help="first write the demo mmctl up serves (N customers as one family, the "
+                            "rollout and LoRA demos) where missing; 0: serve the repository as it is")
+    shared = commands.add_parser("share-key", help="the control plane's Triton key, and Triton's copy")
+    shared.add_argument("--state-key", type=Path, required=True)
+    shared.add_argument("--triton-key", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.command == "share-key":
+        share_key(args.state_key, args.triton_key)
+        return
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    if args.demo_fleet:
+        from control_plane.demo import write_demo_repository
+
+        write_demo_repository(args.repository, args.demo_fleet, layout="family")
+    cmd = command(args)
+    print("starting tritonserver:", printable_command(cmd), flush=True)
+    os.execve(cmd[0], cmd, triton_environment(os.environ))
+
+
+if __name__ == "__main__":
+    main()

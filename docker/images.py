@@ -1,0 +1,206 @@
+"""Build the product's two images with this machine's engine (podman, else docker): `make images`.
+
+    python docker/images.py [--base IMAGE] [--engine podman|docker] [--gpu]
+
+* ``mmserve``: the control plane, the router and mmctl (docker/Dockerfile): no torch, no
+  Triton, no compilers, a non-root user.
+* ``mmserve-triton``: Triton and what its models import (docker/Dockerfile.triton): on CPU
+  the ``tritonserver`` and python backend of the nvidia-pytriton wheel ``make up`` uses; with
+  ``--gpu``, NGC's Triton image with torch added.
+
+Both install from a folder of wheels made here by pip (the product's own wheel and every
+dependency at the versions of constraints.txt, resolved with this machine's pip settings),
+so a build reaches no package index and needs no certificate of this machine's.  The base
+is a build argument: ``--base``, else the registry's ``python:3.11-slim`` where a registry
+answers, else a Debian base made here with debootstrap (root) and imported once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEELS = ROOT / "build" / "images" / "wheels"
+CONTAINERS_CONF = ROOT / "docker" / "podman" / "containers.conf"
+REGISTRY_BASE = "docker.io/library/python:3.11-slim"
+LOCAL_BASE = "localhost/mms-debian-base:bookworm"
+GPU_BASE = "nvcr.io/nvidia/tritonserver:24.10-py3"
+CONTROL_PLANE_IMAGE = "localhost/mmserve"
+TRITON_IMAGE = "localhost/mmserve-triton"
+PULL_TIMEOUT_S = 120
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def engine_env(engine: str) -> dict[str, str]:
+    """The environment an engine runs in: podman with the project's containers.conf (runc
+    on cgroupfs, the host's ulimits) unless the caller set one of its own."""
+    env = dict(os.environ)
+    if Path(engine).name == "podman":
+        env.setdefault("CONTAINERS_CONF", str(CONTAINERS_CONF))
+    return env
+
+
+def find_engine(asked: str | None = None) -> str:
+    for name in ([asked] if asked else ["podman", "docker"]):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise BuildError(f"no container engine: {'no ' + asked if asked else 'neither podman nor docker'} "
+                     "on PATH; on Debian: apt-get install podman runc (see docs/deployment.md)")
+
+
+def run(cmd: list[str], engine: str | None = None, env: dict[str, str] | None = None,
+        **kwargs) -> subprocess.CompletedProcess:
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, check=True, env=engine_env(engine) if engine else env, **kwargs)
+
+
+def image_exists(engine: str, image: str) -> bool:
+    return subprocess.run([engine, "image", "inspect", image], capture_output=True,
+                          env=engine_env(engine), check=False).returncode == 0
+
+
+def choose_base(engine: str, asked: str | None) -> str:
+    """``asked``; else the registry's Python image when it is here or can be pulled; else the
+    local Debian base, made first when missing."""
+    if asked:
+        return asked
+    if image_exists(engine, REGISTRY_BASE):
+        return REGISTRY_BASE
+    try:
+        pulled = subprocess.run([engine, "pull", "-q", REGISTRY_BASE], capture_output=True, text=True,
+                                env=engine_env(engine), timeout=PULL_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        pulled = None
+    if pulled is not None and pulled.returncode == 0:
+        return REGISTRY_BASE
+    print(f"{REGISTRY_BASE} cannot be pulled here: using the local Debian base {LOCAL_BASE}", flush=True)
+    if not image_exists(engine, LOCAL_BASE):
+        make_local_base(engine)
+    return LOCAL_BASE
+
+
+def make_local_base(engine: str) -> None:
+    """A minimal Debian bookworm (debootstrap, from Debian's mirror) imported as LOCAL_BASE."""
+    if shutil.which("debootstrap") is None or os.geteuid() != 0:
+        raise BuildError("no registry answers and the local Debian base is missing: making it needs "
+                         "root and debootstrap (apt-get install debootstrap), or give --base IMAGE")
+    rootfs = ROOT / "build" / "images" / "rootfs"
+    shutil.rmtree(rootfs, ignore_errors=True)
+    rootfs.parent.mkdir(parents=True, exist_ok=True)
+    run(["debootstrap", "--variant=minbase", "bookworm", str(rootfs)], stdout=subprocess.DEVNULL)
+    # What an image needs none of: the packages' archives and lists (an image's apt-get
+    # update fetches lists again), documentation and manuals.
+    for leftover in ("var/cache/apt/archives", "var/lib/apt/lists", "usr/share/doc", "usr/share/man",
+                     "usr/share/info"):
+        for path in (rootfs / leftover).glob("*"):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.name != "lock":
+                path.unlink()
+    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+    try:
+        run([engine, "import", "-", LOCAL_BASE], engine, stdin=tar.stdout, stdout=subprocess.DEVNULL)
+    finally:
+        tar.stdout.close()
+        tar.wait()
+        shutil.rmtree(rootfs, ignore_errors=True)
+
+
+def make_wheels() -> str:
+    """WHEELS: the product's wheel and every dependency of it and of the local-triton extra,
+    at the versions of constraints.txt; returns the digest of what it holds, which keys the
+    images' install layers (their wheels are mounted, not copied into a layer).  The
+    product's wheel is rebuilt with its files' times fixed, so the same sources give the same
+    bytes and a rebuild of unchanged sources takes the install layers from the cache."""
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    constraints = ROOT / "constraints.txt"
+    fresh = WHEELS.parent / "product-wheel"
+    # setuptools builds in build/: what an earlier build left there (a module since removed)
+    # would go into the wheel.
+    for leftover in (fresh, *ROOT.joinpath("build").glob("lib*"), *ROOT.joinpath("build").glob("bdist*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+    # One time for every file in the wheel (zip entries keep it): the product's version's.
+    fixed = dict(os.environ, SOURCE_DATE_EPOCH="1704067200")
+    run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(fresh), str(ROOT)], env=fixed)
+    (built,) = fresh.glob("multimodel_serving-*.whl")
+    for old in WHEELS.glob("multimodel_serving-*.whl"):
+        if old.name != built.name or old.read_bytes() != built.read_bytes():
+            old.unlink()
+    if not (WHEELS / built.name).exists():
+        shutil.move(built, WHEELS / built.name)
+    shutil.rmtree(fresh, ignore_errors=True)
+    run([*pip, "download", "-d", str(WHEELS), "-c", str(constraints), "torch==2.13.0",
+         f"{ROOT}[local-triton]"])
+    if not (WHEELS / "constraints.txt").exists() or \
+            (WHEELS / "constraints.txt").read_bytes() != constraints.read_bytes():
+        shutil.copyfile(constraints, WHEELS / "constraints.txt")
+    digest = hashlib.sha256()
+    for path in sorted(WHEELS.iterdir()):
+        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:16]
+
+
+def version() -> str:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def build(engine: str, dockerfile: str, image: str, base: str, wheels: str,
+          target: str | None = None) -> None:
+    tag = version()
+    cmd = [engine, "build", "-f", str(ROOT / "docker" / dockerfile), "--build-arg", f"BASE={base}",
+           "--build-arg", f"WHEELS={wheels}", "-t", f"{image}:{tag}", "-t", f"{image}:latest"]
+    if target:
+        cmd += ["--target", target]
+    run([*cmd, str(WHEELS)], engine)
+
+
+def size_mb(engine: str, image: str) -> float:
+    out = subprocess.run([engine, "image", "inspect", "--format", "{{.Size}}", image], capture_output=True,
+                         text=True, env=engine_env(engine), check=True).stdout
+    return int(out.strip()) / 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="docker/images.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=("podman", "docker"), default=os.environ.get("MMS_ENGINE"))
+    parser.add_argument("--base", help=f"base image of both (default: {REGISTRY_BASE} where it can "
+                                       f"be pulled, else {LOCAL_BASE})")
+    parser.add_argument("--gpu", action="store_true",
+                        help=f"the Triton image from NGC's ({GPU_BASE}) instead of the wheel's")
+    args = parser.parse_args(argv)
+    try:
+        engine = find_engine(args.engine)
+        base = choose_base(engine, args.base)
+        wheels = make_wheels()
+        build(engine, "Dockerfile", CONTROL_PLANE_IMAGE, base, wheels)
+        if args.gpu:
+            build(engine, "Dockerfile.triton", TRITON_IMAGE, GPU_BASE, wheels, target="gpu")
+        else:
+            build(engine, "Dockerfile.triton", TRITON_IMAGE, base, wheels, target="cpu")
+    except BuildError as exc:
+        print(f"make images: {exc}", file=sys.stderr)
+        return 2
+    except subprocess.CalledProcessError as exc:
+        print(f"make images: {' '.join(map(str, exc.cmd))} failed with exit code {exc.returncode}",
+              file=sys.stderr)
+        return 1
+    for image in (CONTROL_PLANE_IMAGE, TRITON_IMAGE):
+        print(f"{image}:{version()}  {size_mb(engine, image + ':latest'):.0f} MB  (base {base})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

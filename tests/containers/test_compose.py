@@ -1,0 +1,199 @@
+"""The production shape, run: `make images` builds the two images with podman (the base made
+by debootstrap where no registry answers) and docker/compose.yaml serves the demo fleet from
+them, as `make up-docker` does.  Triton's own clients talk to the router's published ports
+over gRPC and HTTP, every answer checked against the variant's weights in the models
+volume; the admin API answers `compose exec control-plane mmctl` and nothing outside; a
+Triton killed as a crash kills it comes back and its models are served again; `down` leaves
+no container.
+
+The images are built once per machine and then taken from the engine's cache (unchanged
+sources give the same wheels, the same layers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from control_plane.demo.reference import expected_scores, scores_match
+from control_plane.triton.launch import free_port
+from tests import system_packages
+
+pytestmark = pytest.mark.containers
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTAINERS_CONF = ROOT / "docker" / "podman" / "containers.conf"
+FLEET = ["cust001", "cust002", "cust003", "cust004"]
+BUILD_TIMEOUT_S = 1500
+READY_TIMEOUT_S = 240
+BACK_WITHIN_S = 90  # the issue's bound on a killed Triton's comeback
+
+
+def features(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((2, 64)).astype(np.float32)
+
+
+def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CONTAINERS_CONF=str(CONTAINERS_CONF))
+    return subprocess.run(["podman", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, check=check)
+
+
+class Compose:
+    """docker/compose.yaml under its own project name, ports and fleet size."""
+
+    def __init__(self, project: str, env: dict[str, str]):
+        self.project = project
+        self.env = dict(os.environ, CONTAINERS_CONF=str(CONTAINERS_CONF), **env)
+
+    def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+        cmd = [str(Path(sys.executable).parent / "podman-compose"), "-p", self.project,
+               "-f", str(ROOT / "docker" / "compose.yaml"), *args]
+        result = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=timeout,
+                                check=False)
+        if check and result.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n"
+                                 f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        return result
+
+    def containers(self) -> list[str]:
+        out = podman("ps", "-a", "--filter", f"label=io.podman.compose.project={self.project}",
+                     "--format", "{{.Names}}").stdout
+        return out.split()
+
+    def container(self, service: str) -> str:
+        (name,) = [n for n in self.containers() if n.startswith(f"{self.project}_{service}_")]
+        return name
+
+    def logs(self, service: str) -> str:
+        result = podman("logs", "--tail", "60", self.container(service), check=False)
+        return result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def images():
+    try:
+        system_packages.ensure("podman", "runc", "debootstrap")
+    except system_packages.PackagesMissing as exc:
+        pytest.fail(str(exc))
+    built = subprocess.run([sys.executable, str(ROOT / "docker" / "images.py"), "--engine", "podman"],
+                           capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
+    assert built.returncode == 0, built.stdout[-4000:] + built.stderr[-4000:]
+    sizes = [line for line in built.stdout.splitlines() if line.startswith("localhost/mmserve")]
+    print("\n".join(sizes))
+    return sizes
+
+
+@pytest.fixture(scope="module")
+def stack(images):
+    project = f"mmstest{uuid.uuid4().hex[:8]}"
+    http_port, grpc_port = free_port(), free_port()
+    compose = Compose(project, {"MMS_HTTP_PORT": str(http_port), "MMS_GRPC_PORT": str(grpc_port),
+                                "MMS_FLEET_SIZE": str(len(FLEET)), "MMS_MAX_LOADED": "3"})
+    try:
+        compose("up", "-d")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            try:
+                if requests.get(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, (
+                f"the router was not ready in {READY_TIMEOUT_S}s:\n" + compose.logs("control-plane")
+                + "\n" + compose.logs("triton"))
+            time.sleep(1)
+        models = Path(podman("volume", "inspect", "--format", "{{.Mountpoint}}", f"{project}_models").stdout.strip())
+        yield compose, http_port, grpc_port, models
+    finally:
+        compose("down", "-v", timeout=300, check=False)
+
+
+def grpc_scores(port: int, model: str, x: np.ndarray) -> np.ndarray:
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    tensor = grpcclient.InferInput("FEATURES", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    return client.infer(model, [tensor], client_timeout=60).as_numpy("SCORES")
+
+
+def http_scores(port: int, model: str, x: np.ndarray) -> np.ndarray:
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=60)
+    tensor = httpclient.InferInput("FEATURES", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    return client.infer(model, [tensor]).as_numpy("SCORES")
+
+
+def assert_served(stack, seed: int) -> None:
+    _compose, http_port, grpc_port, models = stack
+    for i, model in enumerate(FLEET):
+        x = features(seed + i)
+        want = expected_scores(models, model, x)
+        for name, answer in (("grpc", grpc_scores(grpc_port, model, x)),
+                             ("http", http_scores(http_port, model, x))):
+            assert scores_match(answer, want), f"{model} over {name}: not the variant's answer"
+
+
+def test_the_images_carry_what_each_needs_and_run_as_a_user(images):
+    control_plane = podman("run", "--rm", "--entrypoint", "python3", "localhost/mmserve:latest", "-c",
+                           "import importlib.util, os; print(os.getuid(), "
+                           "[m for m in ('torch', 'pytriton', 'mmctl', 'router') if importlib.util.find_spec(m)])")
+    assert control_plane.stdout.split(None, 1) == ["10001", "['mmctl', 'router']\n"]
+    triton = podman("run", "--rm", "--entrypoint", "python3", "localhost/mmserve-triton:latest", "-c",
+                    "import importlib.util, os; print(os.getuid(), "
+                    "[m for m in ('torch', 'pytriton', 'safetensors') if importlib.util.find_spec(m)])")
+    assert triton.stdout.split(None, 1) == ["10001", "['torch', 'pytriton', 'safetensors']\n"]
+    for image in ("localhost/mmserve:latest", "localhost/mmserve-triton:latest"):
+        compilers = podman("run", "--rm", "--entrypoint", "sh", image, "-c",
+                           "command -v gcc cc c++ clang || true").stdout.strip()
+        assert compilers == "", f"{image} carries a compiler: {compilers}"
+
+
+def test_compose_serves_the_demo_fleet_and_a_killed_triton_comes_back(stack):
+    compose, http_port = stack[0], stack[1]
+    assert_served(stack, seed=1)
+
+    # The admin API: in the control-plane container (its loopback), with the token of the
+    # state volume; not on the router's published ports.
+    status = compose("exec", "-T", "control-plane", "mmctl", "status", "--json")
+    body = json.loads(status.stdout)
+    models = body["models"] if isinstance(body, dict) else body
+    loaded = {m["model"] for m in models if m["state"].upper() == "READY"}
+    assert loaded & set(FLEET), status.stdout
+    assert requests.get(f"http://127.0.0.1:{http_port}/v1/status", timeout=5).status_code in (403, 404)
+
+    # A crash: Triton's process killed from outside (not `podman kill`, which podman counts
+    # as a stop by hand and never restarts).
+    triton = compose.container("triton")
+    pid = int(podman("inspect", "--format", "{{.State.Pid}}", triton).stdout)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while True:
+        try:
+            assert_served(stack, seed=7)
+            break
+        except (InferenceServerException, AssertionError) as exc:
+            assert time.monotonic() - killed < BACK_WITHIN_S, (
+                f"not served again {BACK_WITHIN_S}s after Triton was killed: {exc}\n" + compose.logs("triton"))
+            time.sleep(2)
+    restarts = int(podman("inspect", "--format", "{{.RestartCount}}", triton).stdout)
+    assert restarts >= 1
+    print(f"served again {time.monotonic() - killed:.1f}s after Triton was killed")
+
+
+def test_down_leaves_no_container(stack):
+    compose = stack[0]
+    assert len(compose.containers()) == 2  # triton, control-plane
+    compose("down")
+    assert compose.containers() == []
