@@ -116,10 +116,11 @@ def make_local_base(engine: str) -> None:
         shutil.rmtree(rootfs, ignore_errors=True)
 
 
-def make_wheels() -> str:
+def make_wheels() -> tuple[str, str]:
     """WHEELS: the product's wheel and every dependency of it and of the local-triton extra,
-    at the versions of constraints.txt; returns the digest of what it holds, which keys the
-    images' install layers (their wheels are mounted, not copied into a layer).  The
+    at the versions of constraints.txt, and each image's requirements; returns the digests of
+    all it holds and of all but the product's wheel, which key the images' install layers
+    (their wheels are mounted, not copied into a layer).  The
     product's wheel is rebuilt with its files' times fixed, so the same sources give the same
     bytes and a rebuild of unchanged sources takes the install layers from the cache."""
     WHEELS.mkdir(parents=True, exist_ok=True)
@@ -145,10 +146,38 @@ def make_wheels() -> str:
     if not (WHEELS / "constraints.txt").exists() or \
             (WHEELS / "constraints.txt").read_bytes() != constraints.read_bytes():
         shutil.copyfile(constraints, WHEELS / "constraints.txt")
-    digest = hashlib.sha256()
+    for image, extras in REQUIREMENTS.items():
+        text = "\n".join(requirements(extras)) + "\n"
+        path = WHEELS / f"requirements-{image}.txt"
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+    return digest(lambda p: True), digest(lambda p: not p.name.startswith("multimodel_serving-"))
+
+
+# The requirements each image installs before the product's own wheel (which then goes in
+# alone): a change of the product's code rebuilds one small layer, not torch's.
+REQUIREMENTS = {"control-plane": (), "triton": ("runtime", "local-triton")}
+
+
+def requirements(extras: tuple[str, ...]) -> list[str]:
+    """The product's dependencies and those of ``extras``, without the product itself."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = list(project["dependencies"])
+    for extra in extras:
+        wanted += [r for r in project["optional-dependencies"][extra]
+                   if not r.startswith(project["name"])]
+    return wanted
+
+
+def digest(chosen) -> str:
+    """A digest of the files of WHEELS that ``chosen`` picks: their names and bytes."""
+    hashed = hashlib.sha256()
     for path in sorted(WHEELS.iterdir()):
-        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
-    return digest.hexdigest()[:16]
+        if path.is_file() and chosen(path):
+            hashed.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return hashed.hexdigest()[:16]
 
 
 def version() -> str:
@@ -157,11 +186,12 @@ def version() -> str:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
-def build(engine: str, dockerfile: str, image: str, base: str, wheels: str,
+def build(engine: str, dockerfile: str, image: str, base: str, wheels: tuple[str, str],
           target: str | None = None) -> None:
     tag = version()
     cmd = [engine, "build", "-f", str(ROOT / "docker" / dockerfile), "--build-arg", f"BASE={base}",
-           "--build-arg", f"WHEELS={wheels}", "-t", f"{image}:{tag}", "-t", f"{image}:latest"]
+           "--build-arg", f"WHEELS={wheels[0]}", "--build-arg", f"DEPENDENCIES={wheels[1]}",
+           "-t", f"{image}:{tag}", "-t", f"{image}:latest"]
     if target:
         cmd += ["--target", target]
     run([*cmd, str(WHEELS)], engine)
