@@ -31,7 +31,9 @@ from control_plane.demo.reference import expected_scores, scores_match
 from control_plane.triton.launch import free_port
 from tests import system_packages
 
-pytestmark = pytest.mark.containers
+# The images' first build on a machine takes minutes (pip byte-compiles torch), more where
+# the rest of the suite runs beside it: past pytest's default limit.
+pytestmark = [pytest.mark.containers, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTAINERS_CONF = ROOT / "docker" / "podman" / "containers.conf"

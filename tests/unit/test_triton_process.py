@@ -68,12 +68,14 @@ def _previous_life(tmp_path, child, grace_s=0.5):
 
 
 def _child(code):
+    """A Python child running ``code``, returned once it has run up to its sleep: a signal
+    sent to it then meets the handler ``code`` installs, not the interpreter's start."""
     import subprocess
     import sys
-    import time
 
-    child = subprocess.Popen([sys.executable, "-c", code])
-    time.sleep(0.3)  # let it install its signal handler
+    code = code.replace("time.sleep(", "print('started', flush=True); time.sleep(", 1)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "started\n"
     return child
 
 
