@@ -41,30 +41,29 @@ up: setup
 # Debian's chromium and prometheus for the status-page and monitoring tests, podman, runc
 # and debootstrap for the container suite (installed with apt-get when missing; without apt
 # or root those tests fail and say what to install).
-# Without PYTEST_ARGS the unit tests (a minute of CPU) and the container suite (image builds
-# and compose, mostly waiting on pip, the disk and the containers) run beside the rest, and
-# the rest runs in TEST_WORKERS pytest-xdist workers, one test file per worker at a time (a
-# file's module-scoped stacks stay in one process): the rest mostly waits on Triton and the
+# Without PYTEST_ARGS the unit tests (a minute of CPU) run beside the rest, and the rest runs
+# in TEST_WORKERS pytest-xdist workers, one test file per worker at a time (a file's
+# module-scoped stacks stay in one process): the rest mostly waits on Triton and the
 # product's processes, one worker kept 2 cores under half busy.  Each session gets a
 # temporary folder of its own (pytest removes the older folders of its default place as it
-# rotates them).
+# rotates them).  The container suite is `make test-containers` (.ci/run runs it after
+# this): beside the rest, its image builds starved the timing of the rest's stacks.
 TEST_WORKERS ?= 2
 test: setup-test
 	-$(BIN)/python -m tests.system_packages
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@tmp=$$(mktemp -d /tmp/mms-tests.XXXXXX); \
 	$(BIN)/python -m pytest -q -p no:cacheprovider --basetemp=$$tmp/unit tests/unit > $$tmp/unit.log 2>&1 & unit=$$!; \
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=5 --basetemp=$$tmp/containers \
-	    tests/containers > $$tmp/containers.log 2>&1 & containers=$$!; \
 	$(BIN)/python -m pytest -q --durations=40 -n $(TEST_WORKERS) --dist loadfile \
 	    --basetemp=$$tmp/rest --ignore=tests/unit --ignore=tests/containers; rest=$$?; \
-	wait $$unit; units=$$?; wait $$containers; boxes=$$?; \
-	echo "tests/unit:"; cat $$tmp/unit.log; echo "tests/containers:"; cat $$tmp/containers.log; \
-	rm -rf $$tmp; exit $$(( rest || units || boxes ))
+	wait $$unit; units=$$?; echo "tests/unit:"; cat $$tmp/unit.log; rm -rf $$tmp; \
+	exit $$(( rest || units ))
 else
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 endif
 
+# The images built with podman and docker/compose.yaml run from them (tests/containers): a
+# first build on a machine takes about five minutes, a rebuild of unchanged sources one.
 test-containers: setup-test
 	-$(BIN)/python -m tests.system_packages
 	$(BIN)/python -m pytest -q tests/containers $(PYTEST_ARGS)
