@@ -135,7 +135,7 @@ def supervise(cfg: ServiceConfig) -> int:
     from control_plane.runtime.supervisor import Child, Supervisor, python_module
     from control_plane.state.secret_files import ensure_private_dir
     from control_plane.tiers.cold import S3Config
-    from control_plane.triton.process import free_port
+    from control_plane.triton.launch import hold_port
     from domain.settings import (
         ADMIN_TOKEN,
         env_names,
@@ -152,16 +152,14 @@ def supervise(cfg: ServiceConfig) -> int:
     run_dir = cfg.state_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     # Fixed before any child starts: a restarted control plane binds the same admin port,
-    # and every worker the same public ports.
-    if cfg.admin_port == 0:
-        cfg.admin_port = free_port(_connect_host(cfg.admin_host))
-    # The kernel may hand out a port again once it is released, and the admin port is not
-    # bound until the control plane starts: never give two of ours the same one.
-    taken = {cfg.admin_port}
-    for attr in ("router_grpc_port", "router_http_port"):
-        if getattr(cfg, attr) == 0:
-            setattr(cfg, attr, free_port(_connect_host(cfg.router_host), avoid=taken))
-        taken.add(getattr(cfg, attr))
+    # and every worker the same public ports.  Held from here to the end, so that nothing
+    # else on the machine (a Triton started meanwhile, another product) is handed one of
+    # them before its server binds it, or while a restarted one binds it again.
+    held = []
+    for attr, host in (("admin_port", cfg.admin_host), ("router_grpc_port", cfg.router_host),
+                       ("router_http_port", cfg.router_host)):
+        held.append(hold_port(host, getattr(cfg, attr), option="--" + attr.replace("_", "-")))
+        setattr(cfg, attr, held[-1].getsockname()[1])
     token = ensure_token_file(cfg.state_dir / TOKEN_FILE_NAME, cfg.admin_token or None)
     # Router workers parse untrusted input: they get a token that opens /v1/dataplane/* only.
     dataplane_token = ensure_dataplane_token_file(cfg.state_dir / DATAPLANE_TOKEN_FILE_NAME,
@@ -193,7 +191,11 @@ def supervise(cfg: ServiceConfig) -> int:
     line = (f"ready: router gRPC {cfg.router_host}:{cfg.router_grpc_port}, HTTP {cfg.router_host}:"
             f"{cfg.router_http_port} ({cfg.router_workers} worker{'s' if cfg.router_workers > 1 else ''}); "
             f"admin API {admin_url}")
-    return Supervisor(cfg.state_dir, control_plane, workers, admin_url, token, line,
-                      ready_timeout_s=cfg.triton_ready_timeout_s + 300, metrics_dir=metrics_dir).run()
+    try:
+        return Supervisor(cfg.state_dir, control_plane, workers, admin_url, token, line,
+                          ready_timeout_s=cfg.triton_ready_timeout_s + 300, metrics_dir=metrics_dir).run()
+    finally:
+        for sock in held:
+            sock.close()
 
 

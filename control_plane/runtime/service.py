@@ -307,7 +307,8 @@ class Service:
         self._add_observability(admin_app, endpoints)
         self.runner = web.AppRunner(admin_app, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, cfg.admin_host, cfg.admin_port)
+        # SO_REUSEPORT: mmctl up holds the admin port while its children run (hold_port)
+        site = web.TCPSite(self.runner, cfg.admin_host, cfg.admin_port, reuse_port=True)
         await site.start()
         if cfg.admin_port == 0:
             port = self.runner.addresses[0][1]

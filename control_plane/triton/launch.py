@@ -10,12 +10,14 @@ running interpreter.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import logging
 import os
 import shutil
 import socket
 import sys
+import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +107,45 @@ def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
             port = s.getsockname()[1]
         if port not in avoid:
             return port
+
+
+def hold_port(host: str, port: int = 0, wait_s: float = 10.0, option: str = "") -> socket.socket:
+    """A socket bound to ``host:port`` (``port`` 0: one the kernel picks) and never listening,
+    held so that no other process is handed that port while the servers that will listen on
+    it are still starting (a port that is only picked can be taken in between).  It is
+    bound with SO_REUSEPORT, so those servers bind the same port beside it when they set it
+    too; only listening sockets are given connections, so it never takes one.
+
+    A given port must have no listener first (SO_REUSEPORT would otherwise share it with
+    whatever listens there, a previous life's server still stopping included): waited for
+    up to ``wait_s``, then refused, naming ``option`` (the setting that gave the port)."""
+    family, _, _, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                  flags=socket.AI_PASSIVE)[0]
+    deadline = time.monotonic() + wait_s
+    while port:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no listener
+            try:
+                probe.bind(address)
+                break
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                    raise _port_refused(host, port, exc, option) from None
+        time.sleep(0.2)
+    held = socket.socket(family, socket.SOCK_STREAM)
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        held.bind(address)
+    except OSError as exc:
+        held.close()
+        raise _port_refused(host, port, exc, option) from None
+    return held
+
+
+def _port_refused(host: str, port: int, exc: OSError, option: str) -> InvalidInput:
+    return InvalidInput(f"port {port} on {host or 'all addresses'} cannot be used ({exc.strerror}): "
+                        f"stop what listens there or choose another {option or 'port'}")
 
 
 def pytriton_root() -> Path:

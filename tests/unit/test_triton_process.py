@@ -305,3 +305,57 @@ def test_the_containers_triton_runs_the_products_flags_with_the_key_of_its_file(
     key_file.unlink()
     with pytest.raises(SystemExit, match="no Triton key file at .* after 0s"):
         in_container.command(args)
+
+
+def test_a_held_port_is_handed_to_no_one_else_and_its_servers_bind_beside_it():
+    """mmctl up holds its public and admin ports from the moment it picks them: the kernel
+    hands that port to no bind(0) and refuses a plain bind of it (a Triton or another
+    product starting meanwhile), while a server setting SO_REUSEPORT binds beside the hold,
+    which takes none of its connections."""
+    import socket
+
+    from control_plane.triton.launch import hold_port
+
+    held = hold_port("127.0.0.1")
+    port = held.getsockname()[1]
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+        picked = []
+        for _ in range(500):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                picked.append(s.getsockname()[1])
+        assert port not in picked
+        with socket.socket() as server:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            server.bind(("127.0.0.1", port))
+            server.listen()
+            for i in range(20):
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+                    conn, _ = server.accept()
+                    with conn:
+                        conn.sendall(bytes([i]))
+                        assert client.recv(1) == bytes([i])
+    finally:
+        held.close()
+
+
+def test_a_given_port_that_something_listens_on_is_refused_with_what_to_do():
+    """A fixed port with a listener (a previous life still stopping is waited for) is refused
+    with the port and what to do, never shared with that listener through SO_REUSEPORT."""
+    import socket
+
+    from control_plane.triton.launch import hold_port
+    from domain.errors import InvalidInput
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with pytest.raises(InvalidInput, match=f"port {port} on 127.0.0.1 cannot be used .*choose another port"):
+            hold_port("127.0.0.1", port, wait_s=0.3)
+    held = hold_port("127.0.0.1", port, wait_s=0.3)  # free again
+    held.close()
