@@ -72,13 +72,20 @@ class TritonProcess(PreviousLife):
         self.cfg = cfg
         self.requested_ports = [cfg.http_port, cfg.grpc_port, cfg.metrics_port]
         self.adopted: tuple[int, int] | None = None  # (pid, start ticks) of a Triton taken over
-        taken = set(cfg.reserved_ports) | {cfg.http_port, cfg.grpc_port, cfg.metrics_port}
-        for attr in ("http_port", "grpc_port", "metrics_port"):
-            if getattr(cfg, attr) == 0:
+        self.proc: subprocess.Popen | None = None
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        """Free ports for those asked for as 0.  Only picked, not held (tritonserver binds
+        without SO_REUSEPORT): a process started meanwhile may be handed one, and a start
+        that dies is given fresh ones (``start``)."""
+        cfg = self.cfg
+        taken = set(cfg.reserved_ports) | set(self.requested_ports)
+        for attr, requested in zip(("http_port", "grpc_port", "metrics_port"), self.requested_ports):
+            if requested == 0:
                 setattr(cfg, attr, free_port(cfg.host, avoid=taken))
                 taken.add(getattr(cfg, attr))
         self.log_path = cfg.work_dir / f"tritonserver-{cfg.grpc_port}.log"
-        self.proc: subprocess.Popen | None = None
 
     @property
     def http_url(self) -> str:
@@ -113,6 +120,7 @@ class TritonProcess(PreviousLife):
                     raise
                 log.warning("tritonserver died while starting (%s); starting it again",
                             exc.message.splitlines()[0])
+                self._pick_ports()  # one of them may have been taken before it bound it
             except BaseException:
                 self.stop()
                 raise

@@ -36,6 +36,40 @@ def test_triton_that_dies_while_starting_is_started_once_more(tmp_path, monkeypa
     assert len(launches) == 2
 
 
+def test_a_triton_whose_picked_port_was_taken_is_started_again_on_fresh_ports(tmp_path, monkeypatch):
+    """A picked port is not held (tritonserver binds it without SO_REUSEPORT), so a process
+    started meanwhile may take it and the Triton dies binding it: the second start is given
+    fresh ports for those asked for as 0, and keeps a port that was given."""
+    from control_plane.triton.process import TritonLaunchConfig, TritonProcess
+    from domain.errors import TritonUnavailable
+
+    class DeadProc:
+        returncode = 1
+
+        def poll(self):
+            return 1
+
+    proc = TritonProcess(TritonLaunchConfig(repository=tmp_path, work_dir=tmp_path,
+                                            http_port=0, grpc_port=0, metrics_port=48123))
+    launched_with = []
+
+    def launch():
+        launched_with.append((proc.cfg.http_port, proc.cfg.grpc_port, proc.cfg.metrics_port))
+        proc.proc = DeadProc()
+
+    def wait_ready(timeout_s):
+        if len(launched_with) == 1:
+            raise TritonUnavailable("tritonserver exited with code 1 while starting; "
+                                    "failed to start GRPC service: Address already in use")
+
+    monkeypatch.setattr(proc, "launch", launch)
+    monkeypatch.setattr(proc, "wait_ready", wait_ready)
+    proc.start()
+    (http1, grpc1, metrics1), (http2, grpc2, metrics2) = launched_with
+    assert http2 != http1 and grpc2 != grpc1 and metrics1 == metrics2 == 48123
+    assert proc.grpc_url.endswith(f":{grpc2}") and proc.log_path.name == f"tritonserver-{grpc2}.log"
+
+
 def test_stub_environment_activates_this_interpreters_environment(monkeypatch):
     """The stub ignores PYTHONPATH; it finds packages through the python3 first on PATH."""
     import os
