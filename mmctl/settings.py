@@ -30,6 +30,7 @@ from domain.settings import (
     Setting,
     declared,
     env_text,
+    env_values,
     file_path,
 )
 from domain.worker_settings import WorkerConfig
@@ -108,11 +109,13 @@ def options(cls: type, command: str, config_file: bool = True) -> Callable:
 
 def values(cls: type, command: str, opts: dict) -> dict[str, Any]:
     """``cls``'s field values from the options click parsed (repeated options collected
-    into the field's list or dict)."""
+    into the field's list or dict), and its settings of the environment only (no option:
+    the data-plane token) from the environment."""
     out = {}
     for d in taken(cls, command):
         value = opts[d.name]
         out[d.name] = d.setting.collect(list(value)) if d.setting.kind == MULTIPLE else value
+    out.update(env_values(cls, names=[d.name for d in declared(cls) if d.flag is None]))
     return out
 
 

@@ -4,6 +4,10 @@ addresses, its restricted APIs behind the key the control plane holds, logging t
 
     python -m control_plane.runtime.triton_container serve --repository /models --key-file /keys/triton.key
     python -m control_plane.runtime.triton_container share-key --state-key /state/triton.key --triton-key /keys/triton.key
+    python -m control_plane.runtime.triton_container tritonserver --model-repository=/models ...
+
+The last runs tritonserver with the arguments given, as NGC's image runs a container's
+``tritonserver ...`` arguments: the Helm chart's Triton pods start this image or NGC's alike.
 
 The binary is the one on PATH (the NGC image) or the nvidia-pytriton wheel's (the CPU image,
 with the python backend assembled as ``mmctl up`` assembles it).  Exec'd, so the container's
@@ -26,6 +30,10 @@ from control_plane.triton.launch import (
     triton_args,
     triton_environment,
 )
+
+# Where the CPU image assembles the python backend: /tmp is writable under a read-only root
+# (the chart mounts an emptyDir there).
+WORK_DIR = Path("/tmp/triton")
 
 
 def read_key(path: Path, wait_s: float = 0.0) -> str:
@@ -60,22 +68,39 @@ def share_key(state_key: Path, triton_key: Path) -> None:
     ensure_secret_file(triton_key, key, what="Triton key")
 
 
+def binary_and_backends(work_dir: Path) -> tuple[Path, Path]:
+    """The image's tritonserver and its backends' folder."""
+    on_path = shutil.which("tritonserver")
+    if on_path:  # NGC: the backends lie beside the binary's folder
+        binary = Path(on_path)
+        return binary, binary.resolve().parent.parent / "backends"
+    return pytriton_root() / "bin" / "tritonserver", build_backend_dir(work_dir / "backends")
+
+
+def as_given(argv: list[str], work_dir: Path) -> list[str]:
+    """``tritonserver ARGV``, with the backends' folder added unless ARGV names one (the
+    CPU image assembles the python backend's, as ``mmctl up`` does)."""
+    binary, backend_dir = binary_and_backends(work_dir)
+    if any(arg.startswith("--backend-directory") for arg in argv):
+        return [str(binary), *argv]
+    return [str(binary), f"--backend-directory={backend_dir}", *argv]
+
+
 def command(args: argparse.Namespace) -> list[str]:
     cfg = TritonLaunchConfig(repository=args.repository, work_dir=args.work_dir, host=args.host,
                              http_port=args.http_port, grpc_port=args.grpc_port,
                              metrics_port=args.metrics_port,
                              restricted_key=read_key(args.key_file, args.key_wait_s))
-    on_path = shutil.which("tritonserver")
-    if on_path:  # NGC: the backends lie beside the binary's folder
-        binary = Path(on_path)
-        backend_dir = binary.resolve().parent.parent / "backends"
-    else:
-        binary = pytriton_root() / "bin" / "tritonserver"
-        backend_dir = build_backend_dir(args.work_dir / "backends")
+    binary, backend_dir = binary_and_backends(args.work_dir)
     return [str(binary), *triton_args(cfg, backend_dir, None)]
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["tritonserver"]:
+        WORK_DIR.mkdir(parents=True, exist_ok=True)
+        _exec(as_given(argv[1:], WORK_DIR))
+        return
     parser = argparse.ArgumentParser(prog="python -m control_plane.runtime.triton_container",
                                      description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -88,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=8001)
     serve.add_argument("--metrics-port", type=int, default=8002)
-    serve.add_argument("--work-dir", type=Path, default=Path("/tmp/triton"))
+    serve.add_argument("--work-dir", type=Path, default=WORK_DIR)
     serve.add_argument("--key-wait-s", type=float, default=300.0,
                        help="how long to wait for the key file to appear")
     serve.add_argument("--demo-fleet", type=int, default=0, metavar="N",
@@ -106,7 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         from control_plane.demo import write_demo_repository
 
         write_demo_repository(args.repository, args.demo_fleet, layout="family")
-    cmd = command(args)
+    _exec(command(args))
+
+
+def _exec(cmd: list[str]) -> None:
     print("starting tritonserver:", printable_command(cmd), flush=True)
     os.execve(cmd[0], cmd, triton_environment(os.environ))
 

@@ -234,7 +234,9 @@ class PostgresDatabase(Database):
 
         self.url = url
         self.pool = pool or ConnectionPool(url, min_size=min_size, max_size=max_size,
-                                           kwargs={"autocommit": True}, open=True,
+                                           # utf8: a SQL_ASCII database would give text back as bytes
+                                           kwargs={"autocommit": True, "client_encoding": "utf8"},
+                                           open=True,
                                            name="mmserve-state")
         self._owns_pool = pool is None
         self._local = threading.local()

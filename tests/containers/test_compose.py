@@ -29,16 +29,14 @@ from tritonclient.utils import InferenceServerException
 
 from control_plane.demo.reference import expected_scores, scores_match
 from control_plane.triton.launch import free_port
-from tests import system_packages
+from tests.containers.engine import engine_env, podman
 
 # The images' first build on a machine takes minutes (pip byte-compiles torch), more where
 # the rest of the suite runs beside it: past pytest's default limit.
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTAINERS_CONF = ROOT / "docker" / "podman" / "containers.conf"
 FLEET = ["cust001", "cust002", "cust003", "cust004"]
-BUILD_TIMEOUT_S = 1500
 READY_TIMEOUT_S = 240
 BACK_WITHIN_S = 90  # the issue's bound on a killed Triton's comeback
 
@@ -47,18 +45,12 @@ def features(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((2, 64)).astype(np.float32)
 
 
-def podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CONTAINERS_CONF=str(CONTAINERS_CONF))
-    return subprocess.run(["podman", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, check=check)
-
-
 class Compose:
     """docker/compose.yaml under its own project name, ports and fleet size."""
 
     def __init__(self, project: str, env: dict[str, str]):
         self.project = project
-        self.env = dict(os.environ, CONTAINERS_CONF=str(CONTAINERS_CONF), **env)
+        self.env = dict(engine_env(), **env)
 
     def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         cmd = [str(Path(sys.executable).parent / "podman-compose"), "-p", self.project,
@@ -82,20 +74,6 @@ class Compose:
     def logs(self, service: str) -> str:
         result = podman("logs", "--tail", "60", self.container(service), check=False)
         return result.stdout + result.stderr
-
-
-@pytest.fixture(scope="module")
-def images():
-    try:
-        system_packages.ensure("podman", "runc", "debootstrap")
-    except system_packages.PackagesMissing as exc:
-        pytest.fail(str(exc))
-    built = subprocess.run([sys.executable, str(ROOT / "docker" / "images.py"), "--engine", "podman"],
-                           capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
-    assert built.returncode == 0, built.stdout[-4000:] + built.stderr[-4000:]
-    sizes = [line for line in built.stdout.splitlines() if line.startswith("localhost/mmserve")]
-    print("\n".join(sizes))
-    return sizes
 
 
 @pytest.fixture(scope="module")

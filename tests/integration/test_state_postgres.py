@@ -70,6 +70,29 @@ def test_registry_pins_adapters_and_kv_survive_a_new_connection(postgres_url):
     again.close()
 
 
+def test_a_database_made_without_an_encoding_gives_text_back_as_text(postgres_server):
+    """A database created as SQL_ASCII (initdb without a UTF-8 locale, as in a bare
+    container) makes psycopg hand text columns back as bytes unless the connection names
+    its encoding; bytes in a registry row broke every JSON answer of the admin API."""
+    import psycopg
+
+    with psycopg.connect(postgres_server.get_uri(), autocommit=True) as conn:
+        conn.execute('DROP DATABASE IF EXISTS "ascii_state"')
+        conn.execute("CREATE DATABASE ascii_state ENCODING 'SQL_ASCII' LC_COLLATE 'C' "
+                     "LC_CTYPE 'C' TEMPLATE template0")
+    store = StateStore(open_database(postgres_server.get_uri("ascii_state")))
+    try:
+        reg = Registry(store.db, clock=lambda: 1_700_000_000.0)
+        reg.add("cust017", 1, artifact_uri="s3://m/cust017/1/", sha256=SHA, size_bytes=10,
+                who="ops", stage="production")
+        (version,) = reg.versions("cust017")
+        assert (version.artifact_uri, version.created_by, version.stage) == (
+            "s3://m/cust017/1/", "ops", "production")
+        assert all(not isinstance(v, bytes) for v in vars(version).values())
+    finally:
+        store.db.close()
+
+
 def test_a_failed_registry_change_leaves_nothing_half_done(postgres_url):
     store = StateStore(open_database(postgres_url))
     reg = Registry(store.db)

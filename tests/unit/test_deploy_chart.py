@@ -8,18 +8,19 @@ helm comes from `make setup` (deploy/install_helm.py writes it to .venv/bin/helm
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from tests.helm import helm_binary
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "mmserve"
 PROD_VALUES = CHART / "ci" / "mig-existing-secrets-values.yaml"
+CPU_VALUES = CHART / "ci" / "podman-cpu-values.yaml"  # what tests/containers/test_chart_pods.py runs
 # The oldest Kubernetes the chart is checked against (Chart.yaml asks for >= 1.27; 1.30 is
 # the oldest minor with upstream support when this was written).
 KUBERNETES_VERSION = "1.30.0"
@@ -28,15 +29,6 @@ POSTGRES_PASSWORD = "pw-must-stay-secret"
 POSTGRES_URL = f"postgresql://mms:{POSTGRES_PASSWORD}@db.example:5432/mms"
 CREDENTIAL_ENV = {"MMS_ADMIN_TOKEN", "MMS_DATAPLANE_TOKEN", "MMS_STATE_URL", "MMS_TRITON_ADMIN_KEY", "TRITON_ADMIN_KEY",
                   "MMS_S3_ACCESS_KEY_ID", "MMS_S3_SECRET_ACCESS_KEY"}
-
-
-def helm_binary() -> str:
-    beside_python = Path(sys.executable).parent / "helm"
-    found = str(beside_python) if beside_python.is_file() else shutil.which("helm")
-    if found is None:
-        pytest.fail(f"helm is not installed: `make setup` puts it at {beside_python} "
-                    "(python deploy/install_helm.py .venv/bin/helm does only that)")
-    return found
 
 
 def helm(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -96,8 +88,19 @@ def prod() -> Rendered:
     return Rendered("prod", "-f", PROD_VALUES)
 
 
+@pytest.fixture(scope="module")
+def cpu() -> Rendered:
+    """One machine, no GPUs: the values the container suite plays under podman."""
+    return Rendered("cpu", "-f", CPU_VALUES)
+
+
 @pytest.fixture(scope="module", params=["default", "prod"])
 def rendered(request) -> Rendered:
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module", params=["default", "prod", "cpu"])
+def any_rendered(request) -> Rendered:
     return request.getfixturevalue(request.param)
 
 
@@ -148,7 +151,8 @@ def check_prometheus_rule(rule: dict) -> None:
             assert set(r) <= {"alert", "record", "expr", "for", "labels", "annotations"}, r.keys()
 
 
-def test_every_manifest_validates_against_the_kubernetes_schemas(rendered):
+def test_every_manifest_validates_against_the_kubernetes_schemas(any_rendered):
+    rendered = any_rendered
     kinds, problems = set(), []
     for doc in rendered.docs:
         kinds.add(doc["kind"])
@@ -297,7 +301,9 @@ def test_triton_runs_explicit_model_control_behind_an_admin_key_from_a_secret(re
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
 
 
-def test_one_gpu_or_one_mig_slice_per_triton_pod(default, prod):
+def test_one_gpu_or_one_mig_slice_per_triton_pod(default, prod, cpu):
+    assert not [r for r in cpu.container("StatefulSet", "cpu-triton")["resources"]["limits"]
+                if r.startswith("nvidia.com/")]  # gpuResource "": Tritons on CPU
     limits = default.container("StatefulSet", "mm-triton")["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == 1
     spec = default.one("StatefulSet", "mm-triton")["spec"]["template"]["spec"]
@@ -470,3 +476,4 @@ def test_chart_refuses_values_it_cannot_work_with():
 def test_helm_lint_is_clean():
     helm("lint", "--strict", CHART, "--set-string", f"postgres.url={POSTGRES_URL}")
     helm("lint", "--strict", CHART, "-f", PROD_VALUES)
+    helm("lint", "--strict", CHART, "-f", CPU_VALUES)

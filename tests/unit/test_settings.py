@@ -285,6 +285,22 @@ def test_env_only_settings_come_from_the_environment(monkeypatch):
     assert parse_worker_argv(["--control-url", "http://cp"]).admin_token == "old"
 
 
+@pytest.mark.parametrize("command", ["up", "control-plane", "router"])
+def test_a_setting_of_the_environment_only_reaches_the_commands_config(command, monkeypatch):
+    """A setting with no option (the data-plane token: argv is visible to every user) is
+    read from the environment by mmctl up / control-plane / router too, not only by the
+    processes they start: `mmctl control-plane` in a pod has its token from a Secret.
+    (mmctl's own commands read the admin token where they send it: ``find_token``.)"""
+    cls = config_class(command)
+    env_only = [d for d in declared(cls) if d.flag is None]
+    for d in env_only:
+        text, value = sample(d.setting)
+        monkeypatch.setenv(d.setting.env, text)
+        assert getattr(run(command, [], monkeypatch), d.name) == value, d.setting.env
+        monkeypatch.delenv(d.setting.env)
+        assert getattr(run(command, [], monkeypatch), d.name) == d.setting.default
+
+
 # --------------------------------------------------------------------------- config file
 def test_a_toml_config_file_gives_the_same_settings(tmp_path, monkeypatch):
     config = tmp_path / "mms.toml"

@@ -341,6 +341,31 @@ def test_the_containers_triton_runs_the_products_flags_with_the_key_of_its_file(
         in_container.command(args)
 
 
+def test_the_triton_image_runs_tritonserver_arguments_as_ngcs_image_does(tmp_path, monkeypatch):
+    """The Helm chart's Triton pods run `tritonserver ARGS`: the CPU image passes them to the
+    wheel's binary with the python backend it assembles, unless ARGS names a backends folder;
+    exec'd with the allow-listed environment (no secret of the pod's)."""
+    from control_plane.runtime import triton_container as in_container
+
+    monkeypatch.setattr(in_container.shutil, "which", lambda name: None)  # the CPU image
+    monkeypatch.setattr(in_container, "WORK_DIR", tmp_path / "work")
+    execs = []
+    monkeypatch.setattr(in_container.os, "execve", lambda path, argv, env: execs.append((argv, env)))
+    monkeypatch.setenv("TRITON_ADMIN_KEY", "k" * 24)
+    chart_args = ["--model-repository=/models", "--model-control-mode=explicit",
+                  f"--grpc-restricted-protocol=model-repository:admin-key={'k' * 24}"]
+    in_container.main(["tritonserver", *chart_args])
+    (argv, env), = execs
+    backends = tmp_path / "work" / "backends"
+    assert argv[0].endswith("pytriton/tritonserver/bin/tritonserver")
+    assert argv[1:] == [f"--backend-directory={backends}", *chart_args]
+    assert (backends / "python" / "triton_python_backend_stub").exists()
+    assert "TRITON_ADMIN_KEY" not in env
+    execs.clear()
+    in_container.main(["tritonserver", "--backend-directory=/opt/b", *chart_args])
+    assert execs[0][0][1:] == ["--backend-directory=/opt/b", *chart_args]
+
+
 def test_a_held_port_is_handed_to_no_one_else_and_its_servers_bind_beside_it():
     """mmctl up holds its public and admin ports from the moment it picks them: the kernel
     hands that port to no bind(0) and refuses a plain bind of it (a Triton or another
