@@ -88,7 +88,7 @@ ENGINE ?= $(shell command -v podman >/dev/null 2>&1 && echo podman || echo docke
 GPU ?=
 COMPOSE_FILES := -f docker/compose.yaml $(if $(GPU),-f docker/compose.gpu.yaml)
 ifeq ($(ENGINE),podman)
-COMPOSE := CONTAINERS_CONF=$${CONTAINERS_CONF:-docker/podman/containers.conf} $(BIN)/podman-compose $(COMPOSE_FILES)
+COMPOSE := env CONTAINERS_CONF=$${CONTAINERS_CONF:-$(CURDIR)/docker/podman/containers.conf} $(BIN)/podman-compose $(COMPOSE_FILES)
 else
 COMPOSE := docker compose $(COMPOSE_FILES)
 endif
@@ -100,9 +100,10 @@ $(VENV)/.installed-containers: $(VENV)/.installed
 images: $(VENV)/.installed-containers
 	$(BIN)/python docker/images.py --engine $(ENGINE) $(if $(GPU),--gpu)
 
-# Ctrl-C stops the stack and removes its containers (the volumes stay: state, models, key).
+# Ctrl-C stops the stack and removes its containers before the prompt comes back (the
+# volumes stay: state, models, key); docker/compose_up.py says why a shell trap cannot.
 up-docker: images
-	@trap '$(COMPOSE) down' EXIT; $(COMPOSE) up
+	@exec $(BIN)/python docker/compose_up.py $(COMPOSE)
 
 # The default warm tier of a state directory lives in tmpfs (host RAM) under
 # /dev/shm/mms-<uid>-<first 12 hex of sha256(resolved state dir)> (warm_tier.tmpfs_warm_root);

@@ -4,6 +4,7 @@ addresses, its restricted APIs behind the key the control plane holds, logging t
 
     python -m control_plane.runtime.triton_container serve --repository /models --key-file /keys/triton.key
     python -m control_plane.runtime.triton_container share-key --state-key /state/triton.key --triton-key /keys/triton.key
+    python -m control_plane.runtime.triton_container wait-live --url http://triton:8100/v2/health/live
     python -m control_plane.runtime.triton_container tritonserver --model-repository=/models ...
 
 The last runs tritonserver with the arguments given, as NGC's image runs a container's
@@ -68,6 +69,27 @@ def share_key(state_key: Path, triton_key: Path) -> None:
     ensure_secret_file(triton_key, key, what="Triton key")
 
 
+def wait_live(url: str, timeout_s: float) -> bool:
+    """Until Triton at ``url`` answers live, at most ``timeout_s``: the control plane's
+    container starts once the models Triton's container writes first (``--demo-fleet``) are
+    in the repository, which the control plane reads as it starts.  False (said on stderr)
+    when it did not answer: the control plane starts anyway and watches for it."""
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return True
+        except requests.RequestException:
+            pass
+        if time.monotonic() >= deadline:
+            print(f"Triton at {url} was not live after {timeout_s:.0f}s; starting without it",
+                  file=sys.stderr, flush=True)
+            return False
+        time.sleep(0.5)
+
+
 def binary_and_backends(work_dir: Path) -> tuple[Path, Path]:
     """The image's tritonserver and its backends' folder."""
     on_path = shutil.which("tritonserver")
@@ -122,7 +144,13 @@ def main(argv: list[str] | None = None) -> None:
     shared = commands.add_parser("share-key", help="the control plane's Triton key, and Triton's copy")
     shared.add_argument("--state-key", type=Path, required=True)
     shared.add_argument("--triton-key", type=Path, required=True)
+    live = commands.add_parser("wait-live", help="wait until Triton answers live")
+    live.add_argument("--url", required=True)
+    live.add_argument("--timeout-s", type=float, default=300.0)
     args = parser.parse_args(argv)
+    if args.command == "wait-live":
+        wait_live(args.url, args.timeout_s)
+        return
     if args.command == "share-key":
         share_key(args.state_key, args.triton_key)
         return

@@ -3,7 +3,7 @@ by debootstrap where no registry answers) and docker/compose.yaml serves the dem
 them, as `make up-docker` does.  Triton's own clients talk to the router's published ports
 over gRPC and HTTP, every answer checked against the variant's weights in the models
 volume; the admin API answers `compose exec control-plane mmctl` and nothing outside; a
-Triton killed as a crash kills it comes back and its models are served again; `down` leaves
+Triton killed as a crash kills it comes back and its models are served again; Ctrl-C leaves
 no container.
 
 The images are built once per machine and then taken from the engine's cache (unchanged
@@ -51,12 +51,17 @@ class Compose:
     def __init__(self, project: str, env: dict[str, str]):
         self.project = project
         self.env = dict(engine_env(), **env)
+        self.up: subprocess.Popen | None = None  # docker/compose_up.py, as make up-docker runs it
+        self.up_log = None
+
+    @property
+    def command(self) -> list[str]:
+        return [str(Path(sys.executable).parent / "podman-compose"), "-p", self.project,
+                "-f", str(ROOT / "docker" / "compose.yaml")]
 
     def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-        cmd = [str(Path(sys.executable).parent / "podman-compose"), "-p", self.project,
-               "-f", str(ROOT / "docker" / "compose.yaml"), *args]
-        result = subprocess.run(cmd, capture_output=True, text=True, env=self.env, timeout=timeout,
-                                check=False)
+        result = subprocess.run([*self.command, *args], capture_output=True, text=True, env=self.env,
+                                timeout=timeout, check=False)
         if check and result.returncode != 0:
             raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n"
                                  f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
@@ -77,13 +82,19 @@ class Compose:
 
 
 @pytest.fixture(scope="module")
-def stack(images):
+def stack(images, tmp_path_factory):
     project = f"mmstest{uuid.uuid4().hex[:8]}"
     http_port, grpc_port = free_port(), free_port()
     compose = Compose(project, {"MMS_HTTP_PORT": str(http_port), "MMS_GRPC_PORT": str(grpc_port),
                                 "MMS_FLEET_SIZE": str(len(FLEET)), "MMS_MAX_LOADED": "3"})
+    # In the foreground as `make up-docker` runs it (docker/compose_up.py), in a session of
+    # its own: the last test sends it the terminal's Ctrl-C.
+    log = open(tmp_path_factory.mktemp("compose") / "up.log", "w+")  # noqa: SIM115 - read by the tests
+    compose.up = subprocess.Popen([sys.executable, str(ROOT / "docker" / "compose_up.py"), *compose.command],
+                                  env=compose.env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    compose.up_log = log
     try:
-        compose("up", "-d")
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             try:
@@ -98,7 +109,11 @@ def stack(images):
         models = Path(podman("volume", "inspect", "--format", "{{.Mountpoint}}", f"{project}_models").stdout.strip())
         yield compose, http_port, grpc_port, models
     finally:
+        if compose.up.poll() is None:
+            os.killpg(compose.up.pid, signal.SIGTERM)
+            compose.up.wait(300)
         compose("down", "-v", timeout=300, check=False)
+        log.close()
 
 
 def grpc_scores(port: int, model: str, x: np.ndarray) -> np.ndarray:
@@ -172,8 +187,15 @@ def test_compose_serves_the_demo_fleet_and_a_killed_triton_comes_back(stack):
     print(f"served again {time.monotonic() - killed:.1f}s after Triton was killed")
 
 
-def test_down_leaves_no_container(stack):
+def test_ctrl_c_removes_every_container_before_it_returns(stack):
+    """`make up-docker`'s Ctrl-C: the terminal's SIGINT to the whole foreground group (compose
+    and its podman processes too); once it has returned, no container is left."""
     compose = stack[0]
     assert len(compose.containers()) == 2  # triton, control-plane
-    compose("down")
-    assert compose.containers() == []
+    os.killpg(compose.up.pid, signal.SIGINT)
+    code = compose.up.wait(300)
+    left = compose.containers()
+    compose.up_log.seek(0)
+    said = compose.up_log.read()
+    assert left == [], f"left after Ctrl-C: {left}\n{said[-3000:]}"
+    assert code == 128 + signal.SIGINT and "removing the stack's containers" in said, said[-3000:]
