@@ -71,7 +71,10 @@ def assert_thrash_loses_nothing(p: Product, answers: Answers,
         answered, failures = thrash_checking_answers(p.json("endpoints")["router_grpc"], answers,
                                                      requests_each)
         sent = CLIENTS * requests_each
-        assert failures == [], f"{len(failures)} of {sent} failed: {failures[:5]}"
+        # The product's warnings and errors say why (a server declared down, a load that failed).
+        said = [line for line in p.log_text().splitlines() if " WARNING " in line or " ERROR " in line]
+        assert failures == [], (f"{len(failures)} of {sent} failed: {failures[:5]}\n"
+                                + "\n".join(said[-40:]))
         assert answered == sent
     finally:
         p.stop()
