@@ -254,10 +254,11 @@ def test_canaries_and_rate_limits_work_on_variant_names(tmp_path):
         url = p.json("endpoints")["router_grpc"]
         grpc_infer(url, "cust003")  # the baseline is loaded; the candidate starts cold
         started = p.mmctl("canary", "start", "cust003", "--to", "cust004", "--stages", "50,100",
-                          "--stage-seconds", "2", "--check-interval", "0.3", "--min-requests", "5")
+                          "--stage-seconds", "6", "--check-interval", "0.3", "--min-requests", "5")
         assert started.returncode == 0, started.stderr
-        # Anonymous requests are split at random: at 50% for 2 s both variants answer some
-        # (1 s on a busy machine, a request taking 200 ms, once gave five to cust004 alone).
+        # Anonymous requests are split at random: at 50% for 6 s both variants answer some
+        # (2 s on a busy machine, with requests taking 200-400 ms, twice gave every one to
+        # cust004: 1 in 2^(n-1) for n requests).
         served_by, deadline = set(), time.monotonic() + 90
         while p.json("canary", "status", "cust003")["status"] == "running":
             assert time.monotonic() < deadline, p.json("canary", "status", "cust003")["history"][-3:]
