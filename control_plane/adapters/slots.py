@@ -387,9 +387,8 @@ class AdapterSlots:
             if where not in self.manager.copy_servers_of(name):
                 slots = self.slots.pop((base, where))
                 server = self.manager.servers.get(where)
-                forget = getattr(getattr(server, "admin", None), "forget_adapter_socket", None)
-                if forget is not None:  # its process goes: nothing more over its socket
-                    asyncio.get_running_loop().create_task(forget(base))
+                if server is not None:  # its process goes: nothing more over its socket
+                    asyncio.get_running_loop().create_task(server.admin.control_sockets.forget(base))
                 for adapter in slots.planner.residents:
                     self.manager.announce_moved(entry_name(base, adapter))
 

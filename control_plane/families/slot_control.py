@@ -30,47 +30,38 @@ load), the family model is loaded again with more slots and its variants refille
 
 What this server's control plane knows of each family model (its lock, slots, residents,
 process, warm-up) is one ``FamilyInstance`` (instance.py), moved between named states there.
+The commands themselves (status, fill, evict) and how they reach the family's process are
+``FamilyControl``'s (family_control.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
-from collections.abc import Callable
 
-import numpy as np
 from google.protobuf import json_format
-from tritonclient.grpc import InferInput, InferRequestedOutput
-from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-from control_plane.families.family_catalog import WEIGHTS_FILE, Family, FamilyCatalog
-from control_plane.families.instance import IN_PROGRESS, FamilyInstance, FamilyState
+from control_plane.families.family_catalog import Family
+from control_plane.families.family_control import FamilyControl, FamilyUnhealthy
+from control_plane.families.instance import IN_PROGRESS, FamilyState
 from control_plane.triton.admin import (
     IndexEntry,
     SlotPool,
-    Timeouts,
-    TritonAdmin,
     TritonModelState,
     WarmupPlan,
-    warmup_plan,
 )
-from control_plane.triton.control_socket import ControlSocket
-from domain import model_config, tracing
+from domain import model_config
 from domain.errors import (
     CapacityExhausted,
     ControlPlaneError,
     InvalidInput,
     ModelLoadFailed,
     ModelNotFound,
-    OperationTimeout,
 )
 from model_runtime.family.protocol import (
-    CONTROL_PARAMETER,
     SLOTS_PARAMETER,
-    STATUS_OUTPUT,
     VARIANT_PARAMETER,
 )
 
@@ -80,37 +71,8 @@ log = logging.getLogger(__name__)
 # (recency before placement), and a status request waits behind the family's running batch.
 USAGE_MAX_AGE_S = 1.0
 
-# Triton's python backend about a stub process that died; it does not start a new one.
-UNHEALTHY_STUB = "is not healthy"
-
-
-class FamilyUnhealthy(ModelLoadFailed):
-    """The family model's process died; a load of the family model starts a new one."""
-
-
-class FamilyAdmin(TritonAdmin):
-    """TritonAdmin for one server, with the variants of ``families`` held in slots.
-
-    ``slots_for(family)``: how many slots the family gets on this server (sized from the
-    server's budget, ``catalog.family_slots``)."""
-
-    def __init__(self, grpc_url: str, families: FamilyCatalog,
-                 slots_for: Callable[[Family], int], timeouts: Timeouts | None = None,
-                 load_config: Callable[[str], str | None] | None = None):
-        super().__init__(grpc_url, timeouts or Timeouts(), load_config)
-        self.families = families
-        self.slots_for = slots_for
-        self.instances: dict[str, FamilyInstance] = {}  # family -> its model on this server
-        # family -> the control socket its process named (commands beside inference); the
-        # sockets this control plane cannot reach are TritonAdmin's (``_never_again``).
-        self.sockets: dict[str, ControlSocket] = {}
-
-    def instance(self, family: str) -> FamilyInstance:
-        """What this server's control plane knows of ``family``'s model (ABSENT at first)."""
-        found = self.instances.get(family)
-        if found is None:
-            found = self.instances[family] = FamilyInstance(family, self.grpc_url)
-        return found
+class FamilyAdmin(FamilyControl):
+    """TritonAdmin for one server, with the variants of ``families`` held in slots."""
 
     # ------------------------------------------------------------------ the family model
     def _family_config(self, family: Family, slots: int) -> str:
@@ -129,19 +91,11 @@ class FamilyAdmin(TritonAdmin):
             self.guard()
         # The process Triton replaces may still answer on its socket for a moment: the next
         # command goes through Triton, whose answer names the new process's socket.
-        channel = self.sockets.get(family.name)
-        if channel is not None:
-            self._never_again(channel.name)
-            await self._drop_socket(family.name)
+        await self.control_sockets.forget(family.name)
         await self.load_with(family.name, await asyncio.to_thread(self._family_config, family, slots))
         self.instance(family.name).loaded(slots)
         log.info("family %s loaded on %s with %d slots of %d bytes", family.name, self.grpc_url,
                  slots, family.slot_bytes)
-
-    def _not_loaded(self, family: Family) -> ModelNotFound:
-        """The family model is not loaded here: nothing known of its slots holds."""
-        self.instance(family.name).move(FamilyState.ABSENT, "Triton does not have it")
-        return ModelNotFound(f"family {family.name} is not loaded on {self.grpc_url}")
 
     async def _ensure_family(self, family: Family, load_absent: bool = True) -> dict:
         """The family model is loaded here and its process alive; returns its status.  A
@@ -232,10 +186,7 @@ class FamilyAdmin(TritonAdmin):
             raise ModelNotFound(f"{family} is not a model family")
         instance = self.instance(family)
         async with instance.lock:
-            channel = self.sockets.get(family)
-            if channel is not None:  # its process goes: nothing more to it over its socket
-                self._never_again(channel.name)
-                await self._drop_socket(family)
+            await self.control_sockets.forget(family)  # its process goes with it
             await super().unload(family)
             instance.move(FamilyState.ABSENT, "unloaded: no variant left in its slots")
         log.info("family %s unloaded from %s: no variant was left in its slots", family,
@@ -246,138 +197,6 @@ class FamilyAdmin(TritonAdmin):
         None when it is not loaded here."""
         instance = self.instances.get(family)
         return None if instance is None else instance.view()
-
-    # ------------------------------------------------------------------ control requests
-    async def _plan(self, family: Family) -> WarmupPlan:
-        instance = self.instance(family.name)
-        plan = instance.plan
-        if plan is None:
-            try:
-                resp = await self.client.get_model_config(family.name,
-                                                          client_timeout=self.timeouts.health_s)
-            except InferenceServerException as exc:
-                msg = exc.message() or str(exc)
-                if "unknown model" in msg.lower() or "not found" in msg.lower():
-                    raise self._not_loaded(family) from exc
-                raise self._translate(exc, "read the config of", family.name, self.timeouts.health_s) from exc
-            plan = instance.plan = warmup_plan(resp.config)
-        return plan
-
-    def _inputs(self, plan: WarmupPlan) -> list[InferInput]:
-        inputs = []
-        for spec in plan.inputs:
-            if spec.datatype == "BYTES":
-                data = np.full(spec.shape, b"", dtype=np.object_)
-            else:
-                data = np.zeros(spec.shape, dtype=triton_to_np_dtype(spec.datatype))
-            inp = InferInput(spec.name, list(spec.shape), spec.datatype)
-            inp.set_data_from_numpy(data)
-            inputs.append(inp)
-        return inputs
-
-    async def control(self, family: Family, command: dict) -> dict:
-        """One control command to the family model; its JSON status.  Over the control socket
-        its process named (a fill then runs beside the batch Triton executes), else, or when
-        that socket is gone, as a request through Triton.  ModelNotFound when the family is
-        not loaded here; InvalidInput / CapacityExhausted for refused commands."""
-        keyed = {**command, "key": self.families.control_key}
-        with tracing.span(f"family.{command.get('op')}", tracing.SpanKind.CLIENT,
-                          model=command.get("variant"), family=family.name,
-                          evicting=",".join(command.get("evict", ())) or None,
-                          server=self.grpc_url) as span:
-            channel = self.sockets.get(family.name)
-            if channel is not None:
-                try:
-                    answer = await channel.send(keyed, self.timeouts.load_s)
-                except TimeoutError:
-                    await self._drop_socket(family.name)
-                    raise OperationTimeout(f"family {family.name} on {self.grpc_url} did not answer "
-                                           f"{command.get('op')!r} within {self.timeouts.load_s:.0f}s") from None
-                except (OSError, EOFError, ValueError) as exc:
-                    # Its process is gone or was replaced: the request path says which (not
-                    # loaded, died) and names the new process's socket.
-                    log.info("family %s on %s: control socket %s: %s; sending as a request",
-                             family.name, self.grpc_url, channel.name, exc)
-                    self._never_again(channel.name)
-                    await self._drop_socket(family.name)
-                else:
-                    if span is not None:
-                        span.set_attribute("mms.path", "socket")
-                    if "error" in answer:
-                        raise self._refused(family, command, str(answer.get("code", "")),
-                                            str(answer["error"]))
-                    self._observe(family, answer)
-                    return answer
-            answer = await self._control_request(family, command, keyed)
-            self._observe(family, answer)
-            return answer
-
-    async def _control_request(self, family: Family, command: dict, keyed: dict) -> dict:
-        """A control command as an inference request of the family model, through Triton."""
-        plan = await self._plan(family)
-        try:
-            result = await self.client.infer(
-                family.name, self._inputs(plan), outputs=[InferRequestedOutput(STATUS_OUTPUT)],
-                parameters={CONTROL_PARAMETER: json.dumps(keyed)},
-                headers=tracing.inject() or None, client_timeout=self.timeouts.load_s)
-        except InferenceServerException as exc:
-            status = str(exc.status() or "")
-            msg = (exc.message() or str(exc)).strip()
-            if "NOT_FOUND" in status or "unknown model" in msg.lower():
-                raise self._not_loaded(family) from exc
-            if UNHEALTHY_STUB in msg:
-                self.instance(family.name).move(FamilyState.DEAD, "its process died")
-                raise FamilyUnhealthy(f"the process of family {family.name} on {self.grpc_url} "
-                                      f"died ({msg})") from exc
-            if ("UNAVAILABLE" in status and ("Socket closed" in msg or "connect" in msg.lower())) \
-                    or ("UNAVAILABLE" not in status and "INVALID_ARG" not in status):
-                raise self._translate(exc, command.get("op", "control"), family.name,
-                                      self.timeouts.load_s) from exc
-            raise self._refused(family, command, status, msg) from exc
-        raw = result.as_numpy(STATUS_OUTPUT)
-        value = raw.reshape(-1)[0]
-        return json.loads(value.decode() if isinstance(value, bytes) else value)
-
-    @staticmethod
-    def _refused(family: Family, command: dict, code: str, msg: str) -> ControlPlaneError:
-        """The family model's refusal of a command (its Triton error code and message)."""
-        if "UNAVAILABLE" in code and "slots hold" in msg:
-            return CapacityExhausted(msg)
-        if "INVALID_ARG" in code:
-            return InvalidInput(msg)
-        return ModelLoadFailed(f"family {family.name} failed {command.get('op')!r}: {msg}")
-
-    def _observe(self, family: Family, answer: dict) -> None:
-        """What its process answered: its slots, and the control socket it named."""
-        self.instance(family.name).observe(answer)
-        name = answer.get("control_socket")
-        current = self.sockets.get(family.name)
-        if current is not None and current.name == name:
-            return
-        if current is not None:
-            self.sockets.pop(family.name)
-            asyncio.get_running_loop().create_task(current.close())
-        if name and name not in self._gone_sockets:
-            self.sockets[family.name] = ControlSocket(name)
-
-    async def _drop_socket(self, family: str) -> None:
-        channel = self.sockets.pop(family, None)
-        if channel is not None:
-            await channel.close()
-
-    async def close(self) -> None:
-        for family in list(self.sockets):
-            await self._drop_socket(family)
-        await super().close()
-
-    async def _fill(self, family: Family, variant: str, evict: list[str] = ()) -> dict:
-        """Copy ``variant`` into a free slot, freeing the slots of ``evict`` first (the same
-        request: no batch runs in between)."""
-        path = self.families.repository / variant / WEIGHTS_FILE
-        command = {"op": "load", "variant": variant, "path": str(path)}
-        if evict:
-            command["evict"] = list(evict)
-        return await self.control(family, command)
 
     # ------------------------------------------------------------------ TritonAdmin
     def _changing(self, model: str) -> Family | None:

@@ -3,15 +3,13 @@ model's process named, else as an inference carrying only ``ADAPTER_CONTROL``.""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 
 import numpy as np
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
-from control_plane.triton.control_socket import ControlSocket
+from control_plane.triton.control_socket import ControlSockets
 from domain.errors import (
     CapacityExhausted,
     ControlPlaneError,
@@ -21,8 +19,6 @@ from domain.errors import (
     OperationTimeout,
 )
 from domain.tracing import traced
-
-log = logging.getLogger(__name__)
 
 # The LoRA models' control input and the output that answers it (model_repository/tinylm).
 ADAPTER_CONTROL_INPUT = "ADAPTER_CONTROL"
@@ -42,12 +38,10 @@ def _adapter_refusal(model: str, command: dict, code: str, msg: str) -> ControlP
 
 
 class AdapterControl:
-    """``TritonAdmin``'s part for LoRA models (it sets ``adapter_sockets`` and
-    ``_gone_sockets`` up, and gives ``client``, ``timeouts``, ``grpc_url`` and
-    ``_unavailable``)."""
+    """``TritonAdmin``'s part for LoRA models (it sets ``control_sockets`` up, and gives
+    ``client``, ``timeouts``, ``grpc_url`` and ``_unavailable``)."""
 
-    adapter_sockets: dict[str, ControlSocket]
-    _gone_sockets: set[str]
+    control_sockets: ControlSockets
 
     @traced("triton.adapter_control")
     async def adapter_control(self, model: str, command: dict, timeout_s: float | None = None,
@@ -63,54 +57,22 @@ class AdapterControl:
         refused adapter, a pinned one), UNAVAILABLE with a slot message -> CapacityExhausted
         (every device slot pinned); an unreachable server -> TritonUnavailable."""
         timeout_s = self.timeouts.load_s if timeout_s is None else timeout_s
-        channel = self.adapter_sockets.get(model) if key is not None else None
-        if channel is not None:
+        if key is not None:
             try:
-                answer = await channel.send({**command, "key": key}, timeout_s)
+                answer = await self.control_sockets.send(model, {**command, "key": key}, timeout_s)
             except TimeoutError:
-                await self.forget_adapter_socket(model)
                 raise OperationTimeout(
                     f"{model} did not answer {command.get('op')!r} within {timeout_s:.0f}s") from None
-            except (OSError, EOFError, ValueError) as exc:
-                # Its process is gone or was replaced: the request path reaches the one Triton
-                # serves now, whose answer names its socket.
-                log.info("%s on %s: control socket %s: %s; sending as a request", model,
-                         self.grpc_url, channel.name, exc)
-                await self.forget_adapter_socket(model)
-            else:
+            if answer is not None:
                 if "error" in answer:
                     raise _adapter_refusal(model, command, str(answer.get("code", "")),
                                            str(answer["error"]))
-                self._learn_adapter_socket(model, answer)
+                self.control_sockets.learn(model, answer)
                 return answer
         answer = await self._adapter_control_request(model, command, timeout_s)
         if key is not None:
-            self._learn_adapter_socket(model, answer)
+            self.control_sockets.learn(model, answer)
         return answer
-
-    def _learn_adapter_socket(self, model: str, answer: dict) -> None:
-        name = answer.get("control_socket")
-        current = self.adapter_sockets.get(model)
-        if not name or (current is not None and current.name == name) or name in self._gone_sockets:
-            return
-        if current is not None:
-            asyncio.get_running_loop().create_task(current.close())
-        self.adapter_sockets[model] = ControlSocket(name)
-
-    async def forget_adapter_socket(self, model: str) -> None:
-        """Send ``model``'s commands through Triton until an answer names a socket again (its
-        process is gone or being replaced: nothing more over the socket it had)."""
-        channel = self.adapter_sockets.pop(model, None)
-        if channel is not None:
-            self._never_again(channel.name)
-            await channel.close()
-
-    def _never_again(self, name: str) -> None:
-        """Send nothing more over socket ``name`` (its process is gone or being replaced); a
-        family's sockets (``FamilyAdmin``) and a LoRA model's share the set."""
-        if len(self._gone_sockets) >= 1024:  # names of processes long gone
-            self._gone_sockets.clear()
-        self._gone_sockets.add(name)
 
     async def _adapter_control_request(self, model: str, command: dict, timeout_s: float) -> dict:
         control = InferInput(ADAPTER_CONTROL_INPUT, [1, 1], "BYTES")

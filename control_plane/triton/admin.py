@@ -30,7 +30,7 @@ from control_plane.triton.adapter_control import (
     ADAPTER_CONTROL_INPUT,
     AdapterControl,
 )
-from control_plane.triton.control_socket import ControlSocket
+from control_plane.triton.control_socket import ControlSockets
 from domain.errors import (
     ControlPlaneError,
     ModelLoadFailed,
@@ -144,6 +144,20 @@ def warmup_plan(config: model_config_pb2.ModelConfig) -> WarmupPlan:
     return WarmupPlan(len(config.model_warmup), enabled, tuple(inputs))
 
 
+def synthetic_inputs(plan: WarmupPlan) -> list[InferInput]:
+    """The inputs of a synthetic request shaped by ``plan``: zeros, and b"warmup" strings."""
+    inputs = []
+    for spec in plan.inputs:
+        if spec.datatype == "BYTES":
+            data = np.full(spec.shape, b"warmup", dtype=np.object_)
+        else:
+            data = np.zeros(spec.shape, dtype=triton_to_np_dtype(spec.datatype))
+        inp = InferInput(spec.name, list(spec.shape), spec.datatype)
+        inp.set_data_from_numpy(data)
+        inputs.append(inp)
+    return inputs
+
+
 ADMIN_KEY_HEADER = "admin-key"
 
 
@@ -190,9 +204,8 @@ class TritonAdmin(AdapterControl):
         # the loaded models only (RepositoryIndexRequest.ready).
         self._channel: grpc.aio.Channel | None = None
         self._stub: service_pb2_grpc.GRPCInferenceServiceStub | None = None
-        # LoRA model -> the control socket its process named; sockets of processes gone.
-        self.adapter_sockets: dict[str, ControlSocket] = {}
-        self._gone_sockets: set[str] = set()
+        # The control sockets of this server's family and LoRA models' processes.
+        self.control_sockets = ControlSockets(grpc_url)
 
     @property
     def client(self) -> grpcclient.InferenceServerClient:
@@ -211,8 +224,7 @@ class TritonAdmin(AdapterControl):
         return self._stub
 
     async def close(self) -> None:
-        for model in list(self.adapter_sockets):
-            await self.forget_adapter_socket(model)
+        await self.control_sockets.close()
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -410,15 +422,7 @@ class TritonAdmin(AdapterControl):
         """One synthetic inference shaped by ``plan`` on ``triton_model`` (``model``: the name
         errors speak of; ``parameters``: request parameters, e.g. a family's variant)."""
         try:
-            inputs = []
-            for spec in plan.inputs:
-                if spec.datatype == "BYTES":
-                    data = np.full(spec.shape, b"warmup", dtype=np.object_)
-                else:  # a refused datatype is translated below, with the same advice
-                    data = np.zeros(spec.shape, dtype=triton_to_np_dtype(spec.datatype))
-                inp = InferInput(spec.name, list(spec.shape), spec.datatype)
-                inp.set_data_from_numpy(data)
-                inputs.append(inp)
+            inputs = synthetic_inputs(plan)  # a refused datatype is translated below
             start = time.perf_counter()
             await self.client.infer(triton_model, inputs, parameters=parameters,
                                     client_timeout=self.timeouts.infer_s)

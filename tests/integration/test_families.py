@@ -320,7 +320,7 @@ def test_a_family_grown_for_new_variants_answers_from_its_new_process(triton, re
             assert ready(mgr) == set(VARIANTS)
             status = await admin.control(admin.families.family("scaler"), {"op": "status"})
             assert status["instance"] != first_process
-            assert admin.sockets["scaler"].name == status["control_socket"]
+            assert admin.control_sockets.name_of("scaler") == status["control_socket"]
             assert status["control_socket"].endswith(status["instance"])
             for name in VARIANTS:
                 np.testing.assert_allclose(infer(triton.grpc_url, name), expected(name))

@@ -13,6 +13,7 @@ from control_plane.adapters import slots as slots_module
 from control_plane.adapters.slots import AdapterSlots
 from control_plane.demo.fleet import FleetSpec, base_weights
 from control_plane.demo.lora import LoraDemoSpec, write_demo_adapter, write_lora_model
+from control_plane.triton.control_socket import ControlSockets
 from domain.errors import CapacityExhausted, InvalidInput, ModelNotFound
 from model_runtime.lora.errors import AdapterCapacityExhausted, AdapterNotFound, LoraError
 from model_runtime.lora.manifest import Manifest, write_manifest
@@ -50,6 +51,7 @@ class InProcessAdmin:
     def __init__(self, model):
         self.model = model
         self.commands = []
+        self.control_sockets = ControlSockets("in-process")
 
     async def adapter_control(self, base, command, key=None):
         self.commands.append(command)
@@ -279,8 +281,12 @@ def test_a_base_that_leaves_its_server_takes_its_adapters_with_it(stack):
     ensure(stack, "a")
     stack.manager.moved.clear()
     stack.manager.base_ready = False
-    for listener in stack.manager.listeners:
-        listener(BASE)
+
+    async def announce():  # the manager's listeners run on its event loop
+        for listener in stack.manager.listeners:
+            listener(BASE)
+
+    asyncio.run(announce())
     assert stack.slots.ready_server_of(f"{BASE}:a") is None
     assert stack.manager.moved == [f"{BASE}:a"] and stack.slots.rows() == []
 

@@ -269,7 +269,7 @@ def test_gzip_and_deflate_bodies_are_decoded():
 
 
 @pytest.mark.parametrize("encoded, encoding, words", [
-    (gzip.compress(b"x" * 1000)[:20], "gzip", "ends inside its gzip stream"),
+    (gzip.compress(b"x" * 1000, mtime=0)[:20], "gzip", "ends inside its gzip stream"),
     (zlib.compress(b"x" * 1000)[:10], "deflate", "ends inside its deflate stream"),
     (b"not compressed at all", "gzip", "not valid gzip data"),
     (zlib.compress(b"x") + b"tail", "deflate", "4 bytes after its deflate stream"),

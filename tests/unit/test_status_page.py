@@ -75,7 +75,7 @@ def test_a_session_opens_the_page_and_its_data_and_nothing_else():
     "", "garbage", "12.34", f"{int(time.time()) - 5}.{'0' * 64}",
     AdminAccess(token="another-token").session_value(time.time()),  # rotated token
     ACCESS.session_value(time.time() - SESSION_TTL_S - 10),  # expired
-])
+], ids=["empty", "garbage", "no-mac", "zero-mac", "rotated-token", "expired"])  # ids without the clock: xdist's workers must collect alike
 def test_a_session_that_is_not_ours_or_has_expired_is_refused(cookie):
     assert call("GET", "/v1/overview", cookie=cookie).status == 401
     mac_swapped = ACCESS.session_value(time.time()).split(".")[1]
