@@ -25,6 +25,8 @@ PACKAGES = {"chromium": ("/usr/bin/chromium",),
             # podman on runc, the base image made by debootstrap where no registry answers.
             "podman": ("/usr/bin/podman",),
             "runc": ("/usr/sbin/runc",),
+            # kube play's pause container (a recommendation of podman, not a dependency).
+            "catatonit": ("/usr/bin/catatonit",),
             "debootstrap": ("/usr/sbin/debootstrap",)}
 LOCK = Path("/tmp/mms-system-packages.lock")
 APT_TIMEOUT_S = 600
