@@ -217,8 +217,9 @@ def by_trace(spans: list[dict]) -> list[list[dict]]:
 
 def miss_traces(spans: list[dict]) -> dict:
     """Per miss (a router request whose trace holds a load): the calls to another process that
-    ended before the inference was sent (the round trips the client waited for), and the
-    median duration of each span of a miss.  Counted from the product's own spans."""
+    ended before the answered inference was sent (the round trips the client waited for; a
+    send to a variant no longer in its slot is one of them), and the median duration of each
+    span of a miss.  Counted from the product's own spans."""
     round_trips, durations, family_loads = [], {}, 0
     for trace in by_trace(spans):
         names = {s["name"] for s in trace}
@@ -227,7 +228,7 @@ def miss_traces(spans: list[dict]) -> dict:
         if "triton.load" in names:  # the family model's own load (its first variant): not a copy
             family_loads += 1
             continue
-        sent = min(s["start_time"] for s in trace if s["name"] == "triton.infer")
+        sent = max(s["start_time"] for s in trace if s["name"] == "triton.infer")
         before = sorted((s for s in trace if s["kind"] == "SpanKind.CLIENT" and s["end_time"] <= sent),
                         key=lambda s: s["start_time"])
         round_trips.append([s["name"] for s in before])

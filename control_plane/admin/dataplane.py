@@ -46,6 +46,9 @@ MAX_WAIT_S = 30.0
 # the newcomer ready), and each answer is an HTTP round trip for the worker and this process.
 SNAPSHOT_LINGER_S = 0.003
 MAX_ANSWERED_WITH_ENSURE = 256  # models whose holds one ensure call may end
+# Changes an ensure's answer carries at most (a worker further behind catches up through its
+# long-poll, as it would without them).
+MAX_CHANGES_WITH_ENSURE = 512
 
 
 def _no_use(_model: str) -> None:
@@ -248,11 +251,33 @@ class DataPlaneHub:
         unreachable = body.get("unreachable")
         if unreachable is not None and not isinstance(unreachable, str):
             raise InvalidInput("'unreachable' names the server a request could not reach")
+        since = body.get("since")
+        if since is not None and (type(since) is not int or since < 0):
+            raise InvalidInput("'since' is the version of the state the worker serves from "
+                               "(a whole number >= 0)")
         with tracing.span("ensure", tracing.SpanKind.SERVER, parent=request.headers, model=model):
             server = await self.manager.ensure_for_request(model, unreachable=unreachable, owner=owner)
-        return web.json_response({"model": model, "server": server.name,
-                                  "grpc_url": server.spec.grpc_url,
-                                  "http_url": server.spec.http_url, "up": bool(server.up)})
+        answer = {"model": model, "server": server.name, "grpc_url": server.spec.grpc_url,
+                  "http_url": server.spec.http_url, "up": bool(server.up)}
+        if since is not None:
+            state = self._changes_for(since, body.get("epoch"))
+            if state is not None:
+                answer["state"] = state
+        return web.json_response(answer)
+
+    def _changes_for(self, since: int, epoch) -> dict | None:
+        """What a worker at version ``since`` has not seen, published now, for an ensure's
+        answer to carry: the models the load evicted are gone from the worker's placement
+        before its next request.  Its long-poll brings them a few milliseconds later, and a
+        request in between would go to a variant no longer in its slot, be refused, and be
+        ensured and sent again."""
+        if epoch != self.epoch:
+            return None
+        self.publish()
+        changes = self.published.changes_since(since)
+        if not changes or len(changes) > MAX_CHANGES_WITH_ENSURE:
+            return None
+        return {"version": self.version, "epoch": self.epoch, "changes": changes}
 
     async def answered(self, request: web.Request) -> web.Response:
         """A worker's requests that ensured a model have their answers: their holds end."""

@@ -210,7 +210,11 @@ class RemoteState:
     def apply(self, published: dict) -> None:
         """Apply the control plane's answer: the whole state, or the changes since ours.
         Only what a change touches is rebuilt: a placement change is one dictionary write;
-        the names and the route table are rebuilt when one of their sections changed."""
+        the names and the route table are rebuilt when one of their sections changed.
+        A version of this epoch no newer than ours is passed over: an ensure's answer and the
+        long-poll both bring changes, in either order."""
+        if published["epoch"] == self.epoch and published["version"] <= self.version:
+            return
         if "sections" in published:
             self.sections = {section: dict(keys) for section, keys in published["sections"].items()}
             touched = set(self.sections)
@@ -348,7 +352,11 @@ class RemoteState:
         deadline = time.monotonic() + self.request_timeout_s
         delay = RETRY_MIN_S
         while True:
+            # The changes since our version come with the answer (the models this load
+            # evicted among them), before the long-poll brings them.
             body = {"model": model, "worker": self.worker}
+            if self.version >= 0:
+                body.update(since=self.version, epoch=self.epoch)
             if unreachable is not None:
                 body["unreachable"] = unreachable
             answered = self._take_answered()
@@ -370,6 +378,8 @@ class RemoteState:
                          exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, ENSURE_RETRY_MAX_S)
+        if "state" in data:
+            self.apply(data["state"])
         address = ServerAddress(data["server"], data["grpc_url"], data["http_url"], data["up"])
         self._ensured_holds[model] += 1
         self.addresses[address.name] = address  # its "up" is newer than the snapshot's

@@ -103,3 +103,88 @@ def test_a_malformed_answered_is_refused_and_ends_nothing(tmp_path, monkeypatch)
             await close(h, server, w0)
 
     asyncio.run(go())
+
+
+class Evicts(Ensures):
+    """Room for one model: each ensure evicts the one before it, as a full server does."""
+
+    def __init__(self):
+        super().__init__()
+        self.resident: str | None = None
+        self.listeners = []
+
+    def on_state_change(self, listener):
+        self.listeners.append(listener)
+
+    def ready_server_of(self, name):
+        return self.server if name == self.resident else None
+
+    async def ensure_for_request(self, model, unreachable=None, owner=None):
+        evicted, self.resident = self.resident, model
+        for name in filter(None, (evicted, model)):
+            for listener in self.listeners:
+                listener(name)
+        return await super().ensure_for_request(model, unreachable, owner)
+
+
+def test_an_ensure_answer_takes_what_its_load_evicted_off_the_workers_placement(tmp_path, monkeypatch):
+    """The next request for an evicted model is a miss at the worker, not a send to a server
+    that no longer has it: the long-poll is held back here, so only the ensure's answer can
+    have told the worker."""
+    async def go():
+        manager = Evicts()
+        h, server, w0 = await hub_with(tmp_path, monkeypatch, manager)
+        manager.listeners.append(h.publisher.model_moved)
+        monkeypatch.setattr(dataplane, "SNAPSHOT_LINGER_S", 30.0)
+        try:
+            await w0.ensure("a")
+            assert w0.ready_server("a").name == "s0"
+            await w0.ensure("b")
+            assert w0.ready_server("a") is None, w0.placement
+            assert w0.ready_server("b").name == "s0"
+            assert w0.version == h.version
+        finally:
+            monkeypatch.setattr(dataplane, "SNAPSHOT_LINGER_S", 0.0)
+            await close(h, server, w0)
+
+    asyncio.run(go())
+
+
+def test_changes_older_than_the_workers_version_are_passed_over(tmp_path, monkeypatch):
+    """An ensure's answer and the long-poll bring changes in either order: the older one
+    must not set a placement back."""
+    async def go():
+        manager = Evicts()
+        h, server, w0 = await hub_with(tmp_path, monkeypatch, manager)
+        manager.listeners.append(h.publisher.model_moved)
+        try:
+            before = w0.version
+            await w0.ensure("a")
+            older = {"version": w0.version, "epoch": w0.epoch, "changes": [["placement", "a", None]]}
+            await w0.ensure("b")
+            await w0.ensure("a")
+            assert w0.version > older["version"] > before
+            w0.apply(older)
+            assert w0.ready_server("a").name == "s0"
+        finally:
+            await close(h, server, w0)
+
+    asyncio.run(go())
+
+
+def test_a_malformed_since_is_refused_and_loads_nothing(tmp_path, monkeypatch):
+    async def go():
+        manager = Ensures()
+        h, server, w0 = await hub_with(tmp_path, monkeypatch, manager)
+        try:
+            url = str(server.make_url("/v1/dataplane/ensure"))
+            async with aiohttp.ClientSession() as session:
+                for bad in (-1, "3", 1.5, True, [1]):
+                    async with session.post(url, json={"model": "x", "since": bad}) as resp:
+                        body = await resp.json()
+                    assert resp.status == 400 and "since" in body["message"], (bad, body)
+            assert manager.calls == []
+        finally:
+            await close(h, server, w0)
+
+    asyncio.run(go())
