@@ -337,6 +337,13 @@ def comma_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+def at_least_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise InvalidInput(f"{value} is not >= 0")
+    return value
+
+
 def file_path(text: str) -> Path:
     """A path that must not be a directory (it may not exist yet)."""
     path = Path(text)

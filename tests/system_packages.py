@@ -27,6 +27,9 @@ PACKAGES = {"chromium": ("/usr/bin/chromium",),
             "runc": ("/usr/sbin/runc",),
             # kube play's pause container (a recommendation of podman, not a dependency).
             "catatonit": ("/usr/bin/catatonit",),
+            # Names between pods and between compose services: podman's CNI networks resolve
+            # them only with this plugin (also a recommendation only).
+            "golang-github-containernetworking-plugin-dnsname": ("/usr/lib/cni/dnsname",),
             "debootstrap": ("/usr/sbin/debootstrap",)}
 LOCK = Path("/tmp/mms-system-packages.lock")
 APT_TIMEOUT_S = 600

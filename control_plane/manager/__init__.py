@@ -75,32 +75,32 @@ A server's health (up, suspect, down) has one writer, ``health.Health``: probes 
 second per server, down after three missed in a row (a frozen Triton within ~4 s).
 """
 
-from control_plane.manager.known_models import UNKNOWN_NAME_TTL_S, UNKNOWN_NAMES_MAX
-from control_plane.manager.loader import ROOM_POLL_S
-from control_plane.manager.model_manager import ModelManager
-from control_plane.manager.records import (
-    ManagerConfig,
-    ModelRecord,
-    ModelState,
-    ServerHealth,
-    ServerSpec,
-    Stager,
-    TritonServer,
-)
-from control_plane.manager.room import RoomLedger, host_available_bytes
+import importlib
 
-__all__ = [
-    "ROOM_POLL_S",
-    "UNKNOWN_NAMES_MAX",
-    "UNKNOWN_NAME_TTL_S",
-    "ManagerConfig",
-    "ModelManager",
-    "ModelRecord",
-    "ModelState",
-    "RoomLedger",
-    "ServerHealth",
-    "ServerSpec",
-    "Stager",
-    "TritonServer",
-    "host_available_bytes",
-]
+# Where each name of the package is defined.  Imported when first read (PEP 562): the
+# manager's settings (``manager_config``) are read by every mmctl command, the manager itself
+# only by the control plane.
+_EXPORTS = {
+    "ROOM_POLL_S": "loader",
+    "UNKNOWN_NAMES_MAX": "known_models",
+    "UNKNOWN_NAME_TTL_S": "known_models",
+    "ManagerConfig": "manager_config",
+    "ModelManager": "model_manager",
+    "ModelRecord": "records",
+    "ModelState": "records",
+    "RoomLedger": "room",
+    "ServerHealth": "records",
+    "ServerSpec": "records",
+    "Stager": "records",
+    "TritonServer": "records",
+    "host_available_bytes": "room",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -50,9 +50,9 @@ from control_plane.manager.executor import Executor
 from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.loader import Loader
+from control_plane.manager.manager_config import ManagerConfig
 from control_plane.manager.placement import Placer
 from control_plane.manager.records import (
-    ManagerConfig,
     ModelRecord,
     ModelState,
     TritonServer,

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
+from control_plane.manager.manager_config import ManagerConfig
 from control_plane.manager.records import (
-    ManagerConfig,
     ModelRecord,
     ModelState,
     TritonServer,

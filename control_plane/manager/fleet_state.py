@@ -17,9 +17,9 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from control_plane.manager.manager_config import ManagerConfig
 from control_plane.manager.placement import Placer
 from control_plane.manager.records import (
-    ManagerConfig,
     ModelRecord,
     ModelState,
     SlotPool,

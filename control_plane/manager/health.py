@@ -22,9 +22,9 @@ import logging
 import time
 from collections.abc import Callable
 
+from control_plane.manager.manager_config import ManagerConfig
 from control_plane.manager.records import (
     HEALTH_TRANSITIONS,
-    ManagerConfig,
     ServerHealth,
     TritonServer,
 )

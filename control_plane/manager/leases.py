@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 from control_plane.manager.fleet_state import ModelBook
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.loader import Loader
+from control_plane.manager.manager_config import ManagerConfig
 from control_plane.manager.recency import Recency
 from control_plane.manager.reconciler import Reconciler
-from control_plane.manager.records import ManagerConfig, ModelRecord, TritonServer
+from control_plane.manager.records import ModelRecord, TritonServer
 from domain.errors import ModelLoadFailed, OperationTimeout
 from domain.names import validate_model_name
 

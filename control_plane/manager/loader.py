@@ -13,10 +13,10 @@ from control_plane.eviction import victim_priority_limit
 from control_plane.manager.executor import ROOM_POLL_S, Executor, replacing_possible
 from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
 from control_plane.manager.known_models import Catalog
+from control_plane.manager.manager_config import ManagerConfig
 from control_plane.manager.placement import Placer, plan_measured
 from control_plane.manager.recency import Recency
 from control_plane.manager.records import (
-    ManagerConfig,
     ModelRecord,
     ModelState,
     Stager,

@@ -25,13 +25,13 @@ from control_plane.manager.fleet_state import ManagerState
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.leases import Leases
 from control_plane.manager.loader import Loader
+from control_plane.manager.manager_config import ManagerConfig
 from control_plane.manager.pins import Pins
 from control_plane.manager.placement import Placer
 from control_plane.manager.recency import Recency
 from control_plane.manager.reconciler import Reconciler
 from control_plane.manager.records import (
     COPY_SEPARATOR,
-    ManagerConfig,
     ModelRecord,
     ModelState,
     ServerSpec,

@@ -9,7 +9,8 @@ import time
 from control_plane.manager.fleet_state import ModelBook, TaskBoard
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.loader import Loader
-from control_plane.manager.records import ManagerConfig, ModelRecord, ModelState
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.records import ModelRecord, ModelState
 from control_plane.state.state_store import StateStore
 from domain.errors import ControlPlaneError
 from domain.names import validate_model_name

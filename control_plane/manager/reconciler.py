@@ -17,10 +17,10 @@ from control_plane.manager.copies import Copies
 from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
 from control_plane.manager.health import Health
 from control_plane.manager.known_models import Catalog
+from control_plane.manager.manager_config import ManagerConfig
 from control_plane.manager.pins import Pins
 from control_plane.manager.recency import Recency
 from control_plane.manager.records import (
-    ManagerConfig,
     ModelRecord,
     ModelState,
     ServerHealth,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from control_plane.eviction import DEFAULT_POLICY, CachePlanner
+from control_plane.eviction import CachePlanner
 from control_plane.triton.admin import SlotPool, TritonAdmin
 from control_plane.triton.process import TritonProcess
 from domain.errors import InvalidInput
@@ -369,62 +369,6 @@ class TritonServer:
                 "bytes": self.planner.members(k) * (r.size_bytes // max(r.holds, 1))}
                 for k, r in sorted(self.planner.residents.items()) if r.holds},
         }
-
-
-@dataclass
-class ManagerConfig:
-    drain_timeout_s: float = 30.0
-    unload_timeout_s: float = 60.0
-    policy: str = DEFAULT_POLICY
-    warmup: bool = True
-    # After a failed load, on-demand ensures fail fast for this long instead of retrying
-    # the load for every request (an explicit `mmctl load` always retries).
-    failure_backoff_s: float = 10.0
-    # How long a load waits for room held by other loads/unloads in progress.
-    capacity_wait_s: float = 120.0
-    # Room each server keeps free for the next miss (eviction.HeadroomSpec): None = the
-    # default (one model where at least 8 fit), 0 = off.  headroom_bytes: explicit bytes
-    # under a byte budget instead of models x the median resident's size.
-    headroom_models: int | None = None
-    headroom_bytes: int | None = None
-    # Overlap: memory beyond a model's own size that a load may take while it starts (a
-    # python stub with torch: about 0.3 GB of RAM; on a GPU its CUDA context), kept free for
-    # each load in flight before a load may start ahead of its victims' unloads.
-    overlap_margin_bytes: int = 1 << 30
-    # A Triton that has not answered for this long is lost: its models are forgotten there
-    # and placed on the others (pinned ones at once).  A local Triton's went when it went
-    # down (it is killed and started again); a registered one keeps them until now.
-    server_lost_after_s: float = 10.0
-    # Liveness probes (Triton's ServerLive, answered by its front end even while models
-    # compute): one every probe_interval_s per server, each given probe_timeout_s;
-    # probe_failures missed in a row make the server down (a frozen Triton: within
-    # interval + failures x timeout).  probe_interval_s 0: no probes (reconcile passes only).
-    probe_interval_s: float = 1.0
-    probe_timeout_s: float = 1.0
-    probe_failures: int = 3
-    # A model the router had loaded for a request stays out of the victims until the router
-    # says the request was answered, and at most this long (a router that died meanwhile).
-    # Generous: on a busy machine a request can take seconds between its load and Triton's
-    # answer, and a hold that ends before it does loses the request's model under it.
-    on_its_way_s: float = 10.0
-    # Copies of a model scaled auto (copies.Copies.autoscale): one more once its outstanding
-    # requests per copy stay above scale_up_outstanding for scale_up_after_s (also the
-    # cool-down between two changes); one fewer once the copies left would each have under
-    # half of that for scale_down_after_s.
-    scale_up_outstanding: float = 4.0
-    scale_up_after_s: float = 3.0
-    scale_down_after_s: float = 60.0
-
-    def __post_init__(self):
-        for name in ("headroom_models", "headroom_bytes", "overlap_margin_bytes", "probe_interval_s"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise InvalidInput(f"{name} ({value}) must be >= 0")
-        if self.probe_timeout_s <= 0:
-            raise InvalidInput(f"probe_timeout_s ({self.probe_timeout_s}) must be > 0")
-        if self.probe_failures < 1:
-            raise InvalidInput(f"probe_failures ({self.probe_failures}) must be >= 1")
-
 
 
 class Stager(Protocol):

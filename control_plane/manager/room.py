@@ -15,7 +15,8 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator
 
-from control_plane.manager.records import ManagerConfig, TritonServer
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.records import TritonServer
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ import time
 
 from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
 from control_plane.manager.known_models import Catalog
-from control_plane.manager.records import ManagerConfig, ModelRecord, ModelState, TritonServer
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.records import ModelRecord, ModelState, TritonServer
 from domain.errors import ControlPlaneError, InvalidInput
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from control_plane.manager.records import ManagerConfig, TritonServer
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.records import TritonServer
 from domain.errors import ModelLoadFailed, OperationTimeout
 
 

@@ -16,7 +16,8 @@ import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from control_plane.eviction import DEFAULT_POLICY, POLICIES
+from control_plane.eviction import POLICIES
+from control_plane.manager.manager_config import ManagerConfig
 from domain.errors import InvalidInput
 from domain.settings import (
     ADMIN_TOKEN,
@@ -27,6 +28,7 @@ from domain.settings import (
     MULTIPLE,
     SWITCH,
     TRACE_EXPORTER,
+    at_least_zero,
     comma_list,
     declared,
     file_path,
@@ -53,13 +55,6 @@ def parse_device_budget(entry: str) -> tuple[str, int]:
     if not sep or not device.strip() or not size.strip():
         raise InvalidInput(f"{entry!r} is not DEVICE=SIZE (example: gpu0=60GiB)")
     return device.strip(), parse_size(size)
-
-
-def at_least_zero(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise InvalidInput(f"{value} is not >= 0")
-    return value
 
 
 def _show_budget(value: int | str) -> str:
@@ -157,33 +152,13 @@ class ServiceConfig:
     prefetch_min_miss_rate: float | None = setting(
         None, "Prefetch into warm the models missing more often than this per second.",
         flag="--prefetch-min-miss-rate", parse=float)
-    policy: str = setting(
-        DEFAULT_POLICY, "Which unpinned model to evict when a server is full: lru (least "
-        "recently used), wtinylfu (frequency and load cost), wtinylfu-hits (frequency), gdsf "
-        "(frequency, cost and size). README: replayed hit ratios of each.",
-        flag="--policy", choices=tuple(sorted(POLICIES)))
-    # Room each server keeps free for the next miss (ManagerConfig): None = one model where
-    # at least 8 fit, 0 = off; headroom_bytes: explicit bytes under a byte budget.
-    headroom_models: int | None = setting(
-        None, "Models' worth of room each server keeps free, so that a miss loads at once "
-        "instead of waiting for an unload; the policy's next victim leaves in the background. "
-        "Default: 1 on servers that hold at least 8 models, else 0. 0 turns it off.",
-        flag="--headroom-models", parse=at_least_zero, metavar="INTEGER")
-    headroom_bytes: int | None = setting(
-        None, "Bytes each server with a byte budget keeps free instead (e.g. 2GiB); default: "
-        "--headroom-models times the median loaded model's size.",
-        flag="--headroom-bytes", parse=parse_size, show=size_text, metavar="SIZE")
-    scale_up_outstanding: float = setting(
-        4.0, "A model scaled auto (mmctl scale --replicas auto) gets one more copy when its "
-        "requests outstanding on Triton, per copy, stay above this for --scale-up-after.",
-        flag="--scale-up-outstanding", parse=float)
-    scale_up_after_s: float = setting(
-        3.0, "Seconds its outstanding requests must stay above --scale-up-outstanding per copy "
-        "before a copy is added; also the least time between two changes of one model's copies.",
-        flag="--scale-up-after", parse=float)
-    scale_down_after_s: float = setting(
-        60.0, "Seconds the copies an auto model would keep must each have had under half of "
-        "--scale-up-outstanding before it loses one.", flag="--scale-down-after", parse=float)
+    # The model manager's settings (control_plane.manager.manager_config): declared there.
+    policy: str = same_as(ManagerConfig, "policy")
+    headroom_models: int | None = same_as(ManagerConfig, "headroom_models")
+    headroom_bytes: int | None = same_as(ManagerConfig, "headroom_bytes")
+    scale_up_outstanding: float = same_as(ManagerConfig, "scale_up_outstanding")
+    scale_up_after_s: float = same_as(ManagerConfig, "scale_up_after_s")
+    scale_down_after_s: float = same_as(ManagerConfig, "scale_down_after_s")
     reconcile_interval_s: float = setting(
         2.0, "Seconds between passes that compare with each Triton and repair.",
         flag="--reconcile-interval", parse=float)
@@ -250,19 +225,13 @@ class ServiceConfig:
         "plane sends it to every Triton. Default: reuse or generate <state-dir>/triton.key "
         "(mode 0600). Prefer the environment.",
         flag="--triton-admin-key", aliases=("MMCTL_TRITON_ADMIN_KEY",), secret=True)
-    # A registered Triton that has not answered for this long is lost: its models are
-    # placed again elsewhere (pinned ones at once, the others at their next request).
-    server_lost_after_s: float = setting(
-        10.0, "Seconds a registered Triton may not answer before its models are placed on the "
-        "other servers.", flag="--server-lost-after", parse=float)
+    server_lost_after_s: float = same_as(ManagerConfig, "server_lost_after_s")
     # ----------------------------------------------------- set by code, not by users
     s3: object | None = None  # cold_store.S3Config (its own MMS_S3_* settings) or None
     nvml: object | None = None  # an NVML module (pynvml's surface); None: pynvml if usable
     use_nvml: bool = True
     derive_memory_budget: bool = True  # False (--memory-budget unlimited): no byte budget
     triton_host: str = "127.0.0.1"
-    drain_timeout_s: float = 30.0
-    unload_timeout_s: float = 60.0
     triton_ready_timeout_s: float = 120.0
     # Router workers run elsewhere (mmctl router, other pods): serve them, bind no public port.
     external_routers: bool = False

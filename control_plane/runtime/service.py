@@ -46,6 +46,7 @@ from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import admin_key_headers
 from domain import tracing
 from domain.periodic import guarded_step, run_periodically
+from domain.settings import shared_values
 
 log = logging.getLogger(__name__)
 
@@ -242,14 +243,7 @@ class Service:
             stager = reserve_measured(self.warm, self.registry)  # a load reserves what it took
         self.manager = ModelManager(
             servers, store, repository=self.repository,
-            config=ManagerConfig(drain_timeout_s=cfg.drain_timeout_s,
-                                 unload_timeout_s=cfg.unload_timeout_s, policy=cfg.policy,
-                                 headroom_models=cfg.headroom_models,
-                                 headroom_bytes=cfg.headroom_bytes,
-                                 server_lost_after_s=cfg.server_lost_after_s,
-                                 scale_up_outstanding=cfg.scale_up_outstanding,
-                                 scale_up_after_s=cfg.scale_up_after_s,
-                                 scale_down_after_s=cfg.scale_down_after_s),
+            config=ManagerConfig(**shared_values(cfg, ManagerConfig)),
             free_memory=free_memory_probe(self.memory),
             stager=stager, priority_of=self.registry.stage_priority,
             placer=Placer(facts=registry_facts(self.registry), labels=self.tritons.labels),

@@ -25,7 +25,7 @@ from router.frontends.shared_memory import SystemSharedMemory
 from router.frontends.shared_memory_requests import names_region, uses_shared_memory
 from router.rollouts.routing_decisions import Decider
 from router.rollouts.shadow import ShadowMirror, outputs_of
-from router.serving.ensure_and_resend import Call, Resend, Sender
+from router.serving.ensure_and_resend import Resend, Sender
 from router.serving.inference_pipeline import (
     Inference,
     InferencePipeline,
@@ -33,6 +33,7 @@ from router.serving.inference_pipeline import (
     Target,
     user_id_of,
 )
+from router.serving.server_lookup import Call
 from router.serving.serving_state import ServerAddress, ServingState
 from router.serving.triton_channels import Channels, unloaded_under
 

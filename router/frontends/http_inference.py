@@ -43,7 +43,7 @@ from router.frontends.http_request import (
 from router.frontends.http_shadow import primary_outputs, shadow_request
 from router.frontends.shared_memory import SystemSharedMemory
 from router.frontends.shared_memory_requests import json_uses_shared_memory
-from router.serving.ensure_and_resend import Call, Resend
+from router.serving.ensure_and_resend import Resend
 from router.serving.inference_pipeline import (
     InferencePipeline,
     Naming,
@@ -51,6 +51,7 @@ from router.serving.inference_pipeline import (
     refuse_family_control,
     user_id_of,
 )
+from router.serving.server_lookup import Call
 from router.serving.serving_state import UNLOADED_PREFIX, ServerAddress
 
 if TYPE_CHECKING:  # the assembly builds the router these ports serve

@@ -27,7 +27,8 @@ from domain.routes import ADAPTER_SEPARATOR, Decision
 from model_runtime.family.protocol import CONTROL_PARAMETER, VARIANT_PARAMETER
 from router.rollouts.routing_decisions import Decider
 from router.rollouts.shadow import ShadowItem, ShadowMirror
-from router.serving.ensure_and_resend import Call, Resend, Sender
+from router.serving.ensure_and_resend import Resend, Sender
+from router.serving.server_lookup import Call
 from router.serving.serving_state import ServerAddress, ServingState
 
 # Entries of the per-name caches: their keys include client-chosen adapter names.

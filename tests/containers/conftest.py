@@ -18,7 +18,8 @@ BUILD_TIMEOUT_S = 1500
 @pytest.fixture(scope="session")
 def images():
     try:
-        system_packages.ensure("podman", "runc", "catatonit", "debootstrap")
+        system_packages.ensure("podman", "runc", "catatonit",
+                               "golang-github-containernetworking-plugin-dnsname", "debootstrap")
     except system_packages.PackagesMissing as exc:
         pytest.fail(str(exc))
     built = subprocess.run([sys.executable, str(ROOT / "docker" / "images.py"), "--engine", "podman"],

@@ -22,9 +22,10 @@ from domain.routes import Decision, RouteTable
 from router.assembly import Router, RouterConfig
 from router.frontends.grpc_inference import Forwarder
 from router.rollouts.routing_decisions import Decider
-from router.serving.ensure_and_resend import Call, Sender
+from router.serving.ensure_and_resend import Sender
 from router.serving.metrics import Recording, RouterMetrics
 from router.serving.readiness_and_metadata import Answers
+from router.serving.server_lookup import Call, ServerLookup
 from router.serving.serving_state import ServerAddress
 from router.serving.triton_channels import Channels
 from tests.conftest import run
@@ -551,7 +552,7 @@ def test_a_miss_with_no_server_up_tells_the_client_what_happened_not_where(detai
     from domain import errors as cp
     from domain.router_errors import BackendUnavailable
 
-    error = Sender._serving_error(cp.TritonUnavailable(detail), "cust001")
+    error = ServerLookup.serving_error(cp.TritonUnavailable(detail), "cust001")
     assert isinstance(error, BackendUnavailable)
     assert "'cust001' is unavailable" in str(error)
     for secret in ("triton0", "triton1", "127.0.0.1", "10.0.0.7"):

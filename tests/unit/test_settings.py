@@ -19,7 +19,6 @@ from control_plane.client import ClientSettings, find_token
 from control_plane.runtime.config import (
     SECRETS,
     ServiceConfig,
-    at_least_zero,
     config_from_json,
     config_to_json,
     parse_budget,
@@ -37,6 +36,7 @@ from domain.settings import (
     TEST_SWITCH_PREFIX,
     TEST_SWITCHES,
     Setting,
+    at_least_zero,
     comma_list,
     declared,
     env_value,

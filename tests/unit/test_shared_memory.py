@@ -17,12 +17,8 @@ from tritonclient.grpc import service_pb2
 from domain.router_errors import RouterError
 from router.frontends.http_shared_memory import _check_cuda_register_body
 from router.frontends.peers import loopback_peer
-from router.frontends.shared_memory import (
-    SharedMemoryError,
-    SystemSharedMemory,
-    check_registration,
-    cuda_refusal,
-)
+from router.frontends.shared_memory import SharedMemoryError, SystemSharedMemory, cuda_refusal
+from router.frontends.shared_memory_regions import check_registration
 
 PAGE = mmap.PAGESIZE
 
