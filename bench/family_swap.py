@@ -46,89 +46,24 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 import requests
-import torch
 import tritonclient.grpc as grpcclient
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.copy_floor import memcpy_baseline, percentiles
+from bench.process_memory import family_rss_bytes, gpu_used_mib
+from bench.product_spans import miss_traces, read_spans
 from control_plane.admin.access import DATAPLANE_TOKEN_FILE_NAME
 from control_plane.demo.reference import expected_scores, scores_match
 from tests.product import Product
-
-
-def percentiles(samples_s: list[float]) -> dict:
-    ms = np.array(samples_s) * 1000
-    return {"n": len(ms), "p50_ms": round(float(np.percentile(ms, 50)), 3),
-            "p99_ms": round(float(np.percentile(ms, 99)), 3), "max_ms": round(float(ms.max()), 3)}
-
-
-def memcpy_baseline(size_bytes: int, repeats: int = 20) -> dict:
-    src = np.random.default_rng(0).integers(0, 255, size_bytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # pages committed before timing
-    numpy_s = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        numpy_s.append(time.perf_counter() - t0)
-    tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
-    torch_s = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        tdst.copy_(tsrc)
-        torch_s.append(time.perf_counter() - t0)
-    out = {"bytes": size_bytes, "numpy_copyto": percentiles(numpy_s), "torch_copy_": percentiles(torch_s)}
-    if torch.cuda.is_available():  # what a GPU slot's miss pays at least: pinned host to device
-        from bench.gpu import pinned_h2d_seconds
-
-        out["torch_pinned_h2d"] = percentiles(pinned_h2d_seconds(size_bytes, repeats))
-        out["cuda_device"] = torch.cuda.get_device_name()
-    return out
-
-
-def gpu_used_mib() -> float | None:
-    """Device memory in use on GPU 0 (nvidia-smi), or None without one."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=False).stdout
-    return float(out.splitlines()[0]) if out.strip() else None
-
-
-FAMILY_STUB = "triton_python_backend_stub.*recommender"  # the family process's command line
-
-
-def family_rss_bytes() -> int | None:
-    return anon_rss_bytes(FAMILY_STUB)
-
-
-def anon_rss_bytes(pattern: str) -> int | None:
-    """The own pages (RssAnon) of the processes whose command line matches ``pattern``."""
-    pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True,
-                          check=False).stdout.split()
-    return sum(anon_rss_of(pid) for pid in pids) or None
-
-
-def anon_rss_of(pid: str) -> int:
-    """RssAnon of one process in bytes (0 once it is gone): not RssShmem, the warm tier's
-    files a family process keeps mapped."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def check_answers(repository: Path, layout: str, answers: dict[str, set[float]]) -> dict:
@@ -193,55 +128,6 @@ def empty_ensure_seconds(product: Product, model: str, count: int) -> list[float
         session.post(product.url + "/v1/dataplane/answered", json={"model": model, "count": 1},
                      timeout=30).raise_for_status()
     return times
-
-
-def read_spans(path: Path) -> list[dict]:
-    spans = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                span = json.loads(line)
-                for key in ("start_time", "end_time"):
-                    span[key] = datetime.fromisoformat(span[key]).timestamp()
-                spans.append(span)
-    return spans
-
-
-def by_trace(spans: list[dict]) -> list[list[dict]]:
-    """The spans of each trace (one request through the product), trace by trace."""
-    traces: dict[str, list[dict]] = {}
-    for span in spans:
-        traces.setdefault(span["context"]["trace_id"], []).append(span)
-    return list(traces.values())
-
-
-def miss_traces(spans: list[dict]) -> dict:
-    """Per miss (a router request whose trace holds a load): the calls to another process that
-    ended before the answered inference was sent (the round trips the client waited for; a
-    send to a variant no longer in its slot is one of them), and the median duration of each
-    span of a miss.  Counted from the product's own spans."""
-    round_trips, durations, family_loads = [], {}, 0
-    for trace in by_trace(spans):
-        names = {s["name"] for s in trace}
-        if "infer" not in names or "load" not in names or "triton.infer" not in names:
-            continue
-        if "triton.load" in names:  # the family model's own load (its first variant): not a copy
-            family_loads += 1
-            continue
-        sent = max(s["start_time"] for s in trace if s["name"] == "triton.infer")
-        before = sorted((s for s in trace if s["kind"] == "SpanKind.CLIENT" and s["end_time"] <= sent),
-                        key=lambda s: s["start_time"])
-        round_trips.append([s["name"] for s in before])
-        for s in trace:
-            side = s["resource"]["attributes"].get("service.name", "?").removeprefix("mms-")
-            durations.setdefault(f"{s['name']} ({side})", []).append(s["end_time"] - s["start_time"])
-    counts = [len(r) for r in round_trips]
-    return {"misses": len(round_trips), "family_model_loads_left_out": family_loads,
-            "round_trips_before_inference": {"max": max(counts, default=0),
-                                             "median": float(np.median(counts)) if counts else 0,
-                                             "calls": sorted({" + ".join(r) for r in round_trips})},
-            "span_p50_ms": {name: round(float(np.median(d)) * 1000, 3)
-                            for name, d in sorted(durations.items())}}
 
 
 def run_peer(args, work: Path) -> dict:

@@ -23,11 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def gpu_used_mib() -> float:
-    out = subprocess.check_output(
-        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], text=True)
-    return float(out.splitlines()[0])
+from bench.process_memory import gpu_used_mib
 
 
 class MemorySampler(threading.Thread):

@@ -55,7 +55,8 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.family_swap import FAMILY_STUB, anon_rss_of, by_trace, read_spans
+from bench.process_memory import FAMILY_STUB, anon_rss_of
+from bench.product_spans import by_trace, read_spans
 from bench.seed_scenario import metric_sum
 from bench.soak import Client, error_text
 from control_plane.demo.fleet import WEIGHTS_FILE

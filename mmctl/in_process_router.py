@@ -14,7 +14,7 @@ import logging
 
 from aiohttp import web
 
-from control_plane.runtime.service import RouterParts
+from control_plane.runtime.router_parts import RouterParts
 from router.assembly import Router, RouterConfig
 from router.frontends.grpc_frontend import start_grpc
 from router.frontends.http_frontend import make_http_app

@@ -51,8 +51,8 @@ from control_plane.adapters.base import (
     parse_adapter_ref,
     parse_model_config,
 )
-from control_plane.adapters.files import AdapterFiles, StagedAdapter
-from control_plane.adapters.manager import AdapterManager, hand_slots_to_control_plane
+from control_plane.adapters.files import AdapterFiles, StagedAdapter, hand_slots_to_control_plane
+from control_plane.adapters.manager import AdapterManager
 from control_plane.adapters.metrics import AdapterMetrics
 from control_plane.adapters.rows import _peft_summary, merge_rows, public_tier
 

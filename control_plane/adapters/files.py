@@ -8,6 +8,7 @@ JSON file, excepted).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
@@ -15,7 +16,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane.adapters.base import CONFIG_FILE, PEFT_FILES, WEIGHTS_FILE, LoraBase
+from control_plane.adapters.base import (
+    CONFIG_FILE,
+    PEFT_FILES,
+    WEIGHTS_FILE,
+    LoraBase,
+    describe_base,
+)
 from control_plane.tiers.cold import (
     ColdStore,
     ColdStores,
@@ -26,7 +33,9 @@ from control_plane.tiers.cold import (
     inspect,
     publish,
 )
-from domain.errors import InvalidInput, ModelNotFound
+from domain.errors import ControlPlaneError, InvalidInput, ModelNotFound
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -206,3 +215,34 @@ class AdapterFiles:
         os.replace(folder, base.adapter_dir / f".{row['name']}.tmp")
         install(base, row["name"], base.adapter_dir / f".{row['name']}.tmp")
         return True
+
+
+def hand_slots_to_control_plane(repository: Path) -> None:
+    """Every LoRA base's manifest says the control plane decides which adapters hold its
+    slots (a manifest written before that said nothing, and its model decided), and its
+    copy of the LoRA runtime is this version's (an earlier one refuses that manifest).
+    The control plane's start runs it before Triton can load a base (a base loaded first
+    would decide on its own until its next load)."""
+    from model_runtime.lora import RESIDENCY_CONTROL_PLANE
+
+    if not repository.is_dir():
+        return
+    for folder in sorted(repository.iterdir()):
+        if not (folder / "config.pbtxt").is_file():
+            continue
+        try:
+            base = describe_base(repository, folder.name)
+        except ControlPlaneError:
+            continue  # not a LoRA base
+        try:
+            if refresh_runtime(base):  # one written by an earlier version
+                log.info("%s: its copy of the LoRA runtime is this version's now (from its "
+                         "next load)", base.name)
+            manifest = read_base_manifest(base)
+            if manifest.residency != RESIDENCY_CONTROL_PLANE:
+                write_base_manifest(base, pinned=manifest.pinned, preload=manifest.preload,
+                                    disabled=manifest.disabled)
+                log.info("%s: the control plane decides which adapters hold its slots now",
+                         base.name)
+        except (ControlPlaneError, OSError) as exc:
+            log.error("adapters of %s: could not write its manifest: %s", base.name, exc)

@@ -22,7 +22,6 @@ from control_plane.adapters.files import (
     AdapterFiles,
     install,
     read_base_manifest,
-    refresh_runtime,
     remove_tree,
     write_base_manifest,
 )
@@ -423,37 +422,6 @@ class AdapterManager:
         and counted in ``failures``; the next one runs)."""
         await guarded_step("adapter-recovery", self.recover, failures)
         await run_periodically("adapter-refresh", self.step, lambda: self.refresh_interval_s, failures)
-
-
-def hand_slots_to_control_plane(repository: Path) -> None:
-    """Every LoRA base's manifest says the control plane decides which adapters hold its
-    slots (a manifest written before that said nothing, and its model decided), and its
-    copy of the LoRA runtime is this version's (an earlier one refuses that manifest).
-    The control plane's start runs it before Triton can load a base (a base loaded first
-    would decide on its own until its next load)."""
-    from model_runtime.lora import RESIDENCY_CONTROL_PLANE
-
-    if not repository.is_dir():
-        return
-    for folder in sorted(repository.iterdir()):
-        if not (folder / "config.pbtxt").is_file():
-            continue
-        try:
-            base = describe_base(repository, folder.name)
-        except ControlPlaneError:
-            continue  # not a LoRA base
-        try:
-            if refresh_runtime(base):  # one written by an earlier version
-                log.info("%s: its copy of the LoRA runtime is this version's now (from its "
-                         "next load)", base.name)
-            manifest = read_base_manifest(base)
-            if manifest.residency != RESIDENCY_CONTROL_PLANE:
-                write_base_manifest(base, pinned=manifest.pinned, preload=manifest.preload,
-                                    disabled=manifest.disabled)
-                log.info("%s: the control plane decides which adapters hold its slots now",
-                         base.name)
-        except (ControlPlaneError, OSError) as exc:
-            log.error("adapters of %s: could not write its manifest: %s", base.name, exc)
 
 
 def _log_failed_touch(done: asyncio.Future) -> None:

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from control_plane.eviction import no_room
 from control_plane.eviction.entries import (
     DEFAULT_PRIORITY,
-    SHADOW_PRIORITY,
     Capacity,
     EvictionPlan,
     Resident,
@@ -253,7 +253,7 @@ class CachePlanner:
         # (its slot is the newcomer's; the same room).
         victims = [r.key for r in self._members_in_order(key, pool, limit)][:1]
         if not victims:
-            raise self._exhausted_in_pool(key, pool, holder.holds)
+            raise no_room.exhausted_in_pool(self, key, pool, holder.holds)
         return EvictionPlan(victims, slot_bytes)
 
     def _members_in_order(self, key: str, pool: str, limit: int | None) -> list[Resident]:
@@ -294,8 +294,8 @@ class CachePlanner:
             if plan is not None:
                 return plan
         if limit is not None:
-            raise self._exhausted_for_shadow(key, size_bytes, limit)
-        raise self._exhausted(key, size_bytes)
+            raise no_room.exhausted_for_shadow(self, key, size_bytes, limit)
+        raise no_room.exhausted(self, key, size_bytes)
 
     def headroom_target(self) -> Headroom:
         """The room this server keeps free now (see ``HeadroomSpec``); pure."""
@@ -410,44 +410,3 @@ class CachePlanner:
         if drain(final=True):
             return EvictionPlan(victims, freed)
         return None
-
-    def _exhausted(self, key: str, size_bytes: int) -> CapacityExhausted:
-        cap = self.capacity
-        return CapacityExhausted(
-            f"no room for {key} ({size_bytes} bytes): budget is {cap.describe()}, "
-            f"{self.used_slots} loaded using {self.used_bytes} bytes, and nothing evictable is "
-            f"left ({holders(r for r in self.residents.values() if not r.holds)}); unpin a "
-            "model (mmctl unpin NAME) or raise the budget")
-
-    def _exhausted_in_pool(self, key: str, pool: str, slots: int) -> CapacityExhausted:
-        return CapacityExhausted(
-            f"no room for {key}: all {slots} slots of its family {pool} on this server hold "
-            f"variants that cannot leave ({holders(r for r in self.residents.values() if r.pool == pool)}); "
-            "unpin a model (mmctl unpin NAME) or raise the budget")
-
-    def _exhausted_for_shadow(self, key: str, size_bytes: int, limit: int) -> CapacityExhausted:
-        serving = sorted(k for k, r in self.residents.items() if r.priority > limit)
-        cap = self.capacity
-        if limit < SHADOW_PRIORITY:
-            return CapacityExhausted(
-                f"no room for the extra copy {key} ({size_bytes} bytes): an extra copy takes "
-                f"free room or the room of other extra copies only, and the budget "
-                f"({cap.describe()}, {self.used_slots} loaded using {self.used_bytes} bytes, "
-                f"headroom kept free) is held by models' own copies ({', '.join(serving) or 'none'}); "
-                "it is added when room frees up; raise the budget or add a device")
-        return CapacityExhausted(
-            f"no room for shadow {key} ({size_bytes} bytes): a shadow may evict only other "
-            f"shadow or retired models, and the budget ({cap.describe()}, {self.used_slots} "
-            f"loaded using {self.used_bytes} bytes) is held by models that serve traffic "
-            f"({', '.join(serving) or 'none'}) or by shadows that are busy or pinned; the "
-            "shadow is skipped until room frees up; raise the budget or add a device"
-        )
-
-
-def holders(residents) -> str:
-    """What holds the room: the pinned entries, and those busy serving, loading or unloading."""
-    residents = list(residents)
-    pinned = sorted(r.key for r in residents if r.pinned)
-    busy = sorted(r.key for r in residents if not r.evictable and not r.pinned)
-    detail = f"pinned: {', '.join(pinned) or 'none'}"
-    return detail + (f"; busy serving, loading or unloading: {', '.join(busy)}" if busy else "")

@@ -19,10 +19,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from aiohttp import web
 
@@ -35,10 +32,11 @@ from control_plane.admin.access import (
     ensure_token_file,
 )
 from control_plane.admin.api import make_app
-from control_plane.admin.rollout_routes import RolloutAdmin, ShadowFigures
+from control_plane.admin.rollout_routes import RolloutAdmin
 from control_plane.demo import DEMO_MARKER, DEMO_VERSIONS, write_demo_repository
 from control_plane.manager import ManagerConfig, ModelManager
 from control_plane.runtime.config import ServiceConfig, config_from_json, config_to_json  # noqa: F401  (their import path)
+from control_plane.runtime.router_parts import InProcessRouter, RouterParts, StartRouter
 from control_plane.runtime.supervisor import PROCESSES_FILE
 from control_plane.runtime.tritons import TritonFleet, check_model_control, free_memory_probe
 from control_plane.state.secret_files import ensure_private_dir, ensure_secret_file
@@ -51,36 +49,6 @@ from domain.settings import shared_values
 log = logging.getLogger(__name__)
 
 TRITON_KEY_FILE_NAME = "triton.key"  # in the state directory, mode 0600
-
-
-@dataclass
-class RouterParts:
-    """What the control plane gives a router in its own process: the manager it serves
-    from, the rollouts it routes by (and records outcomes in), the families, the settings."""
-
-    manager: ModelManager
-    rollouts: object  # control_plane.rollouts.owner.Rollouts
-    families: object  # control_plane.families.FamilyCatalog
-    cfg: ServiceConfig
-
-
-class InProcessRouter(Protocol):
-    """What the service needs of a router in its own process (``router.assembly.Router``
-    behind its ports, as ``mmctl.in_process_router`` assembles it)."""
-
-    @property
-    def metrics(self): ...  # requests, cold_waits, latency: read by the status page
-
-    @property
-    def shadow(self) -> ShadowFigures: ...
-
-    async def gather_reports(self) -> bool: ...
-
-    async def close(self) -> None: ...
-
-
-# Builds and starts the in-process router, adding its ports to the endpoints it is given.
-StartRouter = Callable[[RouterParts, dict], Awaitable[InProcessRouter]]
 
 
 class Service:
