@@ -27,9 +27,10 @@ PACKAGES = {"chromium": ("/usr/bin/chromium",),
             "runc": ("/usr/sbin/runc",),
             # kube play's pause container (a recommendation of podman, not a dependency).
             "catatonit": ("/usr/bin/catatonit",),
-            # Names between pods and between compose services: podman's CNI networks resolve
-            # them only with this plugin (also a recommendation only).
-            "golang-github-containernetworking-plugin-dnsname": ("/usr/lib/cni/dnsname",),
+            # Names between pods and between compose services, internal networks included
+            # (docker/podman/containers.conf picks netavark; CNI resolves none there).
+            "netavark": ("/usr/lib/podman/netavark",),
+            "aardvark-dns": ("/usr/lib/podman/aardvark-dns",),
             "debootstrap": ("/usr/sbin/debootstrap",)}
 LOCK = Path("/tmp/mms-system-packages.lock")
 APT_TIMEOUT_S = 600

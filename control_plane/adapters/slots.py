@@ -34,6 +34,7 @@ from pathlib import Path
 from control_plane.adapters.base import describe_base
 from control_plane.eviction import CachePlanner, Capacity, Resident, make_policy
 from control_plane.families.family_catalog import control_key
+from control_plane.manager.request_holds import RequestHolds
 from control_plane.manager.room import Turns
 from domain.errors import CapacityExhausted, ControlPlaneError, ModelLoadFailed, ModelNotFound
 from domain.routes import ADAPTER_SEPARATOR, split_adapter
@@ -97,8 +98,9 @@ class AdapterSlots:
         self.on_its_way_s = on_its_way_s if on_its_way_s is not None else manager.config.on_its_way_s
         self.clock = clock
         self.slots: dict[tuple[str, str], BaseSlots] = {}  # (base, server) -> its slots
-        self.holds: dict[str, list[asyncio.TimerHandle]] = {}  # entry -> requests on their way
-        self._owners: dict[asyncio.TimerHandle, str | None] = {}  # hold -> the worker whose it is
+        # Entries (BASE:ADAPTER) that requests on their way were ensured for: no victims.
+        self.holds = RequestHolds(self.on_its_way_s, on_first=lambda name: self._set_evictable(name, False),
+                                  on_last=self._last_hold_ended)
         self.evictions: dict[str, int] = {}  # base -> adapters evicted for others (metrics)
         self.capacity_wait_s = getattr(manager.config, "capacity_wait_s", 120.0)
         # (base, server) -> the adapter loads waiting for a slot there, oldest first: when an
@@ -176,7 +178,7 @@ class AdapterSlots:
         ``on_its_way_s``); ``owner``: the router worker asking, whose answers end its own
         holds only."""
         base, adapter = self.base_of(name)
-        handle = self._hold(name, owner)
+        handle = self.holds.hold(name, owner)
         try:
             for attempt in range(ENSURE_ATTEMPTS):
                 server = await self.manager.ensure_for_request(base, unreachable=unreachable, owner=owner)
@@ -194,21 +196,16 @@ class AdapterSlots:
                     raise
             raise AssertionError("unreachable")
         except BaseException:
-            handle.cancel()
-            self._release(name, handle)
+            self.holds.end(name, handle)
             raise
 
     def requests_answered(self, name: str, count: int = 1, owner: str | None = None) -> int:
         """Requests that ensured ``name`` for ``owner`` were answered: their holds on the
         adapter and on its base end (another worker's never do)."""
         base, _ = split_adapter(name)
-        holds = self.holds.get(name, [])
-        ended = [h for h in holds if self._owners.get(h) == owner][:max(0, count)]
-        for handle in ended:
-            handle.cancel()
-            self._release(name, handle)
-        self.manager.requests_answered(base, len(ended), owner=owner)
-        return len(ended)
+        ended = self.holds.answered(name, count, owner)
+        self.manager.requests_answered(base, ended, owner=owner)
+        return ended
 
     def touch(self, name: str) -> None:
         base, adapter = split_adapter(name)
@@ -217,32 +214,12 @@ class AdapterSlots:
             if held_base == base and adapter in slots.planner.residents:
                 slots.planner.touch(adapter, now)
 
-    def _hold(self, name: str, owner: str | None = None) -> asyncio.TimerHandle:
-        holds = self.holds.setdefault(name, [])
-        handle = asyncio.get_running_loop().call_later(self.on_its_way_s, lambda: self._release(name, handle))
-        holds.append(handle)
-        self._owners[handle] = owner
-        if len(holds) == 1:
-            self._set_evictable(name, False)
-        return handle
-
-    def _release(self, name: str, handle: asyncio.TimerHandle | None = None) -> None:
-        holds = self.holds.get(name)
-        if not holds:
-            return
-        if handle is None:
-            handle = holds[-1]
-            handle.cancel()
-        self._owners.pop(handle, None)
-        if handle in holds:
-            holds.remove(handle)
-        if not holds:
-            del self.holds[name]
-            self._set_evictable(name, True)
-            base, _adapter = split_adapter(name)
-            for (held_base, _server), turns in self._turns.items():
-                if held_base == base:
-                    turns.wake_oldest()
+    def _last_hold_ended(self, name: str) -> None:
+        self._set_evictable(name, True)
+        base, _adapter = split_adapter(name)
+        for (held_base, _server), turns in self._turns.items():
+            if held_base == base:
+                turns.wake_oldest()
 
     def _set_evictable(self, name: str, evictable: bool) -> None:
         base, adapter = split_adapter(name)
@@ -423,7 +400,7 @@ class AdapterSlots:
                     "copies_note": (f"adapter slot {a.get('slot')} of {base} on {server}" if in_slot
                                     else f"adapter of {base}"),
                     "requests": a.get("requests") or 0,
-                    "inflight": len(self.holds.get(name, ())),
+                    "inflight": self.holds.count(name),
                     "healthy": in_slot,
                 })
         return rows

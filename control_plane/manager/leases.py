@@ -3,7 +3,6 @@ load until the router says the request has its answer."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -15,6 +14,7 @@ from control_plane.manager.manager_config import ManagerConfig
 from control_plane.manager.recency import Recency
 from control_plane.manager.reconciler import Reconciler
 from control_plane.manager.records import ModelRecord, TritonServer
+from control_plane.manager.request_holds import RequestHolds
 from domain.errors import ModelLoadFailed, OperationTimeout
 from domain.names import validate_model_name
 
@@ -28,11 +28,10 @@ class Leases:
         self.recency = recency
         self.loader = loader
         self.reconciler = reconciler
-        # Holds of models loaded for requests, per model, oldest first (ensure_for_request),
-        # and the router worker whose ensure made each (None: this process's own router):
-        # a worker's "answered" ends its own holds only.
-        self.request_holds: dict[str, list[asyncio.TimerHandle]] = {}
-        self._owners: dict[asyncio.TimerHandle, str | None] = {}
+        # Holds of models loaded for requests (ensure_for_request), each of the router worker
+        # whose ensure made it (None: this process's own router); each ends the request's
+        # count in its record (``acquire``).
+        self.request_holds = RequestHolds(config.on_its_way_s, on_end=self._hold_ended)
 
     @contextlib.asynccontextmanager
     async def lease(self, name: str) -> AsyncIterator[TritonServer]:
@@ -84,21 +83,12 @@ class Leases:
                     raise OperationTimeout(f"{name} was unloaded again each time it was loaded for "
                                            f"{config.capacity_wait_s:.0f}s; retry")
         finally:
-            self._hold_for_request(rec, owner)
+            self.request_holds.hold(rec.name, owner)
 
-    def _hold_for_request(self, rec: ModelRecord, owner: str | None) -> None:
-        holds = self.request_holds.setdefault(rec.name, [])
-
-        def expire() -> None:  # the router never said: the hold ends anyway
-            holds.remove(handle)
-            self._owners.pop(handle, None)
-            if not holds and self.request_holds.get(rec.name) is holds:
-                del self.request_holds[rec.name]
+    def _hold_ended(self, name: str) -> None:
+        rec = self.book.records.get(name)
+        if rec is not None:
             self.release(rec)
-
-        handle = asyncio.get_running_loop().call_later(self.config.on_its_way_s, expire)
-        holds.append(handle)
-        self._owners[handle] = owner
 
     def requests_answered(self, name: str, count: int = 1, owner: str | None = None) -> int:
         """Requests that ensured ``name`` have Triton's answer: up to ``count`` of its holds
@@ -106,18 +96,7 @@ class Leases:
         thrash a slot turns over as soon as the requests it was loaded for are served; one
         worker's answers never end another's holds (whose requests may still be on their
         way).  Returns the holds ended."""
-        holds = self.request_holds.get(name)
-        if not holds:
-            return 0
-        ended = [h for h in holds if self._owners.get(h) == owner][:max(0, count)]
-        for handle in ended:
-            holds.remove(handle)
-            del self._owners[handle]
-            handle.cancel()
-            self.release(self.book.records[name])
-        if not holds:
-            del self.request_holds[name]
-        return len(ended)
+        return self.request_holds.answered(name, count, owner)
 
     async def acquire(self, name: str) -> ModelRecord:
         """Count one request for ``name`` as in flight *before* it waits for a load, so the

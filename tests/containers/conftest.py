@@ -19,7 +19,7 @@ BUILD_TIMEOUT_S = 1500
 def images():
     try:
         system_packages.ensure("podman", "runc", "catatonit",
-                               "golang-github-containernetworking-plugin-dnsname", "debootstrap")
+                               "netavark", "aardvark-dns", "debootstrap")
     except system_packages.PackagesMissing as exc:
         pytest.fail(str(exc))
     built = subprocess.run([sys.executable, str(ROOT / "docker" / "images.py"), "--engine", "podman"],

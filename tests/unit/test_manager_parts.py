@@ -141,7 +141,7 @@ def test_leases_alone_hold_a_model_from_its_load_until_the_request_is_answered(t
         residents = state.servers["s0"].planner.residents
         assert not residents["m1"].evictable  # held: no other load may evict it yet
         assert leases.requests_answered("m1") == 1
-        assert residents["m1"].evictable and leases.request_holds == {}
+        assert residents["m1"].evictable and len(leases.request_holds) == 0
 
     run(go())
 
