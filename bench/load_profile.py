@@ -39,7 +39,9 @@ from control_plane.demo.fleet import (
     generate_fleet,
     hidden_dim_for_size,
 )
-from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
+from control_plane.manager.records import ServerSpec
 from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import TritonModelState
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess

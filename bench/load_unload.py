@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from control_plane.demo.fleet import FleetSpec, generate_fleet, hidden_dim_for_size
-from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
+from control_plane.manager.records import ServerSpec
 from control_plane.state.state_store import StateStore
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 

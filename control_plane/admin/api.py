@@ -37,7 +37,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from control_plane.admin.access import SAFE_METHODS, AdminAccess, Unauthorized, access_middleware
-from control_plane.manager import ModelManager, ModelState
+from control_plane.manager.model_manager import ModelManager
+from control_plane.manager.records import ModelState
 from domain.errors import ControlPlaneError, InvalidInput
 from domain.routes import ADAPTER_SEPARATOR
 

@@ -46,7 +46,7 @@ class RolloutAdmin:
     """What the routes act on: the rollouts, the manager (is a model known?), the reports."""
 
     rollouts: object  # control_plane.rollouts.owner.Rollouts
-    manager: object  # control_plane.manager.ModelManager
+    manager: object  # control_plane.manager.model_manager.ModelManager
     served: ServedReports
 
     @property

@@ -74,33 +74,3 @@ model_manager.py, where ``ModelManager`` builds the parts and gives each the par
 A server's health (up, suspect, down) has one writer, ``health.Health``: probes every
 second per server, down after three missed in a row (a frozen Triton within ~4 s).
 """
-
-import importlib
-
-# Where each name of the package is defined.  Imported when first read (PEP 562): the
-# manager's settings (``manager_config``) are read by every mmctl command, the manager itself
-# only by the control plane.
-_EXPORTS = {
-    "ROOM_POLL_S": "loader",
-    "UNKNOWN_NAMES_MAX": "known_models",
-    "UNKNOWN_NAME_TTL_S": "known_models",
-    "ManagerConfig": "manager_config",
-    "ModelManager": "model_manager",
-    "ModelRecord": "records",
-    "ModelState": "records",
-    "RoomLedger": "room",
-    "ServerHealth": "records",
-    "ServerSpec": "records",
-    "Stager": "records",
-    "TritonServer": "records",
-    "host_available_bytes": "room",
-}
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from control_plane.admin.rollout_routes import ShadowFigures
-from control_plane.manager import ModelManager
+from control_plane.manager.model_manager import ModelManager
 from control_plane.runtime.config import ServiceConfig
 
 

@@ -34,7 +34,8 @@ from control_plane.admin.access import (
 from control_plane.admin.api import make_app
 from control_plane.admin.rollout_routes import RolloutAdmin
 from control_plane.demo import DEMO_MARKER, DEMO_VERSIONS, write_demo_repository
-from control_plane.manager import ManagerConfig, ModelManager
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
 from control_plane.runtime.config import ServiceConfig, config_from_json, config_to_json  # noqa: F401  (their import path)
 from control_plane.runtime.router_parts import InProcessRouter, RouterParts, StartRouter
 from control_plane.runtime.supervisor import PROCESSES_FILE

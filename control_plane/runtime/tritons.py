@@ -11,7 +11,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from control_plane.manager import ModelManager, ServerSpec, TritonServer
+from control_plane.manager.model_manager import ModelManager
+from control_plane.manager.records import ServerSpec, TritonServer
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 from domain.errors import InvalidInput
 from domain.sizes import parse_size
@@ -94,7 +95,7 @@ def free_memory_probe(memory=None):
     where it holds the newcomer): MemAvailable for local CPU servers, NVML's free memory for
     a GPU server that ``memory`` (devices.GpuMemoryMeter) measures; None elsewhere (attached
     Tritons: their machine is not this one), so nothing overlaps there."""
-    from control_plane.manager import host_available_bytes
+    from control_plane.manager.room import host_available_bytes
 
     def free_memory(server) -> int | None:
         probe = getattr(memory, "probes", {}).get(server.name) if memory is not None else None

@@ -20,7 +20,9 @@ import time
 import pytest
 import tritonclient.grpc as grpcclient
 
-from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
+from control_plane.manager.records import ModelState, ServerSpec
 from control_plane.state.state_store import StateStore
 from domain.errors import ControlPlaneError
 from domain.periodic import run_periodically

@@ -20,7 +20,9 @@ from tritonclient.utils import InferenceServerException
 
 from control_plane.families import FamilyCatalog, family_slots, write_family, write_variant
 from control_plane.families.slot_control import FamilyAdmin
-from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
+from control_plane.manager.records import ServerSpec
 from control_plane.state.state_store import StateStore
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 from domain.errors import ControlPlaneError

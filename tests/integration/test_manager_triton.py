@@ -11,7 +11,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
+from control_plane.manager.records import ModelState, ServerSpec
 from control_plane.state.state_store import StateStore
 from control_plane.triton.process import free_port
 from domain.errors import (

@@ -19,8 +19,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from control_plane.demo.fleet import FleetSpec, base_weights, customer_weights, write_model
-from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
 from control_plane.manager.placement import Placer, ServerLabels, registry_facts
+from control_plane.manager.records import ModelState, ServerSpec
 from control_plane.registry import Registry
 from control_plane.state.state_store import StateStore
 from control_plane.tiers.cold import ColdStores, LocalDirStore, S3Config, S3Store, publish
@@ -360,7 +362,8 @@ CONTROL_PLANE = textwrap.dedent("""
     import asyncio, sys
     from pathlib import Path
     from control_plane.tiers.cold import ColdStores, S3Config, S3Store
-    from control_plane.manager import ModelManager, ServerSpec
+    from control_plane.manager.model_manager import ModelManager
+    from control_plane.manager.records import ServerSpec
     from control_plane.registry import Registry
     from control_plane.state.state_store import StateStore
     from control_plane.triton.process import TritonLaunchConfig, TritonProcess

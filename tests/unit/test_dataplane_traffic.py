@@ -7,6 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 import aiohttp
+import pytest
 
 from control_plane.admin import dataplane
 from router.serving import state_client
@@ -86,24 +87,30 @@ def test_a_control_plane_that_does_not_say_it_takes_them_is_told_at_once(tmp_pat
     asyncio.run(go())
 
 
-def test_a_malformed_answered_is_refused_and_ends_nothing(tmp_path, monkeypatch):
+TOO_MANY_ANSWERED = {f"m{i}": 1 for i in range(dataplane.MAX_ANSWERED_WITH_ENSURE + 1)}
+
+
+@pytest.mark.parametrize(("field", "bad_values"), [
+    ("answered", (["a"], {"a": 0}, {"a": "1"}, {"": 1}, {"a": 1.5}, TOO_MANY_ANSWERED)),
+    ("since", (-1, "3", 1.5, True, [1])),
+])
+def test_a_malformed_field_of_an_ensure_is_refused_and_loads_or_ends_nothing(
+        tmp_path, monkeypatch, field, bad_values):
     async def go():
         manager = Ensures()
         h, server, w0 = await hub_with(tmp_path, monkeypatch, manager)
         try:
             url = str(server.make_url("/v1/dataplane/ensure"))
-            too_many = {f"m{i}": 1 for i in range(dataplane.MAX_ANSWERED_WITH_ENSURE + 1)}
             async with aiohttp.ClientSession() as session:
-                for bad in (["a"], {"a": 0}, {"a": "1"}, {"": 1}, {"a": 1.5}, too_many):
-                    async with session.post(url, json={"model": "x", "answered": bad}) as resp:
+                for bad in bad_values:
+                    async with session.post(url, json={"model": "x", field: bad}) as resp:
                         body = await resp.json()
-                    assert resp.status == 400 and "answered" in body["message"], (bad, body)
+                    assert resp.status == 400 and field in body["message"], (bad, body)
             assert manager.calls == []
         finally:
             await close(h, server, w0)
 
     asyncio.run(go())
-
 
 class Evicts(Ensures):
     """Room for one model: each ensure evicts the one before it, as a full server does."""
@@ -166,24 +173,6 @@ def test_changes_older_than_the_workers_version_are_passed_over(tmp_path, monkey
             assert w0.version > older["version"] > before
             w0.apply(older)
             assert w0.ready_server("a").name == "s0"
-        finally:
-            await close(h, server, w0)
-
-    asyncio.run(go())
-
-
-def test_a_malformed_since_is_refused_and_loads_nothing(tmp_path, monkeypatch):
-    async def go():
-        manager = Ensures()
-        h, server, w0 = await hub_with(tmp_path, monkeypatch, manager)
-        try:
-            url = str(server.make_url("/v1/dataplane/ensure"))
-            async with aiohttp.ClientSession() as session:
-                for bad in (-1, "3", 1.5, True, [1]):
-                    async with session.post(url, json={"model": "x", "since": bad}) as resp:
-                        body = await resp.json()
-                    assert resp.status == 400 and "since" in body["message"], (bad, body)
-            assert manager.calls == []
         finally:
             await close(h, server, w0)
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from control_plane.eviction import CachePlanner, Capacity, Resident, make_policy
-from control_plane.manager import ModelRecord, ModelState
+from control_plane.manager.records import ModelRecord, ModelState
 from control_plane.triton.devices import (
     Device,
     GpuMemoryProbe,

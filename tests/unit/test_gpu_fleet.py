@@ -9,8 +9,10 @@ import itertools
 
 import pytest
 
-from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
 from control_plane.manager.placement import ModelFacts, Placer, ServerLabels
+from control_plane.manager.records import ModelState, ServerSpec
 from control_plane.state.state_store import StateStore
 from control_plane.triton.devices import (
     GpuMemoryMeter,

@@ -8,13 +8,10 @@ import logging
 import pytest
 
 from control_plane.eviction import STAGE_PRIORITY
-from control_plane.manager import (
-    ManagerConfig,
-    ModelManager,
-    ModelState,
-    ServerSpec,
-    host_available_bytes,
-)
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
+from control_plane.manager.records import ModelState, ServerSpec
+from control_plane.manager.room import host_available_bytes
 from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import TritonModelState
 from domain.errors import CapacityExhausted, InvalidInput

@@ -9,13 +9,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.manager.fleet_state import ManagerState
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.leases import Leases
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
 from control_plane.manager.pins import Pins
 from control_plane.manager.placement import Placer
 from control_plane.manager.recency import Recency
+from control_plane.manager.records import ModelState, ServerSpec
 from control_plane.manager.room import RoomLedger
 from control_plane.manager.unloader import Unloader
 from control_plane.metrics import ControlPlaneMetrics

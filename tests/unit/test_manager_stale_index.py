@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 
-from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
+from control_plane.manager.records import ModelState, ServerSpec
 from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import IndexEntry, TritonModelState
 from tests.conftest import run

@@ -10,8 +10,10 @@ import threading
 import pytest
 
 from control_plane.eviction import STAGE_PRIORITY
-from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerSpec
 from control_plane.manager import loader as loader_module
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
+from control_plane.manager.records import ModelState, ServerSpec
 from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import IndexEntry, TritonModelState
 from domain.errors import (

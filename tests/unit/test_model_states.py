@@ -63,7 +63,8 @@ def test_nothing_but_the_record_writes_a_models_state():
 
 
 def test_the_manager_counts_illegal_changes(monkeypatch, tmp_path):
-    from control_plane.manager import ModelManager, ServerSpec
+    from control_plane.manager.model_manager import ModelManager
+    from control_plane.manager.records import ServerSpec
     from control_plane.state.state_store import StateStore
 
     monkeypatch.delenv(STRICT_ENV)

@@ -11,8 +11,9 @@ import asyncio
 import pytest
 
 from control_plane.eviction import CachePlanner, Capacity, LRUPolicy, Resident
-from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
-from control_plane.manager.records import ModelState
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
+from control_plane.manager.records import ModelState, ServerSpec
 from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import IndexEntry, SlotPool, TritonModelState
 from domain.errors import CapacityExhausted, ControlPlaneError, TritonUnavailable

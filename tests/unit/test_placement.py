@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from control_plane.eviction import CachePlanner, Capacity, Resident, make_policy
-from control_plane.manager import ModelManager, ServerSpec
+from control_plane.manager.model_manager import ModelManager
 from control_plane.manager.placement import (
     Candidate,
     ModelFacts,
@@ -19,6 +19,7 @@ from control_plane.manager.placement import (
     sla_isolation,
     tenant_affinity,
 )
+from control_plane.manager.records import ServerSpec
 from control_plane.triton.admin import TritonAdmin
 from domain.errors import CapacityExhausted, TritonUnavailable
 

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
+from control_plane.manager.records import ServerSpec
 from control_plane.registry import Registry, resident_priority_updater
 from control_plane.runtime.promotion import (
     AUTO_PINS_KEY,
@@ -215,7 +217,7 @@ def test_canary_goes_before_production_and_promotion_updates_loaded_models(tmp_p
 
 
 def test_adopted_models_get_their_stage_priority(tmp_path):
-    from control_plane.manager import ModelState
+    from control_plane.manager.records import ModelState
     from control_plane.registry import apply_stage_priorities
 
     mgr, reg = staged_manager(tmp_path, slots=4)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from control_plane.admin.dataplane import DataPlaneHub
 from control_plane.dataplane.publisher import PublishedState
-from control_plane.manager import ModelRecord, ModelState
+from control_plane.manager.records import ModelRecord, ModelState
 from control_plane.registry import Registry
 from control_plane.state.state_store import StateStore
 from router.serving.state_client import RemoteState

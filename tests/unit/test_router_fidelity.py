@@ -12,7 +12,8 @@ import pytest
 from prometheus_client import generate_latest
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from control_plane.manager import ModelManager, ServerSpec
+from control_plane.manager.model_manager import ModelManager
+from control_plane.manager.records import ServerSpec
 from control_plane.registry import ModelVersion
 from control_plane.state.state_store import StateStore
 from domain.public_names import PublicNames

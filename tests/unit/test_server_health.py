@@ -20,8 +20,10 @@ import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 
-from control_plane.manager import ManagerConfig, ModelManager, ModelState, ServerHealth, ServerSpec
 from control_plane.manager.health import Health
+from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.model_manager import ModelManager
+from control_plane.manager.records import ModelState, ServerHealth, ServerSpec
 from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import TritonModelState
 from control_plane.triton.process import TritonProcess

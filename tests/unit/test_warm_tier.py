@@ -290,7 +290,9 @@ def test_a_staging_os_error_backs_off_instead_of_downloading_again(tmp_path, mon
     import errno
     import os
 
-    from control_plane.manager import ManagerConfig, ModelManager, ServerSpec
+    from control_plane.manager.manager_config import ManagerConfig
+    from control_plane.manager.model_manager import ModelManager
+    from control_plane.manager.records import ServerSpec
     from control_plane.tiers.warm import tier
     from tests.unit.test_manager_unit import FakeAdmin
 
