@@ -14,6 +14,7 @@ shadow mirror) and the clients' shared memory."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -247,11 +248,12 @@ class Forwarder:
             self._inference(request, user_id, timeout_s, headers),
             _TypedExchange(pipeline.sender.channels, pipeline, request, self.shared_memory))
 
-    async def infer_raw(self, raw: bytes, metadata_user_id, timeout_s: float | None = None,
-                        headers=None) -> bytes:
-        """ModelInfer on serialized bytes: parse once to route, forward the bytes as they are.
+    def infer_raw(self, raw: bytes, metadata_user_id, timeout_s: float | None = None,
+                  headers=None) -> Awaitable[bytes]:
+        """ModelInfer on serialized bytes: parse once to route, forward the bytes as they are;
+        await what it returns (the pipeline's own coroutine: no level of awaiting more).
         ``metadata_user_id()``: the user id of the call's metadata, asked for only when the
-        request has no ``user_id`` parameter."""
+        request has no ``user_id`` parameter.  Raises RouterError (here, or when awaited)."""
         try:
             request = _parse_request(raw)
         except DecodeError as exc:
@@ -262,14 +264,17 @@ class Forwarder:
         # names_region: the region's name is not in the bytes, so no tensor names one (a
         # search in C, before the walk over every input's and output's parameters).
         if names_region(raw) and uses_shared_memory(request):  # tensors are read and written here: the typed path
-            return (await self.infer(request, user_id, timeout_s, headers)).SerializeToString()
+            return self._typed_serialized(request, user_id, timeout_s, headers)
         pipeline = self.pipeline
-        return await pipeline.infer(
+        return pipeline.infer(
             pipeline.inference(request.model_name, request.model_version, parameters,
                                [i.name for i in request.inputs],
                                _adapter_of(parameters) if parameters else None,
                                user_id, timeout_s, headers),
             _RawExchange(pipeline.sender.channels, pipeline, request, raw))
+
+    async def _typed_serialized(self, request, user_id, timeout_s, headers) -> bytes:
+        return (await self.infer(request, user_id, timeout_s, headers)).SerializeToString()
 
     def _model_override(self, model: str, adapter: str | None = None) -> bytes:
         """The bytes that re-address a raw request to ``model`` with ``adapter``."""

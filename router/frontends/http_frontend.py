@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from functools import partial
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -211,7 +212,7 @@ async def all_stats(request):
 
 async def infer(request: web.Request) -> web.Response:
     router = _router(request)
-    CLIENT.set(http_client(router.config, request))
+    CLIENT.set(partial(http_client, router.config, request))
     version = _version(request)  # Triton routes no other URL: refused before the body is read
     return await http_inference.infer(router, request.app[SESSION_KEY], request, version)
 
@@ -241,7 +242,9 @@ def metrics_registry(router: PublicRouter):
 
 
 async def metrics(request: web.Request) -> web.Response:
-    resp = web.Response(body=generate_latest(metrics_registry(_router(request))))
+    router = _router(request)
+    router.metrics.writes.flush()  # this process's requests so far, not a moment later
+    resp = web.Response(body=generate_latest(metrics_registry(router)))
     resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
     return resp
 

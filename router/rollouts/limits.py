@@ -49,7 +49,8 @@ class LocalLimiter:
                     self.on_limited(name)
                 raise rate_limited(name, spec, retry_after_s)
 
-    async def acquire(self, names) -> None:
+    def acquire(self, names) -> None:
+        """Spent at once (``check``): nothing to await."""
         self.check(names)
 
 

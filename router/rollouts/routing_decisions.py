@@ -34,8 +34,9 @@ class Limiter(Protocol):
     """Rate limits by name: ``router.rollouts.limits.LocalLimiter`` (this process's buckets)
     or ``router.serving.state_client.GrantedLimiter`` (tokens from the control plane)."""
 
-    async def acquire(self, names: Iterable[str]) -> None:
-        """Spend one token of each name's limit; RateLimited when one has none."""
+    def acquire(self, names: Iterable[str]) -> Awaitable[None] | None:
+        """Spend one token of each name's limit; RateLimited when one has none.  None when
+        nothing is left to wait for (no limit applies, or it was spent at once)."""
 
 
 class Decider:
@@ -63,8 +64,9 @@ class Decider:
         names = dict.fromkeys((logical, split_adapter(logical)[0], model))
         return tuple(names)
 
-    def admit(self, decision: Decision) -> Awaitable[None]:
-        """Spend the limits of the name and of the model it reaches: await it (RateLimited).
+    def admit(self, decision: Decision) -> Awaitable[None] | None:
+        """Spend the limits of the name and of the model it reaches (RateLimited): await
+        what it returns, unless None (no limit is set, most requests: nothing to await).
         The limiter's own coroutine, not wrapped in another."""
         return self.limiter.acquire(self.limited_names(decision))
 

@@ -33,36 +33,45 @@ class DownWatch:
     def __init__(self, servers: Callable[[], Iterable[ServerAddress]], interval_s: float = DOWN_CHECK_S):
         self._servers = servers
         self.interval_s = interval_s
-        self._waiting: dict[asyncio.Timeout, str] = {}  # a request's cut -> its server's name
+        self._waiting: dict[asyncio.Task, str] = {}  # a waiting request's task -> its server's name
+        self._cut: set[asyncio.Task] = set()  # those _watch cancelled: their server is down
         self._task: asyncio.Task | None = None
 
     async def wait(self, server: ServerAddress, answer: Awaitable):
-        """``await answer``; raises ServerDown when ``server`` is declared down first."""
-        cut = asyncio.timeout(None)  # expired by _watch: the request's wait ends, its send is cancelled
+        """``await answer``; raises ServerDown when ``server`` is declared down first.
+
+        The request's own task is cancelled when its server is declared down (which cancels
+        its send) and the cancellation, known by the task being in ``_cut``, becomes
+        ServerDown: what ``asyncio.timeout`` would do, without a timeout object and its
+        context per request on the hot path."""
+        task = asyncio.current_task()
+        self._waiting[task] = server.name
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._watch())
         try:
-            async with cut:
-                self._waiting[cut] = server.name
-                if self._task is None:
-                    self._task = asyncio.get_running_loop().create_task(self._watch())
-                try:
-                    return await answer
-                finally:
-                    del self._waiting[cut]
-        except TimeoutError:
-            if cut.expired():
-                raise ServerDown(server) from None
-            raise  # the transport's own timeout
+            return await answer
+        except asyncio.CancelledError:
+            if task not in self._cut:
+                raise  # the client went away, or its deadline passed
+            raise ServerDown(server) from None
+        finally:
+            del self._waiting[task]
+            if self._cut and task in self._cut:  # this cut is over: its cancellation is spent
+                self._cut.discard(task)
+                task.uncancel()
 
     async def _watch(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while self._waiting:
                 await asyncio.sleep(self.interval_s)
                 down = {s.name for s in self._servers() if not s.up}
                 if not down:
                     continue
-                for cut, name in list(self._waiting.items()):
-                    if name in down and cut.when() is None:
-                        cut.reschedule(loop.time())
+                for task, name in list(self._waiting.items()):
+                    if name in down and task not in self._cut:
+                        # Cancelled in a step of its own: it is still awaiting its answer
+                        # (``wait`` removes it from _waiting in the step that resumes it).
+                        self._cut.add(task)
+                        task.cancel()
         finally:
             self._task = None

@@ -6,7 +6,7 @@ reached (the control plane places it on a server that is up), and record the out
 
 ``Sender`` serves requests through the transport each gives it (``send``: an ``Exchange`` of
 ``router.serving.inference_pipeline``, over ``router.serving.triton_channels`` for gRPC).
-Every retry of a request sent to Triton lives in ``Sender.resending``, for gRPC and HTTP
+Every retry of a request sent to Triton lives in ``Sender.send``, for gRPC and HTTP
 alike: one deadline per request, bounded resends, and a wait
 on a server cut short when the control plane declares that server down (``DownWatch``: a
 frozen Triton neither answers nor refuses, so without it a request would wait out its
@@ -19,7 +19,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 from domain import tracing
@@ -55,7 +55,7 @@ _NO_GATE = contextlib.nullcontext()  # a server without a concurrency: no fair-s
 
 
 class Resend(enum.Enum):
-    """Why a request is sent once more (``Sender.resending``)."""
+    """Why a request is sent once more (``Sender.send``)."""
 
     UNLOADED = "unloaded"  # Triton no longer holds the model: loaded again, sent again
     UNREACHABLE = "unreachable"  # its server could not be reached, or was declared down
@@ -104,7 +104,9 @@ class Sender:
         recorded here (``_end``), as its exit would have."""
         start = time.perf_counter()
         decision = self.decider.route(entry.logical, entry.user_id, entry.version)
-        await self.decider.admit(decision)
+        admitting = self.decider.admit(decision)
+        if admitting is not None:
+            await admitting
         call = entry.call = Call(decision, start)
         if entry.timeout_s is not None:
             call.deadline = time.monotonic() + entry.timeout_s
@@ -152,14 +154,71 @@ class Sender:
                               served_s=None if call.ready_at is None else end - call.ready_at)
 
     async def send(self, call: Call, exchange, message, timeout_s: float | None, asked: str):
-        """``exchange.attempt(server, message, left_s)`` on the call's server, sent again where
-        ``resending`` says (``exchange.resend_for``).  ``exchange``: the transport
+        """``exchange.attempt(server, message, left_s)`` on the call's server, sent once more
+        where ``exchange.resend_for`` says; ``exchange`` is the transport
         (``router.serving.inference_pipeline.Exchange``).  Raises RouterError: the transport's
-        failures as ``exchange.failure`` words them, about ``asked``, the name the client used."""
+        failures as ``exchange.failure`` words them, about ``asked``, the name the client used.
+
+        The resend rule of every transport: one deadline for the request and all its sends
+        (``timeout_s``: the client's, else ``config.request_timeout_s``); at most MAX_RESENDS
+        resends.  A model unloaded under the request is loaded again; a server that could not
+        be reached, or that the control plane declared down while the request waited on it
+        (``DownWatch``), has the control plane place the model on a server that is up (at
+        once, not when the server is declared lost).  When no resend is left, or there is
+        nowhere else to send, the last answer is returned or its exception raised (Triton's
+        own UNAVAILABLE, say).  One coroutine, not one per rule: each level of awaiting is
+        paid twice per request, on the way to Triton and back."""
         try:
-            return await self.resending(
-                call, lambda server, left_s: exchange.attempt(server, message, left_s),
-                exchange.resend_for, timeout_s)
+            server = call.server
+            deadline = time.monotonic() + (timeout_s or self.config.request_timeout_s)
+            resends = 0
+            queues = self.queues
+            while True:
+                try:
+                    left_s = max(0.001, deadline - time.monotonic())
+                    pair = (server.name, call.decision.model)
+                    queues.count_in(pair)  # at once: the deadline check of the next request sees it
+                    if timeout_s is None or not queues.may_keep():
+                        try:
+                            if self.state.concurrency(server.name) is None and not tracing.enabled():
+                                # No turn to take and no span to open (most sends): the send alone.
+                                outcome = await self.down_watch.wait(
+                                    server, exchange.attempt(server, message, left_s))
+                                queues.answered(pair)
+                            else:
+                                outcome = await self._send_once(call, server, exchange, message,
+                                                                deadline, left_s, resends, pair)
+                        finally:
+                            queues.count_out(pair)
+                    else:  # the client's deadline ends the wait, not the send (``_within_deadline``)
+                        sending = asyncio.ensure_future(self._send_once(
+                            call, server, exchange, message, deadline,
+                            max(left_s, self.config.request_timeout_s), resends, pair))
+                        sending.add_done_callback(lambda _task, pair=pair: queues.count_out(pair))
+                        outcome = await self._within_deadline(sending, left_s, timeout_s,
+                                                              call.decision.logical)
+                    why = exchange.resend_for(outcome)
+                except ServerDown as exc:
+                    outcome, why = exc, Resend.UNREACHABLE
+                except RouterError:
+                    raise
+                except Exception as exc:
+                    why = exchange.resend_for(exc)
+                    if why is None:
+                        raise
+                    outcome = exc
+                if why is None:
+                    return outcome
+                if resends >= MAX_RESENDS or time.monotonic() >= deadline:
+                    return _last(outcome)
+                resends += 1
+                if why is Resend.UNLOADED:
+                    server = await self.resend_after_unload(call)
+                    continue
+                try:
+                    server = await self.resend_after_unavailable(call, server)
+                except BackendUnavailable:
+                    return _last(outcome)  # nowhere else to serve it
         except RouterError:
             raise
         except Exception as exc:
@@ -168,78 +227,20 @@ class Sender:
                 raise
             raise error from exc
 
-    async def resending(self, call: Call, attempt: Callable[[ServerAddress, float], Awaitable],
-                        resend_for: Callable[[object], Resend | None], timeout_s: float | None):
-        """The resend rule of both transports.  ``attempt(server, left_s)`` sends the request
-        to ``server`` with ``left_s`` seconds of its deadline left and returns the answer or
-        raises; ``resend_for(answer or exception)`` says why to send it once more, or None.
-
-        One deadline for the request and all its sends (``timeout_s``: the client's, else
-        ``config.request_timeout_s``); at most MAX_RESENDS resends.  A model unloaded under
-        the request is loaded again; a server that could not be reached, or that the control
-        plane declared down while the request waited on it (``DownWatch``), has the control
-        plane place the model on a server that is up (at once, not when the server is
-        declared lost).  When no resend is left, or there is nowhere else to send, the last
-        answer is returned or its exception raised (Triton's own UNAVAILABLE, say)."""
-        server = call.server
-        deadline = time.monotonic() + (timeout_s or self.config.request_timeout_s)
-        resends = 0
-        while True:
-            try:
-                left_s = max(0.001, deadline - time.monotonic())
-                pair = (server.name, call.decision.model)
-                self.queues.count_in(pair)  # at once: the deadline check of the next request sees it
-                if timeout_s is None or not self.queues.may_keep():
-                    try:
-                        outcome = await self._send_once(call, server, attempt, deadline, left_s,
-                                                        resends, pair)
-                    finally:
-                        self.queues.count_out(pair)
-                else:  # the client's deadline ends the wait, not the send (``_within_deadline``)
-                    sending = asyncio.ensure_future(self._send_once(
-                        call, server, attempt, deadline, max(left_s, self.config.request_timeout_s),
-                        resends, pair))
-                    sending.add_done_callback(lambda _task, pair=pair: self.queues.count_out(pair))
-                    outcome = await self._within_deadline(sending, left_s, timeout_s,
-                                                          call.decision.logical)
-                why = resend_for(outcome)
-            except ServerDown as exc:
-                outcome, why = exc, Resend.UNREACHABLE
-            except Exception as exc:
-                why = resend_for(exc)
-                if why is None:
-                    raise
-                outcome = exc
-            if why is None:
-                return outcome
-            if resends >= MAX_RESENDS or time.monotonic() >= deadline:
-                return _last(outcome)
-            resends += 1
-            if why is Resend.UNLOADED:
-                server = await self.resend_after_unload(call)
-                continue
-            try:
-                server = await self.resend_after_unavailable(call, server)
-            except BackendUnavailable:
-                return _last(outcome)  # nowhere else to serve it
-
-    async def _send_once(self, call: Call, server: ServerAddress,
-                         attempt: Callable[[ServerAddress, float], Awaitable], deadline: float,
-                         upstream_s: float, resends: int, pair: tuple[str, str]):
-        """One send of ``call`` to ``server`` (after its fair-share turn there, which ends
-        with the client's ``deadline``), given ``upstream_s`` to answer; an answer counts in
-        the rate the server answers the model at.  ``pair``: (server name, model)."""
+    async def _send_once(self, call: Call, server: ServerAddress, exchange, message,
+                         deadline: float, upstream_s: float, resends: int, pair: tuple[str, str]):
+        """One send of ``call`` to ``server`` after its fair-share turn there (which ends
+        with the client's ``deadline``) and in a span when tracing, given ``upstream_s`` to
+        answer; an answer counts in the rate the server answers the model at.  ``pair``:
+        (server name, model)."""
         gated = self.state.concurrency(server.name) is not None
-        if not gated and not tracing.enabled():
-            # No turn to take and no span to open (most sends): the send alone.
-            outcome = await self.down_watch.wait(server, attempt(server, upstream_s))
-        else:
-            gate = (self.shares.turn(server.name, pair[1], deadline, call.decision.logical)
-                    if gated else _NO_GATE)
-            async with gate:
-                with tracing.span("triton.infer", tracing.SpanKind.CLIENT,
-                                  server=server.name, resend=resends or None):
-                    outcome = await self.down_watch.wait(server, attempt(server, upstream_s))
+        gate = (self.shares.turn(server.name, pair[1], deadline, call.decision.logical)
+                if gated else _NO_GATE)
+        async with gate:
+            with tracing.span("triton.infer", tracing.SpanKind.CLIENT,
+                              server=server.name, resend=resends or None):
+                outcome = await self.down_watch.wait(server, exchange.attempt(server, message,
+                                                                              upstream_s))
         self.queues.answered(pair)
         return outcome
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 
 from domain.errors import ControlPlaneError
 from domain.token_bucket import TokenBucket
@@ -30,10 +31,15 @@ class GrantedLimiter:
         self.on_limited = on_limited
         self._stock: dict[str, _Stock] = {}
 
-    async def acquire(self, names) -> None:
+    def acquire(self, names) -> Awaitable[None] | None:
+        """A coroutine that spends a token of each limited name, or None when no limit
+        applies to these names (nothing to await)."""
         limits = self.state.table.limits
-        if not limits:
-            return
+        if not limits or not any(name in limits for name in names):
+            return None
+        return self._take_each(limits, names)
+
+    async def _take_each(self, limits: dict, names) -> None:
         for name in names:
             spec = limits.get(name)
             if spec is not None:

@@ -11,9 +11,10 @@ counts as its /64 (``router.frontends.peers.client_key``).  Peers on the loopbac
 are not counted unless that header names them (local tools, health checks, a proxy on the
 same host that does not say who its clients are).
 
-The frontends set ``CLIENT`` at the start of each inference call (the transport knows the
-peer: ``router.frontends.peers.grpc_client`` / ``http_client``); the sender reads it where it
-finds a miss, so gRPC and HTTP share one check.
+The frontends set ``CLIENT`` at the start of each inference call to a function that says who
+the client is (the transport knows the peer: ``router.frontends.peers.grpc_client`` /
+``http_client``); the sender calls it only where it finds a miss, so gRPC and HTTP share one
+check and a hit parses no address.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from contextvars import ContextVar
 
 from domain.router_errors import RateLimited
 
-# The client of the inference call this task serves (None: not counted).
-CLIENT: ContextVar[str | None] = ContextVar("mms_client", default=None)
+# Who the client of the inference call this task serves is, asked on a miss (a function
+# returning None, or no function: not counted).
+CLIENT: ContextVar[Callable[[], str | None] | None] = ContextVar("mms_client", default=None)
 BURST_SECONDS = 10.0  # the bucket holds this many seconds of the rate
 
 
@@ -63,8 +65,12 @@ class MissBudget:
     def spend(self, model: str, client: str | None = None) -> None:
         """Count a miss for ``client`` (default: this call's, ``CLIENT``); raises RateLimited
         when it (or the overflow bucket it shares, see the class) has none left."""
-        client = CLIENT.get() if client is None else client
-        if self.rate_per_s <= 0 or client is None:
+        if self.rate_per_s <= 0:
+            return
+        if client is None:
+            who = CLIENT.get()
+            client = who() if who is not None else None
+        if client is None:
             return
         now = self.clock()
         self._forget_refilled(now)

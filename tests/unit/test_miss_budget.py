@@ -47,16 +47,26 @@ def test_no_budget_and_uncounted_clients_never_refuse():
         budget.spend("m", None)  # a loopback peer with no trusted header
 
 
-def test_the_client_of_the_current_call_is_read_from_the_context():
+def test_the_client_of_the_current_call_is_asked_of_the_context_on_a_miss():
     budget = MissBudget(0.1, clock=Clock())
-    token = CLIENT.set("203.0.113.9")
+    asked = []
+    token = CLIENT.set(lambda: asked.append("who") or "203.0.113.9")
     try:
         budget.spend("m")  # the one miss of its burst (1)
         with pytest.raises(RateLimited):
             budget.spend("m")
     finally:
         CLIENT.reset(token)
+    assert asked == ["who", "who"]  # once per miss: a hit never works out who its client is
     budget.spend("m")  # no client in this context: not counted
+
+
+def test_a_budget_turned_off_never_asks_who_the_client_is():
+    token = CLIENT.set(lambda: pytest.fail("the client was worked out for a budget that is off"))
+    try:
+        MissBudget(0.0, clock=Clock()).spend("m")
+    finally:
+        CLIENT.reset(token)
 
 
 def test_clients_are_forgotten_before_the_table_grows_without_bound():

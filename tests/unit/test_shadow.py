@@ -223,7 +223,7 @@ def test_a_mirror_is_sent_outside_the_context_of_the_request_that_started_the_wo
         item = ShadowItem("r", "s", b"", outputs([1.0]), 1.0)
 
         async def first_request():
-            CLIENT.set("client-a")
+            CLIENT.set(lambda: "client-a")
             assert mirror.offer(item)
 
         await asyncio.get_running_loop().create_task(first_request())
