@@ -178,21 +178,22 @@ class Sender:
                     left_s = max(0.001, deadline - time.monotonic())
                     pair = (server.name, call.decision.model)
                     queues.count_in(pair)  # at once: the deadline check of the next request sees it
+                    gated = self.state.concurrency(server.name) is not None
                     if timeout_s is None or not queues.may_keep():
                         try:
-                            if self.state.concurrency(server.name) is None and not tracing.enabled():
+                            if not gated and not tracing.enabled():
                                 # No turn to take and no span to open (most sends): the send alone.
                                 outcome = await self.down_watch.wait(
                                     server, exchange.attempt(server, message, left_s))
                                 queues.answered(pair)
                             else:
-                                outcome = await self._send_once(call, server, exchange, message,
+                                outcome = await self._send_once(call, server, exchange, message, gated,
                                                                 deadline, left_s, resends, pair)
                         finally:
                             queues.count_out(pair)
                     else:  # the client's deadline ends the wait, not the send (``_within_deadline``)
                         sending = asyncio.ensure_future(self._send_once(
-                            call, server, exchange, message, deadline,
+                            call, server, exchange, message, gated, deadline,
                             max(left_s, self.config.request_timeout_s), resends, pair))
                         sending.add_done_callback(lambda _task, pair=pair: queues.count_out(pair))
                         outcome = await self._within_deadline(sending, left_s, timeout_s,
@@ -227,13 +228,12 @@ class Sender:
                 raise
             raise error from exc
 
-    async def _send_once(self, call: Call, server: ServerAddress, exchange, message,
+    async def _send_once(self, call: Call, server: ServerAddress, exchange, message, gated: bool,
                          deadline: float, upstream_s: float, resends: int, pair: tuple[str, str]):
-        """One send of ``call`` to ``server`` after its fair-share turn there (which ends
-        with the client's ``deadline``) and in a span when tracing, given ``upstream_s`` to
-        answer; an answer counts in the rate the server answers the model at.  ``pair``:
-        (server name, model)."""
-        gated = self.state.concurrency(server.name) is not None
+        """One send of ``call`` to ``server`` after its fair-share turn there when ``gated``
+        (the server has a concurrency; the turn ends with the client's ``deadline``) and in a
+        span when tracing, given ``upstream_s`` to answer; an answer counts in the rate the
+        server answers the model at.  ``pair``: (server name, model)."""
         gate = (self.shares.turn(server.name, pair[1], deadline, call.decision.logical)
                 if gated else _NO_GATE)
         async with gate:

@@ -123,7 +123,7 @@ class RequestWrites:
         if due:
             self.inflight.inc(due)
         answered, self._answered = self._answered, []
-        counted: dict = {}  # one write per series for the requests of a turn
+        counted: dict = {}  # one write per series for the requests since the last flush
         for requests, latency, latency_s in answered:
             counted[requests] = counted.get(requests, 0) + 1
             latency.observe(latency_s)
