@@ -42,6 +42,9 @@ class InProcessRouter:
     async def gather_reports(self) -> bool:
         return await self.router.gather_reports()
 
+    def outstanding_by_model(self) -> dict[str, int]:
+        return self.router.sender.queues.outstanding_by_model()
+
     async def close(self) -> None:
         await self.grpc_server.stop(grace=STOP_GRACE_S)
         await self.http_runner.cleanup()
@@ -57,8 +60,6 @@ async def start_in_process_router(parts: RouterParts, endpoints: dict) -> InProc
         names=rollouts.names, families=parts.families, stats=rollouts.stats,
         share_weights=rollouts.shares.resolved)
     await router.start()
-    # mmctl scale --replicas auto scales by the requests this router has on Triton.
-    parts.manager.copies.load_of = router.sender.queues.outstanding_by_model
     grpc_server, grpc_port = await start_grpc(router, cfg.router_host, cfg.router_grpc_port,
                                               cfg.max_request_bytes)
     http_runner = web.AppRunner(make_http_app(router), access_log=None,

@@ -57,10 +57,27 @@ def read_token(args: WorkerConfig) -> str:
 
 async def serve(args: WorkerConfig) -> None:
     tracing.configure(args.trace_exporter, "mms-router")
-    state = RemoteState(args.control_url, read_token(args), args.worker,
-                        request_timeout_s=args.load_timeout + 10)
-    await state.start()
     metrics = RouterMetrics()
+    # The state's reports read the router, made once the first snapshot is in (below).
+    router: Router | None = None
+
+    def refreshed() -> None:  # a newer snapshot: route by its table and names
+        if router is not None:
+            router.table, router.names = state.table, state.names
+
+    def outstanding() -> dict[str, int]:
+        return router.sender.queues.outstanding_by_model() if router is not None else {}
+
+    def shadow_counts() -> dict:
+        return {} if router is None else {
+            route: {k: v for k, v in asdict(report).items() if k != "last"}
+            for route, report in router.shadow.reports.items()}
+
+    state = RemoteState(args.control_url, read_token(args), args.worker,
+                        request_timeout_s=args.load_timeout + 10, on_snapshot=refreshed,
+                        outstanding=outstanding, shadow_counts=shadow_counts,
+                        loop_failures=metrics.loop_failures)
+    await state.start()
     limiter = GrantedLimiter(state, on_limited=lambda n: metrics.rate_limited.labels(n).inc())
     # Outcomes are judged by the control plane, over every worker: they go to it in reports.
     router = Router(state, state.table, RouterConfig(
@@ -69,16 +86,6 @@ async def serve(args: WorkerConfig) -> None:
         shared_memory_dir=args.shared_memory_dir, miss_budget_per_s=args.miss_budget,
         client_header=args.client_header), names=state.names,
         metrics=metrics, stats=state, limiter=limiter)
-    state.loop_failures = router.metrics.loop_failures
-
-    def refreshed() -> None:
-        router.table, router.names = state.table, state.names
-
-    state.on_snapshot = refreshed
-    state.outstanding = lambda: router.sender.queues.outstanding_by_model()
-    state.shadow_counts = lambda: {
-        route: {k: v for k, v in asdict(report).items() if k != "last"}
-        for route, report in router.shadow.reports.items()}
     await router.start()
     grpc_server, grpc_port = await start_grpc(router, args.host, args.grpc_port, args.max_request_bytes,
                                               reuse_port=True)

@@ -66,9 +66,8 @@ class AdapterManager:
         self._locks: dict[str, asyncio.Lock] = {}
         self._bases: dict[str, bool] = {}  # model name -> is a LoRA base (for step())
         # Which adapters hold the bases' device slots: entries of the model manager.
-        self.slots = AdapterSlots(manager, self.repository)
-        self.slots.on_status = self._absorb
-        self.slots.evictions = self.metrics.evictions
+        self.slots = AdapterSlots(manager, self.repository, on_status=self._absorb,
+                                  evictions=self.metrics.evictions)
         manager.attach_adapters(self.slots)
 
     # ------------------------------------------------------------------ helpers

@@ -91,7 +91,9 @@ class AdapterSlots:
     LoRA bases, which adapters exist)."""
 
     def __init__(self, manager, repository, policy: str | None = None,
-                 on_its_way_s: float | None = None, clock: Callable[[], float] = time.time):
+                 on_its_way_s: float | None = None, clock: Callable[[], float] = time.time,
+                 on_status: Callable[[str, dict], None] = lambda _base, _status: None,
+                 evictions: dict[str, int] | None = None):
         self.manager = manager
         self.repository = repository
         self.policy = policy or manager.config.policy
@@ -101,12 +103,13 @@ class AdapterSlots:
         # Entries (BASE:ADAPTER) that requests on their way were ensured for: no victims.
         self.holds = RequestHolds(self.on_its_way_s, on_first=lambda name: self._set_evictable(name, False),
                                   on_last=self._last_hold_ended)
-        self.evictions: dict[str, int] = {}  # base -> adapters evicted for others (metrics)
+        # base -> adapters evicted for others (the adapters' metrics read it)
+        self.evictions: dict[str, int] = evictions if evictions is not None else {}
         self.capacity_wait_s = getattr(manager.config, "capacity_wait_s", 120.0)
         # (base, server) -> the adapter loads waiting for a slot there, oldest first: when an
         # adapter's holds end, the oldest tries again at once (one per slot freed).
         self._turns: dict[tuple[str, str], Turns] = {}
-        self.on_status: Callable[[str, dict], None] = lambda _base, _status: None
+        self.on_status = on_status  # a base's whole status, as its model reported it
         # The key of the models' control sockets (commands beside their batches).
         self.key = control_key(Path(repository))
         # base -> (its config's and folder's stamps, describe_base of it): a miss reads two

@@ -55,8 +55,9 @@ class FamilyControl(TritonAdmin):
 
     def __init__(self, grpc_url: str, families: FamilyCatalog,
                  slots_for: Callable[[Family], int], timeouts: Timeouts | None = None,
-                 load_config: Callable[[str], str | None] | None = None):
-        super().__init__(grpc_url, timeouts or Timeouts(), load_config)
+                 load_config: Callable[[str], str | None] | None = None,
+                 headers: dict[str, str] | None = None, guard: Callable[[], None] | None = None):
+        super().__init__(grpc_url, timeouts or Timeouts(), load_config, headers, guard)
         self.families = families
         self.slots_for = slots_for
         self.instances: dict[str, FamilyInstance] = {}  # family -> its model on this server

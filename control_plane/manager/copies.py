@@ -83,7 +83,7 @@ class Copies:
     def __init__(self, book: ModelBook, servers: dict[str, TritonServer], tasks: TaskBoard,
                  keeping: Bookkeeping, config: ManagerConfig, store: StateStore,
                  catalog: Catalog, placer: Placer, loader: Loader, unloader: Unloader,
-                 executor: Executor):
+                 executor: Executor, load_of: Callable[[], dict[str, int]] = dict):
         self.book = book
         self.servers = servers
         self.tasks = tasks
@@ -101,9 +101,9 @@ class Copies:
             self.targets[str(name)] = (AutoRange(int(spec["min"]), int(spec["max"]))
                                        if isinstance(spec, dict) else int(spec))
         self.current: dict[str, int] = {}  # an auto model -> copies wanted now
-        # Requests outstanding per model now, over every router worker (their reports; the
-        # service wires it): what ``autoscale`` reads.  Empty: no auto scaling happens.
-        self.load_of: Callable[[], dict[str, int]] = dict
+        # Requests outstanding per model now, over every router (the workers' reports, or
+        # the in-process router's queues): what ``autoscale`` reads.  Empty: no auto scaling.
+        self.load_of = load_of
         self._above_since: dict[str, float] = {}  # auto model -> monotonic, busy past the bar
         self._below_since: dict[str, float] = {}  # auto model -> monotonic, idle enough to shrink
         self._changed_at: dict[str, float] = {}  # auto model -> monotonic, its last change

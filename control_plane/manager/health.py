@@ -38,14 +38,16 @@ class Health:
     ``down_since`` and a managed Triton's restart back-off.  ``clock``: monotonic seconds."""
 
     def __init__(self, servers: dict[str, TritonServer], config: ManagerConfig,
-                 metrics: ControlPlaneMetrics, clock: Callable[[], float] = time.monotonic):
+                 metrics: ControlPlaneMetrics, clock: Callable[[], float] = time.monotonic,
+                 on_down: Callable[[TritonServer, str], None] = lambda _server, _why: None,
+                 on_up: Callable[[TritonServer], None] = lambda _server: None):
         self.servers = servers
         self.config = config
         self.metrics = metrics
         self.clock = clock
         # Called after a server became down / up again (the reconciler's consequences).
-        self.on_down: Callable[[TritonServer, str], None] = lambda _server, _why: None
-        self.on_up: Callable[[TritonServer], None] = lambda _server: None
+        self.on_down = on_down
+        self.on_up = on_up
         self._probes: dict[str, asyncio.Task] = {}  # server name -> the probe in flight
         self._probe_faults: set[str] = set()  # servers whose probe raised (logged once)
 

@@ -68,7 +68,8 @@ class ModelManager:
       probes run beside the passes;
     * ``leases``: requests holding models, through the loader and the reconciler;
     * ``copies``: a model's copies on several servers (``mmctl scale``), through the loader
-      and the unloader; the reconciler runs it after each pass.
+      and the unloader; the reconciler runs it after each pass; ``load_of()`` says the
+      requests outstanding per model over every router (what ``--replicas auto`` follows).
 
     Its own methods are the product's API of the manager and say which part answers."""
 
@@ -86,6 +87,7 @@ class ModelManager:
         warmup_enabled: Callable[[str], bool] | None = None,
         memory=None,
         free_memory: Callable[[TritonServer], int | None] | None = None,
+        load_of: Callable[[], dict[str, int]] = dict,
     ):
         if not servers:
             raise InvalidInput("the fleet needs at least one Triton server")
@@ -129,7 +131,8 @@ class ModelManager:
                              self.unloader, self.executor)
         self.pins = Pins(st.book, st.tasks, store, config, self.catalog, self.loader)
         self.copies = Copies(st.book, st.servers, st.tasks, st.keeping, config, store,
-                             self.catalog, st.placer, self.loader, self.unloader, self.executor)
+                             self.catalog, st.placer, self.loader, self.unloader, self.executor,
+                             load_of)
         self.reconciler = Reconciler(st.book, st.servers, st.tasks, st.keeping, config, clock,
                                      self.catalog, self.recency, self.unloader, self.pins,
                                      self.copies)

@@ -54,9 +54,8 @@ class Reconciler:
         self.pins = pins
         self.copies = copies  # models' extra copies: adopted, forgotten and converged here
         self._catalog_read_at: dict[str, float] = {}  # server -> monotonic; its whole index read
-        self.health = Health(servers, config, keeping.metrics)
-        self.health.on_down = self._server_down
-        self.health.on_up = self._server_up
+        self.health = Health(servers, config, keeping.metrics, on_down=self._server_down,
+                             on_up=self._server_up)
         self._strays: set[tuple[str, str]] = set()  # (server, model) unloads in flight
 
     async def start(self) -> None:

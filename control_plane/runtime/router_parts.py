@@ -37,6 +37,8 @@ class InProcessRouter(Protocol):
 
     async def gather_reports(self) -> bool: ...
 
+    def outstanding_by_model(self) -> dict[str, int]: ...  # requests on Triton, per model
+
     async def close(self) -> None: ...
 
 

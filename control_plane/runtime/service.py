@@ -42,7 +42,6 @@ from control_plane.runtime.supervisor import PROCESSES_FILE
 from control_plane.runtime.tritons import TritonFleet, check_model_control, free_memory_probe
 from control_plane.state.secret_files import ensure_private_dir, ensure_secret_file
 from control_plane.state.state_store import StateStore
-from control_plane.triton.admin import admin_key_headers
 from domain import tracing
 from domain.periodic import guarded_step, run_periodically
 from domain.settings import shared_values
@@ -196,11 +195,10 @@ class Service:
         # state directory: Tritons adopted after a restart were started with the same one.
         triton_key = ensure_secret_file(cfg.state_dir / TRITON_KEY_FILE_NAME,
                                         cfg.triton_admin_key, what="Triton key")
-        self.tritons.restricted_key = triton_key
-        servers = self.tritons.start(self.repository, self.families)
-        for server in servers:  # model control: with Triton's key, and only while leading
-            server.admin.headers = admin_key_headers(triton_key)
-            server.admin.guard = self.leadership.check if self.leadership is not None else None
+        # Model control: with Triton's key, and only while leading.
+        servers = self.tritons.start(
+            self.repository, self.families, restricted_key=triton_key,
+            guard=self.leadership.check if self.leadership is not None else None)
         await check_model_control(servers)
         stager = self.warm
         devices = self.tritons.devices
@@ -216,7 +214,8 @@ class Service:
             free_memory=free_memory_probe(self.memory),
             stager=stager, priority_of=self.registry.stage_priority,
             placer=Placer(facts=registry_facts(self.registry), labels=self.tritons.labels),
-            warmup_enabled=self.registry.warmup_enabled, memory=self.memory)
+            warmup_enabled=self.registry.warmup_enabled, memory=self.memory,
+            load_of=self._requests_on_triton)
         manager = self.manager
         if self.memory is not None:
             from control_plane.triton.devices import MemoryReconciler
@@ -335,6 +334,15 @@ class Service:
         self.rollouts.start_judging(loop_failures=self.manager.metrics.loop_failures)
         return self.router
 
+    def _requests_on_triton(self) -> dict[str, int]:
+        """Requests outstanding per model over every router (mmctl scale --replicas auto):
+        the router workers' reports, or the queues of the router in this process."""
+        if self.hub is not None:
+            return self.hub.reports.outstanding()
+        if self.router is not None:
+            return self.router.outstanding_by_model()
+        return {}
+
     async def _start_hub(self, admin_app: web.Application, endpoints: dict):
         """Serve the router workers: snapshot, watch, ensure, reports, tokens; the hub
         judges the rollouts on every worker's outcomes."""
@@ -346,7 +354,6 @@ class Service:
                                 workers_expected=cfg.router_workers or 0, families=self.families,
                                 rollouts=self.rollouts)
         await self.hub.start()
-        self.manager.copies.load_of = self.hub.reports.outstanding  # mmctl scale auto
         add_dataplane_routes(admin_app, self.hub)
         endpoints["router_grpc"] = f"{cfg.router_host}:{cfg.router_grpc_port}"
         endpoints["router_http"] = f"{cfg.router_host}:{cfg.router_http_port}"

@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from control_plane.manager.model_manager import ModelManager
 from control_plane.manager.records import ServerSpec, TritonServer
+from control_plane.triton.admin import admin_key_headers
 from control_plane.triton.process import TritonLaunchConfig, TritonProcess
 from domain.errors import InvalidInput
 from domain.sizes import parse_size
@@ -159,13 +161,18 @@ class TritonFleet:
         self.repository = Path()  # the warm tier the Tritons serve from
         self.families = None  # families.FamilyCatalog
         # The key Tritons launched here take model control (and their other restricted APIs)
-        # with; Service sets it (given, or kept in the state directory) before ``start``.
+        # with, and every server's model control sends; given to ``start``.
         self.restricted_key: str | None = None
+        # Called before each load and unload: raises while this control plane may not act
+        # (a leader whose lease may have run out); None: it always may.
+        self.guard: Callable[[], None] | None = None
 
-    def start(self, repository: Path, families) -> list[TritonServer]:
+    def start(self, repository: Path, families, restricted_key: str | None = None,
+              guard: Callable[[], None] | None = None) -> list[TritonServer]:
         """Discover the devices, launch a Triton per device (or the CPU ones), register the
         attached ones; the servers, in that order."""
         self.repository, self.families = repository, families
+        self.restricted_key, self.guard = restricted_key, guard
         self.devices = self.discover_devices()
         if self.devices:
             return self._start_device_tritons() + self._attached_servers()
@@ -301,7 +308,8 @@ class TritonFleet:
             return family_slots(family, spec.max_loaded, spec.memory_budget_bytes,
                                 len(families.variants(family.name)))
 
-        return FamilyAdmin(spec.grpc_url, families, slots_for, load_config=load_config)
+        return FamilyAdmin(spec.grpc_url, families, slots_for, load_config=load_config,
+                           headers=admin_key_headers(self.restricted_key), guard=self.guard)
 
     def local_memory_budget_bytes(self, devices=None, host_bytes: int | None = None) -> int | None:
         """Each local Triton's byte budget: --memory-budget, else derived from the machine

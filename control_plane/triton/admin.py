@@ -189,13 +189,13 @@ class TritonAdmin(AdapterControl):
     act (a leader whose lease may have run out).
     """
 
-    headers: dict[str, str] | None = None
-    guard: Callable[[], None] | None = None
-
     def __init__(self, grpc_url: str, timeouts: Timeouts = Timeouts(),
-                 load_config: Callable[[str], str | None] | None = None):
+                 load_config: Callable[[str], str | None] | None = None,
+                 headers: dict[str, str] | None = None, guard: Callable[[], None] | None = None):
         self.grpc_url = grpc_url
         self.timeouts = timeouts
+        self.headers = headers
+        self.guard = guard
         # The load API's config override for a model on this server, or None to load its
         # config.pbtxt as it is (placement.instance_kind_override: run where placed).
         self.load_config = load_config

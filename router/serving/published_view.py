@@ -6,6 +6,7 @@ current from the control plane (its long-poll, and the changes an ensure's answe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from domain.public_names import PublicNames
@@ -43,7 +44,7 @@ class PublishedView:
     """The published sections as one worker has applied them, up to ``version`` of
     ``epoch``; the reads of ``router.serving.serving_state.ServingState`` that need no call."""
 
-    def __init__(self):
+    def __init__(self, on_snapshot: Callable[[], None] = lambda: None):
         self.version = -1
         self.epoch = ""
         # Kept current key by key; placement and carriers are read from them as they are.
@@ -55,7 +56,7 @@ class PublishedView:
         self.carriers: dict[str, str] = {}  # family variant -> the Triton model serving it
         self.addresses: dict[str, ServerAddress] = {}
         self.workers = 1
-        self.on_snapshot = lambda: None  # called after each new snapshot is applied
+        self.on_snapshot = on_snapshot  # called after each new snapshot is applied
 
     def apply(self, published: dict) -> None:
         """Apply the control plane's answer: the whole state, or the changes since ours.

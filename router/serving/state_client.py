@@ -17,6 +17,7 @@ import collections
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import aiohttp
 
@@ -56,8 +57,11 @@ class RemoteState(PublishedView):
     answers that it is a standby.
     """
 
-    def __init__(self, control_url: str, token: str, worker: str, request_timeout_s: float = 130.0):
-        super().__init__()
+    def __init__(self, control_url: str, token: str, worker: str, request_timeout_s: float = 130.0,
+                 on_snapshot: Callable[[], None] = lambda: None,
+                 outstanding: Callable[[], dict[str, int]] = dict,
+                 shadow_counts: Callable[[], dict] = dict, loop_failures=None):
+        super().__init__(on_snapshot)
         self.control_urls = [u.strip().rstrip("/") for u in control_url.split(",") if u.strip()]
         if not self.control_urls:
             raise ValueError("no control-plane URL given")
@@ -67,10 +71,10 @@ class RemoteState(PublishedView):
         self.pid = os.getpid()
         self.request_timeout_s = request_timeout_s
         self.session: aiohttp.ClientSession | None = None
-        self.shadow_counts = dict  # () -> route -> cumulative ShadowReport counts
-        # () -> model -> requests sent to Triton and not answered now (router.worker sets it
-        # to the sender's count): the control plane scales copies by it (mmctl scale auto).
-        self.outstanding = dict
+        self.shadow_counts = shadow_counts  # () -> route -> cumulative ShadowReport counts
+        # () -> model -> requests sent to Triton and not answered now (the worker's sender
+        # counts them): the control plane scales copies by it (mmctl scale auto).
+        self.outstanding = outstanding
         self._reported_outstanding: dict[str, int] = {}
         self._ensures: dict[tuple[str, str | None], asyncio.Task] = {}  # (model, unreachable)
         # Holds the control plane keeps for this worker's ensures, and the requests served
@@ -82,9 +86,9 @@ class RemoteState(PublishedView):
         self._answered_due: collections.Counter[str] = collections.Counter()
         self._answered_timer: asyncio.TimerHandle | None = None
         self._notices: set[asyncio.Task] = set()
-        # The router's mmr_loop_failures_total (router.worker sets it): a failing
-        # watch or report pass is counted, and the loop goes on.
-        self.loop_failures = None
+        # The router's mmr_loop_failures_total: a failing watch or report pass is counted,
+        # and the loop goes on.
+        self.loop_failures = loop_failures
         self._uses: collections.Counter[str] = collections.Counter()
         self._requests = 0
         self._samples: collections.deque = collections.deque(maxlen=MAX_PENDING_SAMPLES)

@@ -19,13 +19,14 @@ READY = TritonModelState.READY
 NAMES = ("s0", "s1", "s2")
 
 
-def fleet(tmp_path, max_loaded=2, servers=NAMES, admins=None, store=None, **cfg):
+def fleet(tmp_path, max_loaded=2, servers=NAMES, admins=None, store=None, load_of=dict, **cfg):
     admins = admins or {n: FakeAdmin(MODELS) for n in servers}
     made = [ModelManager.make_server(ServerSpec(n, f"{n}:1", f"{n}:2", max_loaded=max_loaded),
                                      "lru", admin=admins[n]) for n in servers]
     mgr = ModelManager(made, store or StateStore(tmp_path / "s.db"),
                        config=ManagerConfig(policy="lru", unload_timeout_s=0.3,
-                                            failure_backoff_s=0.2, headroom_models=0, **cfg))
+                                            failure_backoff_s=0.2, headroom_models=0, **cfg),
+                       load_of=load_of)
     return mgr, admins
 
 
@@ -234,14 +235,14 @@ def test_a_copy_triton_holds_without_a_target_is_unloaded(tmp_path):
 
 def test_auto_follows_outstanding_requests_with_hysteresis_and_a_cool_down(tmp_path):
     async def go():
+        load = {}
         mgr, admins = fleet(tmp_path, scale_up_outstanding=4.0, scale_up_after_s=3.0,
-                            scale_down_after_s=10.0)
+                            scale_down_after_s=10.0, load_of=lambda: load)
         await mgr.start()
         await mgr.scale("m1", "auto", 1, 3)
         assert (mgr.copies.target("m1"), admins["s0"].load_calls) == (1, [])  # loaded on demand
         await mgr.ensure("m1")
-        load = {"m1": 10}
-        mgr.copies.load_of = lambda: load
+        load["m1"] = 10
         copies = mgr.copies
 
         def wanted_after(now):

@@ -149,8 +149,8 @@ def test_a_router_workers_watch_survives_a_bad_snapshot(monkeypatch):
     monkeypatch.setattr(state_client, "RETRY_MAX_S", 0.01)
 
     async def go():
-        state = RemoteState("http://127.0.0.1:1", "tok", "w0")
-        state.loop_failures = counter = loop_failures_counter("t", CollectorRegistry())
+        counter = loop_failures_counter("t", CollectorRegistry())
+        state = RemoteState("http://127.0.0.1:1", "tok", "w0", loop_failures=counter)
         polls = FailsOnce()
 
         async def poll(wait_s):  # a long poll that answers at once, once a bad snapshot

@@ -102,10 +102,10 @@ def test_three_missed_probes_in_a_row_make_a_server_down_and_an_answer_resets_th
     mgr = manager(tmp_path, {"s0": FakeAdmin(MODELS)})
     server = mgr.servers["s0"]
     clock = FakeClock()
-    health = Health(mgr.servers, mgr.config, mgr.metrics, clock)
     downs, ups = [], []
-    health.on_down = lambda s, why: downs.append((s.name, why))
-    health.on_up = lambda s: ups.append(s.name)
+    health = Health(mgr.servers, mgr.config, mgr.metrics, clock,
+                    on_down=lambda s, why: downs.append((s.name, why)),
+                    on_up=lambda s: ups.append(s.name))
 
     health.missed(server, "no answer")
     health.missed(server, "no answer")
