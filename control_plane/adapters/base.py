@@ -12,11 +12,9 @@ from pathlib import Path
 from domain import model_config
 from domain.errors import InvalidInput, ModelNotFound
 from domain.names import validate_model_name
+from model_runtime.lora.peft_files import CONFIG_FILE, WEIGHTS_FILE
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_FILES = (CONFIG_FILE, WEIGHTS_FILE)
-MANIFEST_FILE = "manifest.json"
 CONTROL_INPUT = "ADAPTER_CONTROL"
 DEFAULT_ADAPTER_DIR = "adapters"
 DEFAULT_MAX_RANK = 16

@@ -111,17 +111,6 @@ def write_base_manifest(base: LoraBase, *, pinned: Iterable[str], preload: Itera
     return manifest
 
 
-def require_torch(what: str) -> None:
-    """InvalidInput saying what to install where torch is missing (the control plane's own
-    install and image leave it out: the base's layers are read as a torch module)."""
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        raise InvalidInput(f"{what} needs torch, which this install of the control plane leaves "
-                           "out: pip install 'multimodel-serving[runtime]' where the control plane "
-                           "runs (in its image: a layer FROM it that adds it)")
-
-
 class AdapterFiles:
     """Staging and restoring adapters for every base, with the cold stores they come from
     and go to.  Keeps each base's linear layers, read from its weights file, until the file
@@ -134,8 +123,9 @@ class AdapterFiles:
     def targets_of(self, base: LoraBase) -> tuple[dict, tuple]:
         """``module -> (out, in)`` of the base's linear layers and the modules excluded from
         ``all-linear``, from its weights file (cached until the file changes)."""
-        require_torch(f"checking an adapter against {base.name}'s layers")
-        from model_runtime.lora.models import linear_targets, load_recommender, load_tinylm
+        from safetensors import SafetensorError
+
+        from model_runtime.lora.base_layers import OUTPUT_LAYERS, linear_layers
 
         try:
             st = base.weights.stat()
@@ -145,8 +135,12 @@ class AdapterFiles:
         cached = self._targets.get(base.name)
         if cached is not None and cached[0] == signature:
             return cached[1], cached[2]
-        model = load_tinylm(base.weights) if base.kind == "tinylm" else load_recommender(base.weights)
-        targets, excluded = linear_targets(model), tuple(getattr(model, "output_layers", ()))
+        try:
+            targets = linear_layers(base.weights)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise InvalidInput(f"{base.name}'s base weights {base.weights} are not a readable "
+                               f"safetensors file: {exc}") from None
+        excluded = OUTPUT_LAYERS[base.kind]
         self._targets[base.name] = (signature, targets, excluded)
         return targets, excluded
 
@@ -164,7 +158,8 @@ class AdapterFiles:
 
     def stage(self, base: LoraBase, name: str, source: str) -> StagedAdapter:
         """Copy or download into ``.<name>.tmp``, validate, publish."""
-        from model_runtime.lora import AdapterRefused, read_adapter
+        from model_runtime.lora import AdapterRefused
+        from model_runtime.lora.peft_files import check_adapter
 
         targets, excluded = self.targets_of(base)
         base.adapter_dir.mkdir(parents=True, exist_ok=True)
@@ -193,8 +188,8 @@ class AdapterFiles:
                     if (src / file).is_file():
                         shutil.copy2(src / file, tmp / file)
             try:
-                adapter = read_adapter(tmp, targets, name=name, max_rank=base.max_rank,
-                                       all_linear_excluded=excluded, base_name=base.name)
+                adapter = check_adapter(tmp, targets, name=name, max_rank=base.max_rank,
+                                        all_linear_excluded=excluded, base_name=base.name)
             except AdapterRefused as exc:
                 raise InvalidInput(exc.message) from None
             if uri is None:

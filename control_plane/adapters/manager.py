@@ -174,7 +174,7 @@ class AdapterManager:
     async def list(self, base_name: str, refresh: bool = True) -> dict:
         """Registry + directory + manifest, and the live status when the base is loaded.
         Never loads the base."""
-        from model_runtime.lora.cache import AdapterSource
+        from model_runtime.lora.source import AdapterSource
 
         base = self.base(base_name)
         live, live_error = None, None
@@ -209,7 +209,7 @@ class AdapterManager:
 
     async def describe(self, base_name: str, name: str, status: dict | None = None) -> dict:
         """One adapter's row (``list``'s), from ``status`` when the caller just got one."""
-        from model_runtime.lora.cache import AdapterSource
+        from model_runtime.lora.source import AdapterSource
 
         base = self.base(base_name)
         if status is None:

@@ -1,13 +1,15 @@
 """LoRA multi-adapter serving: one base model, many PEFT adapters, mixed-adapter batches.
 
-Pure torch, no Triton: the LoRA model folders (``model_repository/tinylm``,
+Torch, no Triton: the LoRA model folders (``model_repository/tinylm``,
 ``model_repository/recommender_lora``) get a copy of this package as ``<version>/_lora``
-(``control_plane.demo.lora`` writes it), and the control plane imports it directly to
-validate adapters and write the manifest.  It must therefore never import the rest of
+(``control_plane.demo.lora`` writes it), and the control plane imports its torch-free modules
+directly to check adapters (``peft_files``, ``base_layers``) and write the manifest.  It must therefore never import the rest of
 ``control_plane``.
 
 Modules:
-    peft       read/validate/write adapters in the PEFT layout
+    peft       read (as served, in torch) and write adapters in the PEFT layout
+    peft_files the PEFT layout without torch: config, keys and shapes, ``check_adapter``
+    base_layers  a base's linear layers from its weights file's header (no torch)
     bank       stacked per-slot LoRA weights, per-row gather + bmm (BGMV) via forward hooks
     policy     pure LRU-with-pinning for the device and host tiers
     cache      device slots -> host memory -> adapter directory, background cold loads
@@ -39,11 +41,11 @@ from .manifest import (
     write_manifest,
 )
 from .names import validate_adapter_name
+from .peft_files import CONFIG_FILE, WEIGHTS_FILE, LoraConfig, check_adapter
 
-# The PEFT files' reading and writing import torch: loaded at their first use, so that the
-# control plane (whose install has no torch) imports the manifest, names and errors alone.
-_PEFT_NAMES = frozenset({"CONFIG_FILE", "WEIGHTS_FILE", "LoraAdapter", "LoraConfig", "read_adapter",
-                         "write_adapter"})
+# The PEFT files' reading as served and their writing import torch: loaded at their first
+# use, so that the control plane (whose install has no torch) imports the rest alone.
+_PEFT_NAMES = frozenset({"LoraAdapter", "read_adapter", "write_adapter"})
 
 
 def __getattr__(name: str):
@@ -70,6 +72,7 @@ __all__ = [
     "LoraError",
     "Manifest",
     "RuntimeClosing",
+    "check_adapter",
     "read_adapter",
     "read_manifest",
     "validate_adapter_name",

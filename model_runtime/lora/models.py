@@ -24,6 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .base_layers import OUTPUT_LAYERS
+
 BYTE_VOCAB = 256
 
 
@@ -103,7 +105,7 @@ class Block(nn.Module):
 
 class TinyLM(nn.Module):
     # Excluded from PEFT's target_modules="all-linear", as PEFT excludes the output head.
-    output_layers = ("lm_head",)
+    output_layers = OUTPUT_LAYERS["tinylm"]
 
     def __init__(self, cfg: TinyLMConfig = TinyLMConfig()):
         super().__init__()
@@ -245,7 +247,7 @@ def load_tinylm(path: Path | str, dtype: torch.dtype = torch.float32) -> TinyLM:
 class RecommenderMLP(nn.Module):
     """features -> [Linear -> ReLU] * n -> Linear(1) -> sigmoid score."""
 
-    output_layers = ()
+    output_layers = OUTPUT_LAYERS["recommender"]
 
     def __init__(self, weights: Mapping[str, torch.Tensor]):
         super().__init__()

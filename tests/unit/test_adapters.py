@@ -333,6 +333,70 @@ def test_add_validates_publishes_and_lists_cold_adapters(lora_repo):
         ("acme", "cold"), ("acme2", "cold")]
 
 
+# Adds adapters in a Python that cannot import torch (the control plane's own install and
+# image): argv: repository, cold store, then base name source ... triples.
+NO_TORCH_ADD = """
+import asyncio, json, sqlite3, sys
+from pathlib import Path
+from types import SimpleNamespace
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoTorch())
+from prometheus_client import CollectorRegistry
+from control_plane.adapters import AdapterManager
+from control_plane.tiers.cold import ColdStores, LocalDirStore
+from domain.errors import InvalidInput
+
+manager = SimpleNamespace(config=SimpleNamespace(policy="lru", on_its_way_s=10.0),
+                          metrics=SimpleNamespace(registry=CollectorRegistry()),
+                          attach_adapters=lambda _slots: None, ready_server_of=lambda _n: None,
+                          copy_servers_of=lambda _n: [], announce_moved=lambda _n: None,
+                          on_state_change=lambda _listener: None)
+adapters = AdapterManager(manager, sys.argv[1], stores=ColdStores([LocalDirStore(Path(sys.argv[2]))]),
+                          db=sqlite3.connect(":memory:"))
+answers = []
+for i in range(3, len(sys.argv), 3):
+    try:
+        row = asyncio.run(adapters.add(sys.argv[i], sys.argv[i + 1], sys.argv[i + 2]))
+        answers.append([row["name"], row["tier"], row["rank"], row["bytes"]])
+    except InvalidInput as exc:
+        answers.append(["refused", exc.message])
+print(json.dumps({"answers": answers, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_adapters_are_checked_and_added_where_torch_is_not_installed(lora_repo):
+    """The control plane's install and image carry no torch: an adapter is checked against
+    its base's layers all the same (its bytes as the model serves them), and a bad one is
+    refused in the model's words."""
+    import json
+    import subprocess
+    import sys
+
+    from control_plane.adapters import _peft_summary
+
+    added = subprocess.run(
+        [sys.executable, "-c", NO_TORCH_ADD, str(lora_repo.repo), str(lora_repo.cold.root),
+         "tinylm", "acme", str(lora_repo.src / "acme"),
+         "tinylm", "x", str(lora_repo.src / "wrongbase"),
+         "recommender_lora", "y", str(lora_repo.src / "acme")],
+        check=False, capture_output=True, text=True, timeout=120,
+        cwd=Path(__file__).resolve().parents[2])
+    assert added.returncode == 0, added.stderr
+    result = json.loads(added.stdout.splitlines()[-1])
+    acme, wrong_base, wrong_kind = result["answers"]
+    rank, nbytes = _peft_summary(lora_repo.src / "acme")
+    assert acme == ["acme", "cold", rank, nbytes] and rank == 4
+    assert wrong_base[0] == "refused" and "name no linear layer of tinylm" in wrong_base[1]
+    assert wrong_kind[0] == "refused" and "name no linear layer of recommender_lora" in wrong_kind[1]
+    assert result["torch"] is False
+    assert (lora_repo.repo / "tinylm" / "adapters" / "acme" / "adapter_model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("source, base, words", [
     ("broken", "tinylm", "adapter 'x' refused: 'r' must be a positive integer"),
     ("wrongbase", "tinylm", "name no linear layer of tinylm"),

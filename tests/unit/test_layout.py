@@ -45,10 +45,11 @@ def test_mmctl_commands_are_added_one_way():
 
 def test_the_control_plane_router_and_mmctl_import_without_torch():
     """Their install (and image) leaves torch out: only the demo's writer needs it, and
-    without it says what to install instead of an ImportError."""
+    without it says what to install instead of an ImportError.  safetensors is theirs (an
+    added adapter is read and checked without torch)."""
     code = """
 import importlib, pkgutil, sys
-for name in ("torch", "safetensors", "safetensors.torch"):
+for name in ("torch", "safetensors.torch"):
     sys.modules[name] = None  # an import of it fails, as where it is not installed
 needs = []
 for package in ("control_plane", "router", "domain", "mmctl"):

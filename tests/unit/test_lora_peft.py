@@ -7,12 +7,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from control_plane.demo.lora import LoraDemoSpec, base_targets, write_demo_adapter
+from control_plane.demo.lora import LoraDemoSpec, base_targets, write_demo_adapter, write_lora_model
 from model_runtime.lora.errors import AdapterRefused, InvalidAdapterName, InvalidRequest
 from model_runtime.lora.manifest import Manifest, ManifestWatcher, read_manifest, write_manifest
 from model_runtime.lora.models import TinyLMConfig
 from model_runtime.lora.names import validate_adapter_name
 from model_runtime.lora.peft import LoraConfig, read_adapter, target_matches, write_adapter
+from model_runtime.lora.peft_files import check_adapter
 from model_runtime.lora.runtime import LoraSettings, adapter_from
 
 SPEC = LoraDemoSpec(tinylm=TinyLMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64))
@@ -142,28 +143,70 @@ REFUSALS = [
 ]
 
 
+# The model's reader (torch) and the control plane's check (numpy): the same refusals.
+READERS = pytest.mark.parametrize("reader", [read_adapter, check_adapter], ids=["torch", "numpy"])
+
+
+@READERS
 @pytest.mark.parametrize("case,config,tensors,words", REFUSALS, ids=[c[0] for c in REFUSALS])
-def test_malformed_adapters_are_refused_with_the_reason(tmp_path, case, config, tensors, words):
+def test_malformed_adapters_are_refused_with_the_reason(tmp_path, reader, case, config, tensors, words):
     path = _adapter(tmp_path, config=config, tensors=tensors)
     with pytest.raises(AdapterRefused) as info:
-        read_adapter(path, TINY_TARGETS, max_rank=16, base_name="tinylm")
+        reader(path, TINY_TARGETS, max_rank=16, base_name="tinylm")
     assert info.value.message.startswith("adapter 'bad' refused: ")
     for word in words:
         assert word in info.value.message, info.value.message
 
 
-def test_corrupt_safetensors_is_refused(tmp_path):
+@READERS
+def test_corrupt_safetensors_is_refused(tmp_path, reader):
     path = _adapter(tmp_path)
     (path / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
     with pytest.raises(AdapterRefused, match="not a readable safetensors file"):
-        read_adapter(path, TINY_TARGETS)
+        reader(path, TINY_TARGETS)
 
 
-def test_pickle_only_adapter_is_refused_with_a_hint(tmp_path):
+@READERS
+def test_pickle_only_adapter_is_refused_with_a_hint(tmp_path, reader):
     path = _adapter(tmp_path, tensors="skip")
     (path / "adapter_model.bin").write_bytes(b"pickle")
     with pytest.raises(AdapterRefused, match="safe_serialization=True"):
-        read_adapter(path, TINY_TARGETS)
+        reader(path, TINY_TARGETS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_control_planes_check_finds_what_the_model_loads(tmp_path, dtype):
+    """check_adapter reads the factors without torch, bfloat16 included: the same rank and
+    served bytes as read_adapter, and a value out of range refused in both."""
+    path = write_demo_adapter(tmp_path, "tinylm", "acme", rank=4, spec=SPEC)
+    weights = path / "adapter_model.safetensors"
+    save_file({k: v.to(dtype) for k, v in load_file(str(weights)).items()}, str(weights))
+    loaded = read_adapter(path, TINY_TARGETS, max_rank=16, all_linear_excluded=("lm_head",))
+    checked = check_adapter(path, TINY_TARGETS, max_rank=16, all_linear_excluded=("lm_head",))
+    assert (checked.name, checked.config, checked.rank, checked.nbytes) == (
+        loaded.name, loaded.config, loaded.rank, loaded.nbytes)
+    tensors = load_file(str(weights))
+    tensors[Q_B] = torch.full_like(tensors[Q_B], float("inf"))
+    save_file(tensors, str(weights))
+    for reader in (read_adapter, check_adapter):
+        with pytest.raises(AdapterRefused, match="NaN or infinity"):
+            reader(path, TINY_TARGETS, max_rank=16)
+
+
+@pytest.mark.parametrize("kind", ["tinylm", "recommender"])
+def test_a_bases_linear_layers_read_from_its_header_are_its_torch_modules(tmp_path, kind):
+    """What the control plane checks adapters against (no torch) is what the model's
+    nn.Linear layers are, and all-linear leaves out the same head."""
+    from model_runtime.lora.base_layers import OUTPUT_LAYERS, linear_layers
+    from model_runtime.lora.models import linear_targets, load_recommender, load_tinylm
+
+    repo = tmp_path / "repository"
+    model = "tinylm" if kind == "tinylm" else "recommender_lora"
+    write_lora_model(repo, model, SPEC)
+    weights = next(repo.glob(f"{model}/*/weights.safetensors"))
+    module = load_tinylm(weights) if kind == "tinylm" else load_recommender(weights)
+    assert linear_layers(weights) == linear_targets(module) and linear_targets(module)
+    assert OUTPUT_LAYERS[kind] == tuple(module.output_layers)
 
 
 def test_adapter_for_the_other_base_is_refused(tmp_path):
