@@ -55,7 +55,29 @@ def find_engine(asked: str | None = None) -> str:
         if found:
             return found
     raise BuildError(f"no container engine: {'no ' + asked if asked else 'neither podman nor docker'} "
-                     "on PATH; on Debian: apt-get install podman runc (see docs/deployment.md)")
+                     f"on PATH; on Debian: apt-get install podman runc {PODMAN_NETWORK_PACKAGES} "
+                     "(see docs/deployment.md)")
+
+
+# Where Debian's podman finds netavark and aardvark-dns, and where iptables is (/usr/sbin is
+# not on every user's PATH).
+PODMAN_HELPER_DIRS = (Path("/usr/lib/podman"), Path("/usr/libexec/podman"))
+SBIN_DIRS = (Path("/usr/sbin"), Path("/sbin"))
+PODMAN_NETWORK_PACKAGES = "netavark aardvark-dns iptables"
+
+
+def check_podman_network(helper_dirs=PODMAN_HELPER_DIRS, sbin_dirs=SBIN_DIRS) -> None:
+    """BuildError naming what to install when podman's network backend cannot run here:
+    containers.conf picks netavark (with aardvark-dns, the services' names), and netavark
+    sets each network up with iptables.  Without them every build step fails to get a
+    network with a bare ``netavark: No such file or directory``."""
+    missing = [name for name in ("netavark", "aardvark-dns")
+               if not any((d / name).is_file() for d in helper_dirs)]
+    if shutil.which("iptables") is None and not any((d / "iptables").is_file() for d in sbin_dirs):
+        missing.append("iptables")
+    if missing:
+        raise BuildError(f"podman's network backend needs {', '.join(missing)}, not installed: on "
+                         f"Debian apt-get install {PODMAN_NETWORK_PACKAGES} (see docs/deployment.md)")
 
 
 def run(cmd: list[str], engine: str | None = None, env: dict[str, str] | None = None,
@@ -213,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         engine = find_engine(args.engine)
+        if Path(engine).name == "podman" and "CONTAINERS_CONF" not in os.environ:
+            check_podman_network()
         base = choose_base(engine, args.base)
         wheels = make_wheels()
         build(engine, "Dockerfile", CONTROL_PLANE_IMAGE, base, wheels)

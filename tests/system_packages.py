@@ -31,6 +31,9 @@ PACKAGES = {"chromium": ("/usr/bin/chromium",),
             # (docker/podman/containers.conf picks netavark; CNI resolves none there).
             "netavark": ("/usr/lib/podman/netavark",),
             "aardvark-dns": ("/usr/lib/podman/aardvark-dns",),
+            # netavark sets up each network's NAT and forwarding with iptables (a bare
+            # machine has none: every build step and container failed to get a network).
+            "iptables": ("/usr/sbin/iptables",),
             "debootstrap": ("/usr/sbin/debootstrap",)}
 LOCK = Path("/tmp/mms-system-packages.lock")
 APT_TIMEOUT_S = 600
