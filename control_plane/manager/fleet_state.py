@@ -20,8 +20,10 @@ from pathlib import Path
 from control_plane.manager.manager_config import ManagerConfig
 from control_plane.manager.placement import Placer
 from control_plane.manager.records import (
+    CopyKey,
     ModelRecord,
     ModelState,
+    PoolKey,
     SlotPool,
     Stager,
     TritonServer,
@@ -94,14 +96,21 @@ class ModelBook:
         """``model``'s extra copies that hold a server (loading, ready, unloading)."""
         return [r for r in self.extra.values() if r.copy_of == model and r.server is not None]
 
+    def _records_of(self, key: str) -> dict[str, ModelRecord]:
+        """Where the record of a planner's key is, by the key's type."""
+        if isinstance(key, PoolKey):
+            return self.pools
+        if isinstance(key, CopyKey):
+            return self.extra
+        return self.records
+
     def lookup(self, key: str) -> ModelRecord:
         """The record behind a planner's key: a model's, a slot pool's or an extra copy's."""
-        rec = self.records.get(key) or self.pools.get(key)
-        return rec if rec is not None else self.extra[key]
+        return self._records_of(key)[key]
 
     def find(self, key: str) -> ModelRecord | None:
         """``lookup``, or None for a key no record has."""
-        return self.records.get(key) or self.pools.get(key) or self.extra.get(key)
+        return self._records_of(key).get(key)
 
     def _moved(self, name: str) -> None:
         for listener in self.move_listeners:

@@ -31,7 +31,7 @@ from control_plane.manager.placement import Placer
 from control_plane.manager.recency import Recency
 from control_plane.manager.reconciler import Reconciler
 from control_plane.manager.records import (
-    COPY_SEPARATOR,
+    CopyKey,
     ModelRecord,
     ModelState,
     ServerSpec,
@@ -99,7 +99,7 @@ class ModelManager:
 
         def priority_of(key: str) -> int:
             """A planner key's priority: an extra copy's is the lowest (copies.py)."""
-            return EXTRA_COPY_PRIORITY if COPY_SEPARATOR in key else stage_priority(key)
+            return EXTRA_COPY_PRIORITY if isinstance(key, CopyKey) else stage_priority(key)
 
         headroom = HeadroomSpec(config.headroom_models, config.headroom_bytes)
         for s in servers:

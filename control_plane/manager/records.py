@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Self
 
 from control_plane.eviction import CachePlanner
 from control_plane.triton.admin import SlotPool, TritonAdmin
@@ -83,22 +83,50 @@ class Copy:
 
 
 POOL_SEPARATOR = "@"  # never in a model's name (domain.names), so a pool's key is no model's
-
-
-def pool_key(holder: str, server: str) -> str:
-    """The key of ``holder``'s slots on ``server``: its record's name and its planner entry."""
-    return f"{holder}{POOL_SEPARATOR}{server}"
-
-
-# A model's extra copy (``copy_key``): one record and one planner key per server it is
-# copied to beyond the first, as ``pool_key`` is a family's.  Never in a model's name.
+# Never in a model's name either: a model's extra copy's key is no model's.
 COPY_SEPARATOR = "#"
 
 
-def copy_key(model: str, server: str) -> str:
-    """The key of ``model``'s extra copy on ``server``: its record's name and its planner
-    entry (the model's own copy is keyed by its name)."""
-    return f"{model}{COPY_SEPARATOR}{server}"
+class PoolKey(str):
+    """The key of ``holder``'s slots (a family model's) on ``server``: its record's name and
+    its planner entry, written ``holder@server`` where it is shown.  A ``str`` with its parts
+    kept: code asks ``isinstance(key, PoolKey)`` and ``key.holder``, never parses it."""
+
+    holder: str
+    server: str
+
+    def __new__(cls, holder: str, server: str) -> Self:
+        key = super().__new__(cls, f"{holder}{POOL_SEPARATOR}{server}")
+        key.holder, key.server = holder, server
+        return key
+
+    def __getnewargs__(self) -> tuple[str, str]:  # copies and pickles keep the parts
+        return self.holder, self.server
+
+
+class CopyKey(str):
+    """The key of ``model``'s extra copy on ``server`` (the model's own copy is keyed by its
+    name): its record's name and its planner entry, written ``model#server`` where it is
+    shown; ``isinstance(key, CopyKey)`` and ``key.model`` instead of parsing."""
+
+    model: str
+    server: str
+
+    def __new__(cls, model: str, server: str) -> Self:
+        key = super().__new__(cls, f"{model}{COPY_SEPARATOR}{server}")
+        key.model, key.server = model, server
+        return key
+
+    def __getnewargs__(self) -> tuple[str, str]:
+        return self.model, self.server
+
+
+def pool_key(holder: str, server: str) -> PoolKey:
+    return PoolKey(holder, server)
+
+
+def copy_key(model: str, server: str) -> CopyKey:
+    return CopyKey(model, server)
 
 
 def slot_pool(admin: TritonAdmin, model: str) -> SlotPool | None:
@@ -156,7 +184,7 @@ class ModelRecord:
     @property
     def holder(self) -> str | None:
         """A slot pool's Triton model (the family), or None for a model."""
-        return self.name.partition(POOL_SEPARATOR)[0] if self.slot_bytes else None
+        return self.name.holder if isinstance(self.name, PoolKey) else None
 
     @property
     def slots(self) -> int:
@@ -364,7 +392,7 @@ class TritonServer:
             "loaded": sorted(k for k, r in self.planner.residents.items() if not r.holds),
             # Model families loaded here: the most variants their slots take, the variants
             # in them and the bytes those fill (counted in used_bytes; empty slots hold none).
-            "slot_pools": {k.partition(POOL_SEPARATOR)[0]: {
+            "slot_pools": {k.holder: {
                 "slots": r.holds, "members": self.planner.members(k),
                 "bytes": self.planner.members(k) * (r.size_bytes // max(r.holds, 1))}
                 for k, r in sorted(self.planner.residents.items()) if r.holds},
