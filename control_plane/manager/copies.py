@@ -1,9 +1,9 @@
 """Copies of a model on several servers (``mmctl scale NAME --replicas N``).
 
 A model's own copy is its record (``ModelBook.records``), loaded on demand by the loader
-as ever; each copy beyond it is an *extra copy*: a record of its own in ``ModelBook.extra``
-(``copy_key(model, server)``), moved through the same states by the same writers, and an
-entry of that server's planner.  The rules:
+as ever; each copy beyond it is an *extra copy*: a record of its own, kept in the model's
+record (``ModelRecord.extra``, by server; named ``CopyKey(model, server)``), moved through
+the same states by the same writers, and an entry of that server's planner.  The rules:
 
 * A model has at most one copy per server, so at most as many copies as the fleet has
   servers; its extra copies exist only while its own copy is READY (a model that is not
@@ -138,7 +138,7 @@ class Copies:
         spec = self.targets.get(rec.name)
         if isinstance(spec, AutoRange):
             row["autoscale"] = {"min": spec.minimum, "max": spec.maximum}
-        if self.book.extra:
+        if rec.extra:
             row["copies"] = [*row["copies"], *(
                 {"server": c.server, "state": c.state.value}
                 for c in sorted(self.book.extra_copies(rec.name), key=lambda c: c.server or ""))]
@@ -253,7 +253,7 @@ class Copies:
         """Start a converge for every model with a target or an extra copy (a reconcile pass)."""
         self._reconciled = True
         self.autoscale()
-        names = set(self.targets) | {c.copy_of for c in self.book.extra.values()
+        names = set(self.targets) | {c.copy_of for c in self.book.every_extra_copy()
                                      if c.server is not None}
         for name in sorted(names):
             self._spawn_converge(name)

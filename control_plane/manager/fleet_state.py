@@ -52,10 +52,6 @@ class ModelBook:
         # (the same states and writers, the planner's view derived the same way), but no
         # model of the catalogue: never listed, ensured, pinned or published to the router.
         self.pools: dict[str, ModelRecord] = {}
-        # A model's extra copies (mmctl scale), by ``copy_key``: a record per copy beyond its
-        # own, moved like a model's; never listed, ensured or pinned on their own.  A change
-        # of one tells the move listeners the model's name (where it is READY changed).
-        self.extra: dict[str, ModelRecord] = {}
         # Models an operator is unloading (``Unloader.unload``): none of their copies becomes
         # their own meanwhile (copies.py).
         self.unloading: set[str] = set()
@@ -83,34 +79,43 @@ class ModelBook:
         return rec
 
     def extra_copy(self, model: str, server: str) -> ModelRecord:
-        """The record of ``model``'s extra copy on ``server``, made on first use."""
-        key = copy_key(model, server)
-        rec = self.extra.get(key)
+        """The record of ``model``'s extra copy on ``server`` (in ``model``'s record's
+        ``extra``), made on first use.  Moved like a model's; never listed, ensured or pinned
+        on its own; a change of it tells the move listeners the model's name (where it is
+        READY changed)."""
+        owner = self.record(model)
+        rec = owner.extra.get(server)
         if rec is None:
-            rec = self.extra[key] = ModelRecord(key, on_illegal=self._count_illegal,
-                                                on_move=lambda _key, m=model: self._moved(m),
-                                                on_change=self.residency.sync, copy_of=model)
+            rec = owner.extra[server] = ModelRecord(
+                copy_key(model, server), on_illegal=self._count_illegal,
+                on_move=lambda _key, m=model: self._moved(m), on_change=self.residency.sync,
+                copy_of=model)
         return rec
 
     def extra_copies(self, model: str) -> list[ModelRecord]:
         """``model``'s extra copies that hold a server (loading, ready, unloading)."""
-        return [r for r in self.extra.values() if r.copy_of == model and r.server is not None]
+        rec = self.records.get(model)
+        return [] if rec is None else [c for c in rec.extra.values() if c.server is not None]
 
-    def _records_of(self, key: str) -> dict[str, ModelRecord]:
-        """Where the record of a planner's key is, by the key's type."""
-        if isinstance(key, PoolKey):
-            return self.pools
-        if isinstance(key, CopyKey):
-            return self.extra
-        return self.records
+    def every_extra_copy(self) -> list[ModelRecord]:
+        """The extra copies of every model, whether they hold a server or not."""
+        return [c for rec in self.records.values() if rec.extra for c in rec.extra.values()]
 
     def lookup(self, key: str) -> ModelRecord:
         """The record behind a planner's key: a model's, a slot pool's or an extra copy's."""
-        return self._records_of(key)[key]
+        found = self.find(key)
+        if found is None:
+            raise KeyError(key)
+        return found
 
     def find(self, key: str) -> ModelRecord | None:
-        """``lookup``, or None for a key no record has."""
-        return self._records_of(key).get(key)
+        """``lookup``, or None for a key no record has; the key's type says where it is."""
+        if isinstance(key, PoolKey):
+            return self.pools.get(key)
+        if isinstance(key, CopyKey):
+            owner = self.records.get(key.model)
+            return None if owner is None else owner.extra.get(key.server)
+        return self.records.get(key)
 
     def _moved(self, name: str) -> None:
         for listener in self.move_listeners:

@@ -91,7 +91,7 @@ class Loader:
         """Pick a server and the victims to evict there.  Pure; raises if none fits."""
         rec = self.book.records.get(name)
         # Not where an extra copy of it still is (copies.py): one Triton model, one record.
-        holding = {c.server for c in self.book.extra_copies(name)} if self.book.extra else set()
+        holding = {c.server for c in self.book.extra_copies(name)}
         servers = [s for s in self.servers.values() if s.name not in holding] or list(self.servers.values())
         try:
             return self.placer.place(name, size_bytes, servers,

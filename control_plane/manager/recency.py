@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from control_plane.manager.fleet_state import ModelBook
-from control_plane.manager.records import TritonServer, copy_key
+from control_plane.manager.records import TritonServer
 
 
 class Recency:
@@ -23,11 +23,9 @@ class Recency:
         rec.last_used = self.clock()
         if rec.server is not None and rec.server in self.servers:
             self.servers[rec.server].planner.touch(name, rec.last_used)
-        if self.book.extra:  # its extra copies are as recent (the policy orders them too)
-            for server in self.servers.values():
-                key = copy_key(name, server.name)
-                if key in server.planner.residents:
-                    server.planner.touch(key, rec.last_used)
+        for where, copy in rec.extra.items():  # as recent (the policy orders them too)
+            if where in self.servers and copy.name in self.servers[where].planner.residents:
+                self.servers[where].planner.touch(copy.name, rec.last_used)
 
     async def refresh_usage(self, server: TritonServer) -> None:
         """Refresh recency from Triton's statistics: inferences sent straight to Triton count."""

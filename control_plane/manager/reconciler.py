@@ -209,7 +209,7 @@ class Reconciler:
                           busy: set[str]) -> None:
         """Extra copies on ``server`` that Triton no longer lists as loaded leave it; one
         whose unload failed is unloaded again after the backoff.  Call under the lock."""
-        for copy in list(self.book.extra.values()):
+        for copy in self.book.every_extra_copy():
             if copy.server != server.name or copy.name in busy or copy.moved_at >= read_at:
                 continue
             entry = index.get(copy.triton_name)
@@ -386,7 +386,7 @@ class Reconciler:
         for rec in self.book.pools.values():  # its families' slots go with it
             if rec.server == server.name:
                 rec.move(ModelState.WARM, server=None)
-        for rec in self.book.extra.values():  # and its extra copies (placed again elsewhere)
+        for rec in self.book.every_extra_copy():  # and its extra copies (placed again elsewhere)
             if rec.server == server.name:
                 server.left_behind.add(rec.triton_name)
                 rec.move(ModelState.WARM, server=None)

@@ -174,7 +174,11 @@ class ModelRecord:
                                                             compare=False)
     moved_at: float = 0.0  # monotonic time of the last change of state
     slot_bytes: int = 0  # a slot pool's bytes per slot (fixed when it is made); 0: a model
-    copy_of: str | None = None  # an extra copy's model (``ModelBook.extra``); None: the model's
+    copy_of: str | None = None  # an extra copy's model; None: a model's own record
+    # A model's extra copies (mmctl scale), server -> the copy's record (named
+    # ``CopyKey(model, server)``): each moves through the states on its own, as a copy loads
+    # on one server while the model serves on another.  Empty for the others.
+    extra: dict[str, ModelRecord] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def triton_name(self) -> str:

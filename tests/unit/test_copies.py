@@ -168,7 +168,7 @@ def test_a_pinned_models_copies_are_pinned(tmp_path):
         await mgr.start()
         await mgr.pin("m1")
         await mgr.scale("m1", 2)
-        copy = next(iter(mgr.state.book.extra.values()))
+        (copy,) = mgr.state.book.extra_copies("m1")
         assert copy.pinned and mgr.servers[copy.server].planner.residents[copy.name].pinned
         await mgr.unpin("m1")
         await mgr.copies.converge("m1")
@@ -364,6 +364,29 @@ def test_a_copy_takes_over_when_the_models_own_copy_is_evicted(tmp_path):
         await evicting
         await settle(mgr, lambda: rec.server == other and rec.state == ModelState.READY)
         assert loaded_on(admins, "m1") == [other]
+        await mgr.close()
+
+    run(go())
+
+
+def test_a_models_extra_copies_are_kept_in_its_record_and_found_by_their_typed_keys(tmp_path):
+    """One record per model holds its copies: its own and, by server, its extra ones, each
+    found again from the planner's key without parsing it."""
+    from control_plane.manager.records import CopyKey
+
+    async def go():
+        mgr, _admins = fleet(tmp_path, servers=("s0", "s1"))
+        await mgr.start()
+        await mgr.scale("m1", 2)
+        await settle(mgr, lambda: len(mgr.copy_servers_of("m1")) == 2)
+        book = mgr.state.book
+        rec = book.records["m1"]
+        (where,) = set(mgr.copy_servers_of("m1")) - {rec.server}
+        copy = rec.extra[where]
+        key = next(k for k in mgr.servers[where].planner.residents if isinstance(k, CopyKey))
+        assert (key, key.model, key.server) == (copy.name, "m1", where)
+        assert book.lookup(key) is copy and book.find(CopyKey("m1", "nowhere")) is None
+        assert book.every_extra_copy() == [copy] and "m1#" + where not in book.records
         await mgr.close()
 
     run(go())
