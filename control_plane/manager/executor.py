@@ -32,7 +32,6 @@ from control_plane.manager.records import (
     ModelRecord,
     ModelState,
     TritonServer,
-    slot_pool,
 )
 from control_plane.manager.room import RoomLedger
 from control_plane.manager.unloader import Unloader, retrieve
@@ -108,7 +107,7 @@ class Executor:
         reserved here.  Returns (the family's pool record or None, its undo, server bytes and
         places reserved).  ``key``: the planner's key of the load (an extra copy's; default
         ``name``)."""
-        pool = slot_pool(server.admin, name)
+        pool = server.admin.slot_pool(name)
         if pool is None:
             return None, lambda: None, size_bytes, 1
         pool_rec = self.book.pool(server.name, pool)

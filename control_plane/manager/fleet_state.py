@@ -24,16 +24,14 @@ from control_plane.manager.records import (
     ModelRecord,
     ModelState,
     PoolKey,
-    SlotPool,
     Stager,
     TritonServer,
-    copy_key,
-    pool_key,
 )
 from control_plane.manager.residency import Residency
 from control_plane.manager.room import RoomLedger
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.state.state_store import StateStore
+from control_plane.triton.admin import SlotPool
 from control_plane.triton.devices import GpuMemoryMeter, NoMemoryMeter
 
 log = logging.getLogger(__name__)
@@ -48,7 +46,7 @@ class ModelBook:
         self.residency = residency
         self.metrics = metrics
         self.records: dict[str, ModelRecord] = {}
-        # Slot pools (a family model on one server), by ``pool_key``: records like a model's
+        # Slot pools (a family model on one server), by ``PoolKey``: records like a model's
         # (the same states and writers, the planner's view derived the same way), but no
         # model of the catalogue: never listed, ensured, pinned or published to the router.
         self.pools: dict[str, ModelRecord] = {}
@@ -70,7 +68,7 @@ class ModelBook:
 
     def pool(self, server: str, pool: SlotPool) -> ModelRecord:
         """The record of ``pool``'s slots on ``server``, made on first use."""
-        key = pool_key(pool.name, server)
+        key = PoolKey(pool.name, server)
         rec = self.pools.get(key)
         if rec is None:
             rec = self.pools[key] = ModelRecord(key, on_illegal=self._count_illegal,
@@ -87,7 +85,7 @@ class ModelBook:
         rec = owner.extra.get(server)
         if rec is None:
             rec = owner.extra[server] = ModelRecord(
-                copy_key(model, server), on_illegal=self._count_illegal,
+                CopyKey(model, server), on_illegal=self._count_illegal,
                 on_move=lambda _key, m=model: self._moved(m), on_change=self.residency.sync,
                 copy_of=model)
         return rec

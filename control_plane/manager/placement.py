@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from control_plane.manager.records import copy_key, pool_key, slot_pool
+from control_plane.manager.records import CopyKey, PoolKey
 from domain.errors import CapacityExhausted, ControlPlaneError, TritonUnavailable
 from domain.stages import DEFAULT_SLA
 
@@ -270,16 +270,16 @@ class Placer:
         if server.up:
             # A family's variant takes a slot of its family there (the family's whole slots
             # when it is not loaded there yet); so does each extra copy of a variant.
-            pool = slot_pool(server.admin, name)
-            key = copy_key(name, server.name) if extra_copy else name
+            pool = server.admin.slot_pool(name)
+            key = CopyKey(name, server.name) if extra_copy else name
             try:
                 if pool is None:
                     plan = planner.plan(key, size_bytes)
                 else:  # a slot's bytes, whatever the variant's file holds beside them
-                    plan = planner.plan(key, pool.slot_bytes, pool=pool_key(pool.name, server.name),
+                    plan = planner.plan(key, pool.slot_bytes, pool=PoolKey(pool.name, server.name),
                                         pool_slots=pool.slots)
                 victims = tuple(plan.victims)
-                new_pool = pool is not None and pool_key(pool.name, server.name) not in planner.residents
+                new_pool = pool is not None and PoolKey(pool.name, server.name) not in planner.residents
             except CapacityExhausted as exc:
                 plan_error = exc
         return Candidate(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Self
 
 from control_plane.eviction import CachePlanner
-from control_plane.triton.admin import SlotPool, TritonAdmin
+from control_plane.triton.admin import TritonAdmin
 from control_plane.triton.process import TritonProcess
 from domain.errors import InvalidInput
 
@@ -121,20 +121,6 @@ class CopyKey(str):
         return self.model, self.server
 
 
-def pool_key(holder: str, server: str) -> PoolKey:
-    return PoolKey(holder, server)
-
-
-def copy_key(model: str, server: str) -> CopyKey:
-    return CopyKey(model, server)
-
-
-def slot_pool(admin: TritonAdmin, model: str) -> SlotPool | None:
-    """The slots ``model`` goes into on the server ``admin`` controls, or None (a model of
-    its own)."""
-    return admin.slot_pool(model)
-
-
 @dataclass
 class ModelRecord:
     """A model and its copies, one per server that holds (or may hold) it: ``copies``.  A
@@ -146,7 +132,7 @@ class ModelRecord:
     which derives the planner's entries (``residency.Residency.sync``).
 
     A record with ``slot_bytes`` is a slot pool's on one server (``ModelBook.pool``: a
-    family model, named ``pool_key(family, server)``): its copy holds ``memory_bytes``, all
+    family model, named ``PoolKey(family, server)``): its copy holds ``memory_bytes``, all
     of its slots, from its load until Triton confirms it unloaded, whatever fills them."""
 
     name: str

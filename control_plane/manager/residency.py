@@ -38,9 +38,8 @@ from control_plane.manager.records import (
     Copy,
     ModelRecord,
     ModelState,
+    PoolKey,
     TritonServer,
-    pool_key,
-    slot_pool,
 )
 
 
@@ -107,14 +106,14 @@ class Residency:
         current = server.planner.residents.get(rec.name)
         if current is None or server.name not in placed:
             # (An extra copy of a variant is a member of its family there too.)
-            pool = None if rec.slot_bytes else slot_pool(server.admin, rec.triton_name)
+            pool = None if rec.slot_bytes else server.admin.slot_pool(rec.triton_name)
             # A variant takes its slot's bytes (the weights' data section), whatever its file.
             size = pool.slot_bytes if pool is not None else rec.memory_bytes
             server.planner.admit(
                 Resident(rec.name, size, pinned=view.pinned,
                          priority=self.priority_of(rec.name), evictable=view.evictable,
                          leaving=view.leaving,
-                         pool=pool_key(pool.name, server.name) if pool is not None else None,
+                         pool=PoolKey(pool.name, server.name) if pool is not None else None,
                          holds=rec.slots),
                 self.clock(), load_cost_s=rec.load_time_s or 1.0)
             placed.add(server.name)
