@@ -87,38 +87,43 @@ POOL_SEPARATOR = "@"  # never in a model's name (domain.names), so a pool's key 
 COPY_SEPARATOR = "#"
 
 
-class PoolKey(str):
-    """The key of ``holder``'s slots (a family model's) on ``server``: its record's name and
-    its planner entry, written ``holder@server`` where it is shown.  A ``str`` with its parts
-    kept: code asks ``isinstance(key, PoolKey)`` and ``key.holder``, never parses it."""
+class ServerEntryKey(str):
+    """The key of an entry of one server that is not a model's own copy: ``name`` and
+    ``server`` joined by the kind's separator where it is shown, its parts kept, so code asks
+    the key's type and parts and never parses it.  Its record's name and its planner entry."""
 
-    holder: str
+    separator = ""
+    name: str
     server: str
 
-    def __new__(cls, holder: str, server: str) -> Self:
-        key = super().__new__(cls, f"{holder}{POOL_SEPARATOR}{server}")
-        key.holder, key.server = holder, server
+    def __new__(cls, name: str, server: str) -> Self:
+        key = super().__new__(cls, f"{name}{cls.separator}{server}")
+        key.name, key.server = name, server
         return key
 
     def __getnewargs__(self) -> tuple[str, str]:  # copies and pickles keep the parts
-        return self.holder, self.server
+        return self.name, self.server
 
 
-class CopyKey(str):
-    """The key of ``model``'s extra copy on ``server`` (the model's own copy is keyed by its
-    name): its record's name and its planner entry, written ``model#server`` where it is
-    shown; ``isinstance(key, CopyKey)`` and ``key.model`` instead of parsing."""
+class PoolKey(ServerEntryKey):
+    """``holder``'s slots (a family model's) on ``server``: ``holder@server``."""
 
-    model: str
-    server: str
+    separator = POOL_SEPARATOR
 
-    def __new__(cls, model: str, server: str) -> Self:
-        key = super().__new__(cls, f"{model}{COPY_SEPARATOR}{server}")
-        key.model, key.server = model, server
-        return key
+    @property
+    def holder(self) -> str:
+        return self.name
 
-    def __getnewargs__(self) -> tuple[str, str]:
-        return self.model, self.server
+
+class CopyKey(ServerEntryKey):
+    """``model``'s extra copy on ``server`` (the model's own copy is keyed by its name):
+    ``model#server``."""
+
+    separator = COPY_SEPARATOR
+
+    @property
+    def model(self) -> str:
+        return self.name
 
 
 @dataclass
