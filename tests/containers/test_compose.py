@@ -187,6 +187,42 @@ def test_compose_serves_the_demo_fleet_and_a_killed_triton_comes_back(stack):
     print(f"served again {time.monotonic() - killed:.1f}s after Triton was killed")
 
 
+def test_an_adapter_added_in_the_control_plane_container_is_served_with_its_weights(stack, tmp_path):
+    """The control-plane image has no torch: `mmctl adapter add` there checks a PEFT folder
+    against its base's layers, refuses one made for another base with the reason, and the
+    router serves the one it took with the base's weights and the adapter's update."""
+    from safetensors.torch import load_file
+
+    from control_plane.demo.lora import write_demo_adapter
+    from control_plane.demo.reference import mlp_scores
+    from model_runtime.lora.base_layers import linear_layers
+    from model_runtime.lora.peft import merged_state_dict, read_adapter
+
+    compose, grpc_port, models = stack[0], stack[2], stack[3]
+    base_file = models / "recommender_lora" / "1" / "weights.safetensors"
+    folder = write_demo_adapter(tmp_path / "right", "recommender_lora", "extra", rank=4)
+    wrong = ROOT / "tests" / "fixtures" / "adapters" / "acme"  # a tinylm adapter
+    container = compose.container("control-plane")
+    podman("cp", str(folder), f"{container}:/tmp/extra")
+    podman("cp", str(wrong), f"{container}:/tmp/wrong")
+
+    added = compose("exec", "-T", "control-plane", "mmctl", "adapter", "add", "extra",
+                    "--base", "recommender_lora", "--path", "/tmp/extra", "--json")
+    row = json.loads(added.stdout)
+    assert (row["name"], row["rank"]) == ("extra", 4), added.stdout
+    refused = compose("exec", "-T", "control-plane", "mmctl", "adapter", "add", "wrong",
+                      "--base", "recommender_lora", "--path", "/tmp/wrong", check=False)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "name no linear layer of recommender_lora" in refused.stdout + refused.stderr
+
+    adapter = read_adapter(folder, linear_layers(base_file))
+    for seed in (21, 22):
+        x = features(seed)
+        want = mlp_scores(merged_state_dict(load_file(str(base_file)), adapter), x)
+        answer = grpc_scores(grpc_port, "recommender_lora:extra", x)
+        assert scores_match(answer, want), "recommender_lora:extra: not the adapted weights' answer"
+
+
 def test_ctrl_c_removes_every_container_before_it_returns(stack):
     """`make up-docker`'s Ctrl-C: the terminal's SIGINT to the whole foreground group (compose
     and its podman processes too); once it has returned, no container is left."""
