@@ -47,7 +47,7 @@ class WorkerConfig:
     max_request_bytes: int = setting(
         16 * 1024 * 1024, "Largest inference request the router accepts.",
         flag="--max-request-bytes", parse=parse_size, show=size_text, metavar="SIZE")
-    load_timeout: float = setting(120.0, "Seconds a request waits for its model to load.",
+    load_timeout_s: float = setting(120.0, "Seconds a request waits for its model to load.",
                                   flag="--load-timeout", parse=float)
     miss_budget: float = setting(
         2.0, "Misses (requests that wait for their model to load or a slot to fill) one client "

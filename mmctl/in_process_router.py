@@ -15,6 +15,7 @@ import logging
 from aiohttp import web
 
 from control_plane.runtime.router_parts import RouterParts
+from domain.settings import shared_values
 from router.assembly import Router, RouterConfig
 from router.frontends.grpc_frontend import start_grpc
 from router.frontends.http_frontend import make_http_app
@@ -54,9 +55,7 @@ class InProcessRouter:
 async def start_in_process_router(parts: RouterParts, endpoints: dict) -> InProcessRouter:
     cfg, rollouts = parts.cfg, parts.rollouts
     router = Router(parts.manager, rollouts.table, RouterConfig(
-        load_timeout_s=cfg.load_wait_timeout_s, max_request_bytes=cfg.max_request_bytes,
-        shadow_log_dir=(cfg.state_dir / "shadow").resolve(),
-        miss_budget_per_s=cfg.miss_budget, client_header=cfg.client_header),
+        **shared_values(cfg, RouterConfig), shadow_log_dir=(cfg.state_dir / "shadow").resolve()),
         names=rollouts.names, families=parts.families, stats=rollouts.stats,
         share_weights=rollouts.shares.resolved)
     await router.start()

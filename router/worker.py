@@ -23,6 +23,7 @@ from dataclasses import asdict
 from aiohttp import web
 
 from domain import tracing
+from domain.settings import shared_values
 from domain.worker_settings import WorkerConfig, parse_worker_argv
 from router.assembly import Router, RouterConfig
 from router.frontends.grpc_frontend import start_grpc
@@ -74,18 +75,15 @@ async def serve(args: WorkerConfig) -> None:
             for route, report in router.shadow.reports.items()}
 
     state = RemoteState(args.control_url, read_token(args), args.worker,
-                        request_timeout_s=args.load_timeout + 10, on_snapshot=refreshed,
+                        request_timeout_s=args.load_timeout_s + 10, on_snapshot=refreshed,
                         outstanding=outstanding, shadow_counts=shadow_counts,
                         loop_failures=metrics.loop_failures)
     await state.start()
     limiter = GrantedLimiter(state, on_limited=lambda n: metrics.rate_limited.labels(n).inc())
     # Outcomes are judged by the control plane, over every worker: they go to it in reports.
     router = Router(state, state.table, RouterConfig(
-        load_timeout_s=args.load_timeout, max_request_bytes=args.max_request_bytes,
-        shadow_log_dir=args.shadow_log_dir, canary_interval_s=0,
-        shared_memory_dir=args.shared_memory_dir, miss_budget_per_s=args.miss_budget,
-        client_header=args.client_header), names=state.names,
-        metrics=metrics, stats=state, limiter=limiter)
+        **shared_values(args, RouterConfig), shadow_log_dir=args.shadow_log_dir,
+        canary_interval_s=0), names=state.names, metrics=metrics, stats=state, limiter=limiter)
     await router.start()
     grpc_server, grpc_port = await start_grpc(router, args.host, args.grpc_port, args.max_request_bytes,
                                               reuse_port=True)

@@ -188,7 +188,7 @@ class ServiceConfig:
     router_http_port: int = same_as(WorkerConfig, "http_port", "--router-http-port", UP)
     router_grpc_port: int = same_as(WorkerConfig, "grpc_port", "--router-grpc-port", UP)
     max_request_bytes: int = same_as(WorkerConfig, "max_request_bytes", commands=UP)
-    load_wait_timeout_s: float = same_as(WorkerConfig, "load_timeout", commands=UP)
+    load_timeout_s: float = same_as(WorkerConfig, "load_timeout_s", commands=UP)
     miss_budget: float = same_as(WorkerConfig, "miss_budget", commands=UP)
     client_header: str | None = same_as(WorkerConfig, "client_header", commands=UP)
     # ----------------------------------------------------- past one machine

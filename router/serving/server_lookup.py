@@ -66,7 +66,7 @@ class ServerLookup:
         self.queues = queues
         self.metrics = metrics
         self.config = config
-        self.miss_budget = MissBudget(config.miss_budget_per_s,
+        self.miss_budget = MissBudget(config.miss_budget,
                                       on_refused=metrics.miss_budget_refused.inc)
         self._prefetching: set[asyncio.Task] = set()  # loads started for refused requests
 

@@ -322,7 +322,7 @@ def everything_changed() -> ServiceConfig:
     """A ServiceConfig where every setting a worker shares is off its default."""
     return ServiceConfig(state_dir=Path("/srv/state"), router_host="0.0.0.0", router_grpc_port=9001,
                          router_http_port=9000, max_request_bytes=3 << 20,
-                         load_wait_timeout_s=7.5, log_level="DEBUG", router_workers=2,
+                         load_timeout_s=7.5, log_level="DEBUG", router_workers=2,
                          admin_token="tok", dataplane_token="dataplane-tok", miss_budget=0.5,
                          client_header="x-forwarded-for", trace_exporter="otlp")
 
