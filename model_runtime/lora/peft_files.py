@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError, deserialize
+from safetensors import SafetensorError, deserialize, safe_open
 
 from .errors import AdapterRefused
 from .names import validate_adapter_name
@@ -329,14 +329,19 @@ def check_adapter(
     name = validate_adapter_name(name if name is not None else path.name)
     config = read_config(path, name)
     weights = weights_path(path, name)
-    try:
-        tensors = dict(deserialize(weights.read_bytes()))
+    try:  # the header first: an adapter that does not fit is refused before its bytes are read
+        with safe_open(str(weights), framework="numpy") as header:
+            specs = {key: (tuple(header.get_slice(key).get_shape()), header.get_slice(key).get_dtype())
+                     for key in header.keys()}  # noqa: SIM118 (safe_open is no mapping)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise unreadable(name, weights, exc) from None
     factors = pair_factors(
-        name, {k: (tuple(t["shape"]), t["dtype"]) for k, t in tensors.items()}, config, targets,
-        weights_file=weights, max_rank=max_rank, all_linear_excluded=all_linear_excluded,
-        base_name=base_name)
+        name, specs, config, targets, weights_file=weights, max_rank=max_rank,
+        all_linear_excluded=all_linear_excluded, base_name=base_name)
+    try:  # the factors' bytes (numpy has no bfloat16: read as bytes and widened here)
+        tensors = dict(deserialize(weights.read_bytes()))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise unreadable(name, weights, exc) from None
     nbytes = 0
     for module, (a_key, b_key) in factors.items():
         a, b = tensors[a_key], tensors[b_key]
