@@ -189,7 +189,11 @@ def test_numbers_of_thousands_of_digits_are_refused_as_triton_refuses_them(sides
     direct, routed = sides
     digits = "1" * 5000
     want, got = (side.get(f"/v2/models/simple/versions/{digits}/ready") for side in (direct, routed))
-    assert got.status_code == want.status_code == 400, (got.status_code, got.text[:200])
+    # Triton answers 400 ("failed to get model version"), and now and then 404 when its path
+    # matching gives up on a path this long (6 of 200 tries from 4 threads at once, none of
+    # 200 one at a time): the router always answers Triton's 400.
+    assert got.status_code == 400 and want.status_code in (400, 404), (got.status_code, got.text[:200])
+    assert "failed to get model version" in got.text
     assert len(got.text) < 500
     for call in (lambda c: c.is_model_ready("simple", digits),
                  lambda c: c.infer("simple", inputs(grpcclient), model_version=digits)):
