@@ -66,9 +66,10 @@ class AdapterManager:
         self._locks: dict[str, asyncio.Lock] = {}
         self._bases: dict[str, bool] = {}  # model name -> is a LoRA base (for step())
         # Which adapters hold the bases' device slots: entries of the model manager.
+        # The model manager routes BASE:ADAPTER names to them: it builds this part with
+        # itself (ModelManager's ``adapters``) and takes ``slots``.
         self.slots = AdapterSlots(manager, self.repository, on_status=self._absorb,
                                   evictions=self.metrics.evictions)
-        manager.attach_adapters(self.slots)
 
     # ------------------------------------------------------------------ helpers
     def base(self, name: str) -> LoraBase:

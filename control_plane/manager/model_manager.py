@@ -88,6 +88,7 @@ class ModelManager:
         memory=None,
         free_memory: Callable[[TritonServer], int | None] | None = None,
         load_of: Callable[[], dict[str, int]] = dict,
+        adapters: Callable[[ModelManager], object] | None = None,
     ):
         if not servers:
             raise InvalidInput("the fleet needs at least one Triton server")
@@ -147,6 +148,11 @@ class ModelManager:
             self.state.book.record(name).set_pinned(True)
         for s in servers:
             metrics.capacity_bytes.labels(s.name).set(s.spec.memory_budget_bytes or 0)
+        # LoRA adapters: entries named BASE:ADAPTER in the adapter slots of their base, placed
+        # by the part ``adapters`` builds with this manager, last (it reads the manager's
+        # config and book; control_plane.adapters.slots.AdapterSlots, a layer above this
+        # package, which knows LoRA bases); the manager's API answers for them too.
+        self.adapters = adapters(self) if adapters is not None else None
 
     # What the parts share, read by the service, the admin API and the in-process router.
     @property
@@ -197,14 +203,6 @@ class ModelManager:
         if self._is_adapter(name):
             return self.adapters.copy_servers_of(name)
         return self.copies.servers_of(name)
-
-    # LoRA adapters: entries named BASE:ADAPTER in the adapter slots of their base, placed by
-    # the part the service attaches (control_plane.adapters.slots.AdapterSlots: a layer
-    # above this package, which knows LoRA bases); the manager's API answers for them too.
-    adapters = None
-
-    def attach_adapters(self, adapters) -> None:
-        self.adapters = adapters
 
     def _is_adapter(self, name: str) -> bool:
         return self.adapters is not None and ADAPTER_SEPARATOR in name

@@ -73,6 +73,7 @@ class Service:
         self.memory = None  # devices.GpuMemoryMeter on a GPU fleet
         self.reconciler = None  # devices.MemoryReconciler on a GPU fleet
         self.hub = None  # dataplane_hub.DataPlaneHub when router workers serve
+        self.adapters = None  # adapters.AdapterManager, built with the model manager
         self.database = None  # control_plane.state.Database, opened by open_state
         self.leadership = None  # runtime.leadership.Leadership with leader election
         self.families = None  # families.FamilyCatalog: the repository's model families
@@ -215,7 +216,7 @@ class Service:
             stager=stager, priority_of=self.registry.stage_priority,
             placer=Placer(facts=registry_facts(self.registry), labels=self.tritons.labels),
             warmup_enabled=self.registry.warmup_enabled, memory=self.memory,
-            load_of=self._requests_on_triton)
+            load_of=self._requests_on_triton, adapters=self._adapter_slots)
         manager = self.manager
         if self.memory is not None:
             from control_plane.triton.devices import MemoryReconciler
@@ -246,11 +247,9 @@ class Service:
 
         add_registry_routes(admin_app, self.registry, warm=self.warm,
                             locate=self.warm.locator(self.manager), families=self.families)
-        from control_plane.adapters import AdapterManager
         from control_plane.admin.adapter_routes import add_adapter_routes
 
-        add_adapter_routes(admin_app, AdapterManager(self.manager, self.repository,
-                                                     stores=self.registry.stores))
+        add_adapter_routes(admin_app, self.adapters)
         from control_plane.admin.family_routes import add_family_routes
 
         add_family_routes(admin_app, catalog=self.families, manager=self.manager, state=store,
@@ -333,6 +332,14 @@ class Service:
             RouterParts(self.manager, self.rollouts, self.families, self.cfg), endpoints)
         self.rollouts.start_judging(loop_failures=self.manager.metrics.loop_failures)
         return self.router
+
+    def _adapter_slots(self, manager: ModelManager):
+        """The LoRA adapters' part, built with the manager that routes BASE:ADAPTER names
+        to its slots (ModelManager's ``adapters``); the admin API's adapter routes use it."""
+        from control_plane.adapters import AdapterManager
+
+        self.adapters = AdapterManager(manager, self.repository, stores=self.registry.stores)
+        return self.adapters.slots
 
     def _requests_on_triton(self) -> dict[str, int]:
         """Requests outstanding per model over every router (mmctl scale --replicas auto):

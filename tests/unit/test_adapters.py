@@ -261,20 +261,14 @@ class FakeManager:
         self.metrics = SimpleNamespace(registry=CollectorRegistry())
         self.config = SimpleNamespace(policy="lru", on_its_way_s=10.0)
         self.ensured = []
-        self.adapters = None
         self.moved = []  # entries whose placement was announced
         self.answered = []
 
     def ready_server_of(self, name):
-        if self.adapters is not None and ":" in name:
-            return self.adapters.ready_server_of(name)
         return self.server if name == "tinylm" else None
 
     def copy_servers_of(self, name):
         return [self.server.name] if self.server is not None and name == "tinylm" else []
-
-    def attach_adapters(self, adapters):
-        self.adapters = adapters
 
     def on_state_change(self, listener):
         self.listener = listener
@@ -353,7 +347,7 @@ from domain.errors import InvalidInput
 
 manager = SimpleNamespace(config=SimpleNamespace(policy="lru", on_its_way_s=10.0),
                           metrics=SimpleNamespace(registry=CollectorRegistry()),
-                          attach_adapters=lambda _slots: None, ready_server_of=lambda _n: None,
+                          ready_server_of=lambda _n: None,
                           copy_servers_of=lambda _n: [], announce_moved=lambda _n: None,
                           on_state_change=lambda _listener: None)
 adapters = AdapterManager(manager, sys.argv[1], stores=ColdStores([LocalDirStore(Path(sys.argv[2]))]),

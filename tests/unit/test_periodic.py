@@ -126,8 +126,7 @@ def test_the_control_loop_runs_every_part_whatever_one_raises(tmp_path):
 def test_the_adapter_refresh_survives_a_failing_recovery_and_refresh(tmp_path):
     async def go():
         manager = SimpleNamespace(config=SimpleNamespace(policy="lru", on_its_way_s=1.0),
-                                  on_state_change=lambda _listener: None,
-                                  attach_adapters=lambda _slots: None)
+                                  on_state_change=lambda _listener: None)
         adapters = AdapterManager(manager, tmp_path, db=StateStore(tmp_path / "s.db").db)
         adapters.refresh_interval_s = 0.01
         adapters.recover = FailsOnce(is_async=True)
