@@ -86,8 +86,7 @@ class ModelBook:
         if rec is None:
             rec = owner.extra[server] = ModelRecord(
                 CopyKey(model, server), on_illegal=self._count_illegal,
-                on_move=lambda _key, m=model: self._moved(m), on_change=self.residency.sync,
-                copy_of=model)
+                on_move=lambda _key, m=model: self._moved(m), on_change=self.residency.sync)
         return rec
 
     def extra_copies(self, model: str) -> list[ModelRecord]:

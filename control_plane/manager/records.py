@@ -165,7 +165,6 @@ class ModelRecord:
                                                             compare=False)
     moved_at: float = 0.0  # monotonic time of the last change of state
     slot_bytes: int = 0  # a slot pool's bytes per slot (fixed when it is made); 0: a model
-    copy_of: str | None = None  # an extra copy's model; None: a model's own record
     # A model's extra copies (mmctl scale), server -> the copy's record (named
     # ``CopyKey(model, server)``): each moves through the states on its own, as a copy loads
     # on one server while the model serves on another.  Empty for the others.
@@ -175,6 +174,11 @@ class ModelRecord:
     def triton_name(self) -> str:
         """The model Triton loads for this record: the model's, its family's (a slot pool's)."""
         return self.copy_of or self.holder or self.name
+
+    @property
+    def copy_of(self) -> str | None:
+        """An extra copy's model (its key's), or None for a model's own record."""
+        return self.name.model if isinstance(self.name, CopyKey) else None
 
     @property
     def holder(self) -> str | None:
