@@ -2,9 +2,9 @@
 
 Torch, no Triton: the LoRA model folders (``model_repository/tinylm``,
 ``model_repository/recommender_lora``) get a copy of this package as ``<version>/_lora``
-(``control_plane.demo.lora`` writes it), and the control plane imports its torch-free modules
-directly to check adapters (``peft_files``, ``base_layers``) and write the manifest.  It must therefore never import the rest of
-``control_plane``.
+(``control_plane.demo.lora`` writes it), and the control plane imports its torch-free
+modules directly to check adapters (``peft_files``, ``base_layers``) and write the manifest.
+It must therefore never import the rest of ``control_plane``.
 
 Modules:
     peft       read (as served, in torch) and write adapters in the PEFT layout

@@ -331,8 +331,8 @@ def check_adapter(
     weights = weights_path(path, name)
     try:  # the header first: an adapter that does not fit is refused before its bytes are read
         with safe_open(str(weights), framework="numpy") as header:
-            specs = {key: (tuple(header.get_slice(key).get_shape()), header.get_slice(key).get_dtype())
-                     for key in header.keys()}  # noqa: SIM118 (safe_open is no mapping)
+            slices = {key: header.get_slice(key) for key in header.keys()}  # noqa: SIM118 (no mapping)
+            specs = {key: (tuple(s.get_shape()), s.get_dtype()) for key, s in slices.items()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise unreadable(name, weights, exc) from None
     factors = pair_factors(
