@@ -82,8 +82,8 @@ async def serve(args: WorkerConfig) -> None:
     limiter = GrantedLimiter(state, on_limited=lambda n: metrics.rate_limited.labels(n).inc())
     # Outcomes are judged by the control plane, over every worker: they go to it in reports.
     router = Router(state, state.table, RouterConfig(
-        **shared_values(args, RouterConfig), shadow_log_dir=args.shadow_log_dir,
-        canary_interval_s=0), names=state.names, metrics=metrics, stats=state, limiter=limiter)
+        **shared_values(args, RouterConfig), canary_interval_s=0),
+        names=state.names, metrics=metrics, stats=state, limiter=limiter)
     await router.start()
     grpc_server, grpc_port = await start_grpc(router, args.host, args.grpc_port, args.max_request_bytes,
                                               reuse_port=True)

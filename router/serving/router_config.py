@@ -21,7 +21,7 @@ class RouterConfig:
     shadow_queue_size: int = 64
     shadow_workers: int = 2
     shadow_timeout_s: float = 5.0
-    shadow_log_dir: Path | None = None
+    shadow_log_dir: Path | None = same_as(WorkerConfig, "shadow_log_dir")
     canary_interval_s: float = 1.0  # 0: canaries are judged elsewhere (the control plane)
     # Shared-memory registrations, shared by the router workers of one host (None: this
     # process's own, in a temporary directory).
