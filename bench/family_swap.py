@@ -62,8 +62,8 @@ from bench.copy_floor import memcpy_baseline, percentiles
 from bench.process_memory import family_rss_bytes, gpu_used_mib
 from bench.product_spans import miss_traces, read_spans
 from control_plane.admin.access import DATAPLANE_TOKEN_FILE_NAME
-from control_plane.demo.reference import expected_scores, scores_match
 from tests.product import Product
+from tests.reference import expected_scores, scores_match
 
 
 def check_answers(repository: Path, layout: str, answers: dict[str, set[float]]) -> dict:

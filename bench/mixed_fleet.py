@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.mixed_traffic import cpu_busy, run_threads, zipf_shares
 from bench.soak import error_text
-from control_plane.demo.reference import ReferenceAnswers
 from tests.product import Product
+from tests.reference import ReferenceAnswers
 
 FIXTURES = ROOT / "tests" / "fixtures"
 SEPARATE = ("simple", "strings")

@@ -60,8 +60,8 @@ from bench.product_spans import by_trace, read_spans
 from bench.seed_scenario import metric_sum
 from bench.soak import Client, error_text
 from control_plane.demo.fleet import WEIGHTS_FILE
-from control_plane.demo.reference import ReferenceAnswers
 from tests.product import Product
+from tests.reference import ReferenceAnswers
 
 SMOKE = ["--variants", "4", "--size-mb", "1", "--room", "2", "--clients", "2", "--duration", "3"]
 

@@ -41,8 +41,8 @@ import tritonclient.grpc as grpcclient
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from control_plane.demo.reference import ReferenceAnswers
 from tests.product import MMCTL, Product
+from tests.reference import ReferenceAnswers
 
 SMOKE = ["--sizes", "20", "--workers", "1", "--idle-s", "1", "--changes", "2", "--hits", "20",
          "--replay", "40"]

@@ -24,9 +24,9 @@ from control_plane.demo.fleet import (
     render_family_config,
     write_model,
 )
-from control_plane.demo.reference import load_weights, mlp_scores, scores_match
 from control_plane.families import write_family, write_variant
 from model_runtime.family.layout import read_layout
+from tests.reference import load_weights, mlp_scores, scores_match
 
 
 def varied_weights(spec: FleetSpec, name: str, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

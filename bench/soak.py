@@ -8,7 +8,7 @@ requests one after the other for ``--duration`` seconds through the router with 
 tritonclient clients (``--protocol mixed``: even threads gRPC, odd threads HTTP), each to a
 variant drawn from a Zipf law (``--zipf``, cust001 the busiest) with random features, and
 each answer is checked against the reference MLP over that variant's own weights file in the
-repository Triton serves from (``control_plane.demo.reference``).  Meanwhile a thread runs
+repository Triton serves from (``tests.reference``).  Meanwhile a thread runs
 the real ``mmctl status`` every ``--status-every`` seconds, as an operator watching the
 fleet would, and another samples the resident memory of every process of the product: the
 ``mmctl up`` supervisor, the control plane, each router worker, each tritonserver and each
@@ -51,8 +51,8 @@ from control_plane.demo.fleet import (
     generate_family_fleet,
     generate_fleet,
 )
-from control_plane.demo.reference import ReferenceAnswers
 from tests.product import Product
+from tests.reference import ReferenceAnswers
 
 SMOKE = {"variants": 6, "room": 3, "clients": 2, "duration": 4.0, "status_every": 1.0,
          "rss_every": 1.0}

@@ -5,7 +5,7 @@ one model family, with one and two router workers, side by side in one run.
 Each client sends its requests one after the other, every one to a model drawn at random
 from ``--models`` demo customers, while ``--max-loaded`` of them fit; every answer is checked
 against the reference MLP over that model's own weights file in the repository Triton serves
-from (``control_plane.demo.reference``).  A failed request is any exception the client sees
+from (``tests.reference``).  A failed request is any exception the client sees
 or a wrong answer.
 
     .venv/bin/python -m bench.thrash [--clients 40] [--requests 6] [--models 16] [--max-loaded 4]
@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.seed_scenario import metric_sum
-from control_plane.demo.reference import ReferenceAnswers
 from tests.product import Product
+from tests.reference import ReferenceAnswers
 
 SMOKE = ["--clients", "4", "--requests", "2", "--models", "4", "--max-loaded", "2",
          "--layouts", "family", "--workers", "1"]

@@ -21,11 +21,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import yaml
 
-from control_plane.demo.reference import expected_scores, scores_match
 from control_plane.triton.launch import free_port
 from tests.containers.engine import podman
 from tests.containers.kube_play import CHART, play, render
 from tests.helm import helm_binary
+from tests.reference import expected_scores, scores_match
 
 pytestmark = [pytest.mark.containers, pytest.mark.timeout(1800)]
 

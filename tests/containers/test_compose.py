@@ -27,9 +27,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from control_plane.demo.reference import expected_scores, scores_match
 from control_plane.triton.launch import free_port
 from tests.containers.engine import engine_env, podman
+from tests.reference import expected_scores, scores_match
 
 # The images' first build on a machine takes minutes (pip byte-compiles torch), more where
 # the rest of the suite runs beside it: past pytest's default limit.
@@ -194,9 +194,9 @@ def test_an_adapter_added_in_the_control_plane_container_is_served_with_its_weig
     from safetensors.torch import load_file
 
     from control_plane.demo.lora import write_demo_adapter
-    from control_plane.demo.reference import mlp_scores
     from model_runtime.lora.base_layers import linear_layers
     from model_runtime.lora.peft import merged_state_dict, read_adapter
+    from tests.reference import mlp_scores
 
     compose, grpc_port, models = stack[0], stack[2], stack[3]
     base_file = models / "recommender_lora" / "1" / "weights.safetensors"

@@ -17,11 +17,11 @@ import tritonclient.grpc as grpcclient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from control_plane.demo.reference import expected_scores, scores_match
 from control_plane.runtime.service import Service, ServiceConfig
 from control_plane.triton.process import free_port
 from domain import tracing
 from mmctl.in_process_router import start_in_process_router
+from tests.reference import expected_scores, scores_match
 from tests.span_capture import capture
 
 pytestmark = pytest.mark.integration

@@ -65,7 +65,7 @@ print(",".join(sorted(needs)))
     result = subprocess.run([sys.executable, "-c", code],
                             cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["control_plane.demo.fleet,control_plane.demo.lora,control_plane.demo.reference"]
+    assert result.stdout.split() == ["control_plane.demo.fleet,control_plane.demo.lora"]
 
 
 def test_writing_the_demo_without_torch_says_what_to_install(tmp_path, monkeypatch):
