@@ -190,8 +190,8 @@ def test_numbers_of_thousands_of_digits_are_refused_as_triton_refuses_them(sides
     digits = "1" * 5000
     want, got = (side.get(f"/v2/models/simple/versions/{digits}/ready") for side in (direct, routed))
     # Triton answers 400 ("failed to get model version"), and now and then 404 when its path
-    # matching gives up on a path this long (6 of 200 tries from 4 threads at once, none of
-    # 200 one at a time): the router always answers Triton's 400.
+    # matching gives up on a path this long (seen with requests from several threads at once,
+    # never one at a time): the router always answers Triton's 400.
     assert got.status_code == 400 and want.status_code in (400, 404), (got.status_code, got.text[:200])
     assert "failed to get model version" in got.text
     assert len(got.text) < 500
