@@ -24,6 +24,10 @@ class WorkerSeen:
     last_seen: float = 0.0
     version: int = -1  # the snapshot version it has
     epoch: str = ""
+    # The version the latest ensure's answer brought it to (the changes it carried; this
+    # control plane's epoch), -1 when none did: its long-poll has nothing new for it before
+    # a later version.
+    ensured_version: int = -1
     requests: int = 0  # requests it reported
     samples: int = 0  # canary / experiment outcomes it reported
     shadow: dict = field(default_factory=dict)  # route -> its cumulative ShadowReport counts
@@ -38,6 +42,11 @@ class WorkerSeen:
     def live(self, now: float) -> bool:
         return now - self.last_seen < WORKER_LIVE_S
 
+    def has(self, version: int, epoch: str) -> bool:
+        """Whether it has the published state's ``version`` of ``epoch``: acknowledged by its
+        long-poll, or brought by an ensure's answer."""
+        return self.epoch == epoch and max(self.version, self.ensured_version) >= version
+
     def in_touch(self, now: float) -> bool:
         """Live, or waiting in a long-poll: an idle worker's watch (``WATCH_WAIT_S`` of
         router.serving.state_client, longer than ``WORKER_LIVE_S``) is its heartbeat."""
@@ -47,7 +56,7 @@ class WorkerSeen:
         """``current``: it has the published state's ``version`` of ``epoch`` (it serves every
         change made so far)."""
         return {"worker": self.worker, "pid": self.pid, "snapshot_version": self.version,
-                "current": self.epoch == epoch and self.version >= version,
+                "current": self.has(version, epoch),
                 "seen_s_ago": round(now - self.last_seen, 3), "live": self.live(now),
                 "requests": self.requests, "samples": self.samples}
 

@@ -36,6 +36,12 @@ from control_plane.triton.devices import GpuMemoryMeter, NoMemoryMeter
 
 log = logging.getLogger(__name__)
 
+# How long a model's history row waits to be written with the others due: a miss writes two
+# (the newcomer's, its victim's), each a thread hand-off and a commit that take the event
+# loop's time while misses come back to back.  A crash loses at most this much history
+# (the last use, the load time); what is loaded is read from Triton on start, not from here.
+HISTORY_WRITE_DELAY_S = 0.05
+
 
 class ModelBook:
     """The records of the models and the names some Triton lists; whoever reads or moves a
@@ -153,6 +159,8 @@ class Bookkeeping:
         self.store = store
         self.stager = stager
         self.memory = memory
+        self._rows_due: dict[str, dict] = {}  # history rows not written yet (save_row)
+        self._rows_timer: asyncio.TimerHandle | None = None
 
     def release_warm(self, name: str) -> None:
         """The warm tier may drop ``name`` again (it is neither loaded nor loading)."""
@@ -170,14 +178,34 @@ class Bookkeeping:
         return self.memory if server.admin.measured(name) else NoMemoryMeter()
 
     def save_row(self, name: str, **fields) -> None:
-        """Write ``name``'s history row (``StateStore.save_model``) in the state store's
-        thread: a load or an unload never waits on the database, and rows land in the
-        order they were written.  A failed write is logged; the model is served anyway."""
+        """Record ``name``'s history fields (``StateStore.save_model``): kept, newer fields
+        over older ones, and written with every other row due in one transaction in the
+        state store's thread ``HISTORY_WRITE_DELAY_S`` later (``write_rows``).  A load or an
+        unload never waits on the database, and a burst of misses costs one write, not two
+        per miss.  A failed write is logged; the model is served anyway."""
+        self._rows_due.setdefault(name, {}).update(fields)
+        if self._rows_timer is None:
+            self._rows_timer = asyncio.get_running_loop().call_later(
+                HISTORY_WRITE_DELAY_S, self.write_rows)
+
+    def write_rows(self) -> asyncio.Future | None:
+        """Write the history rows due now (None when there are none): on the timer, and on
+        close so that none is lost."""
+        if self._rows_timer is not None:
+            self._rows_timer.cancel()
+            self._rows_timer = None
+        rows, self._rows_due = self._rows_due, {}
+        if not rows:
+            return None
+
         def logged(done: asyncio.Future) -> None:
             if not done.cancelled() and done.exception() is not None:
-                log.error("recording %s in the state store failed: %s", name, done.exception())
+                log.error("recording %s in the state store failed: %s", ", ".join(rows),
+                          done.exception())
 
-        self.store.db.off_loop(self.store.save_model, name, **fields).add_done_callback(logged)
+        written = self.store.db.off_loop(self.store.save_models, rows)
+        written.add_done_callback(logged)
+        return written
 
 
 class ManagerState:

@@ -6,6 +6,7 @@ holds what belongs to no single part: health and close.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -337,5 +338,8 @@ class ModelManager:
         for task in [*tasks.loops, *tasks.background, *tasks.loads.values(), *tasks.unloads.values()]:
             task.cancel()
         self.reconciler.health.close()
+        rows = self.state.keeping.write_rows()  # the history rows due: none is lost
+        if rows is not None:
+            await asyncio.wait({rows})  # a failure is logged by write_rows
         for server in self.servers.values():
             await server.admin.close()

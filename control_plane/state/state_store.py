@@ -66,6 +66,12 @@ class StateStore:
         self.db.execute(f"INSERT INTO models(model, {names}) VALUES (?, {marks}) "
                         f"ON CONFLICT (model) DO UPDATE SET {updates}", (model, *fields.values()))
 
+    def save_models(self, rows: dict[str, dict]) -> None:
+        """``save_model`` for each model of ``rows`` (model -> fields), in one transaction."""
+        with self.db.transaction():
+            for model, fields in rows.items():
+                self.save_model(model, **fields)
+
     def get(self, key: str, default: str | None = None) -> str | None:
         row = self.db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         return row[0] if row else default

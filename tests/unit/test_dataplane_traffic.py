@@ -177,3 +177,64 @@ def test_changes_older_than_the_workers_version_are_passed_over(tmp_path, monkey
             await close(h, server, w0)
 
     asyncio.run(go())
+
+
+def test_a_long_poll_does_not_answer_what_an_ensures_answer_brought_the_worker(tmp_path, monkeypatch):
+    """A miss's changes reach its worker with the ensure's answer; the worker's long-poll
+    waits on (one HTTP answer less per miss for both processes) and answers the next change
+    that no ensure brought."""
+    async def go():
+        manager = Evicts()
+        h, server, w0 = await hub_with(tmp_path, monkeypatch, manager)
+        manager.listeners.append(h.publisher.model_moved)
+        answered: list[int] = []  # the versions the long-poll's answers with changes were at
+        answer = h.published.answer
+
+        def counted_answer(since, epoch):
+            answered.append(h.version)
+            return answer(since, epoch)
+
+        monkeypatch.setattr(h.published, "answer", counted_answer)
+        try:
+            for model in ("a", "b", "a", "b"):
+                await w0.ensure(model)
+                assert w0.version == h.version
+                await asyncio.sleep(dataplane.SNAPSHOT_LINGER_S + 0.05)
+            assert answered == [], f"the long-poll answered what the ensures had brought: {answered}"
+            assert h.workers["w0"].has(h.version, h.epoch)
+
+            manager.resident = None
+            h.publisher.model_moved("b")  # evicted by no ensure of this worker's
+            for _ in range(200):
+                if w0.ready_server("b") is None:
+                    break
+                await asyncio.sleep(0.01)
+            assert w0.ready_server("b") is None and answered == [h.version]
+        finally:
+            monkeypatch.undo()
+            await close(h, server, w0)
+
+    asyncio.run(go())
+
+
+def test_a_worker_that_lost_an_ensures_answer_gets_the_changes_from_its_long_poll(tmp_path, monkeypatch):
+    """The next ensure says what the worker has (``since``): behind what an earlier answer
+    brought it, its long-poll answers again."""
+    async def go():
+        manager = Evicts()
+        h, server, w0 = await hub_with(tmp_path, monkeypatch, manager)
+        manager.listeners.append(h.publisher.model_moved)
+        try:
+            await w0.ensure("a")
+            seen = h.workers["w0"]
+            assert seen.ensured_version == h.version
+            # Its answer lost: an ensure says the worker is behind, its answer too many changes.
+            h._ensured("w0", seen.ensured_version - 1, h.epoch, None)
+            assert seen.ensured_version < h.version
+            # Another control plane's life: nothing an ensure brought counts.
+            h._ensured("w0", 5, "another-epoch", None)
+            assert seen.ensured_version == -1
+        finally:
+            await close(h, server, w0)
+
+    asyncio.run(go())

@@ -1172,3 +1172,39 @@ def test_over_budget_after_adoption_the_lowest_stage_leaves_first(tmp_path):
         await mgr.close()
 
     run(go())
+
+
+def test_a_burst_of_misses_writes_its_history_rows_in_one_transaction_and_close_loses_none(
+        tmp_path, monkeypatch):
+    """Each load and each eviction records a history row; a miss writes two.  Written as
+    they come, each is a hand-off to the store's thread and a commit taking the event loop's
+    time between back-to-back misses: the rows due are written together."""
+    from control_plane.manager import fleet_state
+
+    monkeypatch.setattr(fleet_state, "HISTORY_WRITE_DELAY_S", 3600.0)  # only close writes them
+
+    async def go():
+        mgr, _admin = make(tmp_path, max_loaded=1)
+        store = mgr.store
+        writes: list[dict] = []
+        save_models = store.save_models
+
+        def counted(rows):
+            writes.append({m: dict(f) for m, f in rows.items()})
+            save_models(rows)
+
+        monkeypatch.setattr(store, "save_models", counted)
+        await mgr.start()
+        for name in ("m1", "m2", "m3"):  # each evicts the one before it
+            await mgr.ensure(name)
+        book = mgr.state.book.records
+        await until(lambda: book["m2"].state != ModelState.UNLOADING, "m2 unloaded")
+        assert writes == [] and store.model_rows() == {}
+        await mgr.close()
+        assert len(writes) == 1, writes
+        rows = store.model_rows()
+        assert rows["m3"]["server"] == "s0" and rows["m3"]["load_time_s"] is not None
+        assert rows["m1"]["server"] is None and rows["m2"]["server"] is None
+        assert rows["m1"]["load_time_s"] is not None  # its load's fields kept beside its unload's
+
+    run(go())
