@@ -52,7 +52,7 @@ from tritonclient.grpc import InferInput
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.family_swap import gpu_used_mib
+from bench.process_memory import gpu_used_mib
 from bench.sized_fleet import check_answers, write_sized_fleet
 from bench.traces import seed_scenario
 from control_plane.demo.fleet import demo_spec, generate_family_fleet, generate_fleet

@@ -4,16 +4,26 @@ knows what to unpin or raise."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from control_plane.eviction.entries import SHADOW_PRIORITY
+from control_plane.eviction.entries import SHADOW_PRIORITY, Capacity, Resident
 from domain.errors import CapacityExhausted
 
-if TYPE_CHECKING:
-    from control_plane.eviction.planner import CachePlanner
+
+class RoomView(Protocol):
+    """What these messages read of a server's planner (``CachePlanner``)."""
+
+    capacity: Capacity
+    residents: dict[str, Resident]
+
+    @property
+    def used_slots(self) -> int: ...
+
+    @property
+    def used_bytes(self) -> int: ...
 
 
-def exhausted(planner: CachePlanner, key: str, size_bytes: int) -> CapacityExhausted:
+def exhausted(planner: RoomView, key: str, size_bytes: int) -> CapacityExhausted:
     """Nothing evictable is left for ``key``: what holds the room, and what to do."""
     cap = planner.capacity
     return CapacityExhausted(
@@ -23,7 +33,7 @@ def exhausted(planner: CachePlanner, key: str, size_bytes: int) -> CapacityExhau
         "model (mmctl unpin NAME) or raise the budget")
 
 
-def exhausted_in_pool(planner: CachePlanner, key: str, pool: str, slots: int) -> CapacityExhausted:
+def exhausted_in_pool(planner: RoomView, key: str, pool: str, slots: int) -> CapacityExhausted:
     """Every slot of ``key``'s family ``pool`` holds a variant that cannot leave."""
     return CapacityExhausted(
         f"no room for {key}: all {slots} slots of its family {pool} on this server hold "
@@ -31,7 +41,7 @@ def exhausted_in_pool(planner: CachePlanner, key: str, pool: str, slots: int) ->
         "unpin a model (mmctl unpin NAME) or raise the budget")
 
 
-def exhausted_for_shadow(planner: CachePlanner, key: str, size_bytes: int,
+def exhausted_for_shadow(planner: RoomView, key: str, size_bytes: int,
                          limit: int) -> CapacityExhausted:
     """A shadow or extra copy (victims of priority ``limit`` at most) found no room."""
     serving = sorted(k for k, r in planner.residents.items() if r.priority > limit)

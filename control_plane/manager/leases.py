@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from control_plane.manager.fleet_state import ModelBook
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.loader import Loader
 from control_plane.manager.manager_config import ManagerConfig
 from control_plane.manager.recency import Recency
-from control_plane.manager.reconciler import Reconciler
 from control_plane.manager.records import ModelRecord, TritonServer
 from control_plane.manager.request_holds import RequestHolds
 from domain.errors import ModelLoadFailed, OperationTimeout
@@ -21,13 +20,19 @@ from domain.names import validate_model_name
 
 class Leases:
     def __init__(self, book: ModelBook, config: ManagerConfig, catalog: Catalog,
-                 recency: Recency, loader: Loader, reconciler: Reconciler):
+                 recency: Recency, loader: Loader,
+                 check_reachable: Callable[[str], Awaitable[None]],
+                 place_off_down: Callable[[ModelRecord], None]):
+        """``check_reachable`` and ``place_off_down``: the reconcile's answers to a request
+        that could not reach a server, and to one whose model's server is down
+        (``Reconciler.check_reachable``, ``Reconciler.place_off_down``)."""
         self.book = book
         self.config = config
         self.catalog = catalog
         self.recency = recency
         self.loader = loader
-        self.reconciler = reconciler
+        self.check_reachable = check_reachable
+        self.place_off_down = place_off_down
         # Holds of models loaded for requests (ensure_for_request), each of the router worker
         # whose ensure made it (None: this process's own router); each ends the request's
         # count in its record (``acquire``).
@@ -71,10 +76,10 @@ class Leases:
         config = self.config
         try:
             if unreachable is not None:
-                await self.reconciler.check_reachable(unreachable)
+                await self.check_reachable(unreachable)
             deadline = time.monotonic() + config.capacity_wait_s
             while True:
-                self.reconciler.place_off_down(rec)
+                self.place_off_down(rec)
                 await self.loader.ensure(name)
                 server = self.catalog.ready_server_of(name)
                 if server is not None:

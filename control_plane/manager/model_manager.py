@@ -125,7 +125,7 @@ class ModelManager:
         # Each part gets what it uses, and the parts it calls.
         self.catalog = Catalog(st.book, st.servers, stager, repository, st.memory)
         self.recency = Recency(st.book, st.servers, clock)
-        self.unloader = Unloader(st.book, st.servers, st.tasks, st.keeping, config, self.catalog)
+        self.unloader = Unloader(st.book, st.servers, st.tasks, st.keeping, config)
         self.executor = Executor(st.book, st.tasks, st.keeping, config, clock, st.room,
                                  self.unloader, st.warmup_enabled)
         self.loader = Loader(st.book, st.servers, st.tasks, st.keeping, config, clock, stager,
@@ -139,7 +139,8 @@ class ModelManager:
                                      self.catalog, self.recency, self.unloader, self.pins,
                                      self.copies)
         self.leases = Leases(st.book, config, self.catalog, self.recency, self.loader,
-                             self.reconciler)
+                             check_reachable=self.reconciler.check_reachable,
+                             place_off_down=self.reconciler.place_off_down)
         for name, row in store.model_rows().items():
             rec = self.state.book.record(name)
             rec.last_used = row["last_used"]
@@ -281,7 +282,7 @@ class ModelManager:
 
     # Operators.
     async def unload(self, name: str, force: bool = False) -> ModelRecord:
-        return await self.unloader.unload(name, force)
+        return await self.unloader.unload(self.catalog.get(name), force)
 
     async def pin(self, name: str) -> ModelRecord:
         return await self.pins.pin(name)

@@ -12,7 +12,6 @@ import logging
 import time
 
 from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
-from control_plane.manager.known_models import Catalog
 from control_plane.manager.manager_config import ManagerConfig
 from control_plane.manager.records import ModelRecord, ModelState, TritonServer
 from domain.errors import ControlPlaneError, InvalidInput
@@ -28,18 +27,17 @@ def retrieve(fut: asyncio.Future) -> None:
 
 class Unloader:
     def __init__(self, book: ModelBook, servers: dict[str, TritonServer], tasks: TaskBoard,
-                 keeping: Bookkeeping, config: ManagerConfig, catalog: Catalog):
+                 keeping: Bookkeeping, config: ManagerConfig):
         self.book = book
         self.servers = servers
         self.tasks = tasks
         self.keeping = keeping
         self.config = config
-        self.catalog = catalog
 
-    async def unload(self, name: str, force: bool = False) -> ModelRecord:
-        """Unload ``name`` (explicit request) with every copy of it.  Pinned models are
-        refused unless forced."""
-        rec = self.catalog.get(name)
+    async def unload(self, rec: ModelRecord, force: bool = False) -> ModelRecord:
+        """Unload ``rec``'s model (explicit request; the catalog found it) with every copy of
+        it.  Pinned models are refused unless forced."""
+        name = rec.name
         self.book.unloading.add(name)
         try:
             await self._unload_all(rec, name, force)

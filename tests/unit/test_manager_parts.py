@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -67,7 +66,9 @@ def test_each_part_gets_only_what_it_uses_and_the_parts_it_calls(tmp_path):
     assert not hasattr(mgr.recency, "tasks") and not hasattr(mgr.leases, "tasks")
     assert not hasattr(mgr.reconciler.health, "book")  # health sees servers, never records
     assert mgr.loader.unloader is mgr.unloader and mgr.pins.loader is mgr.loader
-    assert mgr.leases.loader is mgr.loader and mgr.leases.reconciler is mgr.reconciler
+    assert mgr.leases.loader is mgr.loader and not hasattr(mgr.leases, "reconciler")
+    assert mgr.leases.place_off_down == mgr.reconciler.place_off_down  # the reconcile's answer
+    assert not hasattr(mgr.unloader, "catalog")  # it unloads the record the catalog found
     assert mgr.reconciler.pins is mgr.pins and mgr.reconciler.unloader is mgr.unloader
 
 
@@ -86,16 +87,15 @@ def test_catalog_alone_knows_what_some_triton_lists(tmp_path):
 def test_unloader_alone_unloads_and_frees_the_room(tmp_path):
     async def go():
         state = shared_state(tmp_path)
-        unloader = Unloader(state.book, state.servers, state.tasks, state.keeping, state.config,
-                            catalog_of(state))
+        unloader = Unloader(state.book, state.servers, state.tasks, state.keeping, state.config)
         resident_ready(state, "m1")
-        await unloader.unload("m1")
+        await unloader.unload(state.book.records["m1"])
         assert state.book.records["m1"].state == ModelState.WARM
         assert state.servers["s0"].planner.used_slots == 0
         state.book.record("m2").set_pinned(True)
         resident_ready(state, "m2")
         with pytest.raises(InvalidInput, match="pinned"):
-            await unloader.unload("m2")
+            await unloader.unload(state.book.records["m2"])
 
     run(go())
 
@@ -133,11 +133,10 @@ def test_leases_alone_hold_a_model_from_its_load_until_the_request_is_answered(t
     async def go():
         state = shared_state(tmp_path)
         catalog = catalog_of(state)
-        reconciler = SimpleNamespace(place_off_down=lambda rec: None,
-                                     check_reachable=lambda name: asyncio.sleep(0))
         leases = Leases(state.book, state.config, catalog,
                         Recency(state.book, state.servers, state.clock), StandInLoader(state),
-                        reconciler)
+                        check_reachable=lambda name: asyncio.sleep(0),
+                        place_off_down=lambda rec: None)
         server = await leases.ensure_for_request("m1")
         assert server.name == "s0"
         residents = state.servers["s0"].planner.residents
