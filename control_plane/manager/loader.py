@@ -32,7 +32,6 @@ from domain.errors import (
     ModelNotFound,
     OperationTimeout,
 )
-from domain.names import validate_model_name
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +57,8 @@ class Loader:
         self.executor = executor  # carries a placement's plan out (executor.py)
 
     async def ensure(self, name: str, retry_failed: bool = False) -> ModelRecord:
-        """Return once ``name`` is READY on some server, loading it if needed."""
-        validate_model_name(name)
+        """Return once ``name`` is READY on some server, loading it if needed.  ``name`` is
+        valid (``ModelManager.ensure`` checks a caller's; the others come from records)."""
         rec = self.book.records.get(name)
         if rec is not None and rec.state == ModelState.READY:
             metrics = self.keeping.metrics

@@ -47,6 +47,7 @@ from control_plane.triton.admin import TritonAdmin, TritonModelState
 from control_plane.triton.devices import NoMemoryMeter
 from control_plane.triton.process import TritonProcess
 from domain.errors import ControlPlaneError, InvalidInput
+from domain.names import validate_model_name
 from domain.routes import ADAPTER_SEPARATOR
 
 
@@ -232,6 +233,7 @@ class ModelManager:
 
     # Requests.
     async def ensure(self, name: str, retry_failed: bool = False) -> ModelRecord:
+        validate_model_name(name)
         return await self.loader.ensure(name, retry_failed)
 
     def touch(self, name: str) -> None:

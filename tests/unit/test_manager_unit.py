@@ -18,6 +18,7 @@ from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import IndexEntry, TritonModelState
 from domain.errors import (
     CapacityExhausted,
+    InvalidInput,
     ModelLoadFailed,
     ModelNotFound,
     OperationTimeout,
@@ -1206,5 +1207,17 @@ def test_a_burst_of_misses_writes_its_history_rows_in_one_transaction_and_close_
         assert rows["m3"]["server"] == "s0" and rows["m3"]["load_time_s"] is not None
         assert rows["m1"]["server"] is None and rows["m2"]["server"] is None
         assert rows["m1"]["load_time_s"] is not None  # its load's fields kept beside its unload's
+
+    run(go())
+
+
+def test_an_invalid_name_is_refused_at_the_manager_and_starts_no_load(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path)
+        await mgr.start()
+        for name in ("../m1", "m1/../../etc", "", "m" * 300):
+            with pytest.raises(InvalidInput):
+                await mgr.ensure(name)
+        assert admin.load_calls == [] and not mgr.state.tasks.loads
 
     run(go())
