@@ -245,8 +245,12 @@ class DataPlaneHub:
         deadline = time.monotonic() + wait_s
         while (left := deadline - time.monotonic()) > 0:
             await self.registry.watch(seen, lambda: self._new_for(seen, since) or other_reason(), left)
-            if not self._new_for(seen, since) or other_reason() or self._settling:
-                return  # its time is up, or it is answered at once
+            if other_reason():
+                return
+            if not self._new_for(seen, since):
+                continue  # brought by an ensure's answer meanwhile, or its time is up
+            if self._settling:
+                return  # waited for: answered at once
             await asyncio.sleep(SNAPSHOT_LINGER_S)
             if self._new_for(seen, since) or other_reason():
                 return
