@@ -200,8 +200,10 @@ class Bookkeeping:
 
         def logged(done: asyncio.Future) -> None:
             if not done.cancelled() and done.exception() is not None:
-                log.error("recording %s in the state store failed: %s", ", ".join(rows),
-                          done.exception())
+                names = sorted(rows)
+                log.error("recording the history of %d model(s) (%s%s) in the state store "
+                          "failed: %s", len(names), ", ".join(names[:5]),
+                          ", ..." if len(names) > 5 else "", done.exception())
 
         written = self.store.db.off_loop(self.store.save_models, rows)
         written.add_done_callback(logged)

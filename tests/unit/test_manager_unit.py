@@ -1221,3 +1221,23 @@ def test_an_invalid_name_is_refused_at_the_manager_and_starts_no_load(tmp_path):
         assert admin.load_calls == [] and not mgr.state.tasks.loads
 
     run(go())
+
+
+def test_history_rows_that_fail_to_be_written_are_logged_and_the_model_is_served(
+        tmp_path, monkeypatch, caplog):
+    async def go():
+        mgr, _admin = make(tmp_path, max_loaded=2)
+
+        def refused(rows):
+            raise RuntimeError("database is locked")
+
+        monkeypatch.setattr(mgr.store, "save_models", refused)
+        await mgr.start()
+        rec = await mgr.ensure("m1")
+        with caplog.at_level("ERROR"):
+            await mgr.close()
+        assert rec.state == ModelState.READY
+        assert any("history of 1 model(s) (m1)" in r.getMessage() and "database is locked"
+                   in r.getMessage() for r in caplog.records), caplog.text
+
+    run(go())
