@@ -58,18 +58,19 @@ recently used evictable entry of any kind; a family with no variant left is unlo
 Layout: records.py (records, server specs, configuration), room.py (held room, the
 overlap rule, the host's free memory), fleet_state.py (``ManagerState``: what the parts share),
 residency.py (the planner's view of each copy, derived from its record),
-one module per part (known_models.py, recency.py, unloader.py, executor.py with warmup.py,
+one module per part (known_models.py, recency.py, executor.py with warmup.py, unloader.py,
 loader.py, copies.py, pins.py, reconciler.py with health.py, leases.py), and
 model_manager.py, where ``ModelManager`` builds the parts and gives each the parts it calls:
 
     catalog, recency          <- state only
-    unloader                  <- catalog
-    executor                  <- unloader (carries a placement's plan out)
+    executor                  <- state only (carries loads, replaces and unloads out)
+    unloader                  <- executor (decides what leaves, and when)
     loader                    <- catalog, recency, unloader, executor
-    copies                    <- catalog, loader, unloader, executor
+    copies                    <- catalog, loader, executor
     pins                      <- catalog, loader
     reconciler                <- catalog, recency, unloader, pins, copies (owns health)
-    leases                    <- catalog, recency, loader, reconciler
+    leases                    <- catalog, recency, loader, and the reconciler's
+                                 check_reachable and place_off_down
 
 A server's health (up, suspect, down) has one writer, ``health.Health``: probes every
 second per server, down after three missed in a row (a frozen Triton within ~4 s).

@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from control_plane.manager.executor import Executor
+from control_plane.manager.executor import Executor, retrieve
 from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.loader import Loader
@@ -57,7 +57,6 @@ from control_plane.manager.records import (
     ModelState,
     TritonServer,
 )
-from control_plane.manager.unloader import Unloader, retrieve
 from control_plane.state.state_store import StateStore
 from domain.errors import CapacityExhausted, ControlPlaneError, InvalidInput, TritonUnavailable
 from domain.names import validate_model_name
@@ -82,7 +81,7 @@ def _whole(value: object, least: int) -> bool:
 class Copies:
     def __init__(self, book: ModelBook, servers: dict[str, TritonServer], tasks: TaskBoard,
                  keeping: Bookkeeping, config: ManagerConfig, store: StateStore,
-                 catalog: Catalog, placer: Placer, loader: Loader, unloader: Unloader,
+                 catalog: Catalog, placer: Placer, loader: Loader,
                  executor: Executor, load_of: Callable[[], dict[str, int]] = dict):
         self.book = book
         self.servers = servers
@@ -93,8 +92,7 @@ class Copies:
         self.catalog = catalog
         self.placer = placer
         self.loader = loader
-        self.unloader = unloader
-        self.executor = executor  # carries a copy's placement out, as a model's (executor.py)
+        self.executor = executor  # carries a copy's placement and unloads out (executor.py)
         # model -> copies wanted (fixed), or AutoRange (auto: ``current`` says how many now)
         self.targets: dict[str, int | AutoRange] = {}
         for name, spec in json.loads(store.get(TARGETS_KEY) or "{}").items():
@@ -333,7 +331,7 @@ class Copies:
             for c in excess:
                 c.move(ModelState.UNLOADING)
         for c in excess:
-            self.unloader.unload_now(self.servers[c.server], c.name,
+            self.executor.unload_now(self.servers[c.server], c.name,
                                      reason="scaled_down").add_done_callback(retrieve)
         for _ in range(wanted - len(live)):
             if time.monotonic() < self._retry_at.get(name, 0.0) or not await self._add(name):

@@ -1,5 +1,6 @@
-"""Carrying out a load's plan: the one path of a model's load (loader.py) and of an extra
-copy's (copies.py).
+"""Carrying out what changes a server's room: a load's plan, the one path of a model's load
+(loader.py) and of an extra copy's (copies.py), and every unload, whoever decided it
+(``unload_now``: an eviction, the headroom, an explicit unload of unloader.py).
 
 A plan is what placement chose under the manager's lock from the state it read
 (``Placer.place``, a pure function of the planners: the server and the victims of any kind
@@ -16,6 +17,10 @@ there).  ``Executor`` carries it out in three steps, each undoing what it did wh
 3. ``load``: Triton's load (or the replacing request), then the warm-up; the caller undoes a
    failure its own way (a model is left failed with the reason, a copy tried again later)
    and then ``settle``s the family's record.
+
+An unload (``unload_now``, one task per model however many ask) drains the requests sent
+to Triton, unloads, and frees the room once Triton confirms the model gone; one that fails
+keeps the model's server and room (``UNLOAD_FAILED``) until one succeeds.
 """
 
 from __future__ import annotations
@@ -34,10 +39,9 @@ from control_plane.manager.records import (
     TritonServer,
 )
 from control_plane.manager.room import RoomLedger
-from control_plane.manager.unloader import Unloader, retrieve
 from control_plane.manager.warmup import warm_up
 from domain import tracing
-from domain.errors import OperationTimeout
+from domain.errors import ControlPlaneError, OperationTimeout
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +76,22 @@ class Reservation:
     overlapped: bool = False  # sent while its victims still shut down (measured free memory)
 
 
+def retrieve(fut: asyncio.Future) -> None:
+    """Done callback of an unload nobody awaits: its failure is logged where it happens."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 class Executor:
     def __init__(self, book: ModelBook, tasks: TaskBoard, keeping: Bookkeeping,
                  config: ManagerConfig, clock: Callable[[], float], room: RoomLedger,
-                 unloader: Unloader, warmup_enabled: Callable[[str], bool]):
+                 warmup_enabled: Callable[[str], bool]):
         self.book = book
         self.tasks = tasks
         self.keeping = keeping
         self.config = config
         self.clock = clock
         self.room = room
-        self.unloader = unloader
         self.warmup_enabled = warmup_enabled
 
     # -- 1. commit ------------------------------------------------------------------------
@@ -139,10 +148,10 @@ class Executor:
         if replacing_possible(server, res.model, res.victims):
             self.room.send(server, rec.name, res.size_bytes)
             # Listed as the victims' unload now, before any await: a load of a victim waits.
-            res.replacing = self.unloader.replace(server, res.victims, res.model)
+            res.replacing = self.replace(server, res.victims, res.model)
             res.replacing.add_done_callback(retrieve)  # raised by ``load``
             return
-        evictions = [self.unloader.unload_now(server, v, reason="evicted") for v in res.victims]
+        evictions = [self.unload_now(server, v, reason="evicted") for v in res.victims]
         for fut in evictions:
             fut.add_done_callback(retrieve)  # failures are raised below or logged
         try:
@@ -156,6 +165,103 @@ class Executor:
             raise
         # No await between the room check and this: the next waiter sees this load as held.
         self.room.send(server, rec.name, res.size_bytes)
+
+    def unload_now(self, server: TritonServer, name: str, reason: str) -> asyncio.Future:
+        task = self.tasks.unloads.get(name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._do_unload(server, name, reason))
+            self.tasks.unloads[name] = task
+            task.add_done_callback(lambda _t, n=name: self.tasks.unloads.pop(n, None))
+        return asyncio.shield(task)
+
+    async def _do_unload(self, server: TritonServer, name: str, reason: str) -> None:
+        rec = self.book.lookup(name)
+        rec.move(ModelState.UNLOADING)
+        await self._drain([rec])
+        start = time.monotonic()
+        try:
+            if rec.holder is not None:  # a family model whose variants all left: its slots
+                await server.admin.unload_slots(rec.holder)
+                await server.admin.wait_unavailable(rec.holder, self.config.unload_timeout_s)
+            else:  # a model's copy (its own, or an extra one: the same Triton model)
+                await server.admin.unload(rec.triton_name)
+                await server.admin.wait_unavailable(rec.triton_name, self.config.unload_timeout_s)
+        except ControlPlaneError as exc:
+            self._unload_failed(server, rec, exc)
+            raise
+        await self._unloaded(server, rec, reason, start)
+
+    def replace(self, server: TritonServer, victims: list[str], name: str) -> asyncio.Future:
+        """Evict ``victims`` and load ``name`` on ``server`` as one request
+        (``TritonAdmin.replaces_in_one``: a variant into the slots of its family's variants).
+        The victims' unloads are this one task, listed for each of them (a load of a victim
+        waits for it); it raises the load's failure, after the victims are unloaded one by
+        one as if the request had not been."""
+        task = asyncio.get_running_loop().create_task(self._do_replace(server, victims, name))
+        for victim in victims:
+            self.tasks.unloads[victim] = task
+            task.add_done_callback(lambda done, n=victim: self.tasks.unloads.pop(n, None)
+                                   if self.tasks.unloads.get(n) is done else None)
+        return asyncio.shield(task)
+
+    async def _do_replace(self, server: TritonServer, victims: list[str], name: str) -> None:
+        recs = [self.book.records[v] for v in victims]
+        for rec in recs:
+            rec.move(ModelState.UNLOADING)
+        await self._drain(recs)
+        start = time.monotonic()
+        try:
+            await server.admin.load_replacing(name, victims)
+        except ControlPlaneError:
+            # Whether the victims left with it is unknown: unload each on its own (a freed
+            # slot's evict is a no-op), so each ends warm, or holds its room until confirmed.
+            await asyncio.gather(*(self._do_unload(server, v, "evicted") for v in victims),
+                                 return_exceptions=True)
+            raise
+        for rec in recs:
+            # The load's own line ("loaded X in place of Y") says it: one line per swap.
+            await self._unloaded(server, rec, "evicted", start, logged=False)
+
+    async def _drain(self, recs: list[ModelRecord]) -> None:
+        """Requests holding a lease on these models finish first (bounded by
+        ``drain_timeout_s``).  Only requests already sent to Triton are drained: requests
+        still waiting for a model wait for its unload to finish, so waiting on them would
+        deadlock."""
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while any(rec.active > 0 for rec in recs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for rec in recs:
+            if rec.active > 0:
+                log.warning("%s still has %d requests in flight after %.0fs; unloading anyway "
+                            "(Triton lets running requests finish)", rec.name, rec.active,
+                            self.config.drain_timeout_s)
+
+    def _unload_failed(self, server: TritonServer, rec: ModelRecord, exc: ControlPlaneError) -> None:
+        # Triton may still hold it: the server, and its room, stay counted until Triton
+        # confirms it gone (the reconcile retries after the backoff, as does a load).
+        # It holds its room again, promised to no load.
+        rec.failure = f"unload did not complete: {exc.message}"
+        rec.failed_at = time.monotonic()
+        rec.move(ModelState.UNLOAD_FAILED)
+        log.error("unload of %s on %s failed: %s", rec.name, server.name, exc.message)
+
+    async def _unloaded(self, server: TritonServer, rec: ModelRecord, reason: str, start: float,
+                        logged: bool = True) -> None:
+        """Triton confirmed ``rec`` gone from ``server``: its room is free once the memory is
+        back (NVML on a GPU; what is not back stays counted), and it is warm."""
+        name = rec.name
+        triton_name = rec.triton_name
+        await self.keeping.meter(server, triton_name).released(server, triton_name)
+        freed_s = time.monotonic() - start
+        self.keeping.metrics.unload_free_seconds.labels(server.name).observe(freed_s)
+        self.keeping.metrics.unloads.labels(server.name, reason).inc()
+        rec.warmup = None
+        rec.move(ModelState.WARM, server=None)
+        if triton_name == name:  # a family's slots, an extra copy: no tier mark or history row
+            self.keeping.release_warm(name)
+            self.keeping.save_row(name, server=None)
+        (log.info if logged else log.debug)("unloaded %s from %s (%s); memory free after %.2fs",
+                                            name, server.name, reason, freed_s)
 
     def undo(self, res: Reservation, to: ModelState | None = None) -> None:
         """Give back what ``commit`` reserved: the queued room, the record's place (back to

@@ -116,7 +116,7 @@ class Loader:
             # serve it twice and leak that server's room, so unload it there first.
             held_by = self.servers[rec.server]
             try:
-                await self.unloader.unload_now(held_by, name, reason="retry_after_failure")
+                await self.executor.unload_now(held_by, name, reason="retry_after_failure")
             except ControlPlaneError as exc:
                 raise ModelLoadFailed(
                     f"{name} may still be loaded on {held_by.name} ({exc.message}); it is not "
@@ -242,7 +242,7 @@ class Loader:
         if victims:
             log.info("%s measured %d bytes on %s: evicting %s", rec.name, measured_bytes,
                      server.name, victims)
-            await asyncio.gather(*(self.unloader.unload_now(server, v, reason="evicted") for v in victims),
+            await asyncio.gather(*(self.executor.unload_now(server, v, reason="evicted") for v in victims),
                                  return_exceptions=True)  # a failed one stays counted
 
     def _room_is_busy(self, name: str) -> bool:

@@ -126,16 +126,15 @@ class ModelManager:
         # Each part gets what it uses, and the parts it calls.
         self.catalog = Catalog(st.book, st.servers, stager, repository, st.memory)
         self.recency = Recency(st.book, st.servers, clock)
-        self.unloader = Unloader(st.book, st.servers, st.tasks, st.keeping, config)
         self.executor = Executor(st.book, st.tasks, st.keeping, config, clock, st.room,
-                                 self.unloader, st.warmup_enabled)
+                                 st.warmup_enabled)
+        self.unloader = Unloader(st.book, st.servers, st.tasks, st.keeping, config, self.executor)
         self.loader = Loader(st.book, st.servers, st.tasks, st.keeping, config, clock, stager,
                              st.placer, priority_of, st.room, self.catalog, self.recency,
                              self.unloader, self.executor)
         self.pins = Pins(st.book, st.tasks, store, config, self.catalog, self.loader)
         self.copies = Copies(st.book, st.servers, st.tasks, st.keeping, config, store,
-                             self.catalog, st.placer, self.loader, self.unloader, self.executor,
-                             load_of)
+                             self.catalog, st.placer, self.loader, self.executor, load_of)
         self.reconciler = Reconciler(st.book, st.servers, st.tasks, st.keeping, config, clock,
                                      self.catalog, self.recency, self.unloader, self.pins,
                                      self.copies)

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from control_plane.manager.executor import Executor
 from control_plane.manager.fleet_state import ManagerState
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.leases import Leases
@@ -69,6 +70,9 @@ def test_each_part_gets_only_what_it_uses_and_the_parts_it_calls(tmp_path):
     assert mgr.leases.loader is mgr.loader and not hasattr(mgr.leases, "reconciler")
     assert mgr.leases.place_off_down == mgr.reconciler.place_off_down  # the reconcile's answer
     assert not hasattr(mgr.unloader, "catalog")  # it unloads the record the catalog found
+    # The unloader decides what leaves; the executor carries unloads out, as it does loads.
+    assert mgr.unloader.executor is mgr.executor and not hasattr(mgr.executor, "unloader")
+    assert not hasattr(mgr.copies, "unloader")
     assert mgr.reconciler.pins is mgr.pins and mgr.reconciler.unloader is mgr.unloader
 
 
@@ -87,7 +91,10 @@ def test_catalog_alone_knows_what_some_triton_lists(tmp_path):
 def test_unloader_alone_unloads_and_frees_the_room(tmp_path):
     async def go():
         state = shared_state(tmp_path)
-        unloader = Unloader(state.book, state.servers, state.tasks, state.keeping, state.config)
+        executor = Executor(state.book, state.tasks, state.keeping, state.config, state.clock,
+                            state.room, state.warmup_enabled)
+        unloader = Unloader(state.book, state.servers, state.tasks, state.keeping, state.config,
+                            executor)
         resident_ready(state, "m1")
         await unloader.unload(state.book.records["m1"])
         assert state.book.records["m1"].state == ModelState.WARM
