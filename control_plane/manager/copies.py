@@ -331,7 +331,7 @@ class Copies:
             for c in excess:
                 c.move(ModelState.UNLOADING)
         for c in excess:
-            self.executor.unload_now(self.servers[c.server], c.name,
+            self.executor.unload_now(self.servers[c.server], c,
                                      reason="scaled_down").add_done_callback(retrieve)
         for _ in range(wanted - len(live)):
             if time.monotonic() < self._retry_at.get(name, 0.0) or not await self._add(name):
@@ -390,13 +390,4 @@ class Copies:
         self._retry_at[copy.copy_of] = time.monotonic() + self.config.failure_backoff_s
         self.keeping.metrics.loads.labels(server.name, "failed").inc()
         log.warning("copy of %s on %s failed: %s", copy.copy_of, server.name, exc.message)
-        try:
-            await server.admin.unload(copy.triton_name)
-            await server.admin.wait_unavailable(copy.triton_name, self.config.unload_timeout_s)
-        except ControlPlaneError as cleanup:
-            copy.failed_at = time.monotonic()
-            log.error("the failed copy of %s could not be unloaded from %s: %s", copy.copy_of,
-                      server.name, cleanup.message)
-            copy.move(ModelState.UNLOAD_FAILED)
-            return
-        copy.move(ModelState.FAILED, server=None)
+        await self.executor.undo_failed_load(server, copy)

@@ -40,6 +40,7 @@ from control_plane.manager.records import (
 )
 from control_plane.manager.room import RoomLedger
 from control_plane.manager.warmup import warm_up
+from control_plane.triton.devices import GpuMemoryMeter, NoMemoryMeter
 from domain import tracing
 from domain.errors import ControlPlaneError, OperationTimeout
 
@@ -58,15 +59,15 @@ def replacing_possible(server: TritonServer, name: str, victims: list[str]) -> b
 @dataclass
 class Reservation:
     """A plan committed: ``rec`` (the model's record, or its extra copy's) loads ``model`` on
-    ``server`` in the place of ``victims``; the room it holds there (``room_bytes``,
-    ``room_slots``), the family record it reserved (``pool``, given back by ``undo_pool``)
-    and the state ``rec`` was in before."""
+    ``server`` in the place of ``victims`` (their records); the room it holds there
+    (``room_bytes``, ``room_slots``), the family record it reserved (``pool``, given back by
+    ``undo_pool``) and the state ``rec`` was in before."""
 
     server: TritonServer
     rec: ModelRecord
     model: str
     size_bytes: int
-    victims: list[str]
+    victims: list[ModelRecord]
     previous_state: ModelState
     pool: ModelRecord | None
     undo_pool: Callable[[], None]
@@ -85,7 +86,11 @@ def retrieve(fut: asyncio.Future) -> None:
 class Executor:
     def __init__(self, book: ModelBook, tasks: TaskBoard, keeping: Bookkeeping,
                  config: ManagerConfig, clock: Callable[[], float], room: RoomLedger,
-                 warmup_enabled: Callable[[str], bool]):
+                 warmup_enabled: Callable[[str], bool],
+                 memory: GpuMemoryMeter | NoMemoryMeter | None = None):
+        """``memory``: the device memory meter that measures loads and unloads (NVML on a
+        GPU; none on CPU)."""
+        self.memory = memory if memory is not None else NoMemoryMeter()
         self.book = book
         self.tasks = tasks
         self.keeping = keeping
@@ -94,20 +99,27 @@ class Executor:
         self.room = room
         self.warmup_enabled = warmup_enabled
 
+    def meter(self, server: TritonServer, name: str) -> GpuMemoryMeter | NoMemoryMeter:
+        """The memory meter for ``name`` on ``server``: the configured one, or none for a
+        model whose size is fixed in advance (a family's variant: a slot allocated when its
+        family loaded, whose bytes never come and go with the variant)."""
+        return self.memory if server.admin.measured(name) else NoMemoryMeter()
+
     # -- 1. commit ------------------------------------------------------------------------
     def commit(self, server: TritonServer, rec: ModelRecord, model: str, size_bytes: int,
                victims: list[str]) -> Reservation:
         """Reserve a plan (see the module docstring).  Call under the lock, with no await
         since placement."""
         with self.room.placing():
-            for v in victims:
-                self.book.lookup(v).move(ModelState.UNLOADING)
+            victim_recs = [self.book.lookup(v) for v in victims]
+            for victim in victim_recs:
+                victim.move(ModelState.UNLOADING)
             previous = rec.state
             pool, undo_pool, room_bytes, room_slots = self.reserve_pool(
                 server, model, size_bytes, key=rec.name)
             rec.move(ModelState.LOADING, server=server.name, memory_bytes=size_bytes)
         self.room.queue(server, rec.name, room_bytes, room_slots)
-        return Reservation(server, rec, model, size_bytes, list(victims), previous, pool,
+        return Reservation(server, rec, model, size_bytes, victim_recs, previous, pool,
                            undo_pool, room_bytes, room_slots)
 
     def reserve_pool(self, server: TritonServer, name: str, size_bytes: int, key: str | None = None):
@@ -145,7 +157,7 @@ class Executor:
         what ``commit`` reserved is given back (``undo``, the record back to ``undo_to``) and
         the failure raised."""
         server, rec = res.server, res.rec
-        if replacing_possible(server, res.model, res.victims):
+        if replacing_possible(server, res.model, [v.name for v in res.victims]):
             self.room.send(server, rec.name, res.size_bytes)
             # Listed as the victims' unload now, before any await: a load of a victim waits.
             res.replacing = self.replace(server, res.victims, res.model)
@@ -166,16 +178,18 @@ class Executor:
         # No await between the room check and this: the next waiter sees this load as held.
         self.room.send(server, rec.name, res.size_bytes)
 
-    def unload_now(self, server: TritonServer, name: str, reason: str) -> asyncio.Future:
-        task = self.tasks.unloads.get(name)
+    def unload_now(self, server: TritonServer, rec: ModelRecord, reason: str) -> asyncio.Future:
+        """Unload ``rec``'s model, copy or family slots from ``server``: one task per record
+        however many ask (listed in ``TaskBoard.unloads`` by its key)."""
+        key = rec.name
+        task = self.tasks.unloads.get(key)
         if task is None:
-            task = asyncio.get_running_loop().create_task(self._do_unload(server, name, reason))
-            self.tasks.unloads[name] = task
-            task.add_done_callback(lambda _t, n=name: self.tasks.unloads.pop(n, None))
+            task = asyncio.get_running_loop().create_task(self._do_unload(server, rec, reason))
+            self.tasks.unloads[key] = task
+            task.add_done_callback(lambda _t, k=key: self.tasks.unloads.pop(k, None))
         return asyncio.shield(task)
 
-    async def _do_unload(self, server: TritonServer, name: str, reason: str) -> None:
-        rec = self.book.lookup(name)
+    async def _do_unload(self, server: TritonServer, rec: ModelRecord, reason: str) -> None:
         rec.move(ModelState.UNLOADING)
         await self._drain([rec])
         start = time.monotonic()
@@ -191,7 +205,7 @@ class Executor:
             raise
         await self._unloaded(server, rec, reason, start)
 
-    def replace(self, server: TritonServer, victims: list[str], name: str) -> asyncio.Future:
+    def replace(self, server: TritonServer, victims: list[ModelRecord], name: str) -> asyncio.Future:
         """Evict ``victims`` and load ``name`` on ``server`` as one request
         (``TritonAdmin.replaces_in_one``: a variant into the slots of its family's variants).
         The victims' unloads are this one task, listed for each of them (a load of a victim
@@ -199,23 +213,22 @@ class Executor:
         one as if the request had not been."""
         task = asyncio.get_running_loop().create_task(self._do_replace(server, victims, name))
         for victim in victims:
-            self.tasks.unloads[victim] = task
-            task.add_done_callback(lambda done, n=victim: self.tasks.unloads.pop(n, None)
+            self.tasks.unloads[victim.name] = task
+            task.add_done_callback(lambda done, n=victim.name: self.tasks.unloads.pop(n, None)
                                    if self.tasks.unloads.get(n) is done else None)
         return asyncio.shield(task)
 
-    async def _do_replace(self, server: TritonServer, victims: list[str], name: str) -> None:
-        recs = [self.book.records[v] for v in victims]
+    async def _do_replace(self, server: TritonServer, recs: list[ModelRecord], name: str) -> None:
         for rec in recs:
             rec.move(ModelState.UNLOADING)
         await self._drain(recs)
         start = time.monotonic()
         try:
-            await server.admin.load_replacing(name, victims)
+            await server.admin.load_replacing(name, [rec.name for rec in recs])
         except ControlPlaneError:
             # Whether the victims left with it is unknown: unload each on its own (a freed
             # slot's evict is a no-op), so each ends warm, or holds its room until confirmed.
-            await asyncio.gather(*(self._do_unload(server, v, "evicted") for v in victims),
+            await asyncio.gather(*(self._do_unload(server, rec, "evicted") for rec in recs),
                                  return_exceptions=True)
             raise
         for rec in recs:
@@ -251,7 +264,7 @@ class Executor:
         back (NVML on a GPU; what is not back stays counted), and it is warm."""
         name = rec.name
         triton_name = rec.triton_name
-        await self.keeping.meter(server, triton_name).released(server, triton_name)
+        await self.meter(server, triton_name).released(server, triton_name)
         freed_s = time.monotonic() - start
         self.keeping.metrics.unload_free_seconds.labels(server.name).observe(freed_s)
         self.keeping.metrics.unloads.labels(server.name, reason).inc()
@@ -262,6 +275,23 @@ class Executor:
             self.keeping.save_row(name, server=None)
         (log.info if logged else log.debug)("unloaded %s from %s (%s); memory free after %.2fs",
                                             name, server.name, reason, freed_s)
+
+    async def undo_failed_load(self, server: TritonServer, rec: ModelRecord) -> bool:
+        """Unload what Triton kept of ``rec``'s failed load (a model's or an extra copy's):
+        True once Triton confirms it gone (``rec`` is failed, its room free); False when that
+        unload fails too (``rec`` holds its room as UNLOAD_FAILED until one succeeds)."""
+        try:
+            await server.admin.unload(rec.triton_name)
+            await server.admin.wait_unavailable(rec.triton_name, self.config.unload_timeout_s)
+            await self.meter(server, rec.triton_name).released(server, rec.triton_name)
+        except ControlPlaneError as exc:
+            log.error("the failed load of %s on %s could not be unloaded: %s; it holds its room "
+                      "until an unload succeeds", rec.name, server.name, exc.message)
+            rec.failed_at = time.monotonic()
+            rec.move(ModelState.UNLOAD_FAILED)
+            return False
+        rec.move(ModelState.FAILED, server=None)
+        return True
 
     def undo(self, res: Reservation, to: ModelState | None = None) -> None:
         """Give back what ``commit`` reserved: the queued room, the record's place (back to
@@ -319,7 +349,7 @@ class Executor:
         server, model = res.server, res.model
         try:
             if measure:
-                async with self.keeping.meter(server, model).measuring(server, model) as measured:
+                async with self.meter(server, model).measuring(server, model) as measured:
                     warmup = await self._load_and_warm_up(res)
                 return warmup, measured.bytes
             return await self._load_and_warm_up(res), None

@@ -1,12 +1,13 @@
 """What the parts of the model manager share, in three small objects: the ``ModelBook``
 (records), the ``TaskBoard`` (work in progress and the one lock) and the ``Bookkeeping``
-(metrics, history rows, warm-tier marks, the memory meter).
+(metrics, history rows, warm-tier marks).
 
 ``ModelManager`` (model_manager.py) holds them in one ``ManagerState`` and builds one object
-per part (catalog, recency, unloader, loader, pins, reconciler with health, leases), giving
-each, in its constructor, only what it uses and the parts it calls, so a reader sees who
-reads and writes what: a load asks the unloader to evict its victims, a reconcile pass asks
-the pins to load pinned models again, a lease asks the loader.  The locking rules of the
+per part (catalog, recency, executor, unloader, loader, copies, pins, reconciler with health,
+leases), giving each, in its constructor, only what it uses and the parts it calls, so a
+reader sees who reads and writes what: a load asks the executor to evict its victims, the
+unloader asks it to unload what leaves, a reconcile pass asks the pins to load pinned models
+again, a lease asks the loader.  The locking rules of the
 package docstring hold across them: the task board's ``lock`` is one lock for all parts.
 """
 
@@ -151,14 +152,12 @@ class TaskBoard:
 
 class Bookkeeping:
     """What a load or an unload records outside the manager: metrics, the state store's
-    history rows, the warm tier's busy marks, and the memory meter that measures it."""
+    history rows, the warm tier's busy marks."""
 
-    def __init__(self, metrics: ControlPlaneMetrics, store: StateStore, stager: Stager | None,
-                 memory: GpuMemoryMeter | NoMemoryMeter):
+    def __init__(self, metrics: ControlPlaneMetrics, store: StateStore, stager: Stager | None):
         self.metrics = metrics
         self.store = store
         self.stager = stager
-        self.memory = memory
         self._rows_due: dict[str, dict] = {}  # history rows not written yet (save_row)
         self._rows_timer: asyncio.TimerHandle | None = None
 
@@ -170,12 +169,6 @@ class Bookkeeping:
     def update_gauges(self, server: TritonServer) -> None:
         self.metrics.loaded_bytes.labels(server.name).set(server.planner.used_bytes)
         self.metrics.loaded_models.labels(server.name).set(server.planner.models)
-
-    def meter(self, server: TritonServer, name: str):
-        """The memory meter for ``name`` on ``server``: the configured one, or none for a
-        model whose size is fixed in advance (a family's variant: a slot allocated when its
-        family loaded, whose bytes never come and go with the variant)."""
-        return self.memory if server.admin.measured(name) else NoMemoryMeter()
 
     def save_row(self, name: str, **fields) -> None:
         """Record ``name``'s history fields (``StateStore.save_model``): kept, newer fields
@@ -234,7 +227,7 @@ class ManagerState:
         self.warmup_enabled = warmup_enabled
         self.memory = memory
         self.room = room
-        self.keeping = Bookkeeping(metrics, store, stager, memory)
+        self.keeping = Bookkeeping(metrics, store, stager)
         # Each server's planner, derived from the records (residency.py): never set by hand.
         self.residency = Residency(servers, clock, priority_of, self._room_changed)
         self.book = ModelBook(self.residency, metrics)

@@ -116,7 +116,7 @@ class Loader:
             # serve it twice and leak that server's room, so unload it there first.
             held_by = self.servers[rec.server]
             try:
-                await self.executor.unload_now(held_by, name, reason="retry_after_failure")
+                await self.executor.unload_now(held_by, rec, reason="retry_after_failure")
             except ControlPlaneError as exc:
                 raise ModelLoadFailed(
                     f"{name} may still be loaded on {held_by.name} ({exc.message}); it is not "
@@ -126,8 +126,7 @@ class Loader:
             # Cold -> warm before anything is reserved: a failed download holds no capacity.
             self.stager.set_busy(name, True)
             try:
-                with tracing.span("stage", model=name):
-                    size_bytes = await self.stager.stage(name)
+                size_bytes = await self.stager.stage(name)  # traced by the tier
             except BaseException as exc:
                 self.stager.set_busy(name, False)
                 if isinstance(exc, ControlPlaneError) and not isinstance(exc, ModelNotFound):
@@ -234,14 +233,14 @@ class Loader:
         """Account the size NVML measured; evict more when the model no longer fits, or
         raise CapacityExhausted (the caller unloads it) when nothing can make room."""
         async with self.tasks.lock:
-            victims = plan_measured(server.planner, rec.name, measured_bytes)
-            for v in victims:
+            victims = [self.book.lookup(v) for v in plan_measured(server.planner, rec.name, measured_bytes)]
+            for victim in victims:
                 # Its room already went to this model's growth: no load may plan on it.
-                self.book.lookup(v).move(ModelState.UNLOADING, room_promised=False)
+                victim.move(ModelState.UNLOADING, room_promised=False)
             rec.resize(measured_bytes)
         if victims:
             log.info("%s measured %d bytes on %s: evicting %s", rec.name, measured_bytes,
-                     server.name, victims)
+                     server.name, [v.name for v in victims])
             await asyncio.gather(*(self.executor.unload_now(server, v, reason="evicted") for v in victims),
                                  return_exceptions=True)  # a failed one stays counted
 
@@ -276,16 +275,8 @@ class Loader:
             log.warning("load of %s on %s failed after the server was declared down: %s",
                         rec.name, server.name, reason)
             return
-        try:
-            await server.admin.unload(rec.name)
-            await server.admin.wait_unavailable(rec.name, self.config.unload_timeout_s)
-            await self.keeping.meter(server, rec.name).released(server, rec.name)
-        except ControlPlaneError as cleanup_exc:
-            # Triton may still hold it: keep the bytes counted, the reconcile loop retries.
-            log.error("%s failed (%s) and could not be unloaded: %s", rec.name, reason, cleanup_exc)
-            rec.move(ModelState.UNLOAD_FAILED)
-            return
+        if not await self.executor.undo_failed_load(server, rec):
+            return  # Triton may still hold it: its bytes stay counted, the reconcile retries
         self.keeping.release_warm(rec.name)
-        rec.move(ModelState.FAILED, server=None)
         self.keeping.save_row(rec.name, failure=reason)
         log.warning("load of %s on %s failed: %s", rec.name, server.name, reason)

@@ -127,7 +127,7 @@ class ModelManager:
         self.catalog = Catalog(st.book, st.servers, stager, repository, st.memory)
         self.recency = Recency(st.book, st.servers, clock)
         self.executor = Executor(st.book, st.tasks, st.keeping, config, clock, st.room,
-                                 st.warmup_enabled)
+                                 st.warmup_enabled, st.memory)
         self.unloader = Unloader(st.book, st.servers, st.tasks, st.keeping, config, self.executor)
         self.loader = Loader(st.book, st.servers, st.tasks, st.keeping, config, clock, stager,
                              st.placer, priority_of, st.room, self.catalog, self.recency,

@@ -68,9 +68,9 @@ class Unloader:
                 # unload retried here promises no room: it stays held until Triton confirms
                 # it gone.
                 rec.move(ModelState.UNLOADING)
-        unloads = [self.executor.unload_now(s, c.name, reason="requested") for s, c in extra]
+        unloads = [self.executor.unload_now(s, c, reason="requested") for s, c in extra]
         if server is not None:
-            unloads.append(self.executor.unload_now(server, name, reason="requested"))
+            unloads.append(self.executor.unload_now(server, rec, reason="requested"))
         # A copy still loading (mmctl scale) is unloaded once it is: an unload leaves none.
         deadline = time.monotonic() + self.config.unload_timeout_s
         while (any(c.state == ModelState.LOADING for c in self.book.extra_copies(name))
@@ -81,15 +81,18 @@ class Unloader:
                     if c.state == ModelState.READY]
             for _server, copy in late:
                 copy.move(ModelState.UNLOADING)
-        unloads += [self.executor.unload_now(s, c.name, reason="requested") for s, c in late]
+        unloads += [self.executor.unload_now(s, c, reason="requested") for s, c in late]
         results = await asyncio.gather(*unloads, return_exceptions=True)
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
 
     async def retry_unload(self, server: TritonServer, name: str) -> None:
+        rec = self.book.find(name)
+        if rec is None:
+            return
         with contextlib.suppress(ControlPlaneError):
-            await self.executor.unload_now(server, name, reason="retry_after_failure")
+            await self.executor.unload_now(server, rec, reason="retry_after_failure")
 
     async def enforce_capacity(self, server: TritonServer) -> None:
         """After adopting what Triton had loaded, evict down to the budget (unpinned, LRU)."""
@@ -114,9 +117,10 @@ class Unloader:
                 log.error("%s is over its budget (%s) with only pinned or busy models left",
                           server.name, cap.describe())
                 return
-            self.book.lookup(victim).move(ModelState.UNLOADING)
+            rec = self.book.lookup(victim)
+            rec.move(ModelState.UNLOADING)
             try:
-                await self.executor.unload_now(server, victim, reason="over_budget")
+                await self.executor.unload_now(server, rec, reason="over_budget")
             except ControlPlaneError:
                 return
 
@@ -132,7 +136,7 @@ class Unloader:
             rec.move(ModelState.UNLOADING)
             log.info("%s: no variant left in the slots of family %s; unloading it",
                      server.name, rec.holder)
-            self.executor.unload_now(server, key, reason="empty").add_done_callback(retrieve)
+            self.executor.unload_now(server, rec, reason="empty").add_done_callback(retrieve)
 
     def maintain_headroom(self, server: TritonServer) -> None:
         """Start unloading the policy's next victims when the server's free room is below its
@@ -142,9 +146,10 @@ class Unloader:
             return
         self.unload_empty_families(server)
         victims = server.planner.headroom_victims()
-        for v in victims:
-            self.book.lookup(v).move(ModelState.UNLOADING)
+        recs = [self.book.lookup(v) for v in victims]
+        for rec in recs:
+            rec.move(ModelState.UNLOADING)
         if victims:
             log.info("%s: unloading %s to keep room for the next miss", server.name, ", ".join(victims))
-        for v in victims:
-            self.executor.unload_now(server, v, reason="headroom").add_done_callback(retrieve)
+        for rec in recs:
+            self.executor.unload_now(server, rec, reason="headroom").add_done_callback(retrieve)

@@ -359,7 +359,7 @@ def test_a_copy_takes_over_when_the_models_own_copy_is_evicted(tmp_path):
         own = rec.server
         other = "s1" if own == "s0" else "s0"
         admins[own].free_delay_s = 0.1  # a pass of the reconcile runs while it leaves
-        evicting = asyncio.ensure_future(mgr.executor.unload_now(mgr.servers[own], "m1", "evicted"))
+        evicting = asyncio.ensure_future(mgr.executor.unload_now(mgr.servers[own], mgr.state.book.records["m1"], "evicted"))
         mgr.copies.converge_all()
         await evicting
         await settle(mgr, lambda: rec.server == other and rec.state == ModelState.READY)

@@ -19,6 +19,7 @@ from typing import Protocol
 from control_plane.tiers.cold import ColdStore, ColdStores, download_verified
 from control_plane.tiers.warm.entries import Download, WarmEntry
 from control_plane.tiers.warm.location import folder_bytes, staging_dir_for
+from domain import tracing
 from domain.errors import (
     CapacityExhausted,
     InvalidInput,
@@ -132,7 +133,8 @@ class WarmTier:
             task = asyncio.get_running_loop().create_task(self._stage(model))
             self._staging[model] = task
             task.add_done_callback(lambda _t, n=model: self._staging.pop(n, None))
-        return await asyncio.shield(task)
+        with tracing.span("stage", model=model):  # a miss's wait for its files (or a prefetch's)
+            return await asyncio.shield(task)
 
     prefetch = stage  # same path; the caller simply does not mark the model busy
 
