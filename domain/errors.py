@@ -60,6 +60,10 @@ class OperationTimeout(ControlPlaneError):
     code = "timeout"
 
 
+class EvictionFailed(OperationTimeout):
+    """A load's victims did not leave in time: its reservation was given back."""
+
+
 ERRORS_BY_CODE = {
     cls.code: cls
     for cls in (

@@ -58,7 +58,13 @@ from control_plane.manager.records import (
     TritonServer,
 )
 from control_plane.state.state_store import StateStore
-from domain.errors import CapacityExhausted, ControlPlaneError, InvalidInput, TritonUnavailable
+from domain.errors import (
+    CapacityExhausted,
+    ControlPlaneError,
+    EvictionFailed,
+    InvalidInput,
+    TritonUnavailable,
+)
 from domain.names import validate_model_name
 
 log = logging.getLogger(__name__)
@@ -362,20 +368,13 @@ class Copies:
         log.info("copying %s to %s (%d bytes), evicting %s", name, server.name, size,
                  victims or "nothing")
         try:
-            await self.executor.make_room(res, undo_to=ModelState.WARM)
-        except ControlPlaneError as exc:
-            self.notes[name] = f"no room on {server.name}: {exc.message}"
+            await self.executor.carry_out(res, measure=False, undo_to=ModelState.WARM)
+        except EvictionFailed as exc:
+            self.notes[name] = exc.message
             return False
-        start = time.monotonic()
-        try:
-            warmup, _measured = await self.executor.load(res, measure=False)
         except ControlPlaneError as exc:
-            await self._undo(server, copy, exc)
-            self.executor.settle(res)
+            self._failed(server, copy, exc)
             return False
-        self.executor.settle(res)
-        copy.load_time_s = time.monotonic() - start
-        copy.warmup = warmup
         copy.move(ModelState.READY)
         self.notes.pop(name, None)
         self.keeping.metrics.loads.labels(server.name, "ok").inc()
@@ -383,11 +382,7 @@ class Copies:
         log.info("copied %s to %s in %.2fs", name, server.name, copy.load_time_s)
         return True
 
-    async def _undo(self, server: TritonServer, copy: ModelRecord, exc: ControlPlaneError) -> None:
-        """A copy's load failed: unload what Triton kept; tried again after the backoff."""
-        copy.failure = exc.message
+    def _failed(self, server: TritonServer, copy: ModelRecord, exc: ControlPlaneError) -> None:
+        """A copy's load failed (the executor undid it): tried again after the backoff."""
         self.notes[copy.copy_of] = f"its copy on {server.name} failed: {exc.message}"
         self._retry_at[copy.copy_of] = time.monotonic() + self.config.failure_backoff_s
-        self.keeping.metrics.loads.labels(server.name, "failed").inc()
-        log.warning("copy of %s on %s failed: %s", copy.copy_of, server.name, exc.message)
-        await self.executor.undo_failed_load(server, copy)

@@ -4,7 +4,8 @@
 
 A plan is what placement chose under the manager's lock from the state it read
 (``Placer.place``, a pure function of the planners: the server and the victims of any kind
-there).  ``Executor`` carries it out in three steps, each undoing what it did when it fails:
+there).  ``Executor`` carries it out in two calls, the first under that lock, the second
+(``carry_out``) after it, each undoing what it did when it fails:
 
 1. ``commit`` (under the same lock, no ``await`` since the plan was made): the victims are
    marked leaving, the family's record is reserved when the load also loads the family, the
@@ -12,11 +13,15 @@ there).  ``Executor`` carries it out in three steps, each undoing what it did wh
 2. ``make_room``: the victims leave.  A variant that replaces variants of its family does it
    in the same request as its fill (``TritonAdmin.replaces_in_one``); otherwise the victims'
    unloads run and the load goes to Triton once Triton confirms room for it, or at once where
-   measured free memory holds it (the overlap rule, room.py).  A failure gives back what
-   ``commit`` reserved (``undo``).
-3. ``load``: Triton's load (or the replacing request), then the warm-up; the caller undoes a
-   failure its own way (a model is left failed with the reason, a copy tried again later)
-   and then ``settle``s the family's record.
+   measured free memory holds it (the overlap rule, ``RoomLedger.wait``).  A failure gives
+   back what ``commit`` reserved (``undo``); ``carry_out`` raises it as ``EvictionFailed``.
+3. ``load``: Triton's load (or the replacing request), the warm-up, and the size the device
+   measured (more victims leave when it is larger than planned).  A failure unloads what
+   Triton kept (the record FAILED with its reason, or UNLOAD_FAILED holding its room until
+   Triton confirms it gone) and ``settle``s the family's record.
+
+The loader (a model's load) and copies (an extra copy's) call ``commit`` and ``carry_out``
+and then do what is theirs: a model's history row and its listeners, a copy's retry.
 
 An unload (``unload_now``, one task per model however many ask) drains the requests sent
 to Triton, unloads, and frees the room once Triton confirms the model gone; one that fails
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 
 from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
 from control_plane.manager.manager_config import ManagerConfig
+from control_plane.manager.placement import plan_measured
 from control_plane.manager.records import (
     ModelRecord,
     ModelState,
@@ -42,14 +48,9 @@ from control_plane.manager.room import RoomLedger
 from control_plane.manager.warmup import warm_up
 from control_plane.triton.devices import GpuMemoryMeter, NoMemoryMeter
 from domain import tracing
-from domain.errors import ControlPlaneError, OperationTimeout
+from domain.errors import ControlPlaneError, EvictionFailed
 
 log = logging.getLogger(__name__)
-
-# How often a load waiting for room re-reads the measured free memory (an unload finishing
-# wakes it at once).
-ROOM_POLL_S = 0.05
-
 
 def replacing_possible(server: TritonServer, name: str, victims: list[str]) -> bool:
     """Whether ``name``'s load and its victims' unloads go to ``server`` as one request."""
@@ -75,6 +76,9 @@ class Reservation:
     room_slots: int
     replacing: asyncio.Future | None = None  # the victims' eviction and the load, one request
     overlapped: bool = False  # sent while its victims still shut down (measured free memory)
+    # Failed, and nothing of it holds room: given back before its load, or its failed load
+    # confirmed gone by Triton.
+    undone: bool = False
 
 
 def retrieve(fut: asyncio.Future) -> None:
@@ -167,8 +171,8 @@ class Executor:
         for fut in evictions:
             fut.add_done_callback(retrieve)  # failures are raised below or logged
         try:
-            res.overlapped = await self.wait_for_room(
-                server, res.model, res.size_bytes, evictions,
+            res.overlapped = await self.room.wait(
+                server, res.model, res.size_bytes, evictions, lambda: self._freeing(server),
                 # The longest an unload in progress takes before it fails on its own.
                 time.monotonic() + self.config.drain_timeout_s + self.config.unload_timeout_s,
                 res.room_bytes, res.room_slots, res.pool)
@@ -303,42 +307,87 @@ class Executor:
         res.undo_pool()
         self.settle(res)
 
-    async def wait_for_room(self, server: TritonServer, name: str, size_bytes: int,
-                            evictions: list[asyncio.Future], deadline: float,
-                            room_bytes: int | None = None, room_slots: int = 1,
-                            pool: ModelRecord | None = None) -> bool:
-        """Wait until the load of ``name`` may be sent to Triton.  False: Triton's held room
-        fits it; True: it starts before its victims are confirmed gone (overlap).
-        ``room_bytes`` / ``room_slots``: the server room its load takes; ``pool``: the
-        family whose slot it takes, free once no more variants hold its slots than it has
-        (a leaving one's evict is done).
+    def _freeing(self, server: TritonServer) -> list[asyncio.Future]:
+        """The unloads in progress on ``server``: what may still free its room."""
+        return [t for n, t in self.tasks.unloads.items()
+                if not t.done() and (r := self.book.find(n)) is not None and r.server == server.name]
 
-        Raises the first failed eviction of its own, or OperationTimeout when the room is
-        held by models no unload is freeing (an unload failed: its room stays counted) or
-        is not freed by ``deadline``."""
-        room_bytes = size_bytes if room_bytes is None else room_bytes
-        while True:
-            for fut in evictions:
-                if fut.done() and not fut.cancelled() and fut.exception() is not None:
-                    raise fut.exception()
-            slot_free = pool is None or server.planner.members(pool.name) <= pool.slots
-            if slot_free and (room_slots == 0 or self.room.fits_held(server, room_bytes, room_slots)):
-                return False
-            # A fixed-size slot (a family's variant) is free only once its evict is done.
-            if server.admin.measured(name) and self.room.fits_measured(server, size_bytes):
-                return True
-            freeing = [t for n, t in self.tasks.unloads.items()
-                       if not t.done() and (r := self.book.find(n)) is not None
-                       and r.server == server.name]
-            if not freeing:
-                raise OperationTimeout(
-                    f"its room on {server.name} is held by models whose unload did not complete; "
-                    "they stay counted until Triton confirms them gone (mmctl status)")
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:
-                raise OperationTimeout(f"Triton did not confirm room for {name} in time")
-            await asyncio.wait(freeing, return_when=asyncio.FIRST_COMPLETED,
-                               timeout=min(remaining_s, ROOM_POLL_S) if self.room.free_memory else remaining_s)
+    # -- the three steps after commit, as one ------------------------------------------------
+    async def carry_out(self, res: Reservation, measure: bool = True,
+                        undo_to: ModelState | None = None) -> dict:
+        """Room, load, warm-up and the measured size of a committed plan: returns the
+        warm-up's result, the record still LOADING (its caller makes it READY).
+
+        On failure what was done is undone and the failure raised: ``EvictionFailed`` when
+        the victims did not leave (the reservation given back, the record back to
+        ``undo_to``: ``res.undone``); else the load's own error, the record FAILED with its
+        reason once Triton confirms what it kept gone (``res.undone``), or UNLOAD_FAILED
+        holding its room until then.
+        ``measure``: the load is measured on a GPU (a model's own copy)."""
+        server, rec = res.server, res.rec
+        try:
+            await self.make_room(res, undo_to)
+        except BaseException as exc:
+            res.undone = True
+            self.keeping.metrics.loads.labels(server.name, "evict_failed").inc()
+            if isinstance(exc, ControlPlaneError):
+                raise EvictionFailed(f"could not free room for {res.model} on {server.name}: "
+                                     f"{exc.message}") from exc
+            raise
+        if res.overlapped:
+            log.info("loading %s on %s while its victims still shut down: measured free memory "
+                     "holds it", res.model, server.name)
+        for _ in res.victims:
+            self.keeping.metrics.evictions.labels(server.name).inc()
+        start = time.monotonic()
+        rec.loads += 1
+        try:
+            warmup, measured_bytes = await self.load(res, measure)
+            if measured_bytes is not None:
+                await self._fit_measured(server, rec, measured_bytes)
+        except BaseException as exc:
+            res.undone = await self._undo_load(server, rec, exc)
+            self.settle(res)
+            raise
+        self.settle(res)
+        rec.load_time_s = time.monotonic() - start
+        rec.warmup = warmup
+        return warmup
+
+    async def _fit_measured(self, server: TritonServer, rec: ModelRecord, measured_bytes: int) -> None:
+        """Account the size NVML measured; evict more when the model no longer fits, or
+        raise CapacityExhausted (the load is undone) when nothing can make room."""
+        async with self.tasks.lock:
+            victims = [self.book.lookup(v)
+                       for v in plan_measured(server.planner, rec.name, measured_bytes)]
+            for victim in victims:
+                # Its room already went to this model's growth: no load may plan on it.
+                victim.move(ModelState.UNLOADING, room_promised=False)
+            rec.resize(measured_bytes)
+        if victims:
+            log.info("%s measured %d bytes on %s: evicting %s", rec.name, measured_bytes,
+                     server.name, [v.name for v in victims])
+            await asyncio.gather(*(self.unload_now(server, v, reason="evicted") for v in victims),
+                                 return_exceptions=True)  # a failed one stays counted
+
+    async def _undo_load(self, server: TritonServer, rec: ModelRecord, exc: BaseException) -> bool:
+        """A load failed: the reason on its record, and what Triton kept unloaded (True once
+        Triton confirms it gone)."""
+        reason = exc.message if isinstance(exc, ControlPlaneError) else repr(exc)
+        rec.failure = reason
+        rec.failed_at = time.monotonic()
+        rec.warmup = {"ok": False, "latency_ms": None, "checked_at": self.clock(), "error": reason}
+        self.keeping.metrics.loads.labels(server.name, "failed").inc()
+        if rec.server != server.name:
+            # Its server was declared down meanwhile: the record was forgotten there (and may
+            # be loading elsewhere now); what the server kept is unloaded when it answers.
+            log.warning("load of %s on %s failed after the server was declared down: %s",
+                        rec.name, server.name, reason)
+            return False
+        if not await self.undo_failed_load(server, rec):
+            return False  # Triton may still hold it: its bytes stay counted, the reconcile retries
+        log.warning("load of %s on %s failed: %s", rec.name, server.name, reason)
+        return True
 
     # -- 3. load --------------------------------------------------------------------------
     async def load(self, res: Reservation, measure: bool = True) -> tuple[dict, int | None]:

@@ -10,11 +10,11 @@ import time
 from collections.abc import Callable
 
 from control_plane.eviction import victim_priority_limit
-from control_plane.manager.executor import ROOM_POLL_S, Executor, replacing_possible
+from control_plane.manager.executor import Executor, replacing_possible
 from control_plane.manager.fleet_state import Bookkeeping, ModelBook, TaskBoard
 from control_plane.manager.known_models import Catalog
 from control_plane.manager.manager_config import ManagerConfig
-from control_plane.manager.placement import Placer, plan_measured
+from control_plane.manager.placement import Placer
 from control_plane.manager.recency import Recency
 from control_plane.manager.records import (
     ModelRecord,
@@ -22,7 +22,7 @@ from control_plane.manager.records import (
     Stager,
     TritonServer,
 )
-from control_plane.manager.room import RoomLedger
+from control_plane.manager.room import ROOM_POLL_S, RoomLedger
 from control_plane.manager.unloader import Unloader
 from domain import tracing
 from domain.errors import (
@@ -30,7 +30,6 @@ from domain.errors import (
     ControlPlaneError,
     ModelLoadFailed,
     ModelNotFound,
-    OperationTimeout,
 )
 
 log = logging.getLogger(__name__)
@@ -176,36 +175,14 @@ class Loader:
             "loading %s on %s (%d bytes), evicting %s", name, server.name, size_bytes,
             victims or "nothing")
 
-        # 1. Room: the victims leave (with the load, in one request, where they can).
         try:
-            await self.executor.make_room(res)
-        except BaseException as exc:
-            self.keeping.release_warm(name)
-            self.keeping.metrics.loads.labels(server.name, "evict_failed").inc()
-            if isinstance(exc, ControlPlaneError):
-                raise OperationTimeout(
-                    f"could not free room for {name} on {server.name}: {exc}") from exc
+            warmup = await self.executor.carry_out(res)
+        except BaseException:
+            if res.undone:  # nothing of it holds room: its files may leave the warm tier
+                self.keeping.release_warm(name)
+                if rec.failure is not None:  # its load failed (not its victims' unloads)
+                    self.keeping.save_row(name, failure=rec.failure)
             raise
-        if res.overlapped:
-            log.info("loading %s on %s while its victims still shut down: measured free memory "
-                     "holds it", name, server.name)
-        for _ in victims:
-            self.keeping.metrics.evictions.labels(server.name).inc()
-
-        # 2. Load and warm up.
-        start = time.monotonic()
-        rec.loads += 1
-        try:
-            warmup, measured_bytes = await self.executor.load(res)
-            if measured_bytes is not None:
-                await self._fit_measured(server, rec, measured_bytes)
-        except BaseException as exc:
-            await self._undo_failed_load(server, rec, exc)
-            self.executor.settle(res)
-            raise
-        self.executor.settle(res)
-        rec.load_time_s = time.monotonic() - start
-        rec.warmup = warmup
         if not warmup.get("ok", True):
             self.keeping.metrics.warmup_failures.labels(server.name).inc()
             log.warning("%s is served, but its synthetic warm-up failed: %s", name, warmup.get("error"))
@@ -229,21 +206,6 @@ class Loader:
             listener(name, rec)
         return rec
 
-    async def _fit_measured(self, server: TritonServer, rec: ModelRecord, measured_bytes: int) -> None:
-        """Account the size NVML measured; evict more when the model no longer fits, or
-        raise CapacityExhausted (the caller unloads it) when nothing can make room."""
-        async with self.tasks.lock:
-            victims = [self.book.lookup(v) for v in plan_measured(server.planner, rec.name, measured_bytes)]
-            for victim in victims:
-                # Its room already went to this model's growth: no load may plan on it.
-                victim.move(ModelState.UNLOADING, room_promised=False)
-            rec.resize(measured_bytes)
-        if victims:
-            log.info("%s measured %d bytes on %s: evicting %s", rec.name, measured_bytes,
-                     server.name, [v.name for v in victims])
-            await asyncio.gather(*(self.executor.unload_now(server, v, reason="evicted") for v in victims),
-                                 return_exceptions=True)  # a failed one stays counted
-
     def _room_is_busy(self, name: str) -> bool:
         """Room held by loads/unloads in progress or by requests (not by pins or failures)
         that ``name`` could get once they end.  A shadow can only get room that an unload
@@ -261,22 +223,3 @@ class Loader:
 
     async def warm_up(self, server: TritonServer, name: str) -> dict:
         return await self.executor.warm_up(server, name)
-
-    async def _undo_failed_load(self, server: TritonServer, rec: ModelRecord, exc: BaseException) -> None:
-        """Unload whatever Triton kept and mark the model failed; memory freed once confirmed."""
-        reason = exc.message if isinstance(exc, ControlPlaneError) else repr(exc)
-        rec.failure = reason
-        rec.failed_at = time.monotonic()
-        rec.warmup = {"ok": False, "latency_ms": None, "checked_at": self.clock(), "error": reason}
-        self.keeping.metrics.loads.labels(server.name, "failed").inc()
-        if rec.server != server.name:
-            # Its server was declared down meanwhile: the record was forgotten there (and may
-            # be loading elsewhere now); what the server kept is unloaded when it answers.
-            log.warning("load of %s on %s failed after the server was declared down: %s",
-                        rec.name, server.name, reason)
-            return
-        if not await self.executor.undo_failed_load(server, rec):
-            return  # Triton may still hold it: its bytes stay counted, the reconcile retries
-        self.keeping.release_warm(rec.name)
-        self.keeping.save_row(rec.name, failure=reason)
-        log.warning("load of %s on %s failed: %s", rec.name, server.name, reason)

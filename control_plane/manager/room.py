@@ -13,12 +13,18 @@ import contextlib
 import heapq
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator
 
 from control_plane.manager.manager_config import ManagerConfig
-from control_plane.manager.records import TritonServer
+from control_plane.manager.records import ModelRecord, TritonServer
+from domain.errors import OperationTimeout
 
 log = logging.getLogger(__name__)
+
+# How often a load waiting for room re-reads the measured free memory (an unload finishing
+# wakes it at once).
+ROOM_POLL_S = 0.05
 
 
 def host_available_bytes(meminfo: str | None = None, cgroup_max: str | None = None,
@@ -159,7 +165,7 @@ class RoomLedger:
     def changed(self) -> None:
         """Room may have come back on some server (a planner's view: a hold ended, a model
         left): the load that has waited longest for room tries again now, not at its next poll
-        (``loader.ROOM_POLL_S``, 50 ms).  Under thrash a slot turns over as soon as its
+        (``ROOM_POLL_S``, 50 ms).  Under thrash a slot turns over as soon as its
         request is answered; with the poll alone a miss waited up to 50 ms more for each
         slot it lost to another, and the order was chance.  One load per change: a change
         that makes room for one wakes one, whatever the number waiting; the load it wakes
@@ -217,3 +223,39 @@ class RoomLedger:
         margin = self.config.overlap_margin_bytes
         in_flight = sum(b + margin for device, b in self.sent.values() if device == server.spec.device)
         return free_bytes - in_flight >= size_bytes + margin
+
+    async def wait(self, server: TritonServer, name: str, size_bytes: int,
+                   evictions: list[asyncio.Future], freeing: Callable[[], list[asyncio.Future]],
+                   deadline: float, room_bytes: int | None = None, room_slots: int = 1,
+                   pool: ModelRecord | None = None) -> bool:
+        """Wait until the load of ``name`` may be sent to Triton.  False: Triton's held room
+        fits it; True: it starts before its victims are confirmed gone (overlap).
+        ``evictions``: its victims' unloads; ``freeing()``: every unload in progress on
+        ``server``; ``room_bytes`` / ``room_slots``: the server room its load takes;
+        ``pool``: the family whose slot it takes, free once no more variants hold its slots
+        than it has (a leaving one's evict is done).
+
+        Raises the first failed eviction of its own, or OperationTimeout when the room is
+        held by models no unload is freeing (an unload failed: its room stays counted) or
+        is not freed by ``deadline``."""
+        room_bytes = size_bytes if room_bytes is None else room_bytes
+        while True:
+            for fut in evictions:
+                if fut.done() and not fut.cancelled() and fut.exception() is not None:
+                    raise fut.exception()
+            slot_free = pool is None or server.planner.members(pool.name) <= pool.slots
+            if slot_free and (room_slots == 0 or self.fits_held(server, room_bytes, room_slots)):
+                return False
+            # A fixed-size slot (a family's variant) is free only once its evict is done.
+            if server.admin.measured(name) and self.fits_measured(server, size_bytes):
+                return True
+            unloads = freeing()
+            if not unloads:
+                raise OperationTimeout(
+                    f"its room on {server.name} is held by models whose unload did not complete; "
+                    "they stay counted until Triton confirms them gone (mmctl status)")
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise OperationTimeout(f"Triton did not confirm room for {name} in time")
+            await asyncio.wait(unloads, return_when=asyncio.FIRST_COMPLETED,
+                               timeout=min(remaining_s, ROOM_POLL_S) if self.free_memory else remaining_s)

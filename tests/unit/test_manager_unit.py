@@ -18,6 +18,7 @@ from control_plane.state.state_store import StateStore
 from control_plane.triton.admin import IndexEntry, TritonModelState
 from domain.errors import (
     CapacityExhausted,
+    EvictionFailed,
     InvalidInput,
     ModelLoadFailed,
     ModelNotFound,
@@ -244,6 +245,27 @@ def test_stuck_unload_keeps_memory_counted_and_fails_the_new_load(tmp_path):
         assert "m1" in mgr.servers["s0"].planner.residents
         assert "m2" not in mgr.servers["s0"].planner.residents
         assert mgr.get("m2").state == ModelState.WARM
+
+    run(go())
+
+
+def test_a_victim_whose_unload_fails_gives_the_newcomers_room_back_and_says_so(tmp_path):
+    async def go():
+        mgr, admin = make(tmp_path, max_loaded=1)
+        await mgr.start()
+        await mgr.ensure("m1")
+        admin.fail_unload.add("m1")
+        with pytest.raises(EvictionFailed) as raised:
+            await mgr.ensure("m2")
+        assert raised.value.message.startswith("could not free room for m2 on s0: ")
+        assert "Triton failed to unload m1" in raised.value.message
+        assert mgr.get("m2").state == ModelState.WARM and mgr.get("m2").server is None
+        assert "m2" not in mgr.servers["s0"].planner.residents  # its reservation given back
+        assert mgr.get("m1").state == ModelState.UNLOAD_FAILED  # still counted where it is
+        assert mgr.metrics.loads.labels("s0", "evict_failed")._value.get() == 1
+        admin.fail_unload.clear()
+        await mgr.unload("m1")  # the operator's retry frees the room: m2 loads now
+        assert (await mgr.ensure("m2")).state == ModelState.READY
 
     run(go())
 
