@@ -371,8 +371,8 @@ class Executor:
                                  return_exceptions=True)  # a failed one stays counted
 
     async def _undo_load(self, server: TritonServer, rec: ModelRecord, exc: BaseException) -> bool:
-        """A load failed: the reason on its record, and what Triton kept unloaded (True once
-        Triton confirms it gone)."""
+        """A load failed: the reason on its record (and a model's history row), and what
+        Triton kept unloaded (True once Triton confirms it gone)."""
         reason = exc.message if isinstance(exc, ControlPlaneError) else repr(exc)
         rec.failure = reason
         rec.failed_at = time.monotonic()
@@ -386,6 +386,8 @@ class Executor:
             return False
         if not await self.undo_failed_load(server, rec):
             return False  # Triton may still hold it: its bytes stay counted, the reconcile retries
+        if rec.triton_name == rec.name:  # a model's own copy: its history says why
+            self.keeping.save_row(rec.name, failure=reason)
         log.warning("load of %s on %s failed: %s", rec.name, server.name, reason)
         return True
 

@@ -88,11 +88,8 @@ class Loader:
     def place(self, name: str, size_bytes: int) -> tuple[TritonServer, list[str]]:
         """Pick a server and the victims to evict there.  Pure; raises if none fits."""
         rec = self.book.records.get(name)
-        # Not where an extra copy of it still is (copies.py): one Triton model, one record.
-        holding = {c.server for c in self.book.extra_copies(name)}
-        servers = [s for s in self.servers.values() if s.name not in holding] or list(self.servers.values())
         try:
-            return self.placer.place(name, size_bytes, servers,
+            return self.placer.place(name, size_bytes, self.servers.values(),
                                      pinned=bool(rec is not None and rec.pinned))
         except CapacityExhausted:
             self.keeping.metrics.capacity_errors.inc()
@@ -127,7 +124,7 @@ class Loader:
             try:
                 size_bytes = await self.stager.stage(name)  # traced by the tier
             except BaseException as exc:
-                self.stager.set_busy(name, False)
+                self._unmark_busy(name)
                 if isinstance(exc, ControlPlaneError) and not isinstance(exc, ModelNotFound):
                     # A bad artifact or an unreachable store: back off like a failed load.
                     rec.move(ModelState.FAILED)
@@ -153,7 +150,7 @@ class Loader:
                         # for one of them instead of failing; room held by pins is final.
                         busy = self._room_is_busy(name)
                         if not busy or time.monotonic() >= deadline:
-                            self.keeping.release_warm(name)
+                            self._unmark_busy(name)
                             raise
                         turn = place.turn()
                     else:
@@ -179,9 +176,7 @@ class Loader:
             warmup = await self.executor.carry_out(res)
         except BaseException:
             if res.undone:  # nothing of it holds room: its files may leave the warm tier
-                self.keeping.release_warm(name)
-                if rec.failure is not None:  # its load failed (not its victims' unloads)
-                    self.keeping.save_row(name, failure=rec.failure)
+                self._unmark_busy(name)
             raise
         if not warmup.get("ok", True):
             self.keeping.metrics.warmup_failures.labels(server.name).inc()
@@ -205,6 +200,12 @@ class Loader:
         for listener in self.book.load_listeners:
             listener(name, rec)
         return rec
+
+    def _unmark_busy(self, name: str) -> None:
+        """The warm tier may drop ``name``'s files again: this load marked them busy (before
+        it staged them) and holds no room now.  (Once loaded, its unload unmarks them.)"""
+        if self.stager is not None:
+            self.stager.set_busy(name, False)
 
     def _room_is_busy(self, name: str) -> bool:
         """Room held by loads/unloads in progress or by requests (not by pins or failures)

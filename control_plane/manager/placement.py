@@ -295,8 +295,12 @@ class Placer:
     def place(self, name: str, size_bytes: int, servers: Iterable, pinned: bool = False,
               extra_copy: bool = False):
         """(server, victims) for ``name`` (``extra_copy``: one more copy of it, on one of
-        ``servers``); raises CapacityExhausted / TritonUnavailable."""
+        ``servers``); raises CapacityExhausted / TritonUnavailable.  A model's own copy goes
+        where no extra copy of it is (one Triton model per server, one record), unless every
+        server holds one."""
         servers = list(servers)
+        if not extra_copy:
+            servers = [s for s in servers if CopyKey(name, s.name) not in s.planner.residents] or servers
         facts = self.facts(name)
         req = PlacementRequest(name, size_bytes, facts.sla, facts.tenant, pinned)
         decision = choose(req, [self.candidate(s, name, size_bytes, extra_copy) for s in servers],

@@ -19,7 +19,7 @@ from control_plane.manager.placement import (
     sla_isolation,
     tenant_affinity,
 )
-from control_plane.manager.records import ServerSpec
+from control_plane.manager.records import CopyKey, ServerSpec
 from control_plane.triton.admin import TritonAdmin
 from domain.errors import CapacityExhausted, TritonUnavailable
 
@@ -174,6 +174,20 @@ def test_placer_builds_candidates_from_planners_and_labels():
     assert placer.place("s.v1", 40 * MB, servers)[0] is large  # small is 67% used
     with pytest.raises(CapacityExhausted, match="fits on no device"):
         placer.place("huge.v1", 2000 * MB, servers)
+
+
+def test_a_models_own_copy_goes_where_no_extra_copy_of_it_is_unless_every_server_holds_one():
+    emptier = FakeServer("emptier", budget=1000 * MB)
+    fuller = FakeServer("fuller", budget=1000 * MB)
+    fuller.planner.admit(Resident("other", 400 * MB), 0)
+    placer = Placer()
+    assert placer.place("m.v1", 100 * MB, [emptier, fuller])[0] is emptier  # the least used
+    emptier.planner.admit(Resident(CopyKey("m.v1", "emptier"), 100 * MB), 0)
+    assert placer.place("m.v1", 100 * MB, [emptier, fuller])[0] is fuller
+    fuller.planner.admit(Resident(CopyKey("m.v1", "fuller"), 100 * MB), 0)
+    assert placer.place("m.v1", 100 * MB, [emptier, fuller])[0] is emptier
+    # Another model's copy keeps nobody away.
+    assert placer.place("n.v1", 100 * MB, [emptier, fuller])[0] is emptier
 
 
 def test_manager_uses_the_placer_and_counts_capacity_errors(tmp_path):
