@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, Self
 
 from domain.errors import InvalidModelName
 from domain.names import validate_model_name
@@ -45,6 +45,31 @@ def split_adapter(name: str) -> tuple[str, str | None]:
             f"logical name {name!r} is invalid: write BASE:ADAPTER (e.g. tinylm:acme), each part "
             "letters, digits, '_', '-' and '.', starting with a letter or digit") from None
     return base, adapter
+
+
+class AdapterKey(str):
+    """Adapter ``adapter`` of LoRA base ``base``: the name clients send (``BASE:ADAPTER``),
+    its parts kept, so code asks the key's parts and never splits the name again."""
+
+    base: str
+    adapter: str
+
+    def __new__(cls, base: str, adapter: str) -> Self:
+        key = super().__new__(cls, f"{base}{ADAPTER_SEPARATOR}{adapter}")
+        key.base, key.adapter = base, adapter
+        return key
+
+    def __getnewargs__(self) -> tuple[str, str]:  # copies and pickles keep the parts
+        return self.base, self.adapter
+
+    @classmethod
+    def parse(cls, name: str) -> AdapterKey | None:
+        """``name``'s key when it names an adapter, None for a model's name; InvalidModelName
+        for a part that breaks the model-name rules (``split_adapter``)."""
+        if isinstance(name, AdapterKey):
+            return name
+        base, adapter = split_adapter(name)
+        return None if adapter is None else cls(base, adapter)
 
 
 def validate_logical_name(name: str) -> str:

@@ -37,7 +37,7 @@ from control_plane.families.family_catalog import control_key
 from control_plane.manager.request_holds import RequestHolds
 from control_plane.manager.room import Turns
 from domain.errors import CapacityExhausted, ControlPlaneError, ModelLoadFailed, ModelNotFound
-from domain.routes import ADAPTER_SEPARATOR, split_adapter
+from domain.routes import AdapterKey
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +48,13 @@ ADAPTER_TIERS = {DEVICE_TIER: "hot", "host": "warm", "loading": "warm"}
 GONE_TIERS = ("missing", "disabled")  # removed (or being removed): not listed
 
 
-def entry_name(base: str, adapter: str) -> str:
-    """The manager's (and the clients') name of ``adapter`` of ``base``."""
-    return f"{base}{ADAPTER_SEPARATOR}{adapter}"
-
-
-def is_entry(name: str) -> bool:
-    return ADAPTER_SEPARATOR in name
+def adapter_key(name: str) -> AdapterKey:
+    """``name`` (``BASE:ADAPTER``, or its key already) as an adapter's key; ModelNotFound when
+    it names no adapter, InvalidModelName when a part is no valid name."""
+    key = AdapterKey.parse(name)
+    if key is None:
+        raise ModelNotFound(f"{name} names no adapter (BASE:ADAPTER)")
+    return key
 
 
 # How often a load waiting for a busy slot looks again anyway (a hold that expired).
@@ -120,7 +120,8 @@ class AdapterSlots:
     # ------------------------------------------------------------------ where
     def servers_holding(self, name: str) -> list[str]:
         """The servers where entry ``name`` is in a slot of its base (READY there)."""
-        base, adapter = split_adapter(name)
+        key = adapter_key(name)
+        base, adapter = key.base, key.adapter
         found = []
         for (held_base, server), slots in self.slots.items():
             if held_base == base and adapter in slots.planner.residents:
@@ -142,9 +143,8 @@ class AdapterSlots:
     def base_of(self, name: str) -> tuple[str, str]:
         """(base, adapter) of entry ``name``; ModelNotFound when the base is no LoRA base or
         the adapter is not in its adapter directory."""
-        base, adapter = split_adapter(name)
-        if adapter is None:
-            raise ModelNotFound(f"{name} names no adapter (BASE:ADAPTER)")
+        key = adapter_key(name)
+        base, adapter = key.base, key.adapter
         try:
             described = self._describe(base)
         except ControlPlaneError as exc:
@@ -156,7 +156,7 @@ class AdapterSlots:
 
     def _describe(self, base: str):
         """``describe_base``, kept while the base's config.pbtxt and folder are unchanged."""
-        folder = Path(self.repository) / base  # base: a valid model name (split_adapter)
+        folder = Path(self.repository) / base  # base: a valid model name (AdapterKey.parse)
         try:
             stamps = tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in (
                 (folder / "config.pbtxt").stat(), folder.stat()))
@@ -205,13 +205,13 @@ class AdapterSlots:
     def requests_answered(self, name: str, count: int = 1, owner: str | None = None) -> int:
         """Requests that ensured ``name`` for ``owner`` were answered: their holds on the
         adapter and on its base end (another worker's never do)."""
-        base, _ = split_adapter(name)
         ended = self.holds.answered(name, count, owner)
-        self.manager.requests_answered(base, ended, owner=owner)
+        self.manager.requests_answered(adapter_key(name).base, ended, owner=owner)
         return ended
 
     def touch(self, name: str) -> None:
-        base, adapter = split_adapter(name)
+        key = adapter_key(name)
+        base, adapter = key.base, key.adapter
         now = self.clock()
         for (held_base, _server), slots in self.slots.items():
             if held_base == base and adapter in slots.planner.residents:
@@ -219,13 +219,14 @@ class AdapterSlots:
 
     def _last_hold_ended(self, name: str) -> None:
         self._set_evictable(name, True)
-        base, _adapter = split_adapter(name)
+        base = adapter_key(name).base
         for (held_base, _server), turns in self._turns.items():
             if held_base == base:
                 turns.wake_oldest()
 
     def _set_evictable(self, name: str, evictable: bool) -> None:
-        base, adapter = split_adapter(name)
+        key = adapter_key(name)
+        base, adapter = key.base, key.adapter
         for (held_base, _server), slots in self.slots.items():
             if held_base == base:
                 slots.planner.update(adapter, evictable=evictable)
@@ -350,18 +351,18 @@ class AdapterSlots:
         for adapter, pinned in in_slots.items():
             resident = planner.residents.get(adapter)
             if resident is None:
-                held = entry_name(base, adapter) in self.holds
+                held = AdapterKey(base, adapter) in self.holds
                 planner.admit(Resident(adapter, 0, pinned=pinned, evictable=not held), now)
                 changed.append(adapter)
             elif resident.pinned != pinned:
                 planner.update(adapter, pinned=pinned)
         for adapter in changed:
-            self.manager.announce_moved(entry_name(base, adapter))
+            self.manager.announce_moved(AdapterKey(base, adapter))
 
     def _model_moved(self, name: str) -> None:
         """A model's state changed: a base no longer READY on a server took its adapters
         with it (loaded again, its slots start empty)."""
-        if is_entry(name):
+        if isinstance(name, AdapterKey):
             return
         for (base, where) in [k for k in self.slots if k[0] == name]:
             if where not in self.manager.copy_servers_of(name):
@@ -370,7 +371,7 @@ class AdapterSlots:
                 if server is not None:  # its process goes: nothing more over its socket
                     asyncio.get_running_loop().create_task(server.admin.control_sockets.forget(base))
                 for adapter in slots.planner.residents:
-                    self.manager.announce_moved(entry_name(base, adapter))
+                    self.manager.announce_moved(AdapterKey(base, adapter))
 
     # ------------------------------------------------------------------ status
     def rows(self) -> list[dict]:
@@ -383,7 +384,7 @@ class AdapterSlots:
             for a in slots.status.get("adapters", []):
                 if a.get("tier") in GONE_TIERS:
                     continue
-                name = entry_name(base, a["name"])
+                name = AdapterKey(base, a["name"])
                 in_slot = a["name"] in slots.planner.residents
                 rows.append({
                     "model": name,

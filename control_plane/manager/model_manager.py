@@ -48,7 +48,7 @@ from control_plane.triton.devices import NoMemoryMeter
 from control_plane.triton.process import TritonProcess
 from domain.errors import ControlPlaneError, InvalidInput
 from domain.names import validate_model_name
-from domain.routes import ADAPTER_SEPARATOR
+from domain.routes import AdapterKey
 
 
 class ModelManager:
@@ -196,18 +196,21 @@ class ModelManager:
         return self.catalog.fleet()
 
     def ready_server_of(self, name: str) -> TritonServer | None:
-        if self._is_adapter(name):
-            return self.adapters.ready_server_of(name)
+        if (key := self._adapter_key(name)) is not None:
+            return self.adapters.ready_server_of(key)
         return self.catalog.ready_server_of(name)
 
     def copy_servers_of(self, name: str) -> list[str]:
         """The servers ``name`` is READY on: its own copy's first (empty when it is not)."""
-        if self._is_adapter(name):
-            return self.adapters.copy_servers_of(name)
+        if (key := self._adapter_key(name)) is not None:
+            return self.adapters.copy_servers_of(key)
         return self.copies.servers_of(name)
 
-    def _is_adapter(self, name: str) -> bool:
-        return self.adapters is not None and ADAPTER_SEPARATOR in name
+    def _adapter_key(self, name: str) -> AdapterKey | None:
+        """``name``'s key when it names an adapter of a LoRA base (``BASE:ADAPTER``) and this
+        manager serves adapters (``adapters``); None for a model's name.  A request's name is
+        parsed here once; the adapters' part reads the key's parts."""
+        return AdapterKey.parse(name) if self.adapters is not None else None
 
     def announce_moved(self, name: str) -> None:
         """Tell the state-change listeners that where ``name`` is READY may have changed
@@ -236,8 +239,8 @@ class ModelManager:
         return await self.loader.ensure(name, retry_failed)
 
     def touch(self, name: str) -> None:
-        if self._is_adapter(name):
-            self.adapters.touch(name)
+        if (key := self._adapter_key(name)) is not None:
+            self.adapters.touch(key)
             return
         self.recency.touch(name)
 
@@ -247,13 +250,13 @@ class ModelManager:
     async def ensure_for_request(self, name: str, unreachable: str | None = None,
                                  owner: str | None = None) -> TritonServer:
         """``owner``: the router worker asking (``Leases.ensure_for_request``)."""
-        if self._is_adapter(name):
-            return await self.adapters.ensure_for_request(name, unreachable, owner=owner)
+        if (key := self._adapter_key(name)) is not None:
+            return await self.adapters.ensure_for_request(key, unreachable, owner=owner)
         return await self.leases.ensure_for_request(name, unreachable, owner=owner)
 
     def requests_answered(self, name: str, count: int = 1, owner: str | None = None) -> int:
-        if self._is_adapter(name):
-            return self.adapters.requests_answered(name, count, owner=owner)
+        if (key := self._adapter_key(name)) is not None:
+            return self.adapters.requests_answered(key, count, owner=owner)
         return self.leases.requests_answered(name, count, owner=owner)
 
     async def acquire(self, name: str) -> ModelRecord:

@@ -3,6 +3,8 @@ table, metrics, ``base:adapter`` routing and the AdapterManager against a fake m
 
 from __future__ import annotations
 
+import copy
+import pickle
 import shutil
 import sqlite3
 from pathlib import Path
@@ -38,7 +40,7 @@ from domain.errors import (
     ModelNotFound,
 )
 from domain.router_errors import InvalidRequest
-from domain.routes import RouteTable, split_adapter
+from domain.routes import AdapterKey, RouteTable, split_adapter
 from model_runtime.lora.manifest import read_manifest
 from model_runtime.lora.models import TinyLMConfig
 from router.frontends.grpc_inference import Forwarder
@@ -77,6 +79,18 @@ def test_logical_names_split_into_base_and_adapter():
     for bad in ("tinylm:", ":acme", "tinylm:a:b", "tinylm:../x"):
         with pytest.raises(InvalidModelName, match="BASE:ADAPTER"):
             split_adapter(bad)
+
+
+def test_an_adapter_key_is_parsed_once_and_keeps_its_parts_through_copies():
+    key = AdapterKey.parse("tinylm:acme")
+    assert key == "tinylm:acme" and (key.base, key.adapter) == ("tinylm", "acme")
+    assert AdapterKey.parse(key) is key  # a key is not split again
+    assert AdapterKey.parse("cust001") is None  # a model's name is no adapter
+    for kept in (copy.copy(key), copy.deepcopy(key), pickle.loads(pickle.dumps(key))):
+        assert isinstance(kept, AdapterKey) and (kept.base, kept.adapter) == ("tinylm", "acme")
+    assert {key: 1}["tinylm:acme"] == 1  # the same dict entry as the name clients send
+    with pytest.raises(InvalidModelName, match="BASE:ADAPTER"):
+        AdapterKey.parse("tinylm:../x")
 
 
 # --------------------------------------------------------------------------- config / base
