@@ -130,6 +130,9 @@ class WarmTier:
         validate_model_name(model)
         task = self._staging.get(model)
         if task is None:
+            size = self._current_size(model)
+            if size is not None:  # warm and current, the common miss: no task to wait a turn for
+                return size
             task = asyncio.get_running_loop().create_task(self._stage(model))
             self._staging[model] = task
             task.add_done_callback(lambda _t, n=model: self._staging.pop(n, None))
@@ -138,13 +141,25 @@ class WarmTier:
 
     prefetch = stage  # same path; the caller simply does not mark the model busy
 
+    def _current_size(self, name: str) -> int | None:
+        """Bytes of ``name`` when its warm files are what the registry deploys (or local),
+        now the most recently used; None when they must be fetched or checked first."""
+        entry = self.entries.get(name)
+        if entry is None:
+            return None
+        mv = self.registry.by_name(name) if self.registry is not None else None
+        if mv is None or not entry.managed or entry.sha256 == mv.sha256:
+            self._touch(name)
+            return entry.size_bytes
+        return None
+
     async def _stage(self, name: str) -> int:
+        size = self._current_size(name)
+        if size is not None:
+            return size
         mv = self.registry.by_name(name) if self.registry is not None else None
         entry = self.entries.get(name)
         if entry is not None:
-            if mv is None or not entry.managed or entry.sha256 == mv.sha256:
-                self._touch(name)
-                return entry.size_bytes
             if name in self.busy:  # keep serving what is loaded; replaced once released
                 log.warning("%s is warm with sha256 %s but the registry now says %s; it stays "
                             "until unloaded", name, entry.sha256, mv.sha256)
