@@ -22,7 +22,9 @@ SHADOW_COUNT_TYPES = {name: type(getattr(ShadowReport(), name)) for name in SHAD
 class WorkerReport:
     worker: str
     pid: int
-    uses: dict[str, int]  # model -> requests served since the last report
+    # model -> requests served since the last report, in the order of each one's last use (the
+    # most recent last): the order the least-recently-used policies are touched in
+    uses: dict[str, int]
     requests: int
     samples: list[tuple[str, str, str, float | None, bool]]  # scope, variant, code, ms, random
     shadow: dict[str, dict[str, int | float]] | None  # route -> cumulative ShadowReport counts

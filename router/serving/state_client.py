@@ -49,6 +49,14 @@ class ControlPlaneAway(Exception):
     """The control plane did not answer (restarting, or down)."""
 
 
+def _count_uses(uses: collections.Counter[str], model: str, count: int) -> None:
+    """Count ``model``'s uses and move it last: a report lists the models in the order of
+    their last use, the most recent last, and the control plane's least-recently-used order
+    takes them in that order (counted in the order of first use, a model used at the start
+    and at the end of a report's interval would rank older than one used once between)."""
+    uses[model] = uses.pop(model, 0) + count
+
+
 class RemoteState(PublishedView):
     """``router.serving.serving_state.ServingState`` from the control plane at ``control_url``.
 
@@ -294,7 +302,7 @@ class RemoteState(PublishedView):
         return address
 
     def touch(self, model: str) -> None:
-        self._uses[model] += 1
+        _count_uses(self._uses, model, 1)
         self._requests += 1
 
     async def health(self, model: str) -> dict:
@@ -355,7 +363,9 @@ class RemoteState(PublishedView):
                     "samples": samples, "shadow": shadow, "report_call": report_call,
                     "outstanding": outstanding})
             except ControlPlaneAway:
-                self._uses.update(uses)
+                newer, self._uses = self._uses, collections.Counter(uses)
+                for model, count in newer.items():
+                    _count_uses(self._uses, model, count)
                 self._requests += requests
                 self._samples.extendleft(reversed(samples))
                 raise

@@ -288,3 +288,53 @@ def test_versions_published_close_together_reach_a_worker_in_one_answer(tmp_path
             await server.close()
 
     asyncio.run(go())
+
+
+class LruTouches:
+    """The manager's ``touch`` over a real LRU policy (the default), three models resident."""
+
+    def __init__(self):
+        from control_plane.eviction.policy import LRUPolicy
+
+        self.policy = LRUPolicy()
+        for name in ("a", "b", "c"):
+            self.policy.admit(name, 0.0)
+
+    def touch(self, name):
+        self.policy.touch(name, 1.0)  # one report: its touches come at one instant
+
+
+def test_a_reports_uses_reach_the_lru_order_in_the_order_of_their_last_use(monkeypatch):
+    """A worker uses a, b, then a again: a is the most recently used, b the least of the two.
+    The report lists its models by last use (not first), and the hub touches them in that
+    order; a report that failed to send keeps its uses before the ones counted since."""
+    from router.serving.state_client import ControlPlaneAway, RemoteState
+
+    async def report_twice() -> list[dict]:
+        state = RemoteState("http://127.0.0.1:1", "tok", "w0")
+        sent: list[dict] = []
+        calls = iter([ControlPlaneAway("restarting"), None])
+
+        async def call(method, path, body=None, **_):
+            failure = next(calls)
+            if failure is not None:
+                raise failure
+            sent.append(body)
+            return {}
+        state._call = call
+        for model in ("a", "b", "a"):
+            state.touch(model)
+        with pytest.raises(ControlPlaneAway):
+            await state._send_report()
+        for model in ("c", "b"):  # counted while the control plane was away
+            state.touch(model)
+        await state._send_report()
+        return sent
+
+    (body,) = asyncio.run(report_twice())
+    assert list(body["uses"].items()) == [("a", 2), ("c", 1), ("b", 2)]
+    h = hub()
+    h.manager = LruTouches()
+    status, _ = post_report(monkeypatch, h, json.loads(json.dumps(dict(GOOD, uses=body["uses"]))))
+    assert status == 200
+    assert list(h.manager.policy.victim_order()) == ["a", "c", "b"]  # least recent first
