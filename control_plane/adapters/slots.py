@@ -243,7 +243,9 @@ class AdapterSlots:
         turns = self._turns.setdefault((base, server.name), Turns())
         place = turns.place()  # among the loads waiting for these slots
         try:
+            await place.behind_promised(min(self.capacity_wait_s, BUSY_RECHECK_S))
             while True:
+                place.trying()
                 try:
                     return await self._place_once(server, base, adapter)
                 except SlotsBusy:

@@ -137,10 +137,13 @@ class Loader:
         deadline = time.monotonic() + self.config.capacity_wait_s
         place = self.room.turns.place()  # among the loads waiting for room (room.py)
         try:
+            await place.behind_promised(ROOM_POLL_S)
             while True:
                 async with self.tasks.lock:
+                    place.trying()
                     # Re-check after the lock: someone may have loaded it meanwhile.
                     if rec.state == ModelState.READY:
+                        place.pass_on()  # the room it was woken for is the next waiter's
                         return rec
                     try:
                         server, victims = self.place(name, size_bytes)

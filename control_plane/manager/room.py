@@ -60,7 +60,14 @@ def host_available_bytes(meminfo: str | None = None, cgroup_max: str | None = No
 class Turns:
     """Waiters for room in the order they started waiting: each holds a ``Place`` (a ticket
     taken at its first wait, kept over its retries) and waits on its turn between tries;
-    ``wake_oldest`` completes the turn of the oldest still waiting."""
+    ``wake_oldest`` completes the turn of the oldest still waiting.
+
+    Room that came back is promised to the waiter woken for it until that waiter has tried
+    (``Place.trying``) or left: a load that has not waited yet does not take it meanwhile
+    (``promised``).  Between the wake and the woken waiter's try the event loop runs other
+    tasks, and a miss arriving then would otherwise place at once and take the room, the
+    woken waiter passing its turn on down the queue for nothing: under thrash the newest
+    misses were served first and the oldest waited on (the tail)."""
 
     def __init__(self):
         # (ticket, entry, turn): a heap.  A ticket may be there twice (a turn passed on is
@@ -68,6 +75,11 @@ class Turns:
         self._turns: list[tuple[int, int, asyncio.Future]] = []
         self._tickets = itertools.count()
         self._entries = itertools.count()
+        self._promised: set[int] = set()  # tickets woken that have not tried since
+
+    def promised(self) -> bool:
+        """Whether room that came back waits for a woken waiter's try."""
+        return bool(self._promised)
 
     def place(self) -> Place:
         return Place(self)
@@ -75,9 +87,10 @@ class Turns:
     def wake_oldest(self) -> bool:
         """Complete the oldest waiter's turn; False when none waits."""
         while self._turns:
-            _ticket, _entry, turn = heapq.heappop(self._turns)
+            ticket, _entry, turn = heapq.heappop(self._turns)
             if not turn.done():  # a waiter that left cancelled its own
                 turn.set_result(None)
+                self._promised.add(ticket)
                 return True
         return False
 
@@ -87,7 +100,9 @@ class Turns:
         younger = [entry for entry in self._turns if entry[0] > ticket and not entry[2].done()]
         if not younger:
             return False
-        min(younger)[2].set_result(None)  # popped as done later
+        ticket, _entry, turn = min(younger)
+        turn.set_result(None)  # popped as done later
+        self._promised.add(ticket)
         return True
 
     def _queue(self, ticket: int) -> asyncio.Future:
@@ -125,10 +140,25 @@ class Place:
         use the room would wake each other without end.  Not woken: nothing to pass on."""
         return self.woken and self._turns.wake_next_after(self._ticket)
 
+    async def behind_promised(self, timeout_s: float) -> None:
+        """Before a load's first try: while room that came back is promised to a woken
+        waiter (``Turns.promised``), wait behind it, at most ``timeout_s``."""
+        if self._turns.promised():
+            await asyncio.wait({self.turn()}, timeout=timeout_s)
+
+    def trying(self) -> None:
+        """It tries for room now: what was promised to it is its own or, once it passes
+        its turn on, the next waiter's."""
+        self._turns._promised.discard(self._ticket)
+
     def leave(self) -> None:
-        """Stop waiting: its turn, if still queued, goes to nobody."""
+        """Stop waiting: its turn, if still queued, goes to nobody; room woken for it that
+        it left without trying for goes to the next waiter."""
         if self._turn is not None:
             self._turn.cancel()
+        if self._ticket in self._turns._promised:
+            self._turns._promised.discard(self._ticket)
+            self._turns.wake_next_after(self._ticket)
 
 
 class RoomLedger:

@@ -915,6 +915,51 @@ def test_a_load_woken_for_room_it_cannot_use_passes_the_turn_to_the_next(tmp_pat
     run(go())
 
 
+class WarmStager:
+    """The warm tier with every model's files warm and current: ``stage`` answers without
+    waiting for anything, as ``WarmTier.stage`` does then."""
+
+    def __init__(self, models):
+        self.models = set(models)
+
+    async def stage(self, model):
+        return 1000
+
+    def set_busy(self, model, busy):
+        pass
+
+    def known(self):
+        return self.models
+
+
+def test_room_that_came_back_is_the_woken_loads_not_a_newcomers(tmp_path, monkeypatch):
+    """A hold ends and wakes the load waiting for room; before it runs, a new miss arrives
+    whose files are warm (its stage does not wait).  The room is the waiting load's: the
+    newcomer waits behind it instead of placing at once and taking it (which served the
+    newest misses first under thrash, and left the oldest waiting: the tail)."""
+    monkeypatch.setattr(loader_module, "ROOM_POLL_S", 10.0)
+
+    async def go():
+        mgr, _admin = make(tmp_path, max_loaded=1, on_its_way_s=30, capacity_wait_s=30,
+                           stager=WarmStager(MODELS))
+        await mgr.start()
+        await mgr.ensure_for_request("m1")
+        waiting = asyncio.create_task(mgr.ensure_for_request("m2"))
+        await until(lambda: mgr.loader.room.turns._turns, "m2 waiting for room")
+        newcomer = asyncio.create_task(mgr.ensure_for_request("m3"))  # runs before m2 does
+        assert mgr.requests_answered("m1", 1) == 1  # m2 woken: the room is its
+        for _ in range(20):  # a few turns of the event loop, no time for a timer to fire
+            await asyncio.sleep(0)
+        assert mgr.records["m2"].state in (ModelState.LOADING, ModelState.READY)
+        assert mgr.records["m3"].state == ModelState.WARM  # behind m2, not in its place
+        await asyncio.wait_for(waiting, 5)
+        assert mgr.requests_answered("m2", 1) == 1
+        await asyncio.wait_for(newcomer, 5)  # the next change is its
+        assert mgr.records["m3"].state == ModelState.READY
+
+    run(go())
+
+
 def test_only_a_change_that_may_give_room_back_wakes_a_waiting_load(tmp_path):
     """A request's hold starting takes room, never gives it: no waiting load is woken for
     it (it would place again for nothing).  The hold ending makes the model a victim again:
@@ -1110,6 +1155,32 @@ def test_turns_go_oldest_first_and_a_turn_passed_on_only_to_younger_waiters():
             assert turns.wake_oldest() and places[n].woken
             assert not any(p.woken for p in places[n + 1:])
         assert not turns.wake_oldest()
+
+    run(go())
+
+
+def test_room_woken_for_a_waiter_is_promised_until_it_tries_or_leaves_it_to_the_next():
+    """A woken waiter's room is promised (a newcomer waits behind it) until the waiter tries;
+    one that leaves without trying (cancelled) hands its turn to the next waiter."""
+    from control_plane.manager.room import Turns
+
+    async def go():
+        turns = Turns()
+        first, second = turns.place(), turns.place()
+        first.turn(), second.turn()
+        assert not turns.promised()
+        assert turns.wake_oldest() and turns.promised()
+        first.trying()
+        assert not turns.promised()  # it tried: the room was its to take or pass on
+        second.turn()
+        assert turns.wake_oldest() and second.woken and turns.promised()
+        second.leave()  # gone without trying: the room is nobody's promise now
+        assert not turns.promised()
+        third, fourth = turns.place(), turns.place()
+        third.turn(), fourth.turn()
+        assert turns.wake_oldest() and third.woken
+        third.leave()
+        assert fourth.woken and turns.promised()  # handed on, not lost
 
     run(go())
 
