@@ -28,6 +28,7 @@ from control_plane.dataplane.reports import (
     ReportGathering,
     ShadowReports,
     parse_report,
+    parse_uses,
     worker_of,
 )
 from control_plane.dataplane.workers import WorkerRegistry, WorkerSeen
@@ -283,6 +284,16 @@ class DataPlaneHub:
                                    "to the number of their ensures answered (whole numbers >= 1)")
             for name, count in answered.items():
                 self.manager.requests_answered(name, count, owner=owner)
+        if "uses" in body:
+            # The worker's requests since its last report or ensure: the policy's order is
+            # current when this miss picks its victim (a report comes every 0.25 s, and a
+            # busy variant served meanwhile would otherwise look the least recently used).
+            try:
+                uses = parse_uses(body)
+            except (TypeError, ValueError, AttributeError):
+                raise InvalidInput("'uses' maps models to the requests served since the "
+                                   "worker's last report or ensure (whole numbers)") from None
+            self.reports.take_uses(uses)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidInput("give the model to load as 'model'")

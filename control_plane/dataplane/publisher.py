@@ -209,8 +209,10 @@ class Publisher:
             repository = manager.repository
             changes.append(("meta", "repository", str(repository) if repository is not None else None))
         names, table = self.rollouts.names, self.rollouts.table
-        # An ensure call may carry the holds it ends ("answered", admin.dataplane.ensure).
+        # An ensure call may carry the holds it ends ("answered", admin.dataplane.ensure) and
+        # the worker's uses since its last report ("uses").
         changes += [("meta", "workers", self.workers()), ("meta", "answered_with_ensure", True),
+                    ("meta", "uses_with_ensure", True),
                     ("meta", "expose_concrete", names.expose_concrete)]
         if table.version != self._generation["table"] or self._routes_judged:
             self._routes_judged = False

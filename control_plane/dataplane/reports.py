@@ -40,11 +40,22 @@ def worker_of(body: dict) -> tuple[str, int]:
         raise InvalidInput(f"pid must be a number, got {body.get('pid')!r}") from None
 
 
+# A model's uses in one report or ensure count at most this many times for the policies
+# that count frequency: the work a body causes stays bounded by its size.
+MAX_TOUCHES_PER_USE = 32
+
+
+def parse_uses(body: dict) -> dict[str, int]:
+    """``uses`` of a report or an ensure: {model: requests}, in the order of their last use;
+    raises TypeError, ValueError or AttributeError when malformed."""
+    return {str(model): int(count) for model, count in (body.get("uses") or {}).items()}
+
+
 def parse_report(body: dict) -> WorkerReport:
     """A worker's report, every field checked: a malformed one is refused whole (400)."""
     worker, pid = worker_of(body)
     try:
-        uses = {str(model): int(count) for model, count in (body.get("uses") or {}).items()}
+        uses = parse_uses(body)
         requests = int(body.get("requests") or 0)
         samples = [(str(scope), str(variant), str(code), None if ms is None else float(ms), bool(randomly))
                    for scope, variant, code, ms, randomly in body.get("samples") or []]
@@ -80,9 +91,7 @@ class ReportGathering:
         """Apply a checked report; True when it answers an ask (the hub then tells the
         waiters)."""
         seen = self.workers.heard_from(report.worker, report.pid)
-        for model, count in report.uses.items():
-            for _ in range(min(count, 32)):  # frequency-aware policies count uses
-                self.touch(model)
+        self.take_uses(report.uses)
         seen.requests += report.requests
         for scope, variant, code, served_ms, randomly in report.samples:
             self.record_outcome(scope, variant, code, served_ms, randomly)
@@ -100,6 +109,13 @@ class ReportGathering:
             seen.report_call = report.report_call
             return True
         return False
+
+    def take_uses(self, uses: dict[str, int]) -> None:
+        """Touch each model used, in the order given (the most recently used last), once per
+        use up to ``MAX_TOUCHES_PER_USE`` (frequency-aware policies count uses)."""
+        for model, count in uses.items():
+            for _ in range(min(count, MAX_TOUCHES_PER_USE)):
+                self.touch(model)
 
     def outstanding(self) -> dict[str, int]:
         """Requests each model has on Triton now, over the workers in touch (each worker

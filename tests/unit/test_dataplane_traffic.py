@@ -36,6 +36,7 @@ async def hub_with(tmp_path, monkeypatch, manager):
     h, server, (w0,) = await serving_hub(tmp_path, monkeypatch)
     h.manager = manager
     h.publisher.manager = manager
+    h.reports.touch = manager.touch
     h.publish()
     assert await h.settle(timeout_s=5)
     return h, server, w0
@@ -87,12 +88,49 @@ def test_a_control_plane_that_does_not_say_it_takes_them_is_told_at_once(tmp_pat
     asyncio.run(go())
 
 
+class EnsuresAndTouches(Ensures):
+    def touch(self, name):
+        self.calls.append(("touch", name))
+
+
+def test_an_ensure_carries_the_uses_since_the_last_report_before_its_miss_picks_a_victim(
+        tmp_path, monkeypatch):
+    """Reports come every 0.25 s; a miss in between would pick its victim by uses that old (a
+    busy variant served meanwhile would look the least recently used).  The ensure carries
+    the worker's uses since, in the order of their last use, taken before the miss; a
+    control plane of an earlier version gets them with the next report instead."""
+    async def go():
+        manager = EnsuresAndTouches()
+        h, server, w0 = await hub_with(tmp_path, monkeypatch, manager)
+        try:
+            assert w0.sections["meta"]["uses_with_ensure"]
+            for model in ("a", "b", "a"):
+                w0.touch(model)
+            await w0.ensure("c")
+            assert manager.calls == [("touch", "b"), ("touch", "a"), ("touch", "a"), ("ensure", "c")]
+            await w0.ensure("d")  # nothing used since: nothing carried
+            assert manager.calls[4:] == [("ensure", "d")]
+            await w0._send_report()  # nor reported twice
+            assert manager.calls[5:] == []
+            w0.sections["meta"].pop("uses_with_ensure")  # as an earlier version publishes
+            w0.touch("e")
+            await w0.ensure("f")
+            assert manager.calls[5:] == [("ensure", "f")]
+            await w0._send_report()
+            assert manager.calls[6:] == [("touch", "e")]
+        finally:
+            await close(h, server, w0)
+
+    asyncio.run(go())
+
+
 TOO_MANY_ANSWERED = {f"m{i}": 1 for i in range(dataplane.MAX_ANSWERED_WITH_ENSURE + 1)}
 
 
 @pytest.mark.parametrize(("field", "bad_values"), [
     ("answered", (["a"], {"a": 0}, {"a": "1"}, {"": 1}, {"a": 1.5}, TOO_MANY_ANSWERED)),
     ("since", (-1, "3", 1.5, True, [1])),
+    ("uses", (["a"], "a", {"a": "x"}, {"a": None})),
 ])
 def test_a_malformed_field_of_an_ensure_is_refused_and_loads_or_ends_nothing(
         tmp_path, monkeypatch, field, bad_values):
