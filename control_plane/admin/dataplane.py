@@ -273,27 +273,20 @@ class DataPlaneHub:
     async def ensure(self, request: web.Request) -> web.Response:
         body = await json_body(request)
         owner = _worker_of(body)
+        # Every field is checked before anything is applied: a malformed ensure ends no
+        # hold and touches nothing.
         answered = body.get("answered")
-        if answered is not None:
-            # Holds of this worker's earlier ensures whose requests have their answers
-            # (router.serving.state_client), ended before this one is served.
-            if (not isinstance(answered, dict) or len(answered) > MAX_ANSWERED_WITH_ENSURE
-                    or not all(isinstance(m, str) and m and type(c) is int and c >= 1
-                               for m, c in answered.items())):
-                raise InvalidInput(f"'answered' maps at most {MAX_ANSWERED_WITH_ENSURE} models "
-                                   "to the number of their ensures answered (whole numbers >= 1)")
-            for name, count in answered.items():
-                self.manager.requests_answered(name, count, owner=owner)
-        if "uses" in body:
-            # The worker's requests since its last report or ensure: the policy's order is
-            # current when this miss picks its victim (a report comes every 0.25 s, and a
-            # busy variant served meanwhile would otherwise look the least recently used).
-            try:
-                uses = parse_uses(body)
-            except (TypeError, ValueError, AttributeError):
-                raise InvalidInput("'uses' maps models to the requests served since the "
-                                   "worker's last report or ensure (whole numbers)") from None
-            self.reports.take_uses(uses)
+        if answered is not None and (
+                not isinstance(answered, dict) or len(answered) > MAX_ANSWERED_WITH_ENSURE
+                or not all(isinstance(m, str) and m and type(c) is int and c >= 1
+                           for m, c in answered.items())):
+            raise InvalidInput(f"'answered' maps at most {MAX_ANSWERED_WITH_ENSURE} models "
+                               "to the number of their ensures answered (whole numbers >= 1)")
+        try:
+            uses = parse_uses(body)
+        except (TypeError, ValueError, AttributeError):
+            raise InvalidInput("'uses' maps models to the requests served since the worker's "
+                               "last report or ensure (whole numbers)") from None
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidInput("give the model to load as 'model'")
@@ -304,6 +297,13 @@ class DataPlaneHub:
         if since is not None and (type(since) is not int or since < 0):
             raise InvalidInput("'since' is the version of the state the worker serves from "
                                "(a whole number >= 0)")
+        # Holds of this worker's earlier ensures whose requests have their answers
+        # (router.serving.state_client), ended before this one is served.
+        for name, count in (answered or {}).items():
+            self.manager.requests_answered(name, count, owner=owner)
+        # The worker's requests since its last report or ensure: the policy's order is
+        # current when this miss picks its victim (a report comes every 0.25 s).
+        self.reports.take_uses(uses)
         with tracing.span("ensure", tracing.SpanKind.SERVER, parent=request.headers, model=model):
             server = await self.manager.ensure_for_request(model, unreachable=unreachable, owner=owner)
         answer = {"model": model, "server": server.name, "grpc_url": server.spec.grpc_url,

@@ -134,14 +134,16 @@ TOO_MANY_ANSWERED = {f"m{i}": 1 for i in range(dataplane.MAX_ANSWERED_WITH_ENSUR
 ])
 def test_a_malformed_field_of_an_ensure_is_refused_and_loads_or_ends_nothing(
         tmp_path, monkeypatch, field, bad_values):
+    """Beside good fields: none of them is applied either (no hold ended, no use taken)."""
     async def go():
-        manager = Ensures()
+        manager = EnsuresAndTouches()
         h, server, w0 = await hub_with(tmp_path, monkeypatch, manager)
         try:
             url = str(server.make_url("/v1/dataplane/ensure"))
             async with aiohttp.ClientSession() as session:
                 for bad in bad_values:
-                    async with session.post(url, json={"model": "x", field: bad}) as resp:
+                    body = {"model": "x", "answered": {"a": 1}, "uses": {"a": 1}, field: bad}
+                    async with session.post(url, json=body) as resp:
                         body = await resp.json()
                     assert resp.status == 400 and field in body["message"], (bad, body)
             assert manager.calls == []
